@@ -1,0 +1,178 @@
+"""Wire protocol shared by gateway, broker, worker and direct clients.
+
+Every message is a multipart ZeroMQ frame list:
+    [identity? (ROUTER side only)] [MAGIC] [type byte] [msgpack body] [extra frames...]
+Bodies are msgspec Structs encoded as msgpack arrays (array_like) so that field
+names never travel; ``omit_defaults`` drops trailing defaults.  No pickle anywhere.
+
+The engine consumes ``SamplingParams`` / ``GenerateRequest`` directly and produces
+``CompletionDelta`` objects directly, so no conversion layer exists between the
+engine and the wire.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+MAGIC = b"TM1"  # bump when the frame layout or a Struct changes incompatibly
+
+
+class MsgType:
+    """Second frame after MAGIC: one byte naming the body's Struct."""
+
+    GENERATE = b"\x01"  # client -> broker -> worker: GenerateRequest
+    ABORT = b"\x02"  # client -> broker -> worker: Abort
+    OUTPUTS = b"\x03"  # worker -> broker -> client: Outputs
+    ERROR = b"\x04"  # anyone -> client: ErrorMsg (request level)
+    READY = b"\x05"  # worker -> broker: WorkerReady
+    HEARTBEAT = b"\x06"  # both ways; worker's body is WorkerLoad, others empty
+    DISCONNECT = b"\x07"  # worker -> broker on graceful exit / broker -> worker
+    INFO = b"\x08"  # client -> broker (empty) / broker -> client: ClusterInfo
+
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class SamplingParams(msgspec.Struct, **_STRUCT):
+    """vLLM SamplingParams subset of the token-in/token-out endpoint (../shared/SPEC.md)."""
+
+    n: int = 1
+    temperature: float = 1.0  # < 1e-5 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    # None means "up to max_model_len - prompt_len"; when max_tokens_is_default is
+    # True the engine also caps it by generation_config.json's max_new_tokens.
+    max_tokens: Optional[int] = None
+    max_tokens_is_default: bool = False
+    min_tokens: int = 0
+    logprobs: Optional[int] = None  # -1: whole vocab
+    prompt_logprobs: Optional[int] = None  # -1: whole vocab
+    prompt_logprob_token_ids: Optional[list[list[int]]] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    spaces_between_special_tokens: bool = True
+
+
+class GenerateRequest(msgspec.Struct, **_STRUCT):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first (vLLM)
+    cache_salt: Optional[str] = None
+    output_text: bool = False  # text mode: worker detokenizes and fills CompletionDelta.text
+    data_parallel_rank: Optional[int] = None  # pin to a worker rank
+    session_id: Optional[str] = None  # sticky routing key
+    kv_transfer_params: Optional[Any] = None  # passed through untouched
+    arrival_time: float = 0.0  # client wall clock (time.time()); 0 = unknown
+    trace_headers: Optional[dict[str, str]] = None
+
+
+class Abort(msgspec.Struct, **_STRUCT):
+    request_ids: list[str]
+
+
+class TokenLogprobs(msgspec.Struct, **_STRUCT):
+    """Logprobs of a run of positions (sampled tokens, or prompt tokens).
+
+    Column-wise so that a delta of many tokens stays a handful of msgpack arrays.
+    ``token_ids[i]`` is the chosen token at position i (sampled, or the prompt
+    token), ``ranks[i]`` its 1-based rank in the distribution, ``top_ids[i]`` /
+    ``top_logprobs[i]`` the top-k alternatives in descending order.  In text mode
+    ``token_texts`` / ``top_texts`` hold the decoded strings of the same ids.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    token_texts: Optional[list[str]] = None
+    top_texts: Optional[list[list[str]]] = None
+
+
+class CompletionDelta(msgspec.Struct, **_STRUCT):
+    """What one engine step produced for one choice (request_id, index)."""
+
+    request_id: str
+    index: int = 0  # choice index, 0..n-1
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: Optional[TokenLogprobs] = None
+    text: Optional[str] = None  # text mode: newly decoded text (stop strings already cut)
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None
+    stop_reason: Union[int, str, None] = None  # matched stop token id or stop string
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits, set on every delta of the request
+    # Only on the first delta of a request (index 0):
+    prompt_logprobs: Optional[TokenLogprobs] = None  # position 0 has no logprob: starts at 1
+    prompt_token_id_scores: Optional[bytes] = None  # float32 [rows, max_ids] C-order, -inf pad
+    prompt_token_id_shape: Optional[list[int]] = None
+    kv_transfer_params: Optional[Any] = None
+    # Timestamps (time.time()) for /metrics and the response's metrics field.
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+
+
+class Outputs(msgspec.Struct, **_STRUCT):
+    deltas: list[CompletionDelta]
+
+
+class ErrorMsg(msgspec.Struct, **_STRUCT):
+    """A request-level failure. ``status`` follows HTTP (400 bad input, 503 overloaded
+    or no worker, 500 engine failure) so the gateway maps it without guessing."""
+
+    request_id: str
+    status: int
+    message: str
+    type: str = "BadRequestError"
+    param: Optional[str] = None
+
+
+class ModelInfo(msgspec.Struct, **_STRUCT):
+    name: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_logprobs: int = 20
+    has_tokenizer: bool = True
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    default_max_tokens: Optional[int] = None  # generation_config.json max_new_tokens
+    enable_prefix_caching: bool = True
+
+
+class WorkerLoad(msgspec.Struct, **_STRUCT):
+    running: int = 0
+    waiting: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 0
+
+
+class WorkerReady(msgspec.Struct, **_STRUCT):
+    rank: int
+    model: ModelInfo
+    load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
+    pid: int = 0
+
+
+class WorkerStatus(msgspec.Struct, **_STRUCT):
+    rank: int
+    load: WorkerLoad
+    alive: bool = True
+
+
+class ClusterInfo(msgspec.Struct, **_STRUCT):
+    workers: list[WorkerStatus]
+    model: Optional[ModelInfo] = None
