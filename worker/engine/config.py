@@ -1,0 +1,99 @@
+"""Engine configuration: what the operator asks for, plus the resolution of the
+values that depend on the model and the device (dtype, max_model_len, KV blocks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+# Fraction of device memory the engine may use on CUDA (weights + activations + KV).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# CPU KV cache default when the operator gives neither num_kv_blocks nor a size.
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_gb: Optional[float] = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: Optional[int] = None  # capped by the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_logprobs: int = 20
+    seed: int = 0
+    served_model_name: Optional[str] = None
+    tokens_only: bool = False  # serve without a tokenizer
+    num_threads: Optional[int] = None  # torch intra-op threads on CPU
+    enforce_eager: bool = False  # False: CUDA graphs for decode batches
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        self.torch_device  # validates the device string
+        self.dtype_for(self.torch_device)  # validates the dtype string
+
+    @property
+    def torch_device(self) -> torch.device:
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"invalid device {self.device!r}: {e}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        return dev
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.torch_device.type == "cuda"
+
+    def dtype_for(self, device: torch.device) -> torch.dtype:
+        name = self.dtype.lower()
+        if name == "auto":
+            # fp32 keeps CPU results bit-comparable with the HF reference; bf16 is the GPU norm.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        return _DTYPES[name]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.dtype_for(self.torch_device)
+
+    def resolve_max_model_len(self, max_position_embeddings: Optional[int]) -> int:
+        limits = [x for x in (self.max_model_len, max_position_embeddings) if x]
+        if not limits:
+            raise ValueError("max_model_len is unknown: the model config has no max_position_embeddings")
+        return min(limits)
+
+    def step_token_budget(self, max_model_len: int) -> int:
+        # Without chunking a whole prompt must fit in one step.
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, max_model_len)
+
+    def max_blocks_per_seq(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)

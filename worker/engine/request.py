@@ -1,0 +1,195 @@
+"""Per-request and per-choice state.
+
+A ``Request`` is what the client sent (one prompt, n choices).  Each choice is a
+``Sequence``: the unit the scheduler and block manager work on.  Choice 0 exists
+from the start; choices 1..n-1 are forked from it once the prompt is prefilled,
+sharing its full prompt blocks, so the prompt is computed once.
+
+A sequence's progress is two numbers, vLLM v1 style: ``num_tokens`` (prompt +
+output so far) and ``num_computed_tokens`` (how many of them have K/V in the
+cache).  A prefill chunk, a decode step and a recompute after preemption are all
+"compute the tokens in between".
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+
+from common.protocol import GenerateRequest, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+_seq_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason:
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class LogprobsBuffer:
+    """Column-wise accumulator of logprob entries, drained into TokenLogprobs."""
+
+    __slots__ = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.top_ids: list[list[int]] = []
+        self.top_logprobs: list[list[float]] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
+        self.top_ids.extend(other.top_ids)
+        self.top_logprobs.extend(other.top_logprobs)
+
+    def append(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
+               top_logprobs: list[float]) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
+        self.top_ids.append(top_ids)
+        self.top_logprobs.append(top_logprobs)
+
+    def drain(self) -> Optional[TokenLogprobs]:
+        if not self.token_ids:
+            return None
+        out = TokenLogprobs(self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs)
+        self.__init__()
+        return out
+
+
+class Request:
+    """One client request: prompt, parameters, and its n choices."""
+
+    def __init__(self, req: GenerateRequest, *, arrival_seq: int, max_tokens: int, eos_token_ids: list[int],
+                 now: float):
+        self.request_id = req.request_id
+        self.req = req
+        self.params: SamplingParams = req.params
+        self.priority = req.priority
+        self.arrival_seq = arrival_seq  # tie-breaker inside a priority level (FCFS)
+        self.arrival_time = req.arrival_time or now
+        self.cache_salt = req.cache_salt
+        self.prompt_token_ids = req.prompt_token_ids
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.n = req.params.n
+        self.max_tokens = max_tokens
+        self.primary_eos = eos_token_ids[0] if eos_token_ids and not req.params.ignore_eos else None
+        # vLLM: extra generation_config eos ids behave like stop_token_ids (stop_reason = id).
+        stop_ids = set(req.params.stop_token_ids or ())
+        if not req.params.ignore_eos:
+            stop_ids.update(eos_token_ids[1:])
+        stop_ids.discard(self.primary_eos)  # type: ignore[arg-type]
+        self.stop_token_ids = frozenset(stop_ids)
+        # Prompt logprobs need logits of every prompt position, so cached prefixes can't be used.
+        self.wants_prompt_scores = (req.params.prompt_logprobs is not None
+                                    or bool(req.params.prompt_logprob_token_ids))
+        self.prompt_logprobs = LogprobsBuffer() if req.params.prompt_logprobs is not None else None
+        self.prompt_token_id_rows: list[Any] = []  # float32 numpy rows, in prompt order
+        self.sequences: list[Sequence] = []
+        self.forked = self.n == 1
+        self.first_delta_sent = False
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.num_cached_tokens = 0
+
+    @property
+    def sampling_seed(self) -> Optional[int]:
+        return self.params.seed
+
+    def is_finished(self) -> bool:
+        return self.forked and all(s.status is SeqStatus.FINISHED for s in self.sequences)
+
+
+class Sequence:
+    """One choice of a request: its tokens, KV blocks and streaming state."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int]):
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids  # prompt + output
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.num_registered_blocks = 0  # leading full blocks published in the prefix cache
+        self.status = SeqStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Union[int, str, None] = None
+        self.num_preemptions = 0
+        self.generator: Optional[torch.Generator] = None
+        self.detokenizer: Any = None
+        # Streaming state: what the next delta carries.
+        self.num_emitted_tokens = 0
+        self.pending_text: list[str] = []
+        self.pending_logprobs: Optional[LogprobsBuffer] = (
+            LogprobsBuffer() if request.params.logprobs is not None else None)
+        self.finish_emitted = False
+
+    # --- sizes -----------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        return (self.request.priority, self.request.arrival_seq)
+
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    # --- stopping --------------------------------------------------------
+    def check_token_stop(self, max_model_len: int) -> bool:
+        """Apply the token-level stop rules (vLLM v1 check_stop) after a token was appended."""
+        req = self.request
+        n_out = self.num_output_tokens
+        if n_out >= req.params.min_tokens:
+            last = self.token_ids[-1]
+            if last == req.primary_eos:
+                return self.finish(FinishReason.STOP)
+            if last in req.stop_token_ids:
+                return self.finish(FinishReason.STOP, last)
+        if n_out >= req.max_tokens or self.num_tokens >= max_model_len:
+            return self.finish(FinishReason.LENGTH)
+        return False
+
+    def finish(self, reason: str, stop_reason: Union[int, str, None] = None) -> bool:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        return True
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)}, {self.status.name})")

@@ -1,0 +1,171 @@
+"""Continuous-batching scheduler (vLLM v1 style, priority policy).
+
+Each step hands out a token budget.  Running sequences go first (a decode is 1
+token; a partly prefilled prompt gets the next chunk), then waiting sequences
+are admitted in (priority, arrival) order, their prompts chunked to what budget
+is left.  Prefill and decode tokens mix freely in one step.
+
+When KV blocks run out, the running sequence with the worst (priority, arrival)
+is preempted by recompute: its blocks are freed and it goes back to waiting
+with its tokens kept, so its output is unchanged.  A waiting sequence of better
+priority may likewise preempt a worse running one to get in.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, token_budget: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = token_budget
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap of (priority, arrival, seq_id, seq)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- queues ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (*seq.priority_key, seq.seq_id, seq))
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked choice that already holds blocks joins the running set directly."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from whichever queue holds it (finish or abort) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            kept = [item for item in self._waiting if item[3] is not seq]
+            if len(kept) != len(self._waiting):
+                self._waiting = kept
+                heapq.heapify(self._waiting)
+        self.bm.free(seq)
+
+    # --- scheduling ----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        self._preempt_for_priority()
+        # Running sequences in priority order, so that preemption takes from the tail.
+        self.running.sort(key=lambda s: s.priority_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.bm.allocate_slots(seq, num_new):
+                victim = self.running[-1]  # worst (priority, arrival)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+            # else: seq itself was preempted; running shrank so i is now past the end.
+
+        # Admit waiting sequences, but not in a step that had to preempt (no room).
+        while self._waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self._waiting[0][3]
+            cached = self.bm.find_cached_prefix(seq)
+            num_cached_tokens = len(cached) * self.bm.block_size
+            num_new = seq.num_tokens - seq.num_computed_tokens - num_cached_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.bm.allocate_slots(seq, num_new, cached):
+                break
+            heapq.heappop(self._waiting)
+            if seq.num_preemptions == 0:
+                self.bm.record_lookup(seq.num_tokens, num_cached_tokens)
+                seq.num_cached_tokens = num_cached_tokens
+                req = seq.request
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.time()
+                    req.num_cached_tokens = num_cached_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _preempt_for_priority(self) -> None:
+        """Priority policy: while the best waiting sequence outranks the worst running
+        one and cannot get in (no seat or no blocks), preempt that running one."""
+        while self._waiting and self.running:
+            head = self._waiting[0][3]
+            victim = max(self.running, key=lambda s: s.priority_key)
+            if victim.priority_key <= head.priority_key or self._fits(head):
+                return
+            self._preempt(victim)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next chunk fits next to the running sequences' next step."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        bm = self.bm
+        growth = sum(max(bm.blocks_needed(s.num_tokens) - len(s.block_ids), 0) for s in self.running)
+        cached = bm.find_cached_prefix(seq)
+        num_new = min(seq.num_tokens - seq.num_computed_tokens - len(cached) * bm.block_size,
+                      self.token_budget)
+        return bm.num_blocks_to_take(seq, num_new, cached) + growth <= bm.num_free_blocks
+
+    def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.bm.register_computed_blocks(s.seq)
