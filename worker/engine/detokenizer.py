@@ -1,0 +1,258 @@
+"""Incremental detokenization and stop-string detection for one choice.
+
+Decoding follows the prefix_offset / read_offset scheme of TGI and vLLM's
+``detokenize_incrementally``: the text of the new tokens is
+``decode(ids[prefix:]) - decode(ids[prefix:read])``, decoded together with a few
+previous tokens so that tokenizers which drop or add leading spaces depending on
+context (SentencePiece) produce the same text as a full decode.  While the decoded
+window ends in U+FFFD (a multi-byte UTF-8 character split across tokens) nothing
+is emitted; the bytes stay in the window until the character completes.
+
+Stop strings follow vLLM v1 (``BaseIncrementalDetokenizer.update`` /
+``check_stop_strings``): the accumulated output text is searched only where new
+characters could complete a match, so a stop string split over several tokens is
+found; the text is cut at the stop string (or after it with
+include_stop_str_in_output) and, while streaming, the last ``max(len(stop)) - 1``
+characters are held back so a partial stop string is never emitted.
+
+The tokenizer is duck-typed: ``decode(ids, skip_special_tokens=...)`` and, for
+special-token handling, ``all_special_ids`` and ``convert_ids_to_tokens`` (the
+engine's tokenizer wrapper), or a raw ``tokenizers.Tokenizer``.
+"""
+from __future__ import annotations
+
+import sys
+from bisect import bisect_left
+from typing import Any, Optional, Sequence
+
+from common.protocol import SamplingParams, TokenLogprobs
+
+# Prompt tokens decoded together with the first output tokens (vLLM uses 5).
+INITIAL_DETOKENIZATION_OFFSET = 5
+_REPLACEMENT = "\ufffd"
+_METASPACE = "\u2581"  # SentencePiece's space marker, stripped by decode() of one token
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    ids = getattr(tokenizer, "all_special_ids", None)
+    if ids is None and hasattr(tokenizer, "get_added_tokens_decoder"):
+        ids = [i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special]
+    return frozenset(ids or ())
+
+
+def ids_to_tokens(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Raw vocabulary pieces ('' for unknown ids)."""
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        toks = tokenizer.convert_ids_to_tokens(list(ids))
+    else:
+        toks = [tokenizer.id_to_token(i) for i in ids]
+    return [t or "" for t in toks]
+
+
+def decode_token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own, as vLLM reports logprob tokens
+    (``convert_ids_list_to_tokens``): ``decode([id])``, with the leading spaces
+    that SentencePiece's decode strips restored from the raw piece."""
+    ids = list(ids)
+    if not ids:
+        return []
+    texts = [tokenizer.decode([i], skip_special_tokens=False) or "" for i in ids]
+    raws = ids_to_tokens(tokenizer, ids)
+    for j, (raw, text) in enumerate(zip(raws, texts)):
+        markers = len(raw) - len(raw.lstrip(_METASPACE))
+        if markers:
+            missing = markers - (len(text) - len(text.lstrip(" ")))
+            if missing > 0:
+                texts[j] = " " * missing + text
+    return texts
+
+
+def token_text_bytes(text: str) -> list[int]:
+    """UTF-8 bytes of a logprob entry's token string (vLLM: errors='replace')."""
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def attach_token_texts(logprobs: TokenLogprobs, tokenizer: Any) -> TokenLogprobs:
+    """Fill ``token_texts`` / ``top_texts`` for text-mode responses."""
+    logprobs.token_texts = decode_token_texts(tokenizer, logprobs.token_ids)
+    logprobs.top_texts = [decode_token_texts(tokenizer, row) for row in logprobs.top_ids]
+    return logprobs
+
+
+def needs_detokenizer(params: SamplingParams, output_text: bool) -> bool:
+    """Text mode, or stop strings (which stop generation in tokens mode too)."""
+    return params.detokenize and (output_text or bool(params.stop))
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one choice's output as tokens arrive and watches its stop strings."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop: list[str] = [s for s in (params.stop or []) if s]
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.stop_buffer_length = (max(len(s) for s in self.stop) - 1
+                                   if self.stop and not self.include_stop_str_in_output else 0)
+        # Consecutive special tokens are joined without spaces only when they are
+        # rendered at all and the client asked for it.
+        self._join_specials = not (params.skip_special_tokens
+                                   or params.spaces_between_special_tokens)
+        self._special_ids = special_token_ids(tokenizer) if self._join_specials else frozenset()
+        self._last_special = False
+
+        tail = list(prompt_token_ids[-(INITIAL_DETOKENIZATION_OFFSET + 1):])
+        self._window: list[int] = tail  # ids from prefix_offset on
+        self._prefix_offset = 0
+        self._read_offset = len(tail)
+        # Decode the prompt tail with the window from offset 1 so the window
+        # starts where vLLM's prefix offset would (read - 5).
+        if len(tail) > INITIAL_DETOKENIZATION_OFFSET:
+            self._prefix_offset = len(tail) - INITIAL_DETOKENIZATION_OFFSET
+        self._prefix_text = self._decode(self._window[self._prefix_offset:self._read_offset])
+
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._emitted = 0  # characters of output_text already returned
+        self.dropped_token_count = 0  # tokens cut by the last update (after a stop string)
+        self.finished = False
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_next(self, token_id: int) -> str:
+        self._window.append(token_id)
+        if self._join_specials:
+            is_special = token_id in self._special_ids
+            if is_special and self._last_special:
+                # Back-to-back specials: the raw piece, no separating space.
+                self._last_special = True
+                text = ids_to_tokens(self.tokenizer, [token_id])[0]
+                self._advance()
+                return text
+            self._last_special = is_special
+        full = self._decode(self._window[self._prefix_offset:])
+        if len(full) > len(self._prefix_text) and not full.endswith(_REPLACEMENT):
+            text = full[len(self._prefix_text):]
+            self._advance()
+            return text
+        return ""
+
+    def _advance(self) -> None:
+        """The window up to now is emitted: the old read offset becomes the prefix."""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._window)
+        if self._prefix_offset:
+            del self._window[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self._prefix_text = self._decode(self._window[:self._read_offset])
+
+    def _flush_pending(self) -> str:
+        """Text of tokens held back for an incomplete character (at the end of output)."""
+        if self._read_offset == len(self._window):
+            return ""
+        full = self._decode(self._window[self._prefix_offset:])
+        text = full[len(self._prefix_text):] if len(full) > len(self._prefix_text) else ""
+        self._read_offset = len(self._window)
+        return text
+
+    # -- public API -----------------------------------------------------------------------
+
+    def update(self, new_token_ids: Sequence[int], *, stop_terminated: bool = False,
+               finished: bool = False) -> tuple[str, Optional[str]]:
+        """Feed this step's new tokens; return (text to emit now, matched stop string).
+
+        ``stop_terminated``: the last new token is an EOS / stop token id; its text
+        is left out unless include_stop_str_in_output (vLLM).  ``finished``: the
+        request ends this step for another reason (length, stop token, abort), so
+        everything held back is released.  A matched stop string finishes the choice
+        as well; tokens after the one completing it are removed from
+        ``output_token_ids`` (``dropped_token_count`` says how many).
+        """
+        if self.finished:
+            return "", None
+        new_token_ids = list(new_token_ids)
+        self.dropped_token_count = 0
+        skipped_stop_id = None
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            skipped_stop_id = new_token_ids.pop()
+
+        num_prev = len(self.output_token_ids)
+        first_new = num_prev
+        offsets = [len(self.output_text)]
+        for tid in new_token_ids:
+            self.output_token_ids.append(tid)
+            self.output_text += self._decode_next(tid)
+            offsets.append(len(self.output_text))
+        if finished or stop_terminated:
+            self.output_text += self._flush_pending()
+            offsets[-1] = len(self.output_text)
+        if skipped_stop_id is not None:
+            self.output_token_ids.append(skipped_stop_id)
+            offsets.append(len(self.output_text))
+
+        stop_str = None
+        if self.stop and len(self.output_token_ids) > self.min_tokens:
+            check_from = offsets[max(self.min_tokens - num_prev, 0)]
+            match = find_stop_string(self.output_text, len(self.output_text) - check_from,
+                                     self.stop, self.include_stop_str_in_output)
+            if match is not None:
+                stop_str, truncate_to = match
+                stop_end = len(self.output_text) if truncate_to == -1 else truncate_to
+                if not self.include_stop_str_in_output:
+                    stop_end += len(stop_str)
+                kept = bisect_left(offsets, stop_end, lo=1)
+                total = len(self.output_token_ids)
+                del self.output_token_ids[first_new + kept:]
+                self.dropped_token_count = total - len(self.output_token_ids)
+                if truncate_to != -1:
+                    self.output_text = self.output_text[:truncate_to]
+        if stop_str is not None or finished or stop_terminated:
+            self.finished = True
+        return self._next_text(), stop_str
+
+    def _next_text(self) -> str:
+        hold = 0 if self.finished else self.stop_buffer_length
+        end = len(self.output_text) - hold
+        if end <= self._emitted:
+            return ""
+        text = self.output_text[self._emitted:end]
+        self._emitted = end
+        return text
+
+    def flush(self) -> str:
+        """Release held-back text when the choice ends without a final update."""
+        if not self.finished:
+            self.output_text += self._flush_pending()
+            self.finished = True
+        return self._next_text()
+
+
+def find_stop_string(output_text: str, new_char_count: int, stop: Sequence[str],
+                     include_in_output: bool) -> Optional[tuple[str, int]]:
+    """vLLM ``check_stop_strings``: the stop string completing earliest in the last
+    ``new_char_count`` characters (ties: list order).  Returns (stop string, length
+    to truncate the text to, or -1 for no truncation) or None."""
+    if not new_char_count or not stop:
+        return None
+    best: Optional[str] = None
+    best_index = 0
+    best_end = sys.maxsize
+    for s in stop:
+        index = output_text.find(s, max(0, len(output_text) + 1 - new_char_count - len(s)))
+        if index == -1:
+            continue
+        end = index + len(s)
+        if end < best_end:
+            best, best_index, best_end = s, index, end
+    if best is None:
+        return None
+    if include_in_output:
+        return (best, -1) if best_end >= len(output_text) else (best, best_end)
+    return best, best_index

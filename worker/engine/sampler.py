@@ -1,0 +1,156 @@
+"""Next-token sampler in vLLM v1's order (vllm/v1/sample/sampler.py):
+
+1. logprobs from the RAW logits (log_softmax before any processing)
+2. allowed_token_ids mask -> logit_bias -> bad_words -> min_tokens stop masking
+3. penalties: repetition (prompt + output), frequency and presence (output)
+4. greedy rows: argmax; random rows: temperature -> min_p -> top-k / top-p ->
+   ``probs / Exp(1)`` argmax (the exponential trick; no multinomial, no sync),
+   drawing a seeded row's noise from its own generator so the same seed gives
+   the same token whatever else is in the batch.
+
+The logits tensor is modified in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from worker.engine.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from worker.engine.sampling_metadata import SAMPLING_EPS, SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [R] long
+    logprobs: Optional[LogprobsTensors]  # None when no row asked for logprobs
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, meta)
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
+        logits = logits.to(torch.float32)
+        apply_logits_processors(logits, meta)
+        sampled = sample(logits, meta)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled)
+        return SamplerOutput(sampled=sampled, logprobs=logprobs)
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Steps that can change the argmax (applied to greedy rows too)."""
+    if meta.allowed_token_ids_mask is not None:
+        logits.masked_fill_(meta.allowed_token_ids_mask, _NEG_INF)
+    if meta.logit_bias is not None:
+        rows, ids, bias = meta.logit_bias
+        logits.index_put_((rows, ids), bias, accumulate=True)
+    if meta.bad_words:
+        apply_bad_words(logits, meta.bad_words, meta.output_token_ids)
+    if meta.min_tokens_mask is not None:
+        rows, ids = meta.min_tokens_mask
+        logits.index_put_((rows, ids), torch.tensor(_NEG_INF, device=logits.device))
+    if meta.penalties is not None:
+        apply_penalties(logits, meta)
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
+                    output_token_ids: list[list[int]]) -> None:
+    """Ban the last token of each bad word whose other tokens end the output so far."""
+    for row, words in bad_words.items():
+        past = output_token_ids[row]
+        for word in words:
+            prefix_len = len(word) - 1
+            if prefix_len > len(past):
+                continue
+            if prefix_len == 0 or past[-prefix_len:] == word[:prefix_len]:
+                last = word[-1]
+                logits[row, last:last + 1] = _NEG_INF  # slice assignment: no host sync
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """vLLM/OpenAI definitions, on the rows that use a penalty only.
+
+    repetition: tokens seen in prompt or output get logit/p when positive, logit*p
+    otherwise; frequency: minus f * count in output; presence: minus p if in output.
+    """
+    pen = meta.penalties
+    sub = logits.index_select(0, pen.rows)
+    output_mask = pen.output_counts > 0
+    seen = pen.prompt_mask | output_mask
+    rep = pen.repetition.unsqueeze(1)
+    scale = torch.where(seen, torch.where(sub > 0, 1.0 / rep, rep), torch.ones_like(sub))
+    sub.mul_(scale)
+    sub.sub_(pen.frequency.unsqueeze(1) * pen.output_counts)
+    sub.sub_(pen.presence.unsqueeze(1) * output_mask)
+    logits.index_copy_(0, pen.rows, sub)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    greedy = None if meta.all_random else logits.argmax(dim=-1)
+    if meta.all_greedy:
+        return greedy
+    temp = meta.temperature
+    if not meta.all_random:
+        temp = torch.where(temp < SAMPLING_EPS, torch.ones_like(temp), temp)
+    logits.div_(temp.unsqueeze(1))
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p)
+    apply_top_k_top_p(logits, meta.top_k, meta.top_k_max, meta.top_p)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    sampled = exponential_sample(probs, meta.generators)
+    if greedy is None:
+        return sampled
+    return torch.where(meta.temperature < SAMPLING_EPS, greedy, sampled)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor], k_max: int,
+                      p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Keep each row's k largest logits (k == vocab: off) and the smallest set whose
+    probability mass reaches p (p == 1: off); ties with the k-th value are kept."""
+    if k is None and p is None:
+        return logits
+    vocab = logits.shape[-1]
+    if p is None:
+        # top-k only: no full-vocab sort; k_max is known on the host (no sync).
+        no_top_k = k >= vocab
+        kth_index = k.masked_fill(no_top_k, 1).sub(1).unsqueeze(1)
+        kth = logits.topk(k_max, dim=-1).values.gather(1, kth_index)
+        kth.masked_fill_(no_top_k.unsqueeze(1), _NEG_INF)
+        return logits.masked_fill_(logits < kth, _NEG_INF)
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = logits_sort.gather(1, (vocab - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, _NEG_INF)
+    probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
+    top_p_mask[:, -1] = False  # always keep the most likely token
+    logits_sort.masked_fill_(top_p_mask, _NEG_INF)
+    return logits.scatter_(-1, logits_idx, logits_sort)
+
+
+def exponential_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1) i.i.d.: an exact sample from ``probs``.
+
+    Unseeded rows share one batch draw; a seeded row's noise comes from its own
+    generator, so its token depends only on its probabilities and its RNG state."""
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    return probs.div_(q).argmax(dim=-1)
