@@ -158,6 +158,10 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     max_num_seqs: int = 0
+    # Set by the worker process (not the engine): GENERATE messages received so far.
+    # The broker subtracts it from what it has sent to count requests in flight on
+    # the wire, so dispatch between load reports does not pile onto one worker.
+    num_received: int = 0
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):
@@ -176,3 +180,21 @@ class WorkerStatus(msgspec.Struct, **_STRUCT):
 class ClusterInfo(msgspec.Struct, **_STRUCT):
     workers: list[WorkerStatus]
     model: Optional[ModelInfo] = None
+
+
+class OutputsHeader(msgspec.Struct, **_STRUCT):
+    """First body of a worker's OUTPUTS frame set (see common/framing.py).
+
+    The broker decodes only this header, never the per-client delta bodies.
+    """
+
+    started: list[str] = msgspec.field(default_factory=list)  # first delta emitted this step
+    finished: list[str] = msgspec.field(default_factory=list)  # every choice finished this step
+    load: Optional[WorkerLoad] = None
+
+
+class Disconnect(msgspec.Struct, **_STRUCT):
+    """Worker -> broker.  ``drain=True``: take no new requests, keep streaming the
+    running ones; ``drain=False``: gone now (treated like a death)."""
+
+    drain: bool = False

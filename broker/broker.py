@@ -1,0 +1,458 @@
+"""The broker: one thread, two ROUTER sockets, a request table.
+
+Frontend ROUTER: clients (gateways, scripts).  Backend ROUTER: workers.  Frame
+layouts are documented in common/framing.py.  The hot path (worker OUTPUTS ->
+clients) decodes only the small OutputsHeader and forwards delta bodies as-is.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+
+from broker.dispatch import LeastLoaded, sticky_worker
+from broker.workers import Worker, WorkerRegistry
+from common import config, framing
+from common.framing import FrameError
+from common.logging import RateLimitedLog, get_logger
+from common.protocol import (Abort, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest, MsgType,
+                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+
+log = get_logger("tokserve.broker")
+
+_E_OVERLOADED = "ServiceUnavailableError"
+_E_INTERNAL = "InternalServerError"
+
+
+@dataclass(eq=False)
+class Entry:
+    """One request the broker knows about, from GENERATE until its last choice finishes."""
+
+    request_id: str
+    client: bytes
+    body: bytes  # the GenerateRequest as received: re-sent untouched on redispatch
+    n: int
+    rank: Optional[int]
+    session_id: Optional[str]
+    worker: Optional[Worker] = None  # None while pending
+    started: bool = False  # a delta reached the client: cannot be retried elsewhere
+    orphaned: bool = False  # client vanished; abort already sent
+    queued: bool = False  # waiting in the pending deque
+    done: bool = False  # removed (lets the pending deque skip it lazily)
+
+
+@dataclass
+class BrokerConfig:
+    frontend: str = config.DEFAULT_FRONTEND
+    backend: str = config.DEFAULT_BACKEND
+    heartbeat_interval: float = config.HEARTBEAT_INTERVAL_S
+    liveness: int = config.HEARTBEAT_LIVENESS
+    max_pending: int = config.MAX_PENDING
+    no_worker_timeout: float = config.NO_WORKER_TIMEOUT_S
+    max_inflight_per_worker: int = 0  # 0: INFLIGHT_PER_SEQ_SLOT * worker's max_num_seqs
+    max_client_frame_bytes: int = config.MAX_CLIENT_FRAME_BYTES
+    max_worker_frame_bytes: int = config.MAX_WORKER_FRAME_BYTES
+    curve_secret_key: Optional[bytes] = None  # enables CURVE server mode on both sockets
+    curve_public_key: Optional[bytes] = None
+
+
+class Broker:
+    def __init__(self, cfg: BrokerConfig, ctx: Optional[zmq.Context] = None):
+        self.cfg = cfg
+        self.ctx = ctx or zmq.Context.instance()
+        self.frontend = self._router(cfg.frontend, cfg.max_client_frame_bytes)
+        self.backend = self._router(cfg.backend, cfg.max_worker_frame_bytes)
+        self.workers = WorkerRegistry(cfg.heartbeat_interval, cfg.liveness, cfg.max_inflight_per_worker,
+                                      config.INFLIGHT_PER_SEQ_SLOT)
+        self.requests: dict[str, Entry] = {}
+        self.by_client: dict[bytes, set] = collections.defaultdict(set)
+        self.pending: collections.deque[Entry] = collections.deque()
+        self.pending_count = 0
+        self.policy = LeastLoaded()
+        self._bad_frame = RateLimitedLog(log)
+        self._unreachable = RateLimitedLog(log)
+        self._stop = False
+
+    def _router(self, endpoint: str, max_frame: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH instead of silent drops
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # backpressure is explicit (bounded pending queue), never HWM drops
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        if self.cfg.curve_secret_key:
+            sock.curve_server = True
+            sock.curve_secretkey = self.cfg.curve_secret_key
+            sock.curve_publickey = self.cfg.curve_public_key
+        sock.bind(endpoint)
+        return sock
+
+    # ------------------------------------------------------------------ loop
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        interval = self.cfg.heartbeat_interval
+        next_beat = time.monotonic()
+        log.info("broker frontend=%s backend=%s", self.cfg.frontend, self.cfg.backend)
+        while not self._stop:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat_workers()
+                next_beat = now + interval
+            self._expire(now)
+            timeout_ms = max(1, min(int((next_beat - now) * 1000), 100))
+            events = dict(poller.poll(timeout_ms))
+            if self.backend in events:
+                self._drain(self.backend, self._on_backend)
+            if self.frontend in events:
+                self._drain(self.frontend, self._on_frontend)
+
+    def close(self) -> None:
+        self.frontend.close(0)
+        self.backend.close(0)
+
+    def _drain(self, sock: zmq.Socket, handler, budget: int = 512) -> None:
+        # Bounded so one busy socket cannot starve the other or the heartbeats.
+        for _ in range(budget):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                handler(frames)
+            except FrameError as exc:
+                self._bad_frame.warning("dropped malformed message on %s: %s",
+                                        "backend" if sock is self.backend else "frontend", exc)
+            except Exception:  # a bug must not take the whole cluster down
+                log.exception("error handling a message; dropped")
+
+    # ------------------------------------------------------------- sending
+    def _to_client(self, client: bytes, frames: list) -> bool:
+        try:
+            self.frontend.send_multipart([client, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._unreachable.warning("client %s unreachable (%s): aborting its requests", client.hex(), exc)
+            self._client_gone(client)
+            return False
+
+    def _to_worker(self, worker: Worker, frames: list) -> bool:
+        try:
+            self.backend.send_multipart([worker.identity, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            if self.workers.get(worker.identity) is worker:
+                self._worker_gone(worker, f"unreachable ({exc})")
+            return False
+
+    def _error(self, entry_or_client, request_id: str, status: int, message: str, type_: str,
+               param: Optional[str] = None) -> None:
+        client = entry_or_client.client if isinstance(entry_or_client, Entry) else entry_or_client
+        err = ErrorMsg(request_id=request_id, status=status, message=message, type=type_, param=param)
+        self._to_client(client, framing.message(MsgType.ERROR, err))
+
+    # ------------------------------------------------------------ frontend
+    def _on_frontend(self, frames: list) -> None:
+        client = frames[0]
+        msg_type, rest = framing.split(frames[1:])
+        if msg_type == MsgType.GENERATE:
+            framing.expect_count(rest, 1, "GENERATE")
+            self._on_generate(client, rest[0])
+        elif msg_type == MsgType.ABORT:
+            framing.expect_count(rest, 1, "ABORT")
+            self._on_abort(client, framing.decode(rest[0], Abort).request_ids)
+        elif msg_type == MsgType.HEARTBEAT:
+            self._to_client(client, framing.message(MsgType.HEARTBEAT))
+        elif msg_type == MsgType.INFO:
+            framing.expect_count(rest, 1, "INFO")
+            nonce = framing.nonce_from(rest[0])
+            self._to_client(client, framing.message(MsgType.INFO, self.cluster_info(), framing.nonce_bytes(nonce)))
+        else:
+            raise FrameError(f"message type {msg_type!r} not accepted from clients")
+
+    def cluster_info(self) -> ClusterInfo:
+        live = sorted(self.workers.all(), key=lambda w: w.rank)
+        return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model)
+
+    def _on_generate(self, client: bytes, body: bytes) -> None:
+        req = framing.decode(body, GenerateRequest)
+        rid = req.request_id
+        if rid in self.requests:
+            self._error(client, rid, 400, f"request_id {rid!r} is already in flight", "BadRequestError",
+                        "request_id")
+            return
+        entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, req.session_id)
+        self.requests[rid] = entry
+        self.by_client[client].add(rid)
+        self._assign(entry)
+
+    def _assign(self, entry: Entry) -> None:
+        """Send ``entry`` to a worker, queue it, or fail it."""
+        while True:
+            live = self.workers.dispatchable()
+            if not live:
+                self._enqueue(entry)
+                return
+            if entry.rank is not None:
+                worker = self.workers.by_rank(entry.rank)
+                if worker is None or worker.draining:
+                    self._finish(entry)
+                    ranks = sorted(w.rank for w in live)
+                    self._error(entry, entry.request_id, 400,
+                                f"data_parallel_rank {entry.rank} is out of range (live ranks: {ranks})",
+                                "BadRequestError", "data_parallel_rank")
+                    return
+            elif entry.session_id is not None:
+                worker = sticky_worker(entry.session_id, live)
+            else:
+                worker = self.policy.pick([w for w in live if self.workers.has_capacity(w)])
+                if worker is None:
+                    self._enqueue(entry)
+                    return
+            if self._send_generate(worker, entry):
+                return
+            # The worker vanished under us (EHOSTUNREACH): it is unregistered now, try again.
+
+    def _send_generate(self, worker: Worker, entry: Entry) -> bool:
+        if not self._to_worker(worker, framing.message(MsgType.GENERATE, entry.body, entry.client)):
+            return False
+        entry.worker = worker
+        worker.sent += 1
+        worker.requests.add(entry.request_id)
+        return True
+
+    def _enqueue(self, entry: Entry) -> None:
+        now = time.monotonic()
+        if not self.workers.dispatchable() and self.workers.no_worker_for(now) > self.cfg.no_worker_timeout:
+            self._finish(entry)
+            self._error(entry, entry.request_id, 503, "no worker available", _E_OVERLOADED)
+            return
+        if self.pending_count >= self.cfg.max_pending:
+            self._finish(entry)
+            self._error(entry, entry.request_id, 503,
+                        f"server overloaded: {self.pending_count} requests already queued", _E_OVERLOADED)
+            return
+        entry.worker = None
+        entry.queued = True
+        self.pending.append(entry)
+        self.pending_count += 1
+
+    def _dispatch_pending(self) -> None:
+        while self.pending:
+            entry = self.pending[0]
+            if entry.done:
+                self.pending.popleft()
+                continue
+            live = self.workers.dispatchable()
+            if not live:
+                return
+            if entry.rank is None and entry.session_id is None and not any(
+                    self.workers.has_capacity(w) for w in live):
+                return
+            self.pending.popleft()
+            self.pending_count -= 1
+            entry.queued = False
+            self._assign(entry)
+            if entry.worker is None and not entry.done:  # re-queued: still no capacity
+                return
+
+    def _on_abort(self, client: bytes, request_ids: list[str]) -> None:
+        per_worker: dict[Worker, list[str]] = {}
+        for rid in request_ids:
+            entry = self.requests.get(rid)
+            if entry is None or entry.client != client:
+                continue  # unknown or finished: aborting is idempotent
+            if entry.worker is None:  # still queued here: answer for the worker
+                self._finish(entry)
+                deltas = [CompletionDelta(request_id=rid, index=i, finish_reason="abort") for i in range(entry.n)]
+                self._to_client(client, framing.message(MsgType.OUTPUTS, Outputs(deltas)))
+            else:
+                per_worker.setdefault(entry.worker, []).append(rid)
+        for worker, rids in per_worker.items():
+            self._to_worker(worker, framing.message(MsgType.ABORT, Abort(rids)))
+
+    def _client_gone(self, client: bytes) -> None:
+        per_worker: dict[Worker, list[str]] = {}
+        for rid in list(self.by_client.get(client, ())):
+            entry = self.requests[rid]
+            if entry.worker is None:
+                self._finish(entry)
+            elif not entry.orphaned:
+                entry.orphaned = True
+                per_worker.setdefault(entry.worker, []).append(rid)
+        for worker, rids in per_worker.items():
+            self._to_worker(worker, framing.message(MsgType.ABORT, Abort(rids)))
+
+    def _finish(self, entry: Entry) -> None:
+        if entry.done:
+            return
+        entry.done = True
+        self.requests.pop(entry.request_id, None)
+        rids = self.by_client.get(entry.client)
+        if rids is not None:
+            rids.discard(entry.request_id)
+            if not rids:
+                del self.by_client[entry.client]
+        if entry.worker is not None:
+            entry.worker.requests.discard(entry.request_id)
+        if entry.queued:
+            entry.queued = False
+            self.pending_count -= 1
+
+    # ------------------------------------------------------------- backend
+    def _on_backend(self, frames: list) -> None:
+        identity = frames[0]
+        msg_type, rest = framing.split(frames[1:])
+        worker = self.workers.get(identity)
+        if msg_type == MsgType.OUTPUTS:
+            if worker is None:
+                self._reject_unknown(identity)
+                return
+            worker.last_seen = time.monotonic()
+            self._on_outputs(worker, rest)
+        elif msg_type == MsgType.HEARTBEAT:
+            if worker is None:
+                self._reject_unknown(identity)
+                return
+            framing.expect_count(rest, 1, "HEARTBEAT")
+            worker.last_seen = time.monotonic()
+            if rest[0]:
+                worker.load = framing.decode(rest[0], WorkerLoad)
+                if self.pending:
+                    self._dispatch_pending()
+        elif msg_type == MsgType.READY:
+            framing.expect_count(rest, 1, "READY")
+            self._on_ready(identity, worker, framing.decode(rest[0], WorkerReady))
+        elif msg_type == MsgType.ERROR:
+            framing.expect_count(rest, 2, "ERROR")
+            if worker is None:
+                self._reject_unknown(identity)
+                return
+            worker.last_seen = time.monotonic()
+            err = framing.decode(rest[0], ErrorMsg)
+            entry = self.requests.get(err.request_id)
+            if entry is not None and entry.worker is worker:
+                self._finish(entry)
+                if not entry.orphaned:
+                    self._to_client(entry.client, framing.message(MsgType.ERROR, rest[0]))
+                if self.pending:
+                    self._dispatch_pending()
+        elif msg_type == MsgType.DISCONNECT:
+            if worker is None:
+                return
+            bye = framing.decode(rest[0], Disconnect) if rest and rest[0] else Disconnect()
+            if bye.drain:
+                log.info("worker rank %d draining", worker.rank)
+                worker.draining = True
+                worker.last_seen = time.monotonic()
+            else:
+                self._worker_gone(worker, "disconnected", notify=False)
+        else:
+            raise FrameError(f"message type {msg_type!r} not accepted from workers")
+
+    def _on_outputs(self, worker: Worker, rest: list) -> None:
+        if len(rest) % 2 != 1:
+            raise FrameError(f"OUTPUTS: expected header + identity/body pairs, got {len(rest)} frames")
+        header = framing.decode(rest[0], OutputsHeader)
+        requests = self.requests
+        for rid in header.started:
+            entry = requests.get(rid)
+            if entry is not None:
+                entry.started = True
+        msg_type = MsgType.OUTPUTS
+        magic = framing.MAGIC
+        send = self.frontend.send_multipart
+        for i in range(1, len(rest), 2):
+            client = rest[i]
+            try:
+                send([client, magic, msg_type, rest[i + 1]], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                    raise
+                self._unreachable.warning("client %s unreachable (%s): aborting its requests", client.hex(), exc)
+                self._client_gone(client)
+        for rid in header.finished:
+            entry = requests.get(rid)
+            if entry is not None and entry.worker is worker:
+                self._finish(entry)
+        if header.load is not None:
+            worker.load = header.load
+        if self.pending and header.finished:
+            self._dispatch_pending()
+
+    def _on_ready(self, identity: bytes, worker: Optional[Worker], ready: WorkerReady) -> None:
+        if worker is not None:  # re-registration: it dropped whatever it was running
+            self._worker_gone(worker, "re-registered", notify=False)
+        holder = self.workers.by_rank(ready.rank)
+        if holder is not None:
+            # Another live process claims this rank (e.g. a restarted worker while the old one is
+            # not yet expired).  Ignore it: it re-sends READY after a liveness period without our
+            # heartbeats, by which time a dead holder has expired.
+            log.error("worker pid %d claims rank %d already held by pid %d; ignored", ready.pid, ready.rank,
+                      holder.pid)
+            return
+        worker = Worker(identity=identity, rank=ready.rank, model=ready.model, load=ready.load, pid=ready.pid)
+        self.workers.add(worker)
+        log.info("worker rank %d registered (pid %d, model %s, max_num_seqs %d)", ready.rank, ready.pid,
+                 ready.model.name, ready.model.max_num_seqs)
+        self._to_worker(worker, framing.message(MsgType.HEARTBEAT))
+        self._dispatch_pending()
+
+    def _reject_unknown(self, identity: bytes) -> None:
+        """A worker we do not know (e.g. after a broker restart): ask it to re-register."""
+        try:
+            self.backend.send_multipart([identity, *framing.message(MsgType.DISCONNECT)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _worker_gone(self, worker: Worker, reason: str, notify: bool = True) -> None:
+        self.workers.remove(worker)
+        retried = failed = 0
+        for rid in list(worker.requests):
+            entry = self.requests[rid]
+            if entry.orphaned:
+                self._finish(entry)
+            elif entry.started or entry.rank is not None:
+                # Deltas already reached the client (or it asked for this rank): cannot retry.
+                self._finish(entry)
+                self._error(entry, rid, 500, f"worker (rank {worker.rank}) died: {reason}", _E_INTERNAL)
+                failed += 1
+            else:
+                worker.requests.discard(rid)
+                entry.worker = None
+                self._assign(entry)
+                retried += 1
+        log.warning("worker rank %d (pid %d) removed: %s; %d request(s) failed, %d re-dispatched", worker.rank,
+                    worker.pid, reason, failed, retried)
+        if notify:  # if it is in fact alive, make it drop its requests and re-register
+            try:
+                self.backend.send_multipart([worker.identity, *framing.message(MsgType.DISCONNECT)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _heartbeat_workers(self) -> None:
+        beat = framing.message(MsgType.HEARTBEAT)
+        for worker in self.workers.all():
+            self._to_worker(worker, beat)
+
+    def _expire(self, now: float) -> None:
+        for worker in self.workers.expired(now):
+            self._worker_gone(worker, f"no heartbeat for {now - worker.last_seen:.1f}s")
+        if self.pending and not self.workers.dispatchable() and \
+                self.workers.no_worker_for(now) > self.cfg.no_worker_timeout:
+            while self.pending:
+                entry = self.pending.popleft()
+                if not entry.done:
+                    self._finish(entry)
+                    self._error(entry, entry.request_id, 503, "no worker available", _E_OVERLOADED)

@@ -1,0 +1,58 @@
+"""`tokserve broker`: run the ZeroMQ broker between clients and workers."""
+from __future__ import annotations
+
+import argparse
+import signal
+
+from broker.broker import Broker, BrokerConfig
+from common import config
+from common.logging import get_logger, setup_logging
+
+log = get_logger("tokserve.broker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokserve broker", description=__doc__)
+    p.add_argument("--frontend", default=config.frontend_address(),
+                   help="endpoint clients/gateways connect to (env TOKSERVE_FRONTEND)")
+    p.add_argument("--backend", default=config.backend_address(),
+                   help="endpoint workers connect to (env TOKSERVE_BACKEND)")
+    p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
+    p.add_argument("--liveness", type=int, default=config.heartbeat_liveness(),
+                   help="missed heartbeats before a worker counts as dead")
+    p.add_argument("--max-pending", type=int, default=config.MAX_PENDING,
+                   help="requests queued while no worker has capacity; beyond this: 503")
+    p.add_argument("--no-worker-timeout", type=float, default=config.NO_WORKER_TIMEOUT_S,
+                   help="seconds without any live worker after which queued/new requests fail with 503")
+    p.add_argument("--max-inflight-per-worker", type=int, default=0,
+                   help=f"requests in flight per worker (0: {config.INFLIGHT_PER_SEQ_SLOT} x its max_num_seqs)")
+    p.add_argument("--curve-secret-file", default=None,
+                   help="zmq.auth secret certificate: enable CURVE encryption on both sockets")
+    p.add_argument("--log-level", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("broker", args.log_level)
+    for name in ("heartbeat_interval", "no_worker_timeout"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
+    if args.liveness < 1 or args.max_pending < 0:
+        raise SystemExit("--liveness must be >= 1 and --max-pending >= 0")
+    cfg = BrokerConfig(frontend=args.frontend, backend=args.backend, heartbeat_interval=args.heartbeat_interval,
+                       liveness=args.liveness, max_pending=args.max_pending,
+                       no_worker_timeout=args.no_worker_timeout,
+                       max_inflight_per_worker=args.max_inflight_per_worker)
+    if args.curve_secret_file:
+        import zmq.auth
+        cfg.curve_public_key, cfg.curve_secret_key = zmq.auth.load_certificate(args.curve_secret_file)
+    broker = Broker(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: broker.stop())
+    signal.signal(signal.SIGINT, lambda *_: broker.stop())
+    try:
+        broker.run()
+    finally:
+        broker.close()
+        log.info("broker stopped")
+    return 0

@@ -1,0 +1,84 @@
+"""The broker's registry of workers: identity, rank, model, load, liveness."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common.protocol import ModelInfo, WorkerLoad, WorkerStatus
+
+
+@dataclass(eq=False)
+class Worker:
+    identity: bytes  # ZeroMQ routing id on the backend ROUTER
+    rank: int
+    model: ModelInfo
+    load: WorkerLoad
+    pid: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    sent: int = 0  # GENERATEs sent; minus load.num_received = still on the wire
+    requests: set = field(default_factory=set)  # request ids assigned and not finished
+    draining: bool = False  # said goodbye: finishes its requests, gets no new ones
+
+    def score(self) -> int:
+        """Least-loaded dispatch score (vLLM DP balancing: waiting weighs 4x running)."""
+        load = self.load
+        unreported = self.sent - load.num_received
+        return load.waiting * 4 + load.running + (unreported if unreported > 0 else 0)
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(rank=self.rank, load=self.load, alive=True)
+
+
+class WorkerRegistry:
+    def __init__(self, interval: float, liveness: int, max_inflight_per_worker: int = 0,
+                 inflight_per_seq_slot: int = 4):
+        self.expiry = interval * liveness
+        self._by_identity: dict[bytes, Worker] = {}
+        self._by_rank: dict[int, Worker] = {}
+        self._max_inflight = max_inflight_per_worker
+        self._per_slot = inflight_per_seq_slot
+        self.last_model: Optional[ModelInfo] = None  # survives worker loss: /v1/models keeps working
+        self.last_alive = time.monotonic()  # when a worker was last known alive
+
+    def __len__(self) -> int:
+        return len(self._by_identity)
+
+    def get(self, identity: bytes) -> Optional[Worker]:
+        return self._by_identity.get(identity)
+
+    def by_rank(self, rank: int) -> Optional[Worker]:
+        return self._by_rank.get(rank)
+
+    def all(self) -> list[Worker]:
+        return list(self._by_identity.values())
+
+    def dispatchable(self) -> list[Worker]:
+        """Live workers taking new requests, in rank order (stable for tie rotation)."""
+        return sorted((w for w in self._by_identity.values() if not w.draining), key=lambda w: w.rank)
+
+    def has_capacity(self, worker: Worker) -> bool:
+        limit = self._max_inflight or self._per_slot * max(1, worker.model.max_num_seqs)
+        return len(worker.requests) < limit
+
+    def add(self, worker: Worker) -> None:
+        self._by_identity[worker.identity] = worker
+        self._by_rank[worker.rank] = worker
+        self.last_model = worker.model
+        self.last_alive = time.monotonic()
+
+    def remove(self, worker: Worker) -> None:
+        self._by_identity.pop(worker.identity, None)
+        if self._by_rank.get(worker.rank) is worker:
+            del self._by_rank[worker.rank]
+        self.last_alive = time.monotonic()
+
+    def expired(self, now: float) -> list[Worker]:
+        return [w for w in self._by_identity.values() if now - w.last_seen > self.expiry]
+
+    def no_worker_for(self, now: float) -> float:
+        """Seconds without any dispatchable worker (0 while one exists)."""
+        if any(not w.draining for w in self._by_identity.values()):
+            self.last_alive = now
+            return 0.0
+        return now - self.last_alive

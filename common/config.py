@@ -1,0 +1,55 @@
+"""Default endpoints and timing knobs shared by every process.
+
+Each value can be overridden by an environment variable so that a whole stack
+(gateway, broker, workers, scripts) started from one shell agrees without
+repeating flags; command-line flags in turn override the environment.
+"""
+from __future__ import annotations
+
+import os
+
+# Loopback by default: exposing ZeroMQ endpoints beyond the host is an explicit choice.
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"  # clients (gateways, scripts) -> broker
+DEFAULT_BACKEND = "tcp://127.0.0.1:5556"  # workers -> broker
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_LIVENESS = 3  # missed intervals before a peer counts as dead
+
+# Broker admission control.
+MAX_PENDING = 4096  # requests queued in the broker while no worker has capacity
+NO_WORKER_TIMEOUT_S = 10.0  # queued requests fail with 503 after this long without any live worker
+INFLIGHT_PER_SEQ_SLOT = 4  # a worker "has capacity" while in-flight < this * max_num_seqs
+
+# Per-frame size caps (ZMQ_MAXMSGSIZE): a peer sending bigger frames is disconnected.
+MAX_CLIENT_FRAME_BYTES = 64 << 20
+MAX_WORKER_FRAME_BYTES = 1 << 30
+
+
+def _env(name: str, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return type(default)(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}") from exc
+
+
+def frontend_address() -> str:
+    return _env("TOKSERVE_FRONTEND", DEFAULT_FRONTEND)
+
+
+def backend_address() -> str:
+    return _env("TOKSERVE_BACKEND", DEFAULT_BACKEND)
+
+
+def heartbeat_interval() -> float:
+    return _env("TOKSERVE_HEARTBEAT_INTERVAL", HEARTBEAT_INTERVAL_S)
+
+
+def heartbeat_liveness() -> int:
+    return _env("TOKSERVE_HEARTBEAT_LIVENESS", HEARTBEAT_LIVENESS)
+
+
+def log_level() -> str:
+    return _env("TOKSERVE_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,120 @@
+"""Frame layouts of every tokserve ZeroMQ message, and their encode/decode helpers.
+
+Sockets: clients (gateway, scripts) DEALER -> broker ROUTER "frontend"; workers
+DEALER -> broker ROUTER "backend".  Both ROUTERs use ROUTER_MANDATORY so that a
+message to a vanished peer raises EHOSTUNREACH instead of being dropped.  Frames
+below omit the routing identity a ROUTER adds/strips as the first frame.
+
+Client <-> broker (frontend)::
+
+    GENERATE   [MAGIC][0x01][GenerateRequest]
+    ABORT      [MAGIC][0x02][Abort]
+    INFO       [MAGIC][0x08][nonce]                    reply: [MAGIC][0x08][ClusterInfo][nonce]
+    HEARTBEAT  [MAGIC][0x06][]                         reply: [MAGIC][0x06][]
+    OUTPUTS    [MAGIC][0x03][Outputs]                  broker -> client
+    ERROR      [MAGIC][0x04][ErrorMsg]                 broker -> client
+
+Broker <-> worker (backend)::
+
+    GENERATE   [MAGIC][0x01][GenerateRequest][client identity]
+    ABORT      [MAGIC][0x02][Abort]
+    HEARTBEAT  [MAGIC][0x06][]                         broker -> worker
+    HEARTBEAT  [MAGIC][0x06][WorkerLoad]               worker -> broker
+    DISCONNECT [MAGIC][0x07][]                         broker -> worker: "I do not know you, send READY"
+    READY      [MAGIC][0x05][WorkerReady]
+    DISCONNECT [MAGIC][0x07][Disconnect]               worker -> broker: draining / leaving
+    ERROR      [MAGIC][0x04][ErrorMsg][client identity]
+    OUTPUTS    [MAGIC][0x03][OutputsHeader]([client identity][Outputs])*
+
+The relay fast path is OUTPUTS: a worker ships ONE frame set per engine step; the
+deltas are grouped per client and each group is encoded once as that client's
+``Outputs`` body.  The broker decodes only the small ``OutputsHeader`` (request
+ids started/finished this step, the worker's load) to keep its request table
+current, and forwards every ``[identity][Outputs]`` pair to the frontend as
+``[identity][MAGIC][0x03][Outputs]`` without touching the body.  Because the
+worker receives the client identity with each GENERATE, the broker never needs
+a per-delta lookup.
+
+Anything malformed (wrong magic, unknown type, wrong frame count, undecodable
+body) raises ``FrameError``; receivers log it (rate limited) and drop the message.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Type, TypeVar
+
+import msgspec
+
+from common.protocol import (MAGIC, Abort, ClusterInfo, Disconnect, ErrorMsg, GenerateRequest, MsgType,
+                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+
+T = TypeVar("T")
+
+KNOWN_TYPES = frozenset(v for k, v in vars(MsgType).items() if not k.startswith("_"))
+EMPTY = b""
+
+
+class FrameError(ValueError):
+    """A message that does not follow the layouts above."""
+
+
+# One encoder, one decoder per Struct: msgspec caches the type plan in them.
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {
+    t: msgspec.msgpack.Decoder(t)
+    for t in (GenerateRequest, Abort, Outputs, ErrorMsg, WorkerReady, WorkerLoad, ClusterInfo, OutputsHeader,
+              Disconnect)
+}
+
+
+def encode(obj) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode(data, type_: Type[T]) -> T:
+    """Decode a body (bytes, memoryview or zmq.Frame buffer); FrameError if invalid."""
+    try:
+        return _decoders[type_].decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"bad {type_.__name__} body: {exc}") from None
+
+
+def message(msg_type: bytes, body=EMPTY, *extra) -> list:
+    """Frames of one message, without routing identity.  ``body`` may be a Struct."""
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        body = _encoder.encode(body)
+    return [MAGIC, msg_type, body, *extra]
+
+
+def split(frames: Sequence, min_frames: int = 3) -> tuple[bytes, list]:
+    """Check MAGIC and type of ``frames`` (identity already stripped).
+
+    Returns (type byte, frames from the body on).  Works with bytes or zmq.Frame.
+    """
+    if len(frames) < min_frames:
+        raise FrameError(f"expected at least {min_frames} frames, got {len(frames)}")
+    magic, msg_type = _bytes(frames[0]), _bytes(frames[1])
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic[:8]!r}")
+    if msg_type not in KNOWN_TYPES:
+        raise FrameError(f"unknown message type {msg_type[:8]!r}")
+    return msg_type, list(frames[2:])
+
+
+def expect_count(rest: Sequence, n: int, what: str) -> None:
+    if len(rest) != n:
+        raise FrameError(f"{what}: expected {n} frame(s) after the type, got {len(rest)}")
+
+
+def _bytes(frame) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.bytes
+
+
+def nonce_bytes(nonce: int) -> bytes:
+    return nonce.to_bytes(8, "little")
+
+
+def nonce_from(frame) -> int:
+    data = _bytes(frame)
+    if len(data) != 8:
+        raise FrameError("nonce frame must be 8 bytes")
+    return int.from_bytes(data, "little")
