@@ -1,0 +1,74 @@
+"""Falcon ASGI application factory.
+
+``create_app(settings, client=None)`` builds the routes over one shared broker client;
+the client is started and closed with the ASGI lifespan.  The returned callable is the
+Falcon app wrapped so that resources can reach the raw ASGI ``receive`` (client
+disconnect detection, see gateway/disconnect.py).
+"""
+from __future__ import annotations
+
+import falcon.asgi
+
+from gateway import errors
+from gateway.auth import ApiKeyMiddleware
+from gateway.cluster_info import ClusterInfoCache
+from gateway.disconnect import keep_receive_in_scope
+from gateway.metrics import GatewayMetrics
+from gateway.resources.abort import AbortResource
+from gateway.resources.generate import GenerateResource
+from gateway.resources.health import HealthResource
+from gateway.resources.metrics import MetricsResource
+from gateway.resources.models import ModelsResource, VersionResource
+from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
+
+
+class ClientLifecycle:
+    """Falcon lifespan middleware: start the broker client with the server, close it after."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def process_startup(self, scope, event) -> None:
+        await self.client.start()
+
+    async def process_shutdown(self, scope, event) -> None:
+        await self.client.close()
+
+
+def make_client(settings: GatewaySettings):
+    from common.client import AsyncClient  # imported late: tests may pass their own client
+
+    return AsyncClient(settings.broker)
+
+
+def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.asgi.App, GatewayState]:
+    client = client if client is not None else make_client(settings)
+    state = GatewayState(
+        settings=settings,
+        client=client,
+        cluster=ClusterInfoCache(client, ttl=settings.info_ttl_s, timeout=settings.info_timeout_s),
+        metrics=GatewayMetrics(),
+    )
+    middleware = [ClientLifecycle(client)]
+    if settings.api_key:
+        middleware.append(ApiKeyMiddleware(settings.api_key))
+    app = falcon.asgi.App(middleware=middleware)
+    app.req_options.strip_url_path_trailing_slash = True
+    errors.install(app)
+    abort = AbortResource(state)
+    app.add_route("/inference/v1/generate", GenerateResource(state))
+    app.add_route("/inference/v1/abort_requests", abort)
+    if settings.tokens_only:
+        app.add_route("/abort_requests", abort)  # vLLM's unauthenticated legacy path
+    app.add_route("/health", HealthResource(state))
+    app.add_route("/metrics", MetricsResource(state))
+    app.add_route("/v1/models", ModelsResource(state))
+    app.add_route("/version", VersionResource())
+    return app, state
+
+
+def create_app(settings: GatewaySettings, client=None):
+    """The ASGI callable to hand to uvicorn."""
+    app, _ = create_falcon_app(settings, client)
+    return keep_receive_in_scope(app)

@@ -1,0 +1,61 @@
+"""Cached view of the cluster (model limits, live workers) taken from the broker.
+
+Every request needs the model limits and the live worker ranks; asking the broker on
+each request would add a round trip, so the answer is kept ``ttl`` seconds and
+concurrent refreshes share one in-flight query.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+from common.errors import Overloaded
+from common.protocol import ClusterInfo, ModelInfo
+
+
+class ClusterInfoCache:
+    def __init__(self, client, ttl: float = 1.0, timeout: float = 2.0):
+        self._client = client
+        self._ttl = ttl
+        self._timeout = timeout
+        self._info: Optional[ClusterInfo] = None
+        self._fetched_at = -1e9
+        self._inflight: Optional[asyncio.Future] = None
+
+    async def get(self) -> ClusterInfo:
+        """The cached ClusterInfo; raises Overloaded (503) when the broker does not answer."""
+        if self._info is not None and time.monotonic() - self._fetched_at < self._ttl:
+            return self._info
+        if self._inflight is None:
+            self._inflight = asyncio.ensure_future(self._refresh())
+        inflight = self._inflight
+        try:
+            return await asyncio.shield(inflight)
+        finally:
+            if inflight.done() and self._inflight is inflight:
+                self._inflight = None
+
+    async def _refresh(self) -> ClusterInfo:
+        try:
+            info = await self._client.info(timeout=self._timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # timeout or broker error: the cluster is unreachable
+            raise Overloaded(f"The inference cluster is not reachable: {exc or type(exc).__name__}") from exc
+        self._info, self._fetched_at = info, time.monotonic()
+        return info
+
+    async def model(self) -> ModelInfo:
+        """Model limits; 503 while no worker has registered a model yet."""
+        info = await self.get()
+        if info.model is None:
+            raise Overloaded("No inference worker is available yet.")
+        return info.model
+
+    @staticmethod
+    def live_ranks(info: ClusterInfo) -> list[int]:
+        return sorted(w.rank for w in info.workers if w.alive)
+
+    def invalidate(self) -> None:
+        self._fetched_at = -1e9

@@ -1,0 +1,106 @@
+"""Column-wise ``TokenLogprobs`` from the worker -> vLLM's JSON logprob shapes.
+
+vLLM builds, for each position, an ordered dict {sampled token, top-1, top-2, ...}
+(the sampled token first, duplicates collapsing), then keeps the first ``max(k, 1)``
+entries (all of them for k = -1).  Logprobs are clamped: NaN and values below -9999
+become -9999.0 so the JSON stays valid; rank 0 (no rank) is sent as null.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import math
+from typing import Optional
+
+import numpy as np
+
+from common.protocol import TokenLogprobs
+from gateway.http_protocol import (
+    PromptLogprob,
+    TextLogprob,
+    TextLogprobContent,
+    TokenLogprob,
+    TokenLogprobContent,
+)
+
+
+def clamp(logprob: float) -> float:
+    return -9999.0 if math.isnan(logprob) else max(logprob, -9999.0)
+
+
+def _candidates(lp: TokenLogprobs, i: int) -> list[tuple[int, float, int, Optional[str]]]:
+    """Ordered (token_id, logprob, rank, text) for position i: sampled first, then top-k."""
+    texts = lp.token_texts
+    top_texts = lp.top_texts[i] if lp.top_texts is not None else None
+    first = lp.token_ids[i]
+    out = [(first, lp.logprobs[i], lp.ranks[i], texts[i] if texts is not None else None)]
+    seen = {first}
+    for j, (tid, tlp) in enumerate(zip(lp.top_ids[i], lp.top_logprobs[i])):
+        if tid in seen:
+            continue
+        seen.add(tid)
+        out.append((tid, tlp, j + 1, top_texts[j] if top_texts is not None else None))
+    return out
+
+
+def _keep(num: Optional[int], total: int) -> int:
+    if num is None:
+        return 0
+    return total if num == -1 else min(total, max(num, 1))
+
+
+def token_logprobs(lp: TokenLogprobs, num: Optional[int]) -> list[TokenLogprobContent]:
+    """Tokens mode: ``{"token_id","logprob","rank","top_logprobs":[...]}`` per sampled token."""
+    content = []
+    for i, token_id in enumerate(lp.token_ids):
+        cands = _candidates(lp, i)
+        content.append(TokenLogprobContent(
+            token_id=token_id,
+            logprob=clamp(lp.logprobs[i]),
+            rank=lp.ranks[i] or None,
+            top_logprobs=[TokenLogprob(t, clamp(l), r or None) for t, l, r, _ in cands[:_keep(num, len(cands))]],
+        ))
+    return content
+
+
+def _text_entry(token_id: int, text: Optional[str]) -> tuple[str, Optional[list[int]]]:
+    if text is None:  # worker sent no decoded string: vLLM's placeholder, no bytes
+        return f"token_id:{token_id}", None
+    return text, list(text.encode("utf-8", errors="replace"))
+
+
+def text_logprobs(lp: TokenLogprobs, num: Optional[int]) -> list[TextLogprobContent]:
+    """Text mode: ``{"token","logprob","bytes","top_logprobs":[...]}`` per sampled token."""
+    content = []
+    for i, token_id in enumerate(lp.token_ids):
+        cands = _candidates(lp, i)
+        token, raw = _text_entry(token_id, cands[0][3])
+        tops = []
+        for t, l, _, txt in cands[:_keep(num, len(cands))]:
+            s, b = _text_entry(t, txt)
+            tops.append(TextLogprob(token=s, logprob=clamp(l), bytes=b))
+        content.append(TextLogprobContent(token=token, logprob=clamp(lp.logprobs[i]), bytes=raw, top_logprobs=tops))
+    return content
+
+
+def prompt_logprobs(lp: Optional[TokenLogprobs], num: Optional[int]) -> Optional[list]:
+    """``[null, {token_id: {logprob, rank, decoded_token}}, ...]``; position 0 has no logprob."""
+    if lp is None:
+        return None
+    out: list = [None]
+    for i in range(len(lp.token_ids)):
+        cands = _candidates(lp, i)
+        # The prompt token is always kept; the top-k follow (k = num, -1 = all).
+        keep = len(cands) if num == -1 else 1 + (num or 0)
+        out.append({t: PromptLogprob(clamp(l), r or None, txt) for t, l, r, txt in cands[:keep]})
+    return out
+
+
+def prompt_token_id_logprobs(scores: Optional[bytes], shape: Optional[list[int]]) -> Optional[str]:
+    """Base64 of a float32 ``.npy`` array [rows, ids] (vLLM's numpy2base64), -inf padding kept."""
+    if scores is None or shape is None:
+        return None
+    array = np.frombuffer(scores, dtype=np.float32).reshape(shape)
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -1,0 +1,87 @@
+"""``tokserve gateway``: the HTTP front end (Falcon ASGI on uvicorn + uvloop + httptools)."""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Optional
+
+from common.logging import setup_logging
+from gateway.settings import GatewaySettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokserve gateway", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--broker", default=None,
+                   help="broker frontend address (default: $TOKSERVE_FRONTEND or tcp://127.0.0.1:5555)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and /inference (default: $TOKSERVE_API_KEY)")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="no tokenizer: detokenization off, text mode and stop strings refused")
+    p.add_argument("--served-model-name", nargs="+", default=[],
+                   help="model name(s) the API answers to; default: the workers' model name")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--info-ttl", type=float, default=1.0, help="seconds cluster info is cached")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT so several gateways can share the port")
+    p.add_argument("--log-level", default=None, help="debug|info|warning|error")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    import os
+
+    if args.port < 0 or args.port > 65535:
+        raise SystemExit(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_body_bytes < 1:
+        raise SystemExit("--max-body-bytes must be positive")
+    return GatewaySettings(
+        broker=args.broker,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("TOKSERVE_API_KEY") or None,
+        tokens_only=args.tokens_only,
+        served_model_names=list(args.served_model_name),
+        max_body_bytes=args.max_body_bytes,
+        info_ttl_s=args.info_ttl,
+        reuse_port=args.reuse_port,
+        log_level=(args.log_level or "info").lower(),
+    )
+
+
+def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: GatewaySettings, client=None, access_log: bool = False) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings, client)
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_level=settings.log_level,
+                            access_log=access_log, timeout_graceful_shutdown=5)
+    sock = bind_socket(settings.host, settings.port, settings.reuse_port)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    setup_logging("gateway", args.log_level)
+    serve(settings, access_log=args.access_log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

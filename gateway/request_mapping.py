@@ -1,0 +1,110 @@
+"""HTTP request (body + headers) -> internal wire ``GenerateRequest``.
+
+Value checks live in ``common.validation.validate_request`` (shared with the engine);
+this module owns what only the HTTP layer knows: which keys were sent, headers, the
+served model name, and the stream/usage options that shape the response.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import msgspec
+
+from common.errors import BadRequest, NotFound
+from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingParams
+from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
+
+REQUEST_ID_PREFIX = "generate-tokens-"
+TRACE_HEADERS = ("traceparent", "tracestate")
+_SAMPLING_FIELDS = HttpSamplingParams.__struct_fields__
+
+
+@dataclass
+class MappedRequest:
+    """What the generate route needs: the wire request plus the response-shaping options."""
+
+    wire: GenerateRequest
+    http: HttpGenerateRequest
+    model_name: str
+    text_mode: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def served_name(info: ModelInfo, served_model_names: list[str]) -> str:
+    return served_model_names[0] if served_model_names else info.name
+
+
+def check_model(requested: Optional[str], info: ModelInfo, served_model_names: list[str]) -> None:
+    names = served_model_names or [info.name]
+    if requested and requested not in names:
+        raise NotFound(
+            f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model"
+        )
+
+
+def to_sampling_params(sp: HttpSamplingParams) -> SamplingParams:
+    """Copy the keys the client sent; absent keys keep the wire defaults."""
+    sent = {name: getattr(sp, name) for name in _SAMPLING_FIELDS if getattr(sp, name) is not msgspec.UNSET}
+    if isinstance(sent.get("stop"), str):
+        sent["stop"] = [sent["stop"]]
+    # Omitted max_tokens: the engine applies min(max_model_len - prompt, generation_config);
+    # explicit null: up to max_model_len - prompt.  Both travel as None, told apart by a flag.
+    sent["max_tokens_is_default"] = "max_tokens" not in sent
+    return SamplingParams(**sent)
+
+
+def data_parallel_rank(headers: Mapping[str, str], cluster: ClusterInfo) -> Optional[int]:
+    raw = headers.get("x-data-parallel-rank")
+    if raw is None:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        return None  # vLLM ignores a rank that is not an integer
+    live = sorted(w.rank for w in cluster.workers if w.alive)
+    if rank not in live:
+        num_ranks = (max(w.rank for w in cluster.workers) + 1) if cluster.workers else 0
+        raise BadRequest(
+            f"data_parallel_rank {rank} is out of range [0, {num_ranks}) "
+            f"or has no live worker (live ranks: {live}).",
+            "X-data-parallel-rank",
+        )
+    return rank
+
+
+def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: ClusterInfo, info: ModelInfo,
+                *, served_model_names: list[str], arrival_time: Optional[float] = None) -> MappedRequest:
+    """``headers`` must be a lower-case keyed mapping."""
+    check_model(http.model, info, served_model_names)
+    params = to_sampling_params(http.sampling_params)
+    base_id = headers.get("x-request-id") or http.request_id or uuid.uuid4().hex
+    trace = {h: headers[h] for h in TRACE_HEADERS if h in headers} or None
+    wire = GenerateRequest(
+        request_id=REQUEST_ID_PREFIX + base_id,
+        prompt_token_ids=http.token_ids,
+        params=params,
+        priority=http.priority,
+        cache_salt=http.cache_salt,
+        output_text=http.output_mode == "text",
+        data_parallel_rank=data_parallel_rank(headers, cluster),
+        session_id=headers.get("x-session-id") or None,
+        kv_transfer_params=http.kv_transfer_params,
+        arrival_time=arrival_time if arrival_time is not None else time.time(),
+        trace_headers=trace,
+    )
+    opts = http.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    return MappedRequest(
+        wire=wire,
+        http=http,
+        model_name=served_name(info, served_model_names),
+        text_mode=http.output_mode == "text",
+        stream=bool(http.stream),
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(opts.continuous_usage_stats),
+    )

@@ -1,0 +1,38 @@
+"""``GET /v1/models`` (OpenAI list shape) and ``GET /version``."""
+from __future__ import annotations
+
+import time
+
+import falcon
+
+from gateway.http_protocol import ModelCard, ModelList, json_encoder
+from gateway.state import GatewayState
+
+_STARTED = int(time.time())
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("tokserve")
+    except Exception:  # running from a source tree that was never installed
+        return "0.0.0+unknown"
+
+
+class ModelsResource:
+    def __init__(self, state: GatewayState):
+        self.state = state
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        model = await self.state.cluster.model()
+        names = self.state.settings.served_model_names or [model.name]
+        cards = [ModelCard(id=name, created=_STARTED, root=model.name, max_model_len=model.max_model_len)
+                 for name in names]
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = json_encoder.encode(ModelList(data=cards))
+
+
+class VersionResource:
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = json_encoder.encode({"version": package_version()})

@@ -1,0 +1,211 @@
+"""CompletionDelta stream -> vLLM's generate response (non-stream) or SSE chunks (stream).
+
+Mirrors ``ServingTokens.serve_tokens_full_generator`` / ``serve_tokens_stream_generator``
+of vLLM 0.32: the same fields in the same order, the same rules for which chunk is sent,
+where ``prompt_token_ids`` and ``usage`` appear, and how logprobs are shaped.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import msgspec
+
+from common.protocol import CompletionDelta
+from gateway import logprobs_format
+from gateway.http_protocol import (
+    GenerateResponse,
+    Logprobs,
+    PerRequestMetrics,
+    PromptTokensDetails,
+    StreamChunk,
+    TextChoice,
+    TokensChoice,
+    Usage,
+    json_encoder,
+)
+from gateway.request_mapping import MappedRequest
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def _logprobs(delta: CompletionDelta, num: Optional[int], text_mode: bool) -> Optional[Logprobs]:
+    if num is None or delta.logprobs is None:
+        return None
+    fmt = logprobs_format.text_logprobs if text_mode else logprobs_format.token_logprobs
+    return Logprobs(content=fmt(delta.logprobs, num))
+
+
+def request_metrics(arrival: float, first_scheduled: Optional[float], first_token: Optional[float],
+                    finished: float, num_tokens: int) -> PerRequestMetrics:
+    """Timing of one request in vLLM's PerRequestMetrics fields (milliseconds)."""
+    ttft = (first_token - arrival) * 1e3 if first_token else None
+    gen = (finished - first_token) * 1e3 if first_token else None
+    return PerRequestMetrics(
+        time_to_first_token_ms=ttft,
+        generation_time_ms=gen,
+        queue_time_ms=(first_scheduled - arrival) * 1e3 if first_scheduled else None,
+        mean_itl_ms=gen / (num_tokens - 1) if gen is not None and num_tokens > 1 else None,
+        tokens_per_second=num_tokens / (gen / 1e3) if gen and num_tokens > 1 else None,
+    )
+
+
+class _RequestFacts:
+    """What the first delta of a request carries once (prompt side, passthrough params)."""
+
+    def __init__(self, mapped: MappedRequest):
+        self.mapped = mapped
+        self.num_prompt_tokens = len(mapped.wire.prompt_token_ids)
+        self.num_cached_tokens: Optional[int] = None
+        self.first_delta: Optional[CompletionDelta] = None
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+
+    def observe(self, delta: CompletionDelta) -> None:
+        if self.first_delta is None:
+            self.first_delta = delta
+            if delta.num_prompt_tokens:
+                self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.first_scheduled_time and self.first_scheduled_time is None:
+            self.first_scheduled_time = delta.first_scheduled_time
+        if delta.first_token_time and self.first_token_time is None:
+            self.first_token_time = delta.first_token_time
+
+    def prompt_details(self, enabled: bool, *, drop_none: bool):
+        if not enabled or self.num_cached_tokens is None:
+            return msgspec.UNSET if drop_none else None
+        if drop_none:
+            return PromptTokensDetails(self.num_cached_tokens, msgspec.UNSET, msgspec.UNSET)
+        return PromptTokensDetails(self.num_cached_tokens)
+
+    def metrics(self, num_tokens: int) -> Optional[PerRequestMetrics]:
+        if self.mapped.wire.params.n != 1 or self.first_token_time is None:
+            return None
+        return request_metrics(self.mapped.wire.arrival_time, self.first_scheduled_time,
+                               self.first_token_time, time.time(), num_tokens)
+
+
+class ResponseAccumulator:
+    """Collects every delta of a non-stream request and renders the final JSON body."""
+
+    def __init__(self, mapped: MappedRequest, *, prompt_tokens_details: bool):
+        self.mapped = mapped
+        self.facts = _RequestFacts(mapped)
+        self.details = prompt_tokens_details
+        n = mapped.wire.params.n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finish: list[Optional[str]] = [None] * n
+        self.stop: list = [None] * n
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.facts.observe(delta)
+        i = delta.index
+        if not 0 <= i < len(self.token_ids):
+            raise ValueError(f"delta for choice {i} of a request with n={len(self.token_ids)}")
+        self.token_ids[i].extend(delta.token_ids)
+        if delta.text:
+            self.texts[i].append(delta.text)
+        lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode)
+        if lp is not None:
+            self.logprobs[i].extend(lp.content)
+        if delta.finish_reason is not None:
+            self.finish[i], self.stop[i] = delta.finish_reason, delta.stop_reason
+
+    def build(self) -> bytes:
+        m, facts = self.mapped, self.facts
+        choices = []
+        want_lp = m.wire.params.logprobs is not None
+        for i, ids in enumerate(self.token_ids):
+            fields = dict(
+                index=i,
+                finish_reason=self.finish[i] or "stop",
+                stop_reason=self.stop[i],
+                token_ids=ids,
+                logprobs=Logprobs(content=self.logprobs[i]) if want_lp else None,
+            )
+            choices.append(TextChoice(text="".join(self.texts[i]), **fields) if m.text_mode else TokensChoice(**fields))
+        completion = sum(len(ids) for ids in self.token_ids)
+        first = facts.first_delta
+        body = GenerateResponse(
+            request_id=m.wire.request_id,
+            model=m.model_name,
+            created=int(time.time()),
+            usage=Usage(
+                prompt_tokens=facts.num_prompt_tokens,
+                total_tokens=facts.num_prompt_tokens + completion,
+                completion_tokens=completion,
+                prompt_tokens_details=facts.prompt_details(self.details, drop_none=False),
+            ),
+            prompt_logprobs=logprobs_format.prompt_logprobs(
+                first.prompt_logprobs if first else None, m.wire.params.prompt_logprobs),
+            prompt_token_id_logprobs=logprobs_format.prompt_token_id_logprobs(
+                first.prompt_token_id_scores if first else None, first.prompt_token_id_shape if first else None),
+            prompt_token_ids=m.wire.prompt_token_ids if m.http.return_token_ids else None,
+            mm_placeholders=None,
+            metrics=facts.metrics(completion),
+            kv_transfer_params=first.kv_transfer_params if first else None,
+            ec_transfer_params=m.http.ec_transfer_params,
+            output_mode=m.http.output_mode,
+            choices=choices,
+        )
+        return json_encoder.encode(body)
+
+
+class StreamChunker:
+    """Turns each delta into at most one SSE event, vLLM's stream rules included."""
+
+    def __init__(self, mapped: MappedRequest, *, prompt_tokens_details: bool):
+        self.mapped = mapped
+        self.facts = _RequestFacts(mapped)
+        self.details = prompt_tokens_details
+        self.generated = [0] * mapped.wire.params.n
+        self._prompt_ids_pending = bool(mapped.http.return_token_ids)
+
+    def chunk(self, delta: CompletionDelta) -> Optional[bytes]:
+        m = self.mapped
+        self.facts.observe(delta)
+        i = delta.index
+        if 0 <= i < len(self.generated):
+            self.generated[i] += len(delta.token_ids)
+        # A terminal chunk (abort has no tokens) is always sent so the client sees why it ended.
+        if not (delta.token_ids or delta.finish_reason is not None or (m.text_mode and delta.text)):
+            return None
+        fields = dict(
+            index=i,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            token_ids=delta.token_ids,
+            logprobs=_logprobs(delta, m.wire.params.logprobs, m.text_mode),
+        )
+        choice = TextChoice(text=delta.text or "", **fields) if m.text_mode else TokensChoice(**fields)
+        usage = None
+        if m.continuous_usage:
+            p, c = self.facts.num_prompt_tokens, self.generated[i]
+            usage = Usage(prompt_tokens=p, total_tokens=p + c, completion_tokens=c)
+        chunk = StreamChunk(request_id=m.wire.request_id, usage=usage, output_mode=m.http.output_mode,
+                            choices=[choice])
+        if self._prompt_ids_pending:
+            chunk.prompt_token_ids = m.wire.prompt_token_ids
+            self._prompt_ids_pending = False
+        return sse_event(json_encoder.encode(chunk))
+
+    def usage_chunk(self) -> Optional[bytes]:
+        """The final ``choices: []`` chunk with the total usage (include_usage only)."""
+        if not self.mapped.include_usage:
+            return None
+        p, c = self.facts.num_prompt_tokens, sum(self.generated)
+        usage = Usage(prompt_tokens=p, total_tokens=p + c, completion_tokens=c,
+                      prompt_tokens_details=self.facts.prompt_details(self.details, drop_none=True),
+                      completion_tokens_details=msgspec.UNSET)
+        metrics = self.facts.metrics(c)
+        chunk = StreamChunk(request_id=self.mapped.wire.request_id, usage=usage,
+                            metrics=metrics if metrics is not None else msgspec.UNSET,
+                            output_mode=self.mapped.http.output_mode, choices=[])
+        return sse_event(json_encoder.encode(chunk))

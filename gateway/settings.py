@@ -1,0 +1,26 @@
+"""Gateway settings, filled from the command line by gateway/main.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class GatewaySettings:
+    broker: Optional[str] = None  # None: common.client's default address
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    tokens_only: bool = False
+    # Names the model answers to; empty: the name the workers report.
+    served_model_names: list[str] = field(default_factory=list)
+    max_body_bytes: int = 32 * 1024 * 1024
+    # Cluster info (limits, live workers) is cached this long between broker round trips.
+    info_ttl_s: float = 1.0
+    info_timeout_s: float = 2.0
+    # After a client disconnects, the abort's terminal delta should arrive promptly;
+    # past this grace the stream is cancelled locally.
+    disconnect_grace_s: float = 5.0
+    log_level: str = "info"
+    # Bind with SO_REUSEPORT so several gateway processes share one port.
+    reuse_port: bool = False

@@ -1,0 +1,16 @@
+"""What every resource shares: settings, the broker client, the cluster cache, metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.cluster_info import ClusterInfoCache
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    client: object  # common.client.AsyncClient (or anything with its interface)
+    cluster: ClusterInfoCache
+    metrics: GatewayMetrics
