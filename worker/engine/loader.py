@@ -1,0 +1,87 @@
+"""Load an HF-format safetensors checkpoint into ``LlamaForCausalLM``.
+
+Memory-lean: the model is created with uninitialised weights directly on the
+target device/dtype, then each checkpoint tensor is read on its own
+(``safe_open`` memory-maps the file) and copied into its destination, so peak
+host memory is one tensor, not the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+
+from worker.engine.model_config import ModelConfig
+from worker.engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors that are derived, not learned: skipped silently.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """Shards listed by ``model.safetensors.index.json``, else every ``*.safetensors``."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards named in {index} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint, one at a time."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    targets = model.weight_targets()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in iter_checkpoint(model_dir):
+        dst = targets.get(name)
+        if dst is None:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # some tied checkpoints store the copy anyway
+            if not name.endswith(_IGNORED_SUFFIXES):
+                unexpected.append(name)
+            continue
+        if tensor.shape != dst.shape:
+            # q_norm/k_norm hold one [head_dim] vector broadcast over the heads.
+            if not (tensor.dim() == 1 and dst.dim() == 2 and dst.shape[1] == tensor.shape[0]):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weight(s): {shown}")
+    if unexpected:
+        log.warning("ignored %d unexpected checkpoint tensor(s), e.g. %s", len(unexpected), unexpected[:4])
+
+
+def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
+               device: torch.device | str = "cpu", config: Optional[ModelConfig] = None) -> LlamaForCausalLM:
+    """Build the model for ``model_dir`` on ``device`` in ``dtype`` (default: the
+    checkpoint's) and fill its weights."""
+    config = config or ModelConfig.from_dir(model_dir)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,194 @@
+"""What the engine needs to know about a Hugging Face model directory.
+
+Reads ``config.json`` (+ ``generation_config.json`` when present) into one frozen
+``ModelConfig``.  Both config generations are understood: the classic
+``rope_theta`` + ``rope_scaling`` keys and transformers 5's ``rope_parameters``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# architecture -> per-family switches of the single Llama implementation.
+#   qkv_bias_default: Qwen2 always has q/k/v biases (and no o_proj bias), the others
+#   follow config.attention_bias;  qk_norm: Qwen3 RMS-normalises q and k per head.
+_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
+    "MistralForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
+    "Qwen2ForCausalLM": dict(qkv_bias_default=True, qk_norm=False),
+    "Qwen3ForCausalLM": dict(qkv_bias_default=False, qk_norm=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+    "half": torch.float16, "bfloat16": torch.bfloat16,
+}
+# generation_config.json keys that become per-request sampling defaults (vLLM's
+# ModelConfig.get_diff_sampling_param uses the same set).
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    """eos_token_id may be an int, a list of ints or null."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]  # rope_type + its parameters; None = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype  # checkpoint's torch_dtype (float32 when unspecified)
+    eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    sliding_window: Optional[int] = None  # recorded, not applied (full attention)
+    max_new_tokens: Optional[int] = None  # generation_config default, None = unbounded
+    generation_defaults: dict = field(default_factory=dict)  # e.g. {"temperature": 0.6}
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        cfg = _read_json(cfg_file)
+        gen = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        return cls.from_dicts(path, cfg, gen)
+
+    @classmethod
+    def from_dicts(cls, path: Path, cfg: dict, gen: Optional[dict] = None) -> "ModelConfig":
+        gen = gen or {}
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in _ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"Unsupported architecture {'/'.join(archs) or '(none given)'}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = _ARCHITECTURES[arch]
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Unsupported hidden_act {act!r}; only silu is implemented")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            inter = int(cfg["intermediate_size"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+
+        rope = dict(cfg.get("rope_parameters") or {})
+        # transformers 5 may nest per-layer-type parameters; full attention is ours.
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+            rope = dict(rope["full_attention"])
+        legacy = cfg.get("rope_scaling")
+        if legacy:
+            rope.update(legacy)
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope.pop("type", None)
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qkv_bias = family["qkv_bias_default"] or attention_bias
+        o_bias = attention_bias and not family["qkv_bias_default"]
+
+        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"Unsupported torch_dtype {dtype_name!r}; supported: {', '.join(_DTYPES)}")
+
+        eos: list[int] = []
+        for value in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
+            for i in _ids(value):
+                if i not in eos:
+                    eos.append(i)
+
+        sliding = cfg.get("sliding_window")
+        if sliding and cfg.get("use_sliding_window", True) and sliding < int(cfg.get("max_position_embeddings", 0)):
+            log.warning("sliding_window=%s is not applied: attention is full over the context", sliding)
+
+        max_new = gen.get("max_new_tokens")
+        return cls(
+            path=Path(path),
+            architecture=arch,
+            model_type=str(cfg.get("model_type", "")),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family["qk_norm"],
+            dtype=_DTYPES[dtype_name],
+            eos_token_ids=tuple(eos),
+            bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+            pad_token_id=cfg.get("pad_token_id", gen.get("pad_token_id")),
+            sliding_window=sliding,
+            max_new_tokens=int(max_new) if max_new is not None else None,
+            generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
+        )

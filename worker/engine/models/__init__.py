@@ -1,0 +1,5 @@
+"""Model implementations.  One Llama-family network covers every supported
+architecture (see ``model_config.SUPPORTED_ARCHITECTURES``)."""
+from worker.engine.models.llama import LlamaForCausalLM, kv_bytes_per_block, kv_cache_shape
+
+__all__ = ["LlamaForCausalLM", "kv_cache_shape", "kv_bytes_per_block"]

@@ -1,0 +1,155 @@
+"""One Llama-family decoder serving Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm), reading HF checkpoints by their tensor names.
+
+q/k/v and gate/up projections are fused into single matmuls: the loader writes
+each HF tensor into its row range of the fused weight (``weight_targets``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.model_config import ModelConfig
+from worker.engine.models.attention import PagedAttention
+from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
+from worker.engine.models.rotary import apply_rotary, build_cos_sin_table
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of the single KV tensor the engine preallocates for this model."""
+    return (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers, K and V (for sizing the cache)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.qkv_weight = empty_param(c.q_size + 2 * c.kv_size, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = empty_param(c.q_size + 2 * c.kv_size, dtype=dtype, device=device) if c.qkv_bias else None
+        self.o_weight = empty_param(c.hidden_size, c.q_size, dtype=dtype, device=device)
+        self.o_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.o_bias else None
+        # Qwen3: q_norm/k_norm weights broadcast per head into one [heads + kv_heads, D]
+        # table so q and k are normalised by a single op.
+        self.qk_norm_weight = (empty_param(c.num_attention_heads + c.num_key_value_heads, c.head_dim,
+                                           dtype=dtype, device=device) if c.qk_norm else None)
+        self.qk_norm_eps = c.rms_norm_eps
+        inter = c.intermediate_size
+        self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
+        self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
+        self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
+        self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
+        self.attn = PagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the (view of the) parameter it is copied into."""
+        q, kv, inter = self.q_size, self.kv_size, self.gate_up_weight.shape[0] // 2
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        t = {
+            prefix + "input_layernorm.weight": self.input_layernorm.weight.data,
+            prefix + "post_attention_layernorm.weight": self.post_attention_layernorm.weight.data,
+            a + "q_proj.weight": self.qkv_weight.data[:q],
+            a + "k_proj.weight": self.qkv_weight.data[q:q + kv],
+            a + "v_proj.weight": self.qkv_weight.data[q + kv:],
+            a + "o_proj.weight": self.o_weight.data,
+            m + "gate_proj.weight": self.gate_up_weight.data[:inter],
+            m + "up_proj.weight": self.gate_up_weight.data[inter:],
+            m + "down_proj.weight": self.down_weight.data,
+        }
+        if self.qkv_bias is not None:
+            t[a + "q_proj.bias"] = self.qkv_bias.data[:q]
+            t[a + "k_proj.bias"] = self.qkv_bias.data[q:q + kv]
+            t[a + "v_proj.bias"] = self.qkv_bias.data[q + kv:]
+        if self.o_bias is not None:
+            t[a + "o_proj.bias"] = self.o_bias.data
+        if self.gate_up_bias is not None:
+            t[m + "gate_proj.bias"] = self.gate_up_bias.data[:inter]
+            t[m + "up_proj.bias"] = self.gate_up_bias.data[inter:]
+            t[m + "down_proj.bias"] = self.down_bias.data
+        if self.qk_norm_weight is not None:
+            t[a + "q_norm.weight"] = self.qk_norm_weight.data[: self.num_heads]
+            t[a + "k_norm.weight"] = self.qk_norm_weight.data[self.num_heads:]
+        return t
+
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: torch.Tensor,
+                attn: AttentionMetadata, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        t = h.shape[0]
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        n_qk = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
+        if self.qk_norm_weight is not None:
+            qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
+        qk = apply_rotary(qk, cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        o = self.attn(q, k, v, kv_layer, attn)
+        h = F.linear(o, self.o_weight, self.o_bias)
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = F.linear(silu_and_mul(F.linear(h, self.gate_up_weight, self.gate_up_bias)), self.down_weight,
+                     self.down_bias)
+        return h, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        dtype = dtype or config.dtype
+        self.dtype, self.device = dtype, torch.device(device)
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
+                        else empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        # Cast like HF: cos/sin computed in float32, then rounded to the model dtype.
+        table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                    config.rope_scaling)
+        self.register_buffer("cos_sin", table.to(device=device, dtype=dtype), persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos_sin.shape[0]
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every HF tensor name this model needs -> where it goes."""
+        t = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.weight.data}
+        if not self.config.tie_word_embeddings:
+            t["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            t.update(layer.weight_targets(f"model.layers.{i}."))
+        return t
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm for the flat batch."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos_sin = self.cos_sin.index_select(0, positions)  # shared by all layers
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, cos_sin, attn, kv_cache[:, i])
+        h, _ = self.norm(h, residual)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 ``[R, vocab]`` for the selected hidden rows."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,108 @@
+"""Rotary position embedding (NeoX / HF ``rotate_half`` layout) with the HF
+``rope_scaling`` variants: default, linear, dynamic (NTK), llama3 and yarn.
+
+cos/sin are precomputed once for every position into a ``[max_positions, head_dim]``
+table (cos half | sin half); a step gathers its rows once and all layers share them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, base: float, s: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    factor = s.get("factor") or max_position / s["original_max_position_embeddings"]
+    orig = s.get("original_max_position_embeddings", max_position)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = s.get("beta_fast") or 32
+    beta_slow = s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # share of the unscaled (extrapolated) frequency per dimension
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def rope_table_len(max_position: int, scaling: Optional[dict]) -> int:
+    """Positions the table must cover: dynamic NTK extends the context by ``factor``."""
+    if scaling and scaling["rope_type"] == "dynamic":
+        return int(max_position * scaling["factor"])
+    return max_position
+
+
+def build_cos_sin_table(head_dim: int, base: float, max_position: int, scaling: Optional[dict]) -> torch.Tensor:
+    """float32 ``[rope_table_len, head_dim]``: cos over the first half, sin over the second.
+
+    Values match transformers' ``ROPE_INIT_FUNCTIONS`` except for ``dynamic``, where
+    HF re-derives the base from the longest sequence of the current batch (so a
+    token's embedding depends on its neighbours); like vLLM we fix the base for
+    the whole extended range, which keeps KV reusable across steps.
+    """
+    rope_type = scaling["rope_type"] if scaling else "default"
+    attention_factor = 1.0
+    if rope_type == "default":
+        inv_freq = _base_inv_freq(head_dim, base)
+    elif rope_type == "linear":
+        inv_freq = _base_inv_freq(head_dim, base) / scaling["factor"]
+    elif rope_type == "dynamic":
+        factor = scaling["factor"]
+        dyn_base = base * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+        inv_freq = _base_inv_freq(head_dim, dyn_base)
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(_base_inv_freq(head_dim, base), scaling)
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(head_dim, base, scaling, max_position)
+    else:
+        raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    n = rope_table_len(max_position, scaling)
+    freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by the per-token ``cos_sin [T, head_dim]`` rows."""
+    half = x.shape[-1] // 2
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
