@@ -1,0 +1,102 @@
+"""HF fast-tokenizer files (tokenizer.json + tokenizer_config.json) read with the
+``tokenizers`` library only.  ``load_tokenizer`` returns None when the model has
+no tokenizer.json, which is the tokens-only serving mode."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+log = logging.getLogger(__name__)
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_content(value) -> Optional[str]:
+    """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return value.get("content")
+    return None
+
+
+class Tokenizer:
+    """The subset of ``PreTrainedTokenizerFast`` the worker needs."""
+
+    def __init__(self, tokenizer: _HFTokenizer, config: Optional[dict] = None,
+                 eos_token_ids: Sequence[int] = ()):
+        self._tok = tokenizer
+        config = config or {}
+        specials: dict[str, int] = {}
+        for key in _SPECIAL_KEYS:
+            content = _token_content(config.get(key))
+            if content is not None:
+                tid = tokenizer.token_to_id(content)
+                if tid is not None:
+                    specials[key] = tid
+        for content in config.get("additional_special_tokens") or []:
+            content = _token_content(content)
+            if content is not None and tokenizer.token_to_id(content) is not None:
+                specials.setdefault(content, tokenizer.token_to_id(content))
+        ids = set(specials.values())
+        for tid, added in tokenizer.get_added_tokens_decoder().items():
+            if added.special:
+                ids.add(tid)
+        for tid, entry in (config.get("added_tokens_decoder") or {}).items():
+            if isinstance(entry, dict) and entry.get("special"):
+                ids.add(int(tid))
+        self.all_special_ids: list[int] = sorted(ids)
+        self.bos_token_id: Optional[int] = specials.get("bos_token")
+        # tokenizer_config's eos_token, else the model config's first eos id.
+        self.eos_token_id: Optional[int] = specials.get("eos_token", eos_token_ids[0] if eos_token_ids else None)
+        self.pad_token_id: Optional[int] = specials.get("pad_token")
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | Path, config: Optional[dict] = None,
+                  eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        return cls(_HFTokenizer.from_file(str(tokenizer_json)), config, eos_token_ids)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[Optional[str]]:
+        """Raw vocabulary strings (byte-level symbols for BPE); None for unknown ids."""
+        id_to_token = self._tok.id_to_token
+        return [id_to_token(i) for i in ids]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        return self._tok.decoder.decode(list(tokens)) if self._tok.decoder else "".join(tokens)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(model_dir: str | Path, eos_token_ids: Sequence[int] = ()) -> Optional[Tokenizer]:
+    """Tokenizer of ``model_dir``, or None when it ships no tokenizer.json."""
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        log.info("no tokenizer.json in %s: serving tokens only", model_dir)
+        return None
+    config: dict = {}
+    cfg_path = model_dir / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    try:
+        return Tokenizer.from_file(path, config, eos_token_ids)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"cannot load {path}: {e}") from None
