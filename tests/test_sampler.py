@@ -268,3 +268,42 @@ def test_tokenize_bad_words_with_and_without_space():
     assert tokenize_bad_words(_WordTok(), ["x"]) == [[7]]
     with pytest.raises(ValueError):
         tokenize_bad_words(_WordTok(), ["zzz"])
+
+
+def test_persistent_row_caches_follow_the_live_output_list():
+    r = row(prompt=[1, 1, 4], output=[], repetition_penalty=1.5, frequency_penalty=0.5,
+            allowed_token_ids=[0, 2, 3, 5])
+    for new_tok in (3, 2, 3, 5):
+        r.output_token_ids.append(new_tok)  # the engine appends to the live list
+        fresh = row(prompt=[1, 1, 4], output=list(r.output_token_ids), repetition_penalty=1.5,
+                    frequency_penalty=0.5, allowed_token_ids=[0, 2, 3, 5])
+        assert torch.equal(processed(BASE, r), processed(BASE, fresh))
+    assert r.output_counts(V, torch.device("cpu")).tolist() == [0, 0, 1, 2, 0, 1, 0, 0]
+    del r.output_token_ids[2:]  # a shrunk list (e.g. recompute) rebuilds the counts
+    assert r.output_counts(V, torch.device("cpu")).tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampler_matches_cpu_semantics():
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=g)
+    rows = [row(temperature=0.0, logprobs=3, output=[1, 2], repetition_penalty=1.3),
+            row(temperature=0.8, top_k=5, seed=3, allowed_token_ids=list(range(50))),
+            row(temperature=1.0, top_p=0.5, min_p=0.1, logit_bias={7: 5.0}),
+            row(temperature=0.0, bad=[[int(logits[3].argmax())]])]
+    for r in rows:
+        if r.params.seed is not None:
+            r.generator = make_generator(r.params.seed, 0, dev)
+    cpu_rows = [row(temperature=0.0, logprobs=3, output=[1, 2], repetition_penalty=1.3)]
+    cpu_out, _ = run(logits[:1], cpu_rows)
+    meta = SamplingMetadata.build(rows, 300, dev)
+    out = Sampler()(logits.to(dev), meta)
+    assert out.sampled.device.type == "cuda"
+    assert out.sampled[0].item() == cpu_out.sampled[0].item()
+    top5 = set(logits[1, :50].topk(5).indices.tolist())
+    assert out.sampled[1].item() in top5
+    assert out.sampled[3].item() != int(logits[3].argmax())
+    assert torch.allclose(out.logprobs.top_logprobs[0].cpu(), cpu_out.logprobs.top_logprobs[0],
+                          atol=1e-5)

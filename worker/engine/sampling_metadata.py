@@ -66,9 +66,13 @@ def tokenize_bad_words(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
 class SamplingRow:
     """One choice that samples a token this step.
 
-    The engine may keep one row per running choice across steps and pass the live
-    ``output_token_ids`` list; the prompt tensor used for repetition penalties is
-    then cached on the row and built once.
+    The engine should keep one row per running choice across steps, holding the
+    live ``output_token_ids`` list: the device tensors for penalties and
+    allowed_token_ids are then cached on the row and updated incrementally (only the
+    newly generated tokens are counted each step) instead of rebuilt from lists.
+    A fresh row per step is also correct, just slower for those features.  The
+    output list may only grow (or shrink, which triggers a rebuild); replacing
+    tokens in place needs a new row.
     """
 
     params: SamplingParams
@@ -77,14 +81,46 @@ class SamplingRow:
     generator: Optional[torch.Generator] = None  # make_generator(...) when params.seed is set
     stop_ids_for_min_tokens: list[int] = field(default_factory=list)  # eos + stop_token_ids
     bad_words_ids: Optional[list[list[int]]] = None  # tokenize_bad_words(...) output
-    _prompt_tensor: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    # Device-side caches, valid while the row object lives (see class docstring).
+    _prompt_mask: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _output_counts: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _num_counted: int = field(default=0, repr=False, compare=False)
+    _allowed_mask: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
-    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
-        t = self._prompt_tensor
-        if t is None or t.device != device:
-            t = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
-            self._prompt_tensor = t
-        return t
+    def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[V] bool: token occurs in the prompt (built once)."""
+        m = self._prompt_mask
+        if m is None or m.device != device or m.shape[0] != vocab_size:
+            m = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if self.prompt_token_ids:
+                m[torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)] = True
+            self._prompt_mask = m
+        return m
+
+    def output_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[V] float32 occurrences in the output, updated with only the new tokens."""
+        c = self._output_counts
+        out = self.output_token_ids
+        if (c is None or c.device != device or c.shape[0] != vocab_size
+                or self._num_counted > len(out)):
+            c = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self._num_counted = 0
+            self._output_counts = c
+        if self._num_counted < len(out):
+            new = torch.tensor(out[self._num_counted:], dtype=torch.long, device=device)
+            c.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
+            self._num_counted = len(out)
+        return c
+
+    def allowed_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[V] bool, True = not in allowed_token_ids (built once)."""
+        m = self._allowed_mask
+        if m is None or m.device != device or m.shape[0] != vocab_size:
+            m = torch.ones(vocab_size, dtype=torch.bool)
+            m[torch.tensor(self.params.allowed_token_ids, dtype=torch.long)] = False
+            m = m.to(device)
+            self._allowed_mask = m
+        return m
 
 
 def _row_needs_penalties(p: SamplingParams) -> bool:
@@ -167,12 +203,10 @@ class SamplingMetadata:
 
         allowed_mask = None
         if any(p.allowed_token_ids for p in params):
-            allowed_mask = torch.zeros((num_rows, vocab_size), dtype=torch.bool)
-            for i, p in enumerate(params):
-                if p.allowed_token_ids:
-                    allowed_mask[i].fill_(True)
-                    allowed_mask[i, torch.tensor(p.allowed_token_ids, dtype=torch.long)] = False
-            allowed_mask = allowed_mask.to(device, non_blocking=True)
+            no_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            allowed_mask = torch.stack([
+                r.allowed_mask(vocab_size, device) if r.params.allowed_token_ids else no_mask
+                for r in rows])
 
         logit_bias = None
         if any(p.logit_bias for p in params):
@@ -218,21 +252,20 @@ class SamplingMetadata:
 
 def _build_penalties(rows: Sequence[SamplingRow], pen_rows: list[int], vocab_size: int,
                      device: torch.device) -> Penalties:
-    n = len(pen_rows)
-    prompt_mask = torch.zeros((n, vocab_size), dtype=torch.bool, device=device)
-    output_counts = torch.zeros((n, vocab_size), dtype=torch.float32, device=device)
-    for j, i in enumerate(pen_rows):
+    no_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    prompt_masks = []
+    counts = []
+    for i in pen_rows:
         r = rows[i]
-        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
-            prompt_mask[j, r.prompt_tensor(device)] = True
-        if r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
-            output_counts[j].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        # Only the repetition penalty looks at the prompt.
+        prompt_masks.append(r.prompt_mask(vocab_size, device)
+                            if r.params.repetition_penalty != 1.0 else no_prompt)
+        counts.append(r.output_counts(vocab_size, device))
     ps = [rows[i].params for i in pen_rows]
     return Penalties(
         rows=torch.tensor(pen_rows, dtype=torch.long, device=device),
-        prompt_mask=prompt_mask,
-        output_counts=output_counts,
+        prompt_mask=torch.stack(prompt_masks),
+        output_counts=torch.stack(counts),
         presence=torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=device),
         frequency=torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32,
                                device=device),
