@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from common.protocol import GenerateRequest, SamplingParams, TokenLogprobs
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 _seq_counter = itertools.count()
 
@@ -54,19 +51,12 @@ class LogprobsBuffer:
         return len(self.token_ids)
 
     def extend(self, other: TokenLogprobs) -> None:
+        """Append a run of positions."""
         self.token_ids.extend(other.token_ids)
         self.logprobs.extend(other.logprobs)
         self.ranks.extend(other.ranks)
         self.top_ids.extend(other.top_ids)
         self.top_logprobs.extend(other.top_logprobs)
-
-    def append(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
-               top_logprobs: list[float]) -> None:
-        self.token_ids.append(token_id)
-        self.logprobs.append(logprob)
-        self.ranks.append(rank)
-        self.top_ids.append(top_ids)
-        self.top_logprobs.append(top_logprobs)
 
     def drain(self) -> Optional[TokenLogprobs]:
         if not self.token_ids:
@@ -103,17 +93,15 @@ class Request:
         self.wants_prompt_scores = (req.params.prompt_logprobs is not None
                                     or bool(req.params.prompt_logprob_token_ids))
         self.prompt_logprobs = LogprobsBuffer() if req.params.prompt_logprobs is not None else None
-        self.prompt_token_id_rows: list[Any] = []  # float32 numpy rows, in prompt order
+        self.prompt_token_id_rows: list[Any] = []  # float32 numpy row blocks, in prompt order
+        self.num_prompt_scored = 0  # prompt positions whose logits were scored already
+        self.bad_words_ids: Optional[list[list[int]]] = None
         self.sequences: list[Sequence] = []
         self.forked = self.n == 1
         self.first_delta_sent = False
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.num_cached_tokens = 0
-
-    @property
-    def sampling_seed(self) -> Optional[int]:
-        return self.params.seed
 
     def is_finished(self) -> bool:
         return self.forked and all(s.status is SeqStatus.FINISHED for s in self.sequences)
@@ -127,6 +115,9 @@ class Sequence:
         self.request = request
         self.index = index
         self.token_ids = token_ids  # prompt + output
+        self.output_ids: list[int] = []  # output only (live list read by the sampler)
+        self.num_cached_tokens = 0
+        self.sampling_row: Any = None  # SamplingRow, built by the engine
         self.num_prompt_tokens = request.num_prompt_tokens
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
@@ -138,12 +129,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Optional[torch.Generator] = None
         self.detokenizer: Any = None
-        # Streaming state: what the next delta carries.
-        self.num_emitted_tokens = 0
-        self.pending_text: list[str] = []
-        self.pending_logprobs: Optional[LogprobsBuffer] = (
-            LogprobsBuffer() if request.params.logprobs is not None else None)
-        self.finish_emitted = False
+        self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
 
     # --- sizes -----------------------------------------------------------
     @property
@@ -168,6 +154,10 @@ class Sequence:
 
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_ids.append(token_id)
 
     # --- stopping --------------------------------------------------------
     def check_token_stop(self, max_model_len: int) -> bool:

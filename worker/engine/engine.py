@@ -1,0 +1,355 @@
+"""The engine one worker process runs: requests in, per-step CompletionDeltas out.
+
+``step()`` = schedule -> forward -> logits of the rows that need them -> sample ->
+append tokens, check stops, detokenize -> deltas.  Requests join and leave between
+steps (continuous batching); the worker loop calls ``add_request`` / ``abort`` /
+``step`` from one thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+
+from common.errors import BadRequest
+from common.protocol import CompletionDelta, GenerateRequest, ModelInfo, WorkerLoad
+from common.validation import validate_request
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
+from worker.engine.loader import load_model
+from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
+                                    score_token_ids, to_token_logprobs)
+from worker.engine.model_config import ModelConfig
+from worker.engine.model_runner import ModelRunner
+from worker.engine.request import FinishReason, Request, Sequence
+from worker.engine.sampler import Sampler
+from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
+from worker.engine.scheduler import ScheduledSeq, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from worker.engine.tokenizer import load_tokenizer as _load  # the "model" engineer's loader
+
+    return _load(model_dir)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device = config.torch_device
+        if device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
+        self.model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
+        self.tokenizer = None if config.tokens_only else load_tokenizer(config.model)
+
+        self.runner = ModelRunner(config, mc, self.model, max_model_len)
+        num_blocks = self.runner.decide_num_blocks()
+        if num_blocks * config.block_size < max_model_len:
+            # One sequence must always fit, or recompute preemption could never finish it.
+            log.warning("KV cache holds %d tokens < max_model_len %d; lowering max_model_len",
+                        num_blocks * config.block_size, max_model_len)
+            max_model_len = num_blocks * config.block_size
+            self.runner.set_max_model_len(max_model_len)
+        self.max_model_len = max_model_len
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   token_budget=config.step_token_budget(max_model_len),
+                                   max_model_len=max_model_len,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.sampler = Sampler()
+        self.runner.capture_cuda_graphs()
+
+        self.vocab_size = mc.vocab_size
+        self.model_info = ModelInfo(
+            name=config.served_model_name or config.model,
+            vocab_size=mc.vocab_size,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_logprobs=config.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+            eos_token_ids=list(mc.eos_token_ids),
+            default_max_tokens=mc.max_new_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+                 mc.architecture, device, config.torch_dtype, num_blocks, config.block_size, max_model_len)
+
+    # --- requests ------------------------------------------------------------------
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.request_id in self.requests:
+            raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
+        validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
+        p = req.params
+        prompt_len = len(req.prompt_token_ids)
+        room = self.max_model_len - prompt_len
+        if p.max_tokens is not None and not p.max_tokens_is_default and p.max_tokens > room:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, "
+                f"{p.max_tokens} in the completion). Please reduce the length of the messages or "
+                f"completion.", "max_tokens")
+        max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+        if p.max_tokens_is_default and self.model_config.max_new_tokens:
+            max_tokens = min(max_tokens, self.model_config.max_new_tokens)
+        request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
+                          eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
+        if p.bad_words and self.tokenizer is not None:
+            try:
+                request.bad_words_ids = tokenize_bad_words(self.tokenizer, p.bad_words)
+            except ValueError as e:
+                raise BadRequest(str(e), "bad_words") from None
+        seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
+        self.requests[req.request_id] = request
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(request, index, token_ids)
+        p = request.params
+        if p.seed is not None:
+            seq.generator = make_generator(p.seed, index, self.config.torch_device)
+        if self.tokenizer is not None and needs_detokenizer(p, request.req.output_text):
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p)
+        min_stop_ids: list[int] = []
+        if p.min_tokens:
+            min_stop_ids = sorted(request.stop_token_ids)
+            if request.primary_eos is not None:
+                min_stop_ids.insert(0, request.primary_eos)
+        seq.sampling_row = SamplingRow(params=p, prompt_token_ids=request.prompt_token_ids,
+                                       output_token_ids=seq.output_ids, generator=seq.generator,
+                                       stop_ids_for_min_tokens=min_stop_ids,
+                                       bad_words_ids=request.bad_words_ids)
+        request.sequences.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> list[CompletionDelta]:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return []
+        deltas = []
+        for seq in request.sequences:
+            if not seq.is_finished():
+                seq.finish(FinishReason.ABORT)
+                self.scheduler.remove(seq)
+                deltas.append(self._delta(seq, [], None))
+        for index in range(len(request.sequences), request.n):  # choices not forked yet
+            deltas.append(CompletionDelta(request_id=request_id, index=index, finish_reason=FinishReason.ABORT,
+                                          num_prompt_tokens=request.num_prompt_tokens,
+                                          num_cached_tokens=request.num_cached_tokens,
+                                          first_scheduled_time=request.first_scheduled_time))
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+                          free_kv_blocks=self.block_manager.num_free_blocks,
+                          total_kv_blocks=self.block_manager.num_blocks,
+                          max_num_seqs=self.config.max_num_seqs)
+
+    # --- one step ------------------------------------------------------------------------
+    def step(self) -> list[CompletionDelta]:
+        out = self.scheduler.schedule()
+        if not out:
+            return []
+        hidden = self.runner.forward(out.scheduled)
+        self.scheduler.update_after_step(out.scheduled)
+
+        prompt_jobs, sample_seqs, rows = self._select_rows(out.scheduled)
+        if not rows:
+            return []
+        logits = self.runner.compute_logits(hidden, rows)
+        num_prompt_rows = len(rows) - len(sample_seqs)
+        if prompt_jobs:
+            self._score_prompts(prompt_jobs, logits[:num_prompt_rows])
+        if not sample_seqs:
+            return []
+
+        # Fork choices 1..n-1 the first time choice 0 samples: they share the
+        # prompt's blocks and draw their first token from the same logits row.
+        sample_rows = list(range(num_prompt_rows, len(rows)))
+        for i in range(len(sample_seqs)):
+            seq = sample_seqs[i]
+            request = seq.request
+            if not request.forked:
+                request.forked = True
+                for index in range(1, request.n):
+                    child = self._new_sequence(request, index, list(request.prompt_token_ids))
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    sample_seqs.append(child)
+                    sample_rows.append(sample_rows[i])
+        sample_logits = logits.index_select(
+            0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
+        meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size,
+                                      self.config.torch_device)
+        result = self.sampler(sample_logits, meta)
+        sampled = result.sampled.tolist()
+        lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
+
+        now = time.time()
+        deltas = []
+        for i, seq in enumerate(sample_seqs):
+            deltas.extend(self._append_token(seq, sampled[i], lp_lists, i, now))
+        return deltas
+
+    def _select_rows(self, scheduled: list[ScheduledSeq]):
+        """Logit rows this step needs: prompt positions to score, then one row per
+        sequence that reached its end (its next token is sampled)."""
+        prompt_jobs: list[tuple[Request, int, int]] = []  # (request, first position, count)
+        prompt_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        sample_rows: list[int] = []
+        row = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens - n
+            request = seq.request
+            if request.wants_prompt_scores and seq.index == 0:
+                # Logits at position p score prompt token p+1; recompute after preemption
+                # must not score a position twice.
+                first = max(start, request.num_prompt_scored)
+                last = min(start + n, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_jobs.append((request, first, last - first))
+                    prompt_rows.extend(range(row + first - start, row + last - start))
+                    request.num_prompt_scored = last
+            if seq.num_computed_tokens == seq.num_tokens:
+                sample_seqs.append(seq)
+                sample_rows.append(row + n - 1)
+            row += n
+        return prompt_jobs, sample_seqs, prompt_rows + sample_rows
+
+    def _score_prompts(self, jobs: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
+        offset = 0
+        for request, first, count in jobs:
+            rows = logits[offset:offset + count]
+            offset += count
+            p = request.params
+            targets = request.prompt_token_ids[first + 1:first + 1 + count]
+            if p.prompt_logprobs is not None:
+                target_t = torch.tensor(targets, dtype=torch.long, device=rows.device)
+                lists = compute_prompt_logprobs(rows, target_t, p.prompt_logprobs).tolists()
+                request.prompt_logprobs.extend(prompt_token_logprobs(lists))
+            if p.prompt_logprob_token_ids:
+                request.prompt_token_id_rows.append(
+                    score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
+
+    def _append_token(self, seq: Sequence, token: int, lp_lists: Any, row: int, now: float) -> list[CompletionDelta]:
+        request = seq.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        seq.append_token(token)
+        p = request.params
+        if p.logprobs is not None and lp_lists is not None:
+            entry = to_token_logprobs(lp_lists, row, p.logprobs)
+            if request.req.output_text and self.tokenizer is not None:
+                attach_token_texts(entry, self.tokenizer)
+            seq.pending_logprobs = extend_token_logprobs(seq.pending_logprobs, entry)
+        new_tokens = [token]
+        seq.check_token_stop(self.max_model_len)
+        text: Optional[str] = None
+        if seq.detokenizer is not None:
+            stop_by_token = seq.is_finished() and seq.finish_reason == FinishReason.STOP
+            text, stop_str = seq.detokenizer.update(
+                new_tokens, stop_terminated=stop_by_token, finished=seq.is_finished() and not stop_by_token)
+            if seq.detokenizer.dropped_token_count:
+                dropped = seq.detokenizer.dropped_token_count
+                del seq.token_ids[-dropped:]
+                del seq.output_ids[-dropped:]
+                new_tokens = new_tokens[:-dropped]
+            if stop_str is not None:
+                seq.finish(FinishReason.STOP, stop_str)
+        deltas = [self._delta(seq, new_tokens, text)]
+        if seq.is_finished():
+            self.scheduler.remove(seq)
+            if request.is_finished():
+                self.requests.pop(request.request_id, None)
+        return deltas
+
+    def _delta(self, seq: Sequence, new_tokens: list[int], text: Optional[str]) -> CompletionDelta:
+        request = seq.request
+        delta = CompletionDelta(
+            request_id=request.request_id,
+            index=seq.index,
+            token_ids=new_tokens,
+            logprobs=seq.pending_logprobs,
+            text=(text or "") if request.req.output_text else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+        )
+        seq.pending_logprobs = None
+        if not request.first_delta_sent and seq.index == 0:
+            request.first_delta_sent = True
+            delta.kv_transfer_params = request.req.kv_transfer_params
+            if request.prompt_logprobs is not None:
+                delta.prompt_logprobs = request.prompt_logprobs.drain()
+            if request.prompt_token_id_rows:
+                scores = _stack_padded(request.prompt_token_id_rows)
+                delta.prompt_token_id_scores = scores.tobytes()
+                delta.prompt_token_id_shape = list(scores.shape)
+                request.prompt_token_id_rows = []
+        return delta
+
+    # --- synchronous helper ------------------------------------------------------------
+    def generate(self, requests: Iterable[GenerateRequest]) -> dict[str, list[CompletionDelta]]:
+        """Run the given requests to completion; one merged delta per choice."""
+        ids = []
+        for req in requests:
+            self.add_request(req)
+            ids.append(req.request_id)
+        merged: dict[tuple[str, int], CompletionDelta] = {}
+        wanted = set(ids)
+        while any(rid in self.requests for rid in wanted):
+            for delta in self.step():
+                key = (delta.request_id, delta.index)
+                merged[key] = merge_delta(merged.get(key), delta)
+        return {rid: [merged[k] for k in sorted(k for k in merged if k[0] == rid)] for rid in ids}
+
+
+def merge_delta(acc: Optional[CompletionDelta], d: CompletionDelta) -> CompletionDelta:
+    """Fold a later delta of the same choice into ``acc`` (used by ``generate``)."""
+    if acc is None:
+        return CompletionDelta(**{f: getattr(d, f) for f in d.__struct_fields__})
+    acc.token_ids = acc.token_ids + d.token_ids
+    if d.logprobs is not None:
+        acc.logprobs = extend_token_logprobs(acc.logprobs, d.logprobs)
+    if d.text is not None:
+        acc.text = (acc.text or "") + d.text
+    acc.finish_reason = d.finish_reason
+    acc.stop_reason = d.stop_reason
+    acc.num_cached_tokens = d.num_cached_tokens
+    for f in ("prompt_logprobs", "prompt_token_id_scores", "prompt_token_id_shape", "kv_transfer_params",
+              "first_scheduled_time", "first_token_time"):
+        if getattr(acc, f) is None:
+            setattr(acc, f, getattr(d, f))
+    return acc
+
+
+def _stack_padded(parts: list[np.ndarray]) -> np.ndarray:
+    """Concatenate per-chunk score rows, padding narrower chunks with -inf."""
+    width = max(p.shape[1] for p in parts)
+    out = np.full((sum(p.shape[0] for p in parts), width), -np.inf, dtype=np.float32)
+    r = 0
+    for p in parts:
+        out[r:r + p.shape[0], :p.shape[1]] = p
+        r += p.shape[0]
+    return out
