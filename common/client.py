@@ -1,0 +1,337 @@
+"""Direct ZeroMQ client of the broker: what the gateway uses, and what scripts / RL
+trainers can use to skip HTTP entirely.
+
+One DEALER socket per client object, multiplexed by request id; frame layouts in
+common/framing.py.  The client heartbeats the broker; when the broker is silent
+for longer than the liveness period, every in-flight request fails with a 503
+``RequestError`` and the client keeps working once the broker is back (ZeroMQ
+reconnects by itself).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from typing import AsyncIterator, Iterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from common import config, framing
+from common.errors import ServingError
+from common.framing import FrameError
+from common.logging import RateLimitedLog, get_logger
+from common.protocol import Abort, ClusterInfo, CompletionDelta, ErrorMsg, GenerateRequest, MsgType, Outputs
+
+log = get_logger("tokserve.client")
+
+
+class RequestError(ServingError):
+    """A request failed: built from the broker's/worker's ErrorMsg, or raised locally
+    (503) when the broker is unreachable or lost."""
+
+    def __init__(self, message: str, status: int = 500, type: Optional[str] = None, param: Optional[str] = None,
+                 request_id: Optional[str] = None):
+        super().__init__(message, param, status=status, type=type or _default_type(status))
+        self.request_id = request_id
+
+    @classmethod
+    def from_msg(cls, err: ErrorMsg) -> "RequestError":
+        return cls(err.message, err.status, err.type, err.param, err.request_id)
+
+    def __repr__(self) -> str:
+        return f"RequestError(status={self.status}, type={self.type!r}, message={self.message!r})"
+
+
+def _default_type(status: int) -> str:
+    return {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        status, "InternalServerError")
+
+
+def _unavailable(message: str, request_id: Optional[str] = None) -> RequestError:
+    return RequestError(message, 503, "ServiceUnavailableError", None, request_id)
+
+
+class _Stream:
+    __slots__ = ("queue", "remaining")
+
+    def __init__(self, n: int):
+        self.queue: asyncio.Queue = asyncio.Queue()  # lists of deltas, or a RequestError
+        self.remaining = n
+
+
+class AsyncClient:
+    """asyncio client; use inside one event loop (``async with AsyncClient(...)``)."""
+
+    def __init__(self, address: str | None = None, *, identity: bytes | None = None,
+                 curve_server_key: bytes | None = None, heartbeat_interval: float | None = None,
+                 liveness: int | None = None, context: zmq.asyncio.Context | None = None):
+        self.address = address or config.frontend_address()
+        self.identity = identity
+        self.curve_server_key = curve_server_key
+        self.interval = heartbeat_interval or config.heartbeat_interval()
+        self.expiry = self.interval * (liveness or config.heartbeat_liveness())
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock: Optional[zmq.asyncio.Socket] = None
+        self._streams: dict[str, _Stream] = {}
+        self._info_waiters: dict[int, asyncio.Future] = {}
+        self._nonces = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._last_heard = 0.0
+        self._bad = RateLimitedLog(log)
+        self._outputs_decoder = framing._decoders[Outputs]
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self._sock is not None:
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a missing connection: fail fast instead
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self.identity:
+            sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        if self.curve_server_key:
+            sock.curve_serverkey = self.curve_server_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(self.address)
+        self._sock = sock
+        self._last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._reader(), name="tokserve-client-reader"),
+                       asyncio.create_task(self._heartbeat(), name="tokserve-client-heartbeat")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        self._fail_all(_unavailable("client closed"))
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ API
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Yield the deltas of all choices as they arrive; end when every choice finished.
+
+        Raises RequestError on an error from the cluster or when the broker is
+        unreachable/lost.  Closing the generator early aborts the request.
+        """
+        if self._sock is None:
+            await self.start()
+        rid = request.request_id
+        if rid in self._streams:
+            raise RequestError(f"request_id {rid!r} is already in flight on this client", 400,
+                               param="request_id", request_id=rid)
+        stream = _Stream(max(1, request.params.n))
+        self._streams[rid] = stream
+        if not self._send(framing.message(MsgType.GENERATE, request)):
+            del self._streams[rid]
+            raise _unavailable(f"broker at {self.address} is unreachable", rid)
+        ended = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, RequestError):
+                    ended = True
+                    raise item
+                for delta in item:
+                    if delta.finish_reason is not None:
+                        stream.remaining -= 1
+                        ended = stream.remaining <= 0
+                    yield delta
+                if ended:
+                    return
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+            if not ended:  # abandoned by the caller (aclose / cancellation)
+                self._send(framing.message(MsgType.ABORT, Abort([rid])))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests; their streams end with finish_reason "abort".  Unknown ids are ignored."""
+        if request_ids:
+            if self._sock is None:
+                await self.start()
+            self._send(framing.message(MsgType.ABORT, Abort(list(request_ids))))
+
+    async def info(self, timeout: float = 2.0) -> ClusterInfo:
+        """Live workers with their load and the served model; RequestError(503) on timeout."""
+        if self._sock is None:
+            await self.start()
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._info_waiters[nonce] = fut
+        try:
+            if not self._send(framing.message(MsgType.INFO, framing.nonce_bytes(nonce))):
+                raise _unavailable(f"broker at {self.address} is unreachable")
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise _unavailable(f"broker at {self.address} did not answer within {timeout}s") from None
+        finally:
+            self._info_waiters.pop(nonce, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------- internals
+    def _send(self, frames: list) -> bool:
+        """Non-blocking send (never waits on HWM); False when no broker connection exists."""
+        fut = self._sock.send_multipart(frames, zmq.NOBLOCK)
+        exc = fut.exception() if fut.done() else None
+        if isinstance(exc, zmq.Again):
+            return False
+        if exc is not None:
+            raise exc
+        return True
+
+    def _fail_all(self, error: RequestError) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put_nowait(RequestError(error.message, error.status, error.type, None, rid))
+        self._streams.clear()
+        for fut in self._info_waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def _heartbeat(self) -> None:
+        beat = framing.message(MsgType.HEARTBEAT)
+        while True:
+            await asyncio.sleep(self.interval)
+            self._send(beat)
+            silent = time.monotonic() - self._last_heard
+            if silent > self.expiry and (self._streams or self._info_waiters):
+                log.warning("broker silent for %.1fs: failing %d in-flight request(s)", silent, len(self._streams))
+                self._fail_all(_unavailable(f"lost connection to the broker ({silent:.1f}s without heartbeat)"))
+
+    async def _reader(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart()
+            self._last_heard = time.monotonic()
+            try:
+                self._dispatch(frames)
+            except FrameError as exc:
+                self._bad.warning("dropped malformed message from broker: %s", exc)
+            except Exception:
+                log.exception("error handling a broker message; dropped")
+
+    def _dispatch(self, frames: list) -> None:
+        msg_type, rest = framing.split(frames)
+        if msg_type == MsgType.OUTPUTS:
+            deltas = framing.decode(rest[0], Outputs).deltas
+            streams = self._streams
+            if len(deltas) == 1:
+                stream = streams.get(deltas[0].request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(deltas)
+                return
+            per_request: dict[str, list] = {}
+            for d in deltas:
+                per_request.setdefault(d.request_id, []).append(d)
+            for rid, ds in per_request.items():
+                stream = streams.get(rid)
+                if stream is not None:  # else: already finished/abandoned locally
+                    stream.queue.put_nowait(ds)
+        elif msg_type == MsgType.ERROR:
+            err = framing.decode(rest[0], ErrorMsg)
+            stream = self._streams.pop(err.request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(RequestError.from_msg(err))
+        elif msg_type == MsgType.INFO:
+            framing.expect_count(rest, 2, "INFO")
+            fut = self._info_waiters.get(framing.nonce_from(rest[1]))
+            if fut is not None and not fut.done():
+                fut.set_result(framing.decode(rest[0], ClusterInfo))
+        elif msg_type != MsgType.HEARTBEAT:
+            raise FrameError(f"unexpected message type {msg_type!r} from broker")
+
+
+_END = object()
+
+
+class Client:
+    """Synchronous twin of AsyncClient (scripts, RL trainers): an AsyncClient on a
+    private event-loop thread.  Thread-safe: many threads may generate at once."""
+
+    def __init__(self, address: str | None = None, **kwargs):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tokserve-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AsyncClient:
+            client = AsyncClient(address, context=zmq.asyncio.Context(), **kwargs)
+            await client.start()
+            return client
+
+        self._client: AsyncClient = self._call(make())
+
+    def _call(self, coro, timeout: Optional[float] = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def generate(self, request: GenerateRequest) -> Iterator[CompletionDelta]:
+        """Iterator over the deltas; closing it early aborts the request."""
+        items: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for delta in self._client.generate(request):
+                    items.put(delta)
+                items.put(_END)
+            except asyncio.CancelledError:
+                items.put(_END)
+                raise
+            except BaseException as exc:
+                items.put(exc)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                item = items.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not future.done():
+                future.cancel()  # cancels the async generator: it sends ABORT
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._call(self._client.abort(request_ids))
+
+    def info(self, timeout: float = 2.0) -> ClusterInfo:
+        return self._call(self._client.info(timeout))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._client.close(), timeout=5)
+            self._client._ctx.term()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._loop.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

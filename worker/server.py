@@ -1,0 +1,338 @@
+"""The worker process around the engine: broker link in an IO thread, engine loop
+in the main thread.
+
+Threads and sockets:
+  * IO thread (``BrokerLink``) owns the DEALER to the broker.  It answers nothing
+    itself but keeps heartbeats flowing even while the engine is inside a long
+    step, notices a silent broker (then rebuilds its socket and asks the engine
+    loop to re-register), and relays messages to/from the engine loop over an
+    inproc PAIR pipe.
+  * Main thread (``WorkerServer``) owns the engine: drain everything that arrived,
+    step once, ship one OUTPUTS frame set per step (deltas grouped per client;
+    layout in common/framing.py).  Idle: blocks on the pipe, no spinning.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+
+from common import config, framing
+from common.errors import ServingError
+from common.framing import FrameError
+from common.logging import RateLimitedLog, get_logger
+from common.protocol import (MAGIC, Abort, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest, MsgType,
+                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+
+log = get_logger("tokserve.worker")
+
+_CTL = b"CTL"  # first frame of pipe-only control messages (never leaves the process)
+_RESET = b"reset"  # IO -> engine loop: broker lost or forgot us; drop requests, re-register
+_STOP = b"stop"  # engine loop -> IO: flush and exit
+
+
+class BrokerLink(threading.Thread):
+    def __init__(self, ctx: zmq.Context, broker: str, pipe_addr: str, interval: float, liveness: int,
+                 curve_server_key: Optional[bytes] = None):
+        super().__init__(name="broker-link", daemon=True)
+        self.ctx, self.broker, self.pipe_addr = ctx, broker, pipe_addr
+        self.interval, self.expiry = interval, interval * liveness
+        self.curve_server_key = curve_server_key
+        self.load = WorkerLoad()  # latest snapshot, replaced (never mutated) by the engine loop
+        self.registered = False  # READY sent: heartbeats may flow
+        self._bad = RateLimitedLog(log)
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)  # let a final DISCONNECT/OUTPUTS leave on exit
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve_server_key:
+            sock.curve_serverkey = self.curve_server_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(self.broker)
+        return sock
+
+    def run(self) -> None:
+        pipe = self.ctx.socket(zmq.PAIR)
+        pipe.connect(self.pipe_addr)
+        dealer = self._connect()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_beat = last_heard
+        beat_head = [MAGIC, MsgType.HEARTBEAT]
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    if self.registered:
+                        dealer.send_multipart([*beat_head, framing.encode(self.load)])
+                    next_beat = now + self.interval
+                if now - last_heard > self.expiry:
+                    # Paranoid Pirate: the broker is gone (or restarted).  A fresh socket drops
+                    # whatever was queued for the old one; the engine loop then re-registers.
+                    log.warning("no message from broker for %.1fs: reconnecting", now - last_heard)
+                    poller.unregister(dealer)
+                    dealer.close(0)
+                    dealer = self._connect()
+                    poller.register(dealer, zmq.POLLIN)
+                    self.registered = False
+                    pipe.send_multipart([_CTL, _RESET])
+                    last_heard = now
+                timeout = max(1, int(min(next_beat - now, self.expiry - (now - last_heard)) * 1000))
+                for sock, _ in poller.poll(timeout):
+                    if sock is dealer:
+                        while True:
+                            try:
+                                frames = dealer.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            last_heard = time.monotonic()
+                            self._from_broker(frames, pipe)
+                    else:
+                        while True:
+                            try:
+                                frames = pipe.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            if frames[0] == _CTL:
+                                if frames[1] == _STOP:
+                                    return
+                                continue
+                            if frames[1] == MsgType.READY:
+                                self.registered = True
+                            dealer.send_multipart(frames)
+        finally:
+            dealer.close()
+            pipe.close(0)
+
+    def _from_broker(self, frames: list, pipe: zmq.Socket) -> None:
+        try:
+            msg_type, _ = framing.split(frames)
+        except FrameError as exc:
+            self._bad.warning("dropped malformed message from broker: %s", exc)
+            return
+        if msg_type in (MsgType.GENERATE, MsgType.ABORT):
+            pipe.send_multipart(frames)
+        elif msg_type == MsgType.DISCONNECT:  # the broker does not know us (restart, or declared us dead)
+            self.registered = False
+            pipe.send_multipart([_CTL, _RESET])
+        elif msg_type != MsgType.HEARTBEAT:
+            self._bad.warning("unexpected message type %r from broker", msg_type)
+
+
+@dataclass
+class _Track:
+    client: bytes
+    remaining: int  # choices not finished yet
+    started: bool = False
+
+
+class WorkerServer:
+    """Runs ``engine`` (worker.engine.Engine API) for the broker at ``broker``."""
+
+    def __init__(self, engine, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
+                 liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
+                 curve_server_key: Optional[bytes] = None, ctx: Optional[zmq.Context] = None):
+        self.engine = engine
+        self.rank = rank
+        self.drain_timeout = drain_timeout
+        self.ctx = ctx or zmq.Context.instance()
+        pipe_addr = f"inproc://worker-link-{id(self)}"
+        self.pipe = self.ctx.socket(zmq.PAIR)
+        self.pipe.setsockopt(zmq.LINGER, 0)
+        self.pipe.bind(pipe_addr)
+        self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key)
+        self.tracks: dict[str, _Track] = {}
+        self.received = 0
+        self._drain_requested = False
+        self._drain_deadline: Optional[float] = None
+        self._bad = RateLimitedLog(log)
+        self._gen_decoder = framing._decoders[GenerateRequest]
+
+    # ---------------------------------------------------------------- control
+    def request_drain(self, *_args) -> None:
+        """SIGTERM handler: finish running requests, then leave."""
+        self._drain_requested = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_drain)
+        signal.signal(signal.SIGINT, self.request_drain)
+
+    def _send(self, frames: list) -> None:
+        self.pipe.send_multipart(frames)
+
+    def _ready(self) -> None:
+        self._refresh_load()
+        ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid())
+        self._send(framing.message(MsgType.READY, ready))
+
+    def _refresh_load(self) -> WorkerLoad:
+        load = self.engine.load()
+        load.num_received = self.received
+        self.link.load = load
+        return load
+
+    # ------------------------------------------------------------------- loop
+    def run(self) -> int:
+        self.link.start()
+        self._ready()
+        log.info("worker rank %d serving %s", self.rank, self.engine.model_info.name)
+        try:
+            while True:
+                if self._drain_requested and self._drain_deadline is None:
+                    log.info("draining: finishing %d request(s) within %.0fs", len(self.tracks), self.drain_timeout)
+                    self._drain_deadline = time.monotonic() + self.drain_timeout
+                    self._send(framing.message(MsgType.DISCONNECT, Disconnect(drain=True)))
+                if self._drain_deadline is not None:
+                    if not self.tracks and not self.engine.has_unfinished():
+                        break
+                    if time.monotonic() > self._drain_deadline:
+                        log.warning("drain timeout: aborting %d request(s)", len(self.tracks))
+                        self._ship(self._abort_ids(list(self.tracks)))
+                        break
+                busy = self.engine.has_unfinished()
+                if not busy and not self.pipe.poll(100):  # idle: block (wakes to notice signals)
+                    continue
+                deltas = self._drain_pipe()
+                if self.engine.has_unfinished():
+                    deltas.extend(self._step())
+                if deltas:
+                    self._ship(deltas)
+        finally:
+            self._send(framing.message(MsgType.DISCONNECT, Disconnect(drain=False)))
+            self._send([_CTL, _STOP])
+            self.link.join(timeout=5)
+            self.pipe.close(0)
+        log.info("worker rank %d stopped", self.rank)
+        return 0
+
+    def _drain_pipe(self) -> list[CompletionDelta]:
+        """Handle every message that arrived; returns abort deltas to ship."""
+        out: list[CompletionDelta] = []
+        while True:
+            try:
+                frames = self.pipe.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                if frames[0] == _CTL:
+                    if frames[1] == _RESET:
+                        self._reset()
+                    continue
+                msg_type = frames[1]
+                if msg_type == MsgType.GENERATE:
+                    framing.expect_count(frames[2:], 2, "GENERATE")
+                    self._on_generate(frames[2], frames[3])
+                elif msg_type == MsgType.ABORT:
+                    out.extend(self._abort_ids(framing.decode(frames[2], Abort).request_ids))
+            except FrameError as exc:
+                self._bad.warning("dropped malformed message: %s", exc)
+
+    def _on_generate(self, body: bytes, client: bytes) -> None:
+        self.received += 1
+        try:
+            req = self._gen_decoder.decode(body)
+        except Exception as exc:
+            self._bad.warning("undecodable GENERATE body: %s", exc)
+            return
+        rid = req.request_id
+        if rid in self.tracks:
+            self._error(client, rid, 400, f"request_id {rid!r} is already running on this worker",
+                        "BadRequestError")
+            return
+        try:
+            self.engine.add_request(req)
+        except ServingError as exc:
+            self._error(client, rid, exc.status, exc.message, exc.type, exc.param)
+            return
+        except Exception as exc:
+            log.exception("add_request failed for %s", rid)
+            self._error(client, rid, 500, f"engine failed to add the request: {exc}", "InternalServerError")
+            return
+        self.tracks[rid] = _Track(client, max(1, req.params.n))
+
+    def _abort_ids(self, request_ids: list[str]) -> list[CompletionDelta]:
+        out = []
+        for rid in request_ids:
+            if rid not in self.tracks:
+                continue
+            try:
+                out.extend(self.engine.abort(rid))
+            except Exception:
+                log.exception("engine.abort(%s) failed", rid)
+            track = self.tracks.get(rid)
+            if track is not None and not any(d.request_id == rid and d.finish_reason for d in out):
+                # The engine produced no terminal delta: still tell the client it ended.
+                out.extend(CompletionDelta(request_id=rid, index=i, finish_reason="abort")
+                           for i in range(track.remaining))
+        return out
+
+    def _reset(self) -> None:
+        """The broker forgot us: its clients were told; drop everything and re-register."""
+        if self.tracks:
+            log.warning("broker lost or re-registration requested: dropping %d request(s)", len(self.tracks))
+        for rid in list(self.tracks):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("engine.abort(%s) failed", rid)
+        self.tracks.clear()
+        self._ready()
+
+    def _step(self) -> list[CompletionDelta]:
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing %d request(s)", len(self.tracks))
+            for rid, track in list(self.tracks.items()):
+                self._error(track.client, rid, 500, f"engine failure: {exc}", "InternalServerError")
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    log.exception("engine.abort(%s) failed after a step failure", rid)
+            self.tracks.clear()
+            return []
+
+    def _error(self, client: bytes, rid: str, status: int, message: str, type_: str,
+               param: Optional[str] = None) -> None:
+        self.tracks.pop(rid, None)
+        err = ErrorMsg(request_id=rid, status=status, message=message, type=type_, param=param)
+        self._send(framing.message(MsgType.ERROR, err, client))
+
+    def _ship(self, deltas: list[CompletionDelta]) -> None:
+        """One OUTPUTS frame set: header + one Outputs body per client."""
+        groups: dict[bytes, list[CompletionDelta]] = {}
+        started, finished = [], []
+        tracks = self.tracks
+        for d in deltas:
+            track = tracks.get(d.request_id)
+            if track is None:
+                continue  # dropped by a reset or an error
+            if not track.started:
+                track.started = True
+                started.append(d.request_id)
+            if d.finish_reason is not None:
+                track.remaining -= 1
+                if track.remaining <= 0:
+                    finished.append(d.request_id)
+                    del tracks[d.request_id]
+            group = groups.get(track.client)
+            if group is None:
+                groups[track.client] = group = []
+            group.append(d)
+        if not groups:
+            return
+        header = OutputsHeader(started=started, finished=finished, load=self._refresh_load())
+        frames = [MAGIC, MsgType.OUTPUTS, framing.encode(header)]
+        for client, group in groups.items():
+            frames.append(client)
+            frames.append(framing.encode(Outputs(group)))
+        self._send(frames)
