@@ -1,0 +1,131 @@
+"""Tiny random-weight HF checkpoints built at test time with transformers.
+
+Every kind is a real ``save_pretrained`` safetensors checkpoint plus the
+byte-level tokenizer of the demo model (ids 0..255 = bytes, then specials; the
+vocabulary is filled up with ``<|reserved_N|>`` special tokens so every id of the
+model decodes).  Weights are seeded, and every parameter (norm weights and
+biases included) is randomised so loading mistakes cannot hide behind HF's
+ones/zeros init.
+
+Kinds (``KINDS``):
+  llama          LlamaForCausalLM, hidden 64, 2 layers, 4 heads / 2 kv heads, vocab 320
+  qwen2          Qwen2ForCausalLM (q/k/v bias); generation_config with two eos ids,
+                 max_new_tokens=32, temperature=0.7, top_p=0.9
+  qwen3          Qwen3ForCausalLM (q/k norm) with explicit head_dim 32 != hidden/heads
+  llama_sharded  same weights as ``llama`` (same seed) in several safetensors shards
+  llama_tied     tie_word_embeddings=True (no lm_head.weight in the checkpoint)
+  llama_rope_llama3 / llama_rope_linear / llama_rope_yarn   rope_scaling variants
+Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from worker.engine.demo_model import BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_byte_tokenizer
+
+VOCAB_SIZE = 320
+BOS_ID, EOS_ID, EXTRA_EOS_ID = BYTE_VOCAB, BYTE_VOCAB + 1, BYTE_VOCAB + 2
+MAX_POSITIONS = 1024
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITIONS,
+               rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
+
+_ROPE = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+KINDS = ("llama", "qwen2", "qwen3", "llama_sharded", "llama_tied",
+         "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn")
+
+
+def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
+    reserved = tuple(f"<|reserved_{i}|>" for i in range(vocab_size - BYTE_VOCAB - 2))
+    return (BOS_TOKEN, EOS_TOKEN) + reserved
+
+
+def write_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    specials = special_tokens(vocab_size)
+    (out / "tokenizer.json").write_text(build_byte_tokenizer(specials).to_str(), encoding="utf-8")
+    added = {str(BYTE_VOCAB + i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                   "normalized": False, "single_word": False} for i, t in enumerate(specials)}
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
+           "model_max_length": MAX_POSITIONS, "clean_up_tokenization_spaces": False,
+           "added_tokens_decoder": added}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def _hf_config(kind: str):
+    import transformers
+
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, use_sliding_window=False)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**_COMMON, head_dim=32)
+    extra = {}
+    if kind == "llama_tied":
+        extra["tie_word_embeddings"] = True
+    if kind.startswith("llama_rope_"):
+        extra["rope_scaling"] = dict(_ROPE[kind.removeprefix("llama_rope_")])
+    return transformers.LlamaConfig(**{**_COMMON, **extra})
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+
+
+def build_tiny_model(kind: str, out: Path, seed: int = 0) -> Path:
+    import transformers
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; known: {KINDS}")
+    _quiet_transformers()
+    config = _hf_config(kind)
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                             "qwen3": "Qwen3ForCausalLM"}[config.model_type]]
+    cls = getattr(transformers, config.architectures[0])
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    _randomise(model, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="40KB" if kind == "llama_sharded" else "1GB")
+    gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+    if kind == "qwen2":
+        gen.update(eos_token_id=[EOS_ID, EXTRA_EOS_ID], max_new_tokens=32, temperature=0.7, top_p=0.9)
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
+    write_tokenizer(out)
+    return out
+
+
+def tiny_model_dir(kind: str, root: Path, seed: int = 0) -> Path:
+    """Build ``kind`` under ``root`` once; later calls reuse it."""
+    out = Path(root) / f"{kind}-s{seed}"
+    if not (out / "config.json").is_file():
+        build_tiny_model(kind, out, seed)
+    return out
+
+
+def load_hf_model(model_dir: Path):
+    """The transformers reference for a tiny model: fp32, eager attention."""
+    import transformers
+
+    _quiet_transformers()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
