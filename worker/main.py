@@ -1,0 +1,79 @@
+"""`tokserve worker`: one inference worker process (one per device) serving the broker."""
+from __future__ import annotations
+
+import argparse
+
+from common import config
+from common.logging import get_logger, setup_logging
+
+log = get_logger("tokserve.worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokserve worker", description=__doc__)
+    p.add_argument("--model", default=None, help="HF-format model folder (default: the built-in demo model)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--rank", type=int, default=0, help="data-parallel rank (X-data-parallel-rank pins to it)")
+    p.add_argument("--broker", default=config.backend_address(),
+                   help="broker backend endpoint (env TOKSERVE_BACKEND)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tokens-only", action="store_true", help="serve without a tokenizer")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
+    p.add_argument("--liveness", type=int, default=config.heartbeat_liveness())
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before aborting them")
+    p.add_argument("--curve-server-key", default=None, help="broker's CURVE public key (Z85) to encrypt the link")
+    p.add_argument("--log-level", default=None)
+    return p
+
+
+def engine_config_from_args(args):
+    from worker.engine import EngineConfig
+
+    model = args.model
+    if model is None:
+        from worker.engine.demo_model import build_demo_model
+
+        model = str(build_demo_model())
+    return EngineConfig(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        enable_chunked_prefill=not args.no_chunked_prefill, max_logprobs=args.max_logprobs,
+                        seed=args.seed, served_model_name=args.served_model_name, tokens_only=args.tokens_only,
+                        num_threads=args.threads, enforce_eager=args.enforce_eager)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(f"worker{args.rank}", args.log_level)
+    if args.rank < 0:
+        raise SystemExit("--rank must be >= 0")
+    if args.heartbeat_interval <= 0 or args.liveness < 1:
+        raise SystemExit("--heartbeat-interval must be > 0 and --liveness >= 1")
+    try:
+        cfg = engine_config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"invalid engine configuration: {exc}") from None
+    from worker.engine import Engine
+    from worker.server import WorkerServer
+
+    engine = Engine(cfg)
+    server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
+                          drain_timeout=args.drain_timeout,
+                          curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None)
+    server.install_signal_handlers()
+    return server.run()
