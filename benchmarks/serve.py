@@ -1,0 +1,388 @@
+"""Serving benchmark in the manner of ``vllm bench serve``.
+
+Random-token prompts, a fixed output length (``ignore_eos``), a closed loop at each
+concurrency level; prints TTFT / TPOT / ITL p50 and p99 and throughput.
+
+    python -m benchmarks.serve                               # full stack vs in-process engine, demo model
+    python -m benchmarks.serve --base-url http://host:8000   # any compatible server (vLLM included)
+    python -m benchmarks.serve --shared-prefix 512           # TTFT with vs without prefix-cache reuse
+
+Without --base-url the benchmark starts ``tokserve serve`` itself, measures it, stops
+it, then runs the same workload on an in-process ``Engine`` (same model, same engine
+settings) and prints the full-stack / in-process ratio side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgspec
+
+from benchmarks.sse_client import SseConnection
+
+GENERATE = "/inference/v1/generate"
+
+
+@dataclass
+class Result:
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+@dataclass
+class LevelStats:
+    label: str
+    concurrency: int
+    duration: float
+    results: list[Result]
+
+    @property
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.error is None]
+
+    @property
+    def output_throughput(self) -> float:
+        return sum(r.output_tokens for r in self.ok) / self.duration
+
+    @property
+    def request_throughput(self) -> float:
+        return len(self.ok) / self.duration
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(s: LevelStats) -> dict:
+    ok = s.ok
+    ttft = [r.ttft * 1e3 for r in ok]
+    tpot = [r.tpot * 1e3 for r in ok if r.tpot is not None]
+    itl = [x * 1e3 for r in ok for x in r.itls]
+    return dict(
+        label=s.label, concurrency=s.concurrency, requests=len(ok), failed=len(s.results) - len(ok),
+        duration_s=s.duration, req_per_s=s.request_throughput, out_tok_per_s=s.output_throughput,
+        ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot, 50), tpot_p99_ms=percentile(tpot, 99),
+        itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99),
+    )
+
+
+# ----------------------------------------------------------------------------- workload
+def random_prompts(num: int, input_len: int, vocab: int, seed: int, prefix_len: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)]
+
+
+def request_body(prompt: list[int], output_len: int, stream: bool, model: Optional[str],
+                 cache_salt: Optional[str] = None) -> bytes:
+    body = {"token_ids": prompt, "stream": stream,
+            "sampling_params": {"max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True,
+                                "temperature": 0.0, "detokenize": False}}
+    if model:
+        body["model"] = model
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return msgspec.json.encode(body)
+
+
+# ----------------------------------------------------------------------------- HTTP runner
+async def _http_one(conn: SseConnection, body: bytes) -> Result:
+    res = Result()
+    start = time.perf_counter()
+    last = None
+    try:
+        async for t, payload in conn.post_sse(GENERATE, body):
+            chunk = msgspec.json.decode(payload)
+            if "error" in chunk:
+                res.error = str(chunk["error"])
+                continue
+            n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+            if not n:
+                continue
+            if last is None:
+                res.ttft = t - start
+            else:
+                res.itls.append(t - last)
+            last = t
+            res.output_tokens += n
+    except Exception as exc:  # a failed request is counted, not fatal
+        res.error = f"{type(exc).__name__}: {exc}"
+        await conn.close()
+    res.e2e = time.perf_counter() - start
+    return res
+
+
+async def run_http(base_url: str, bodies: list[bytes], concurrency: int, label: str,
+                   headers: Optional[dict[str, str]] = None) -> LevelStats:
+    queue = list(reversed(bodies))
+    results: list[Result] = []
+
+    async def worker() -> None:
+        conn = SseConnection(base_url, headers)
+        try:
+            while queue:
+                results.append(await _http_one(conn, queue.pop()))
+        finally:
+            await conn.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return LevelStats(label, concurrency, time.perf_counter() - start, results)
+
+
+async def warmup_http(base_url: str, bodies: list[bytes], headers: Optional[dict[str, str]]) -> None:
+    await run_http(base_url, bodies, min(len(bodies), 4), "warmup", headers)
+
+
+# ----------------------------------------------------------------------------- in-process runner
+def run_inprocess(engine, prompts: list[list[int]], output_len: int, concurrency: int, label: str) -> LevelStats:
+    """Closed loop on the engine itself: keep ``concurrency`` requests in, step, collect."""
+    from common.protocol import GenerateRequest, SamplingParams
+
+    todo = list(reversed(prompts))
+    live: dict[str, tuple[float, Result, list[float]]] = {}
+    results: list[Result] = []
+
+    def admit() -> None:
+        while todo and len(live) < concurrency:
+            rid = uuid.uuid4().hex
+            params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0.0,
+                                    detokenize=False)
+            engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=todo.pop(), params=params,
+                                               arrival_time=time.time()))
+            live[rid] = (time.perf_counter(), Result(), [])
+
+    start = time.perf_counter()
+    admit()
+    while live:
+        deltas = engine.step()
+        now = time.perf_counter()
+        for d in deltas:
+            t0, res, last = live[d.request_id]
+            if d.token_ids:
+                if not last:
+                    res.ttft = now - t0
+                else:
+                    res.itls.append(now - last[0])
+                last[:] = [now]
+                res.output_tokens += len(d.token_ids)
+            if d.finish_reason is not None:
+                res.e2e = now - t0
+                results.append(res)
+                del live[d.request_id]
+        admit()
+    return LevelStats(label, concurrency, time.perf_counter() - start, results)
+
+
+# ----------------------------------------------------------------------------- stack management
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tokserve serve exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("stack did not become healthy")
+
+
+class Stack:
+    """``tokserve serve`` in a subprocess on private endpoints."""
+
+    def __init__(self, model: str, workers: int, worker_args: str, device: str):
+        self.tmp = tempfile.mkdtemp(prefix="tokserve-bench-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "common.cli", "serve", "--model", model, "--workers", str(workers),
+                     "--port", str(self.port), "--device", device, "--log-level", "warning",
+                     "--frontend", f"ipc://{self.tmp}/frontend", "--backend", f"ipc://{self.tmp}/backend",
+                     "--worker-args", worker_args]
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "Stack":
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
+        wait_healthy(self.url, 300, self.proc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# ----------------------------------------------------------------------------- reporting
+COLUMNS = [  # (key, header, width, format)
+    ("label", "label", 12, "{}"), ("concurrency", "conc", 5, "{}"), ("requests", "reqs", 5, "{}"),
+    ("failed", "fail", 4, "{}"), ("req_per_s", "req/s", 8, "{:.2f}"), ("out_tok_per_s", "out tok/s", 9, "{:.1f}"),
+    ("ttft_p50_ms", "TTFT p50", 9, "{:.1f}"), ("ttft_p99_ms", "TTFT p99", 9, "{:.1f}"),
+    ("tpot_p50_ms", "TPOT p50", 9, "{:.2f}"), ("tpot_p99_ms", "TPOT p99", 9, "{:.2f}"),
+    ("itl_p50_ms", "ITL p50", 8, "{:.2f}"), ("itl_p99_ms", "ITL p99", 8, "{:.2f}"),
+]
+
+
+def print_table(rows: list[dict]) -> None:
+    print("  ".join(h.ljust(w) if k == "label" else h.rjust(w) for k, h, w, _ in COLUMNS))
+    for row in rows:
+        print("  ".join(f.format(row[k]).ljust(w) if k == "label" else f.format(row[k]).rjust(w)
+                        for k, _, w, f in COLUMNS))
+    print("(times in ms)")
+
+
+def model_vocab(model_dir: Optional[str], default: int) -> int:
+    if model_dir and os.path.isfile(os.path.join(model_dir, "config.json")):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return int(json.load(f).get("vocab_size", default))
+    return default
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default=None, help="benchmark this server instead of starting tokserve")
+    p.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    p.add_argument("--served-model-name", default=None, help="'model' field sent with --base-url")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    p.add_argument("--num-prompts", type=int, default=0, help="per level (default: 4 x concurrency, >= 8)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=256, help="token ids are drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--worker-args", default="", help="extra worker flags for the started stack")
+    p.add_argument("--no-inprocess", action="store_true", help="skip the in-process engine comparison")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="also run a shared-prefix workload with a prefix of this many tokens")
+    return p.parse_args(argv)
+
+
+def level_counts(args) -> list[tuple[int, int]]:
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    return [(c, args.num_prompts or max(8, 4 * c)) for c in levels]
+
+
+async def bench_http(url: str, args, vocab: int, headers) -> list[dict]:
+    rows = []
+    model = args.served_model_name
+    warm = [request_body(p, 4, True, model) for p in random_prompts(4, args.input_len, vocab, args.seed + 999)]
+    await warmup_http(url, warm, headers)
+    for conc, num in level_counts(args):
+        prompts = random_prompts(num, args.input_len, vocab, args.seed + conc)
+        bodies = [request_body(p, args.output_len, True, model) for p in prompts]
+        rows.append(summarize(await run_http(url, bodies, conc, "http", headers)))
+    return rows
+
+
+async def bench_shared_prefix(url: str, args, vocab: int, headers) -> list[dict]:
+    """TTFT of prompts sharing a prefix, with cache reuse and with reuse defeated by unique cache_salts."""
+    conc = max(c for c, _ in level_counts(args))
+    num = args.num_prompts or max(8, 2 * conc)
+    prompts = random_prompts(num, args.input_len, vocab, args.seed + 7, prefix_len=args.shared_prefix)
+    rows = []
+    for label, salt in (("prefix-cache", None), ("no-reuse", "unique")):
+        bodies = [request_body(p, args.output_len, True, args.served_model_name,
+                               cache_salt=(uuid.uuid4().hex if salt else None)) for p in prompts]
+        if salt is None:  # seed the cache with the shared prefix once
+            await run_http(url, bodies[:1], 1, "seed", headers)
+        rows.append(summarize(await run_http(url, bodies, conc, label, headers)))
+    return rows
+
+
+def bench_inprocess(model_dir: str, args, vocab: int) -> list[dict]:
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=args.max_num_seqs))
+    run_inprocess(engine, random_prompts(4, args.input_len, vocab, args.seed + 999), 4, 4, "warmup")
+    rows = []
+    for conc, num in level_counts(args):
+        prompts = random_prompts(num, args.input_len, vocab, args.seed + conc)
+        rows.append(summarize(run_inprocess(engine, prompts, args.output_len, conc, "in-process")))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    if args.base_url:
+        vocab = model_vocab(args.model, args.vocab_size)
+        rows = asyncio.run(bench_http(args.base_url, args, vocab, headers))
+        if args.shared_prefix:
+            rows += asyncio.run(bench_shared_prefix(args.base_url, args, vocab, headers))
+        print_table(rows)
+        return 0
+
+    if args.model:
+        model_dir = args.model
+    else:
+        from worker.engine.demo_model import build_demo_model
+
+        model_dir = str(build_demo_model())
+    vocab = min(model_vocab(model_dir, args.vocab_size), args.vocab_size)
+    worker_args = f"--max-num-seqs {args.max_num_seqs} {args.worker_args}".strip()
+    with Stack(model_dir, args.workers, worker_args, args.device) as stack:
+        http_rows = asyncio.run(bench_http(stack.url, args, vocab, headers))
+        prefix_rows = asyncio.run(bench_shared_prefix(stack.url, args, vocab, headers)) if args.shared_prefix else []
+    rows = list(http_rows)
+    if not args.no_inprocess:
+        local_rows = bench_inprocess(model_dir, args, vocab)
+        rows = [r for pair in zip(http_rows, local_rows) for r in pair]
+        print_table(rows)
+        print("\nfull stack / in-process output throughput:")
+        for h, l in zip(http_rows, local_rows):
+            print(f"  concurrency {h['concurrency']:>3}: {h['out_tok_per_s']:8.1f} / {l['out_tok_per_s']:8.1f} tok/s"
+                  f" = {100 * h['out_tok_per_s'] / l['out_tok_per_s']:5.1f} %")
+    else:
+        print_table(rows)
+    if prefix_rows:
+        print("\nshared prefix of", args.shared_prefix, "tokens:")
+        print_table(prefix_rows)
+        a, b = prefix_rows
+        print(f"  TTFT p50 with prefix cache {a['ttft_p50_ms']:.1f} ms vs without {b['ttft_p50_ms']:.1f} ms "
+              f"({b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

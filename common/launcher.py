@@ -1,0 +1,213 @@
+"""``tokserve serve``: the whole stack from one command.
+
+Starts the broker, N workers and the gateway(s) as child processes (the demo model is
+built once beforehand when no --model is given, so workers never race to build it),
+waits until ``/health`` answers 200, then supervises: a child that dies is restarted
+with a capped backoff.  SIGINT/SIGTERM stop gateways, then workers, then the broker;
+whatever ignores SIGTERM past the grace period is killed.  Children also get
+PR_SET_PDEATHSIG so they do not outlive a launcher that was killed outright.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common import config
+from common.logging import get_logger, setup_logging
+
+log = get_logger("tokserve.launcher")
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+STABLE_AFTER_S = 30.0  # a child that ran this long gets its backoff reset
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the launcher dies (Linux only, else no-op)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: Optional[subprocess.Popen] = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0
+
+    def start(self) -> None:
+        env = dict(os.environ, **self.env)
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def schedule_restart(self) -> None:
+        if time.monotonic() - self.started_at > STABLE_AFTER_S:
+            self.restarts = 0
+        delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
+        self.restarts += 1
+        self.next_start = time.monotonic() + delay
+        log.warning("%s exited with code %s; restarting in %.1f s", self.name, self.proc.returncode, delay)
+        self.proc = None
+
+
+def tokserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "common.cli", *args]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokserve serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF-format model folder (default: build and serve the demo model)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (worker i gets CUDA_VISIBLE_DEVICES=i)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--frontend", default=config.frontend_address(), help="broker endpoint for clients")
+    p.add_argument("--backend", default=config.backend_address(), help="broker endpoint for workers")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokens-only", action="store_true")
+    p.add_argument("--served-model-name", nargs="+", default=[])
+    p.add_argument("--worker-args", default="", help="extra arguments passed to every worker, e.g. '--max-num-seqs 64'")
+    p.add_argument("--gateway-args", default="", help="extra arguments passed to every gateway")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds children get to exit on shutdown")
+    p.add_argument("--log-level", default=None)
+    return p
+
+
+def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list[Child], list[Child]]:
+    log_args = ["--log-level", args.log_level] if args.log_level else []
+    broker = Child("broker", tokserve_cmd("broker", "--frontend", args.frontend, "--backend", args.backend,
+                                          *log_args))
+    workers = []
+    for rank in range(args.workers):
+        env = {"CUDA_VISIBLE_DEVICES": str(rank)} if args.device.startswith("cuda") else {}
+        argv = tokserve_cmd("worker", "--model", model_dir, "--rank", str(rank), "--broker", args.backend,
+                            "--device", args.device, *log_args, *args.worker_args.split())
+        if args.tokens_only:
+            argv.append("--tokens-only")
+        workers.append(Child(f"worker[{rank}]", argv, env))
+    gateways = []
+    for i in range(args.gateways):
+        argv = tokserve_cmd("gateway", "--host", args.host, "--port", str(args.port), "--broker", args.frontend,
+                            *log_args, *args.gateway_args.split())
+        if args.gateways > 1:
+            argv.append("--reuse-port")
+        if args.api_key:
+            argv += ["--api-key", args.api_key]
+        if args.tokens_only:
+            argv.append("--tokens-only")
+        if args.served_model_name:
+            argv += ["--served-model-name", *args.served_model_name]
+        gateways.append(Child(f"gateway[{i}]", argv))
+    return broker, workers, gateways
+
+
+def health_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, model_dir: str):
+        self.args = args
+        self.broker, self.workers, self.gateways = plan_children(args, model_dir)
+        self.stopping = False
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        self.health_url = f"http://{host}:{args.port}/health"
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.broker, *self.workers, *self.gateways]
+
+    def request_stop(self, signum, _frame) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        for child in self.children:
+            child.start()
+        deadline = time.monotonic() + self.args.ready_timeout
+        ready = False
+        while not self.stopping:
+            self.supervise()
+            if not ready:
+                if health_ok(self.health_url):
+                    ready = True
+                    print(f"tokserve ready: http://{self.args.host}:{self.args.port}", flush=True)
+                elif time.monotonic() > deadline:
+                    log.error("stack not healthy after %.0f s", self.args.ready_timeout)
+                    self.shutdown()
+                    return 1
+            time.sleep(0.2)
+        self.shutdown()
+        return 0
+
+    def supervise(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is not None and not child.running():
+                child.schedule_restart()
+            if child.proc is None and now >= child.next_start:
+                child.start()
+
+    def shutdown(self) -> None:
+        # Front to back: no new requests, then workers drain, then the broker goes.
+        for group in (self.gateways, self.workers, [self.broker]):
+            procs = [c.proc for c in group if c.running()]
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.args.grace
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d ignored SIGTERM; killing it", proc.pid)
+                    proc.kill()
+                    proc.wait()
+        log.info("all children stopped")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("launcher", args.log_level)
+    if args.workers < 1 or args.gateways < 1:
+        raise SystemExit("--workers and --gateways must be at least 1")
+    if args.model:
+        if not os.path.isdir(args.model):
+            raise SystemExit(f"--model {args.model}: not a directory")
+        model_dir = os.path.abspath(args.model)
+    else:
+        from worker.engine.demo_model import build_demo_model  # built once, before any worker starts
+
+        model_dir = str(build_demo_model())
+        log.info("serving the demo model from %s", model_dir)
+    launcher = Launcher(args, model_dir)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
