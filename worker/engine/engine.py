@@ -30,14 +30,9 @@ from worker.engine.request import FinishReason, Request, Sequence
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
 from worker.engine.scheduler import ScheduledSeq, Scheduler
+from worker.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_dir: str) -> Any:
-    from worker.engine.tokenizer import load_tokenizer as _load  # the "model" engineer's loader
-
-    return _load(model_dir)
 
 
 class Engine:
@@ -51,7 +46,7 @@ class Engine:
         mc = self.model_config
         max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
         self.model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
-        self.tokenizer = None if config.tokens_only else load_tokenizer(config.model)
+        self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len)
         num_blocks = self.runner.decide_num_blocks()
