@@ -1,0 +1,260 @@
+"""Model layer against transformers: config parsing, loading, paged attention
+(prefill, decode through non-contiguous blocks, mixed chunked batches)."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.model_factory import load_hf_model
+from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.loader import load_model
+from worker.engine.model_config import ModelConfig
+from worker.engine.models import kv_bytes_per_block, kv_cache_shape
+from worker.engine.tokenizer import load_tokenizer
+
+ATOL = 1e-4
+BLOCK = 4
+
+
+class PagedSeqs:
+    """Minimal stand-in for the engine: a KV cache, a shuffled block pool and
+    per-sequence block tables, stepping any mix of prefill chunks and decodes."""
+
+    def __init__(self, model, num_blocks: int = 96, device="cpu", seed: int = 0):
+        self.model = model
+        self.kv = torch.zeros(kv_cache_shape(model.config, num_blocks, BLOCK), dtype=model.dtype, device=device)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)  # non-contiguous, out-of-order block ids
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+        self.device = device
+
+    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """Run one step; ``chunks`` = (seq name, new token ids).  Returns each
+        chunk's logits ``[len, vocab]``."""
+        q_lens, ctx, tables, ids = [], [], [], []
+        for name, toks in chunks:
+            c = self.lens.get(name, 0)
+            table = self.tables.setdefault(name, [])
+            while len(table) * BLOCK < c + len(toks):
+                table.append(self.free.pop())
+            q_lens.append(len(toks))
+            ctx.append(c)
+            tables.append(table)
+            ids.extend(toks)
+            self.lens[name] = c + len(toks)
+        attn = AttentionMetadata.build(q_lens, ctx, tables, BLOCK, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), attn.positions, attn, self.kv)
+        logits = self.model.compute_logits(hidden).cpu()
+        return list(logits.split(q_lens))
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+KINDS = ["llama", "qwen2", "qwen3", "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_then_paged_decode_matches_hf(tiny_model, kind):
+    path = tiny_model(kind)
+    hf, model = load_hf_model(path), load_model(path)
+    ids = _tokens(90, seed=1)  # > original_max_position_embeddings of the rope variants
+    ref = hf_logits(hf, ids)
+    seqs = PagedSeqs(model)
+    prompt = 83
+    (got,) = seqs.step([("a", ids[:prompt])])
+    torch.testing.assert_close(got, ref[:prompt], atol=ATOL, rtol=0)
+    for pos in range(prompt, len(ids)):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], ref[pos], atol=ATOL, rtol=0)
+    assert seqs.tables["a"] != sorted(seqs.tables["a"])  # really non-contiguous
+
+
+def test_mixed_batch_matches_separate_runs(tiny_model):
+    """Fresh prefills, prefill chunks with context, and decodes of different
+    lengths in one step (decodes interleaved between prefills) equal HF on each
+    sequence alone; then a decode-only step over uneven lengths."""
+    path = tiny_model("qwen3")
+    hf, model = load_hf_model(path), load_model(path)
+    full = {name: _tokens(n, seed=i) for i, (name, n) in enumerate(
+        [("fresh", 11), ("chunked", 30), ("dec_short", 6), ("dec_long", 41), ("fresh2", 3)])}
+    refs = {name: hf_logits(hf, ids) for name, ids in full.items()}
+    seqs = PagedSeqs(model)
+    # Step 1: several prefills in one batch build the contexts.
+    seqs.step([("chunked", full["chunked"][:13]), ("dec_short", full["dec_short"][:5]),
+               ("dec_long", full["dec_long"][:40])])
+    # Step 2: mixed.
+    out = seqs.step([("dec_short", full["dec_short"][5:6]), ("fresh", full["fresh"][:11]),
+                     ("dec_long", full["dec_long"][40:41]), ("chunked", full["chunked"][13:25]),
+                     ("fresh2", full["fresh2"][:2])])
+    torch.testing.assert_close(out[0][0], refs["dec_short"][5], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], refs["fresh"][:11], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[2][0], refs["dec_long"][40], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[3], refs["chunked"][13:25], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[4], refs["fresh2"][:2], atol=ATOL, rtol=0)
+    # Step 3: decode-only batch over sequences of lengths 26, 3 (padding mask matters).
+    out = seqs.step([("chunked", full["chunked"][25:26]), ("fresh2", full["fresh2"][2:3])])
+    torch.testing.assert_close(out[0][0], refs["chunked"][25], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1][0], refs["fresh2"][2], atol=ATOL, rtol=0)
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_model):
+    single, sharded = load_model(tiny_model("llama")), load_model(tiny_model("llama_sharded"))
+    assert len(list(tiny_model("llama_sharded").glob("*.safetensors"))) > 1
+    a, b = single.state_dict(), sharded.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_tied_embeddings_share_the_matrix(tiny_model):
+    model = load_model(tiny_model("llama_tied"))
+    assert model.lm_head is model.embed_tokens
+    assert not load_model(tiny_model("llama")).config.tie_word_embeddings
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8}))
+    with pytest.raises(ValueError, match=r"Unsupported architecture GPT2LMHeadModel; supported: "
+                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        ModelConfig.from_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path / "nowhere")
+
+
+def _copy_with_weights(src, dst, edit):
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    edit(weights)
+    save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+def test_missing_and_misshapen_weights_are_clear_errors(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    missing = _copy_with_weights(src, tmp_path / "m", lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 weight\(s\): model.layers.1.mlp.up_proj.weight"):
+        load_model(missing)
+
+    def shrink(w):
+        w["model.norm.weight"] = w["model.norm.weight"][:10]
+    bad = _copy_with_weights(src, tmp_path / "b", shrink)
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(10,\), expected \(64,\)"):
+        load_model(bad)
+    empty = tmp_path / "e"
+    empty.mkdir()
+    shutil.copy(src / "config.json", empty)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(empty)
+
+
+def test_model_config_fields(tiny_model):
+    llama = ModelConfig.from_dir(tiny_model("llama"))
+    assert (llama.architecture, llama.hidden_size, llama.num_hidden_layers) == ("LlamaForCausalLM", 64, 2)
+    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim) == (4, 2, 16)
+    assert (llama.vocab_size, llama.intermediate_size, llama.max_position_embeddings) == (320, 128, 1024)
+    assert llama.eos_token_ids == (257,) and llama.bos_token_id == 256 and llama.max_new_tokens is None
+    assert not llama.qkv_bias and not llama.qk_norm and llama.rope_scaling is None
+    assert llama.dtype == torch.float32
+    qwen2 = ModelConfig.from_dir(tiny_model("qwen2"))
+    assert qwen2.qkv_bias and not qwen2.o_bias
+    assert qwen2.eos_token_ids == (257, 258) and qwen2.max_new_tokens == 32
+    assert qwen2.generation_defaults == {"temperature": 0.7, "top_p": 0.9}
+    qwen3 = ModelConfig.from_dir(tiny_model("qwen3"))
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.q_size == 128
+    rope = ModelConfig.from_dir(tiny_model("llama_rope_llama3"))
+    assert rope.rope_scaling["rope_type"] == "llama3" and rope.rope_scaling["factor"] == 8.0
+
+
+def test_model_config_legacy_keys(tmp_path):
+    """Pre-transformers-5 configs: rope_theta / rope_scaling{"type"} / torch_dtype,
+    derived head_dim and kv heads."""
+    cfg = {"architectures": ["MistralForCausalLM"], "hidden_size": 128, "num_attention_heads": 8,
+           "num_hidden_layers": 1, "intermediate_size": 256, "vocab_size": 100, "rope_theta": 1e6,
+           "rope_scaling": {"type": "linear", "factor": 2.0}, "torch_dtype": "bfloat16",
+           "eos_token_id": 2, "sliding_window": 4096, "max_position_embeddings": 32768}
+    c = ModelConfig.from_dicts(tmp_path, cfg, {"eos_token_id": [2, 7]})
+    assert c.head_dim == 16 and c.num_key_value_heads == 8 and c.rope_theta == 1e6
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert c.dtype == torch.bfloat16 and c.eos_token_ids == (2, 7)
+    with pytest.raises(ValueError, match="Unsupported torch_dtype"):
+        ModelConfig.from_dicts(tmp_path, {**cfg, "torch_dtype": "int8"})
+    with pytest.raises(ValueError, match="lacks required key 'vocab_size'"):
+        ModelConfig.from_dicts(tmp_path, {k: v for k, v in cfg.items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match="Unsupported rope_type 'longrope'"):
+        from worker.engine.models.llama import LlamaForCausalLM
+
+        LlamaForCausalLM(ModelConfig.from_dicts(tmp_path, {**cfg, "rope_scaling": {"type": "longrope"}}))
+
+
+def test_kv_cache_helpers(tiny_model):
+    c = ModelConfig.from_dir(tiny_model("qwen3"))
+    assert kv_cache_shape(c, 10, 16) == (2, 2, 10, 16, 2, 32)
+    assert kv_bytes_per_block(c, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2
+
+
+def test_attention_metadata_build():
+    m = AttentionMetadata.build([3, 1], [2, 5], [[7, 2], [4, 9]], 4)
+    assert m.query_start_loc.tolist() == [0, 3, 4] and m.seq_lens.tolist() == [5, 6]
+    assert m.positions.tolist() == [2, 3, 4, 5]
+    assert m.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 9 * 4 + 1]
+    assert m.block_tables.tolist() == [[7, 2], [4, 9]] and m.max_query_len == 3 and m.max_seq_len == 6
+    assert not m.is_decode_only and AttentionMetadata.build([1], [0], [[3]], 4).is_decode_only
+    with pytest.raises(ValueError, match="block table has only 1 blocks"):
+        AttentionMetadata.build([4], [2], [[1]], 4)
+
+
+def test_bfloat16_model_tracks_float32(tiny_model):
+    path = tiny_model("llama")
+    ids = _tokens(20, seed=3)
+    ref = PagedSeqs(load_model(path)).step([("a", ids)])[0]
+    got = PagedSeqs(load_model(path, dtype=torch.bfloat16)).step([("a", ids)])[0]
+    assert got.dtype == torch.float32  # compute_logits always returns float32
+    assert (got - ref).abs().max() < 0.1
+
+
+def test_tokenizer(tiny_model, tmp_path):
+    tok = load_tokenizer(tiny_model("qwen2"))
+    ids = tok.encode("héllo <|end_of_text|>")
+    assert ids[:3] == [104, 195, 169] and ids[-1] == 257
+    assert tok.decode(ids, skip_special_tokens=True) == "héllo "
+    assert tok.decode(ids, skip_special_tokens=False) == "héllo <|end_of_text|>"
+    assert tok.convert_ids_to_tokens([104, 32, 256]) == ["h", "Ġ", "<|begin_of_text|>"]
+    assert tok.eos_token_id == 257 and tok.bos_token_id == 256 and tok.vocab_size == 320
+    assert tok.all_special_ids[:3] == [256, 257, 258] and len(tok.all_special_ids) == 320 - 256
+    no_tok = tmp_path / "no-tok"
+    no_tok.mkdir()
+    assert load_tokenizer(no_tok) is None
+    (no_tok / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="cannot load"):
+        load_tokenizer(no_tok)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cuda_paged_attention_matches_hf(tiny_model, kind):
+    path = tiny_model(kind)
+    hf = load_hf_model(path)
+    model = load_model(path, device="cuda")
+    ids = _tokens(40, seed=5)
+    ref = hf_logits(hf, ids)
+    seqs = PagedSeqs(model, device="cuda")
+    out = seqs.step([("a", ids[:30]), ("b", ids[:7])])
+    torch.testing.assert_close(out[0], ref[:30], atol=1e-3, rtol=0)
+    for pos in range(30, 40):
+        out = seqs.step([("a", [ids[pos]]), ("b", [ids[pos - 23]])])
+        torch.testing.assert_close(out[0][0], ref[pos], atol=1e-3, rtol=0)
+        torch.testing.assert_close(out[1][0], ref[pos - 23], atol=1e-3, rtol=0)
