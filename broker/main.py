@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without any live worker after which queued/new requests fail with 503")
     p.add_argument("--max-inflight-per-worker", type=int, default=0,
                    help=f"requests in flight per worker (0: {config.INFLIGHT_PER_SEQ_SLOT} x its max_num_seqs)")
+    p.add_argument("--max-frame-bytes", type=int, default=config.MAX_CLIENT_FRAME_BYTES,
+                   help="clients sending a bigger frame are disconnected")
     p.add_argument("--curve-secret-file", default=None,
                    help="zmq.auth secret certificate: enable CURVE encryption on both sockets")
     p.add_argument("--log-level", default=None)
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BrokerConfig(frontend=args.frontend, backend=args.backend, heartbeat_interval=args.heartbeat_interval,
                        liveness=args.liveness, max_pending=args.max_pending,
                        no_worker_timeout=args.no_worker_timeout,
-                       max_inflight_per_worker=args.max_inflight_per_worker)
+                       max_inflight_per_worker=args.max_inflight_per_worker,
+                       max_client_frame_bytes=args.max_frame_bytes)
     if args.curve_secret_file:
         import zmq.auth
         cfg.curve_public_key, cfg.curve_secret_key = zmq.auth.load_certificate(args.curve_secret_file)

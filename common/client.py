@@ -139,8 +139,9 @@ class AsyncClient:
                                param="request_id", request_id=rid)
         stream = _Stream(max(1, request.params.n))
         self._streams[rid] = stream
-        if not self._send(framing.message(MsgType.GENERATE, request)):
-            del self._streams[rid]
+        if not await self._send_when_connected(framing.message(MsgType.GENERATE, request)):
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
             raise _unavailable(f"broker at {self.address} is unreachable", rid)
         ended = False
         try:
@@ -167,7 +168,7 @@ class AsyncClient:
         if request_ids:
             if self._sock is None:
                 await self.start()
-            self._send(framing.message(MsgType.ABORT, Abort(list(request_ids))))
+            await self._send_when_connected(framing.message(MsgType.ABORT, Abort(list(request_ids))))
 
     async def info(self, timeout: float = 2.0) -> ClusterInfo:
         """Live workers with their load and the served model; RequestError(503) on timeout."""
@@ -177,7 +178,7 @@ class AsyncClient:
         fut = asyncio.get_running_loop().create_future()
         self._info_waiters[nonce] = fut
         try:
-            if not self._send(framing.message(MsgType.INFO, framing.nonce_bytes(nonce))):
+            if not await self._send_when_connected(framing.message(MsgType.INFO, framing.nonce_bytes(nonce))):
                 raise _unavailable(f"broker at {self.address} is unreachable")
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -199,6 +200,17 @@ class AsyncClient:
         if exc is not None:
             raise exc
         return True
+
+    async def _send_when_connected(self, frames: list) -> bool:
+        """Send, waiting up to one heartbeat interval for a (re)connection to the broker."""
+        if self._send(frames):
+            return True
+        deadline = time.monotonic() + self.interval
+        while (left := deadline - time.monotonic()) > 0:
+            await self._sock.poll(max(1, int(left * 1000)), zmq.POLLOUT)
+            if self._send(frames):
+                return True
+        return False
 
     def _fail_all(self, error: RequestError) -> None:
         for rid, stream in list(self._streams.items()):

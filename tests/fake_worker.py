@@ -33,11 +33,13 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, rank: int = 0, max_num_seqs: int = 64, vocab_size: int = 1_000_000,
-                 step_delay: float = 0.0, first_delay: float = 0.0, num_kv_blocks: int = 128):
+                 step_delay: float = 0.0, first_delay: float = 0.0, num_kv_blocks: int = 128,
+                 hold_token: int | None = None):
         self.rank = rank
         self.step_delay = step_delay
         self.first_delay = first_delay
         self.num_kv_blocks = num_kv_blocks
+        self.hold_token = hold_token  # prompts starting with it stay "waiting" forever here
         self.model_info = ModelInfo(name="fake-model", vocab_size=vocab_size, max_model_len=4096,
                                     max_num_seqs=max_num_seqs, eos_token_ids=[2], has_tokenizer=False)
         self.reqs: dict[str, _Req] = {}
@@ -48,7 +50,9 @@ class FakeEngine:
             raise BadRequest(f"Token id {BAD_TOKEN} is out of vocabulary", "token_ids")
         if req.prompt_token_ids and req.prompt_token_ids[0] == CRASH_TOKEN:
             self._crash_next = True
-        self.reqs[req.request_id] = _Req(req, time.monotonic() + self.first_delay,
+        held = self.hold_token is not None and req.prompt_token_ids[:1] == [self.hold_token]
+        start_at = float("inf") if held else time.monotonic() + self.first_delay
+        self.reqs[req.request_id] = _Req(req, start_at,
                                          [0] * max(1, req.params.n))
 
     def has_unfinished(self) -> bool:
@@ -60,7 +64,7 @@ class FakeEngine:
             raise RuntimeError("simulated engine failure")
         if self.step_delay:
             time.sleep(self.step_delay)
-        elif self.first_delay and not any(r.start_at <= time.monotonic() for r in self.reqs.values()):
+        elif not any(r.start_at <= time.monotonic() for r in self.reqs.values()):
             time.sleep(0.005)  # everything is still "waiting": don't spin the CPU
         now = time.monotonic()
         out = []
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per engine step")
     p.add_argument("--first-delay", type=float, default=0.0, help="seconds a request waits before its first token")
+    p.add_argument("--hold-token", type=int, default=None, help="prompts starting with it never start here")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0)
@@ -110,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"fake-worker{args.rank}")
     from worker.server import WorkerServer
 
-    engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay)
+    engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay,
+                        hold_token=args.hold_token)
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout)
     server.install_signal_handlers()

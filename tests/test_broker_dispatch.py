@@ -1,0 +1,44 @@
+"""Dispatch policy units: least-loaded with rotation, and sticky sessions."""
+from __future__ import annotations
+
+from collections import Counter
+
+from broker.dispatch import LeastLoaded, sticky_worker
+from broker.workers import Worker
+from common.protocol import ModelInfo, WorkerLoad
+
+
+def _worker(rank: int, running=0, waiting=0, sent=0, received=0) -> Worker:
+    return Worker(identity=b"w%d" % rank, rank=rank, model=ModelInfo("m", 10, 10, 4),
+                  load=WorkerLoad(running=running, waiting=waiting, num_received=received), sent=sent)
+
+
+def test_score_weighs_waiting_and_unreported():
+    assert _worker(0, running=2, waiting=1).score() == 6
+    assert _worker(0, running=1, sent=5, received=2).score() == 4  # 3 still on the wire
+    assert _worker(0, sent=1, received=3).score() == 0  # never negative
+
+
+def test_least_loaded_prefers_lowest_score():
+    workers = [_worker(0, running=3), _worker(1, waiting=1), _worker(2, running=1)]
+    assert LeastLoaded().pick(workers).rank == 2
+
+
+def test_ties_rotate():
+    workers = [_worker(r) for r in range(3)]
+    policy = LeastLoaded()
+    picks = [policy.pick(workers).rank for _ in range(6)]
+    assert Counter(picks) == {0: 2, 1: 2, 2: 2}
+    assert LeastLoaded().pick([]) is None
+
+
+def test_sticky_is_stable_and_moves_only_departed_sessions():
+    workers = [_worker(r) for r in range(4)]
+    sessions = [f"session-{i}" for i in range(200)]
+    before = {s: sticky_worker(s, workers).rank for s in sessions}
+    assert before == {s: sticky_worker(s, list(reversed(workers))).rank for s in sessions}
+    assert len(set(before.values())) == 4  # spreads
+    survivors = [w for w in workers if w.rank != 2]
+    after = {s: sticky_worker(s, survivors).rank for s in sessions}
+    moved = {s for s in sessions if before[s] != after[s]}
+    assert moved == {s for s in sessions if before[s] == 2}
