@@ -1,0 +1,168 @@
+"""Engine scheduling features keep outputs intact: chunked prefill, preemption,
+prefix caching (+ salts), priority, n>1 and seeds, stop conditions, text mode."""
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_helpers import hf_greedy, make_engine, outputs, random_prompts, request, run_to_completion
+from tests.model_factory import EOS_ID, EXTRA_EOS_ID
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(6, 20, 70, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, prompts):
+    """Greedy outputs with a roomy engine and no chunking, the baseline for the others."""
+    engine = make_engine(llama_dir, max_num_batched_tokens=512, enable_chunked_prefill=False,
+                         enable_prefix_caching=False)
+    return outputs(engine, [request(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
+
+
+def test_reference_is_hf_greedy(llama_dir, prompts, reference):
+    assert reference["0"][0] == hf_greedy(llama_dir, prompts[0], 12)[0]
+
+
+def test_chunked_prefill_with_tiny_budget_gives_identical_outputs(llama_dir, prompts, reference):
+    engine = make_engine(llama_dir, max_num_batched_tokens=7)
+    got = outputs(engine, [request(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert got == reference
+
+
+def test_preemption_with_tiny_kv_budget_gives_identical_outputs(llama_dir, prompts, reference):
+    # 7 blocks of 16 = 112 tokens for six sequences of up to ~80 tokens: constant preemption.
+    engine = make_engine(llama_dir, num_kv_blocks=7, block_size=16, max_model_len=112)
+    got = outputs(engine, [request(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert engine.scheduler.num_preemptions > 0
+    assert got == reference
+    assert engine.block_manager.num_free_blocks == 7
+
+
+def test_prefix_cache_hits_report_cached_tokens_and_keep_outputs(llama_dir, prompts, reference):
+    engine = make_engine(llama_dir, block_size=16)
+    shared = prompts[0][:40] if len(prompts[0]) > 40 else prompts[0]
+    base = list(range(3, 67))  # 64 tokens
+    first = engine.generate([request("a", base, max_tokens=4, ignore_eos=True)])["a"][0]
+    assert first.num_cached_tokens == 0
+    # Same 64 tokens: 3 full blocks reused, the last block recomputed (last token rule).
+    again = engine.generate([request("b", base, max_tokens=4, ignore_eos=True)])["b"][0]
+    assert again.num_cached_tokens == 48 and again.token_ids == first.token_ids
+    # Sharing 40 tokens = 2 full blocks; output equals an uncached run.
+    other = base[:40] + shared[:10]
+    hit = engine.generate([request("c", other, max_tokens=6, ignore_eos=True)])["c"][0]
+    cold = make_engine(llama_dir, enable_prefix_caching=False).generate(
+        [request("c", other, max_tokens=6, ignore_eos=True)])["c"][0]
+    assert hit.num_cached_tokens == 32 and hit.token_ids == cold.token_ids
+    # Salts isolate: a salted request misses, a second one with the same salt hits.
+    s1 = engine.generate([request("s1", base, max_tokens=2, cache_salt="alice")])["s1"][0]
+    s2 = engine.generate([request("s2", base, max_tokens=2, cache_salt="alice")])["s2"][0]
+    s3 = engine.generate([request("s3", base, max_tokens=2, cache_salt="bob")])["s3"][0]
+    assert (s1.num_cached_tokens, s2.num_cached_tokens, s3.num_cached_tokens) == (0, 48, 0)
+    # Prompt-logprob requests recompute everything.
+    pl = engine.generate([request("pl", base, max_tokens=2, prompt_logprobs=0)])["pl"][0]
+    assert pl.num_cached_tokens == 0
+    assert engine.block_manager.hit_tokens == 48 + 32 + 48
+
+
+def test_priority_orders_and_preempts(llama_dir):
+    engine = make_engine(llama_dir, max_num_seqs=1)
+    finished = []
+    engine.add_request(request("low", [5, 6, 7], max_tokens=6, ignore_eos=True, priority=5))
+    engine.step()
+    engine.step()
+    engine.add_request(request("mid", [8, 9], max_tokens=3, ignore_eos=True, priority=1))
+    engine.add_request(request("high", [10, 11], max_tokens=3, ignore_eos=True, priority=-2))
+    tokens = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finish_reason:
+                finished.append(d.request_id)
+    assert finished == ["high", "mid", "low"]
+    assert engine.scheduler.num_preemptions >= 1
+    # The preempted request's output is unaffected by the recompute.
+    solo = make_engine(llama_dir).generate([request("low", [5, 6, 7], max_tokens=6, ignore_eos=True)])
+    assert len(tokens["low"]) == 4 and solo["low"][0].token_ids[2:] == tokens["low"]
+
+
+def test_n_choices_share_the_prompt_and_seeds_reproduce(llama_dir):
+    prompt = list(range(3, 45))  # 42 tokens: 2 full blocks + a partial one
+    engine = make_engine(llama_dir, block_size=16)
+    engine.add_request(request("n", prompt, n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True))
+    engine.step()  # prefill + first tokens of all three choices
+    seqs = engine.requests["n"].sequences
+    assert [s.index for s in seqs] == [0, 1, 2]
+    shared = seqs[0].block_ids[:2]
+    assert all(s.block_ids[:2] == shared for s in seqs)
+    assert [engine.block_manager.blocks[b].ref_count for b in shared] == [3, 3]
+    rest = run_to_completion(engine)
+    first_run = [[*seqs[i].output_ids] for i in range(3)]
+    assert all(len(t) == 8 for t in first_run) and len({tuple(t) for t in first_run}) > 1
+    assert [rest[("n", i)][-1].finish_reason for i in range(3)] == ["length"] * 3
+    # Same seed, other engine and a busy batch around it: same tokens per choice.
+    busy = make_engine(llama_dir, block_size=16, max_num_batched_tokens=16)
+    noise = [request(f"x{i}", p, temperature=1.0, max_tokens=10) for i, p in enumerate(random_prompts(4, 5, 30))]
+    res = busy.generate(noise[:2] + [request("n", prompt, n=3, temperature=1.0, seed=1234, max_tokens=8,
+                                              ignore_eos=True)] + noise[2:])
+    assert [d.token_ids for d in res["n"]] == first_run
+    # A greedy n=2 gives HF's greedy continuation twice.
+    greedy = make_engine(llama_dir).generate([request("g", prompt, n=2, max_tokens=5, ignore_eos=True)])["g"]
+    ref = hf_greedy(llama_dir, prompt, 5)[0]
+    assert [d.token_ids for d in greedy] == [ref, ref]
+
+
+def test_stop_token_ids_eos_min_tokens_and_ignore_eos(qwen2_dir):
+    engine = make_engine(qwen2_dir)
+    prompt = [5, 9, 33, 71, 2, 8]
+    free = engine.generate([request("f", prompt, max_tokens=10, ignore_eos=True)])["f"][0]
+    stop_at = free.token_ids[3]
+    cut = free.token_ids.index(stop_at) + 1
+    d = engine.generate([request("s", prompt, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_at])])["s"][0]
+    assert d.token_ids == free.token_ids[:cut] and (d.finish_reason, d.stop_reason) == ("stop", stop_at)
+    # EOS forced by a logit bias: stop with no stop_reason; the EOS id is in the output.
+    eos = engine.generate([request("e", prompt, logit_bias={EOS_ID: 100.0})])["e"][0]
+    assert eos.token_ids == [EOS_ID] and (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    # The second generation_config eos id acts as a stop token id.
+    extra = engine.generate([request("x", prompt, logit_bias={EXTRA_EOS_ID: 100.0})])["x"][0]
+    assert extra.token_ids == [EXTRA_EOS_ID] and (extra.finish_reason, extra.stop_reason) == ("stop", EXTRA_EOS_ID)
+    # min_tokens: stop ids are masked for the first 3 tokens, so EOS comes 4th (vLLM).
+    mt = engine.generate([request("m", prompt, logit_bias={EOS_ID: 100.0}, min_tokens=3)])["m"][0]
+    assert len(mt.token_ids) == 4 and mt.token_ids[-1] == EOS_ID and mt.finish_reason == "stop"
+    assert EOS_ID not in mt.token_ids[:3] and EXTRA_EOS_ID not in mt.token_ids[:3]
+    # ignore_eos: runs to max_tokens.
+    ig = engine.generate([request("i", prompt, logit_bias={EOS_ID: 100.0}, ignore_eos=True, max_tokens=4)])["i"][0]
+    assert ig.token_ids == [EOS_ID] * 4 and ig.finish_reason == "length"
+
+
+def test_max_tokens_defaults(qwen2_dir):
+    engine = make_engine(qwen2_dir, max_model_len=64)
+    prompt = [5, 6, 7, 8]
+    # Omitted by the client: capped by generation_config max_new_tokens (32).
+    d = engine.generate([request("d", prompt, ignore_eos=True, max_tokens_is_default=True)])["d"][0]
+    assert len(d.token_ids) == 32 and d.finish_reason == "length"
+    # Explicit null: up to max_model_len - prompt_len.
+    n = engine.generate([request("n", prompt, ignore_eos=True)])["n"][0]
+    assert len(n.token_ids) == 60 and n.finish_reason == "length"
+
+
+def test_text_mode_with_stop_string(llama_dir):
+    engine = make_engine(llama_dir)
+    prompt = [72, 101, 108, 108, 111]  # "Hello" in the byte tokenizer
+    base = engine.generate([request("t", prompt, max_tokens=16, ignore_eos=True, output_text=True,
+                                    allowed_token_ids=list(range(97, 123)))])["t"][0]
+    text = base.text
+    assert len(text) == 16 and text.isalpha() and text == bytes(base.token_ids).decode()
+    stop = text[6:8]
+    at = text.find(stop)
+    d = engine.generate([request("s", prompt, max_tokens=16, ignore_eos=True, output_text=True, stop=[stop],
+                                 allowed_token_ids=list(range(97, 123)), logprobs=1)])["s"][0]
+    assert (d.finish_reason, d.stop_reason) == ("stop", stop)
+    assert d.text == text[:at]
+    assert d.token_ids == base.token_ids[:at + len(stop)]  # token ids keep the stop string's tokens
+    assert d.logprobs.token_texts == [chr(t) for t in d.token_ids]
+    # Tokens mode with a stop string also stops (no text returned).
+    t = engine.generate([request("k", prompt, max_tokens=16, ignore_eos=True, stop=[stop],
+                                 allowed_token_ids=list(range(97, 123)))])["k"][0]
+    assert t.text is None and t.token_ids == d.token_ids and t.stop_reason == stop
