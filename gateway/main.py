@@ -69,8 +69,9 @@ def serve(settings: GatewaySettings, client=None, access_log: bool = False) -> N
     from gateway.app import create_app
 
     app = create_app(settings, client)
+    # log_config=None: uvicorn's loggers go through common.logging's root handler.
     config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_level=settings.log_level,
-                            access_log=access_log, timeout_graceful_shutdown=5)
+                            access_log=access_log, timeout_graceful_shutdown=5, log_config=None)
     sock = bind_socket(settings.host, settings.port, settings.reuse_port)
     uvicorn.Server(config).run(sockets=[sock])
 

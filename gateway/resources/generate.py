@@ -99,6 +99,8 @@ class GenerateResource:
     async def _close(deltas, watcher: DisconnectWatcher, tracker: RequestTracker,
                      error_status: Optional[int] = None) -> None:
         watcher.stop()
+        if watcher.disconnected and tracker.reason is None:
+            tracker.reason = "abort"  # cut short locally before the terminal delta came
         tracker.finish(error_status)
         try:
             await deltas.aclose()  # no-op when finished; sends ABORT when cut short
@@ -129,11 +131,11 @@ class GenerateResource:
                     yield event
                 async for delta in deltas:
                     tracker.observe(delta)
+                    if watcher.disconnected:
+                        continue  # nobody listens: drain until the abort's terminal delta
                     event = chunker.chunk(delta)
                     if event is not None:
                         yield event
-                    if watcher.disconnected:
-                        break
             if not watcher.disconnected:
                 usage = chunker.usage_chunk()
                 if usage is not None:
