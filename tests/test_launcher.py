@@ -1,0 +1,84 @@
+"""`tokserve serve`: the one-command stack on the demo model (built into a temp cache).
+
+One launcher run covers: the demo model is built, the stack answers a generate
+request, a worker killed with SIGKILL is restarted, and SIGTERM stops every child.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+
+from tests.gateway_helpers import GENERATE, gen_body
+from tests.procs import ProcGroup, free_port, wait_for
+
+
+def _child_pids(log_text: str) -> dict[str, int]:
+    """Latest pid per child name from the launcher's 'started NAME (pid N)' lines."""
+    return {name: int(pid) for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", log_text)}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_serve_demo_model_restart_worker_and_clean_shutdown(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {"TOKSERVE_CACHE": str(tmp_path / "cache"), "TOKSERVE_LOG_LEVEL": "INFO"}
+    with ProcGroup(tmp_path / "logs") as procs:
+        launcher = procs.spawn("launcher", [
+            "-m", "common.cli", "serve", "--port", str(port),
+            "--frontend", f"ipc://{tmp_path}/frontend", "--backend", f"ipc://{tmp_path}/backend",
+            "--worker-args", "--max-num-seqs 4 --num-kv-blocks 128 --threads 1"], env=env)
+        try:
+            wait_for(lambda: _healthy(url) or not launcher.alive(), 120, "stack health", interval=0.3)
+            assert launcher.alive(), launcher.tail()
+            assert (tmp_path / "cache").is_dir()  # the demo model was built there
+
+            r = httpx.post(url + GENERATE, json=gen_body([72, 105], max_tokens=4, temperature=0, ignore_eos=True),
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["token_ids"]) == 4
+
+            pids = _child_pids(launcher.log_path.read_text())
+            assert set(pids) == {"broker", "worker[0]", "gateway[0]"}
+            os.kill(pids["worker[0]"], signal.SIGKILL)
+            new_worker = wait_for(lambda: _child_pids(launcher.log_path.read_text())["worker[0]"]
+                                  if _child_pids(launcher.log_path.read_text())["worker[0]"] != pids["worker[0]"]
+                                  else None, 30, "worker restart")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # the restarted worker registers again
+                r = httpx.post(url + GENERATE, json=gen_body([72, 105], max_tokens=2), timeout=60)
+                if r.status_code == 200:
+                    break
+                time.sleep(0.5)
+            assert r.status_code == 200, r.text
+
+            launcher.popen.send_signal(signal.SIGTERM)
+            assert launcher.popen.wait(60) == 0
+            children = _child_pids(launcher.log_path.read_text())
+            assert children["worker[0]"] == new_worker
+            wait_for(lambda: not any(_pid_alive(p) for p in children.values()), 10, "children to exit")
+        except BaseException:
+            print(launcher.tail(120))
+            raise
