@@ -82,3 +82,29 @@ def test_serve_demo_model_restart_worker_and_clean_shutdown(tmp_path):
         except BaseException:
             print(launcher.tail(120))
             raise
+
+
+def test_supervisord_config_programs_parse():
+    """deploy/supervisord.conf loads, restarts everything, and every command line is one
+    its subcommand's own argument parser accepts (catches flag drift)."""
+    import importlib
+    import shlex
+    from pathlib import Path
+
+    from supervisor.options import ServerOptions
+
+    from common.cli import COMMANDS
+
+    conf = Path(__file__).resolve().parent.parent / "deploy" / "supervisord.conf"
+    opts = ServerOptions()
+    opts.realize(args=["-c", str(conf)])
+    programs = {p.name: p for g in opts.process_group_configs for p in g.process_configs}
+    assert {"broker", "worker-0", "gateway-0", "gateway-1"} <= set(programs)
+    for name, prog in programs.items():
+        assert prog.autorestart, name
+        argv = shlex.split(prog.command)
+        assert argv[:3] == ["python", "-m", "common.cli"], prog.command
+        module = importlib.import_module(COMMANDS[argv[3]][0].split(":")[0])
+        module.build_parser().parse_args(argv[4:])
+    assert programs["worker-0"].environment == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert "--rank 0" in programs["worker-0"].command
