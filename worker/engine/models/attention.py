@@ -56,6 +56,13 @@ def flash_backend():
     return _FLASH
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Copy whole blocks of one layer's K (or V) cache ``[num_blocks, block_size, kvh, D]``
+    in table order.  Selecting rows of a 2-D view moves each block as one
+    contiguous chunk, several times faster than indexing the 5-D tensor."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
+
+
 class _DecodeGroup:
     """Batched single-token queries: rows of the flat batch, their block tables
     (trimmed to the longest sequence) and the key padding mask."""
@@ -135,40 +142,42 @@ class PagedAttention:
         plan = attn.cache.get("torch_plan")
         if plan is None:
             plan = attn.cache["torch_plan"] = _TorchPlan(attn, block_size)
+        t = q.shape[0]
+        if plan.decode is not None and plan.decode.rows is None:  # decode-only step: no scatter
+            return self._decode(q, kv_layer, plan.decode).reshape(t, -1)
+        if plan.decode is None and len(plan.prefills) == 1:  # single prefill chunk
+            return self._prefill(q, k, v, kv_layer, plan.prefills[0]).reshape(t, -1)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            self._decode(q, kv_layer, plan.decode, out)
+            out.index_copy_(0, plan.decode.rows, self._decode(q, kv_layer, plan.decode))
         for seq in plan.prefills:
-            self._prefill(q, k, v, kv_layer, seq, out)
-        return out.view(q.shape[0], -1)
+            out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
+        return out.view(t, -1)
 
-    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, g: _DecodeGroup, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
+        """Outputs ``[g.num, heads, D]`` of the group's rows."""
         kvh, d = self.num_kv_heads, self.head_dim
-        kv = kv_layer.index_select(1, g.flat_blocks).view(2, g.num, -1, kvh, d)[:, :, : g.max_len]
-        keys = kv[0].transpose(1, 2)  # [B, kvh, S, D]
-        values = kv[1].transpose(1, 2)
+        keys = _gather_blocks(kv_layer[0], g.flat_blocks).view(g.num, -1, kvh, d)[:, : g.max_len].transpose(1, 2)
+        values = _gather_blocks(kv_layer[1], g.flat_blocks).view(g.num, -1, kvh, d)[:, : g.max_len].transpose(1, 2)
         qd = q if g.rows is None else q.index_select(0, g.rows)
         qd = qd.view(g.num, kvh, self.group, d)  # group heads as the query-length axis
         o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=g.mask, scale=self.scale)
-        o = o.reshape(g.num, self.num_heads, d)
-        if g.rows is None:
-            out.copy_(o)
-        else:
-            out.index_copy_(0, g.rows, o)
+        return o.reshape(g.num, self.num_heads, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                 s: _PrefillSeq, out: torch.Tensor) -> None:
+                 s: _PrefillSeq) -> torch.Tensor:
+        """Outputs ``[q_len, heads, D]`` of one sequence's chunk."""
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         if s.context == 0:
             ks = k[s.start:s.end].transpose(0, 1).unsqueeze(0)
             vs = v[s.start:s.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kv = kv_layer.index_select(1, s.blocks).view(2, -1, self.num_kv_heads, self.head_dim)[:, : s.seq_len]
-            ks = kv[0].transpose(0, 1).unsqueeze(0)
-            vs = kv[1].transpose(0, 1).unsqueeze(0)
+            shape = (-1, self.num_kv_heads, self.head_dim)
+            ks = _gather_blocks(kv_layer[0], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
+            vs = _gather_blocks(kv_layer[1], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.scale, enable_gqa=True)
-        out[s.start:s.end] = o[0].transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _flash(self, fn, q: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         cu_k = attn.cache.get("cu_seqlens_k")
