@@ -122,7 +122,7 @@ class Broker:
         # Bounded so one busy socket cannot starve the other or the heartbeats.
         for _ in range(budget):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = framing.recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -136,7 +136,7 @@ class Broker:
     # ------------------------------------------------------------- sending
     def _to_client(self, client: bytes, frames: list) -> bool:
         try:
-            self.frontend.send_multipart([client, *frames], zmq.NOBLOCK)
+            framing.send_frames(self.frontend, [client, *frames])
             return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -147,7 +147,7 @@ class Broker:
 
     def _to_worker(self, worker: Worker, frames: list) -> bool:
         try:
-            self.backend.send_multipart([worker.identity, *frames], zmq.NOBLOCK)
+            framing.send_frames(self.backend, [worker.identity, *frames])
             return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -372,11 +372,11 @@ class Broker:
                 entry.started = True
         msg_type = MsgType.OUTPUTS
         magic = framing.MAGIC
-        send = self.frontend.send_multipart
+        send, frontend = framing.send_frames, self.frontend
         for i in range(1, len(rest), 2):
             client = rest[i]
             try:
-                send([client, magic, msg_type, rest[i + 1]], zmq.NOBLOCK)
+                send(frontend, (client, magic, msg_type, rest[i + 1]))
             except zmq.ZMQError as exc:
                 if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                     raise

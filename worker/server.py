@@ -36,6 +36,14 @@ _RESET = b"reset"  # IO -> engine loop: broker lost or forgot us; drop requests,
 _STOP = b"stop"  # engine loop -> IO: flush and exit
 
 
+def _send(sock: zmq.Socket, frames: list) -> None:
+    """Fast non-blocking send; if the socket cannot take it now, wait (never drop)."""
+    try:
+        framing.send_frames(sock, frames)
+    except zmq.Again:
+        sock.send_multipart(frames)
+
+
 class BrokerLink(threading.Thread):
     def __init__(self, ctx: zmq.Context, broker: str, pipe_addr: str, interval: float, liveness: int,
                  curve_server_key: Optional[bytes] = None):
@@ -60,6 +68,8 @@ class BrokerLink(threading.Thread):
 
     def run(self) -> None:
         pipe = self.ctx.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.SNDHWM, 0)
+        pipe.setsockopt(zmq.RCVHWM, 0)
         pipe.connect(self.pipe_addr)
         dealer = self._connect()
         poller = zmq.Poller()
@@ -91,7 +101,7 @@ class BrokerLink(threading.Thread):
                     if sock is dealer:
                         while True:
                             try:
-                                frames = dealer.recv_multipart(zmq.NOBLOCK)
+                                frames = framing.recv_frames(dealer)
                             except zmq.Again:
                                 break
                             last_heard = time.monotonic()
@@ -99,7 +109,7 @@ class BrokerLink(threading.Thread):
                     else:
                         while True:
                             try:
-                                frames = pipe.recv_multipart(zmq.NOBLOCK)
+                                frames = framing.recv_frames(pipe)
                             except zmq.Again:
                                 break
                             if frames[0] == _CTL:
@@ -108,7 +118,7 @@ class BrokerLink(threading.Thread):
                                 continue
                             if frames[1] == MsgType.READY:
                                 self.registered = True
-                            dealer.send_multipart(frames)
+                            _send(dealer, frames)
         finally:
             dealer.close()
             pipe.close(0)
@@ -120,7 +130,7 @@ class BrokerLink(threading.Thread):
             self._bad.warning("dropped malformed message from broker: %s", exc)
             return
         if msg_type in (MsgType.GENERATE, MsgType.ABORT):
-            pipe.send_multipart(frames)
+            _send(pipe, frames)
         elif msg_type == MsgType.DISCONNECT:  # the broker does not know us (restart, or declared us dead)
             self.registered = False
             pipe.send_multipart([_CTL, _RESET])
@@ -148,6 +158,8 @@ class WorkerServer:
         pipe_addr = f"inproc://worker-link-{id(self)}"
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.setsockopt(zmq.LINGER, 0)
+        self.pipe.setsockopt(zmq.SNDHWM, 0)  # unbounded: the engine loop never blocks on the IO thread
+        self.pipe.setsockopt(zmq.RCVHWM, 0)
         self.pipe.bind(pipe_addr)
         self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key)
         self.tracks: dict[str, _Track] = {}
@@ -167,7 +179,7 @@ class WorkerServer:
         signal.signal(signal.SIGINT, self.request_drain)
 
     def _send(self, frames: list) -> None:
-        self.pipe.send_multipart(frames)
+        _send(self.pipe, frames)
 
     def _ready(self) -> None:
         self._refresh_load()
@@ -219,7 +231,7 @@ class WorkerServer:
         out: list[CompletionDelta] = []
         while True:
             try:
-                frames = self.pipe.recv_multipart(zmq.NOBLOCK)
+                frames = framing.recv_frames(self.pipe)
             except zmq.Again:
                 return out
             try:
