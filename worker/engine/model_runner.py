@@ -184,16 +184,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of ``num_tokens`` tokens split into max_model_len sequences (profiling)."""
-        from worker.engine.request import Sequence as Seq  # local: only for fake sequences
+        from worker.engine.request import Sequence as Seq
 
-        class _FakeReq:  # the few attributes the layout code reads
-            num_prompt_tokens = 0
         scheduled = []
         block = 0
         remaining = num_tokens
         while remaining > 0:
             n = min(remaining, self.max_model_len)
-            seq = Seq.__new__(Seq)
+            seq = Seq.__new__(Seq)  # bare: prepare() only reads tokens, progress and blocks
             seq.token_ids = [0] * n
             seq.num_computed_tokens = 0
             nb = -(-n // self.block_size)
@@ -209,7 +207,7 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        if not getattr(self.model, "supports_cuda_graphs", False):
+        if not getattr(self.model, "supports_cuda_graphs", True):
             log.info("model does not support CUDA graphs; running eager")
             return
         sizes = cuda_graph_batch_sizes(self.config.max_num_seqs)
@@ -260,11 +258,15 @@ class _DecodeGraph:
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, context_lens=self.context_lens,
             slot_mapping=self.slot_mapping, block_tables=self.block_tables,
             query_lens_cpu=[1] * batch_size, seq_lens_cpu=[runner.max_model_len] * batch_size,
-            max_query_len=1, max_seq_len=runner.max_model_len)
+            max_query_len=1, max_seq_len=runner.max_model_len,
+            context_lens_cpu=[runner.max_model_len - 1] * batch_size, positions=self.positions)
         model, kv = runner.model, runner.kv_cache
         # Warm up outside the graph (lazy initialisations), then capture.
         model(self.input_ids, self.positions, self.attn, kv)
         torch.cuda.synchronize(dev)
+        # Per-step index tensors the attention caches on the metadata must be computed
+        # inside the graph (from the static buffers), not reused from the warm-up.
+        self.attn.cache.clear()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = model(self.input_ids, self.positions, self.attn, kv)
