@@ -6,7 +6,7 @@ new K/V at ``attn.slot_mapping``, then every sequence attends over its blocks wi
 a lower-right causal mask (query j of a sequence with context c sees keys 0..c+j).
 
 Backends, picked per call:
-* CUDA with ``vllm_flash_attn`` or ``flash_attn`` importable (and a block size the
+* CUDA, fp16/bf16, with ``vllm_flash_attn`` or ``flash_attn`` importable (and a block size the
   kernel accepts): one ``flash_attn_varlen_func`` call reading the paged cache
   through ``block_table`` for the whole mixed batch.
 * Otherwise (CPU, and CUDA without those kernels) torch SDPA:
@@ -29,17 +29,17 @@ from worker.engine.attn_metadata import AttentionMetadata
 
 
 def _load_flash_varlen():
-    """(function, required block-size multiple, supports seqused_k) or None."""
-    try:  # vLLM's fork accepts any block size that is a multiple of 16
+    """(varlen function, block-size multiple it pages with, takes seqused_k) or None."""
+    try:  # vLLM's fork: any block size that is a multiple of 16, K lengths via seqused_k
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # type: ignore
 
-        return flash_attn_varlen_func, 16
+        return flash_attn_varlen_func, 16, True
     except Exception:
         pass
-    try:  # upstream FlashAttention-2 pages only with multiples of 256
+    try:  # upstream FlashAttention-2 pages only with multiples of 256, K lengths via cu_seqlens_k
         from flash_attn import flash_attn_varlen_func  # type: ignore
 
-        return flash_attn_varlen_func, 256
+        return flash_attn_varlen_func, 256, False
     except Exception:
         return None
 
@@ -137,8 +137,8 @@ class PagedAttention:
         flat[1].index_copy_(0, attn.slot_mapping, v)
         if q.is_cuda:
             flash = flash_backend()
-            if flash is not None and block_size % flash[1] == 0:
-                return self._flash(flash[0], q, kv_layer, attn)
+            if flash is not None and block_size % flash[1] == 0 and q.dtype in (torch.float16, torch.bfloat16):
+                return self._flash(flash, q, kv_layer, attn)
         plan = attn.cache.get("torch_plan")
         if plan is None:
             plan = attn.cache["torch_plan"] = _TorchPlan(attn, block_size)
@@ -179,15 +179,19 @@ class PagedAttention:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)
 
-    def _flash(self, fn, q: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        cu_k = attn.cache.get("cu_seqlens_k")
-        if cu_k is None:
-            cu_k = attn.cache["cu_seqlens_k"] = F.pad(attn.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    def _flash(self, flash, q: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        fn, _, uses_seqused_k = flash
+        if uses_seqused_k:
+            lens = dict(seqused_k=attn.seq_lens)
+        else:
+            cu_k = attn.cache.get("cu_seqlens_k")
+            if cu_k is None:
+                cu_k = attn.cache["cu_seqlens_k"] = F.pad(attn.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+            lens = dict(cu_seqlens_k=cu_k)
         out = fn(
             q, kv_layer[0], kv_layer[1],
-            cu_seqlens_q=attn.query_start_loc, cu_seqlens_k=cu_k,
-            max_seqlen_q=attn.max_query_len, max_seqlen_k=attn.max_seq_len,
-            softmax_scale=self.scale, causal=True,  # FA2 aligns causal bottom-right
-            block_table=attn.block_tables,
+            cu_seqlens_q=attn.query_start_loc, max_seqlen_q=attn.max_query_len, max_seqlen_k=attn.max_seq_len,
+            softmax_scale=self.scale, causal=True,  # FA2 aligns the causal mask bottom-right
+            block_table=attn.block_tables, **lens,
         )
-        return out.view(q.shape[0], -1)
+        return out.reshape(q.shape[0], -1)
