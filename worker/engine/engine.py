@@ -67,6 +67,7 @@ class Engine:
         self.runner.capture_cuda_graphs()
 
         self.vocab_size = mc.vocab_size
+        self.device = device
         self.model_info = ModelInfo(
             name=config.served_model_name or config.model,
             vocab_size=mc.vocab_size,
@@ -115,7 +116,7 @@ class Engine:
         seq = Sequence(request, index, token_ids)
         p = request.params
         if p.seed is not None:
-            seq.generator = make_generator(p.seed, index, self.config.torch_device)
+            seq.generator = make_generator(p.seed, index, self.device)
         if self.tokenizer is not None and needs_detokenizer(p, request.req.output_text):
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p)
         min_stop_ids: list[int] = []
@@ -160,6 +161,9 @@ class Engine:
     def step(self) -> list[CompletionDelta]:
         out = self.scheduler.schedule()
         if not out:
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                # Cannot happen while one max_model_len sequence fits the KV cache; fail loudly, never spin.
+                raise RuntimeError("scheduler stalled: waiting requests but nothing can run")
             return []
         hidden = self.runner.forward(out.scheduled)
         self.scheduler.update_after_step(out.scheduled)
@@ -190,8 +194,7 @@ class Engine:
                     sample_rows.append(sample_rows[i])
         sample_logits = logits.index_select(
             0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
-        meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size,
-                                      self.config.torch_device)
+        meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size, self.device)
         result = self.sampler(sample_logits, meta)
         sampled = result.sampled.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
