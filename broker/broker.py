@@ -75,6 +75,7 @@ class Broker:
         self._bad_frame = RateLimitedLog(log)
         self._unreachable = RateLimitedLog(log)
         self._stop = False
+        self._rejected: dict[bytes, float] = {}  # identity -> last DISCONNECT sent to an unknown worker
 
     def _router(self, endpoint: str, max_frame: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -115,8 +116,14 @@ class Broker:
                 self._drain(self.frontend, self._on_frontend)
 
     def close(self) -> None:
-        self.frontend.close(0)
-        self.backend.close(0)
+        """Tell clients their requests are gone (instead of leaving them to time out), then close."""
+        for entry in list(self.requests.values()):
+            if not entry.orphaned:
+                self._error(entry, entry.request_id, 503, "broker shutting down", _E_OVERLOADED)
+        for worker in self.workers.all():  # they re-register with the next broker
+            self._reject_unknown(worker.identity)
+        self.frontend.close(linger=500)
+        self.backend.close(linger=500)
 
     def _drain(self, sock: zmq.Socket, handler, budget: int = 512) -> None:
         # Bounded so one busy socket cannot starve the other or the heartbeats.
@@ -410,7 +417,16 @@ class Broker:
         self._dispatch_pending()
 
     def _reject_unknown(self, identity: bytes) -> None:
-        """A worker we do not know (e.g. after a broker restart): ask it to re-register."""
+        """A worker we do not know (e.g. after a broker restart): ask it to re-register.
+
+        At most once per heartbeat interval per identity: a worker's backlog of messages
+        must not turn into a burst of re-registrations."""
+        now = time.monotonic()
+        if now - self._rejected.get(identity, -1e9) < self.cfg.heartbeat_interval:
+            return
+        if len(self._rejected) > 1024:
+            self._rejected = {k: t for k, t in self._rejected.items() if now - t < self.cfg.heartbeat_interval}
+        self._rejected[identity] = now
         try:
             self.backend.send_multipart([identity, *framing.message(MsgType.DISCONNECT)], zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per engine step")
     p.add_argument("--first-delay", type=float, default=0.0, help="seconds a request waits before its first token")
+    p.add_argument("--curve-server-key", default=None, help="broker's CURVE public key (Z85)")
     p.add_argument("--hold-token", type=int, default=None, help="prompts starting with it never start here")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay,
                         hold_token=args.hold_token)
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout,
+                          curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None)
     server.install_signal_handlers()
     return server.run()
 

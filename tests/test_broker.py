@@ -280,3 +280,42 @@ def _try(client, request):
         return list(client.generate(request))
     except RequestError:
         return None
+
+
+def test_broker_sigterm_fails_in_flight_requests_at_once(tmp_path):
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        procs.fake_worker(broker, 0, "--step-delay", "0.01")
+        wait_for_workers(broker.frontend, 1)
+        with Client(broker.frontend) as client:
+            stream = client.generate(req("cut", max_tokens=100_000))
+            next(stream)
+            t0 = time.monotonic()
+            assert broker.terminate(5) == 0
+            with pytest.raises(RequestError) as exc:
+                for _ in stream:
+                    pass
+            assert exc.value.status == 503 and "shutting down" in exc.value.message
+            assert time.monotonic() - t0 < 1.5
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_encrypted_links(tmp_path):
+    import zmq.auth
+
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "broker")
+    public, _ = zmq.auth.load_certificate(public_file)
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker("--curve-secret-file", secret_file, wait=False)
+        procs.fake_worker(broker, 0, "--curve-server-key", public.decode())
+        with Client(broker.frontend, curve_server_key=public) as client:
+            wait_for(lambda: _info_workers(client) == [0], 10, "worker over CURVE")
+            assert len(list(client.generate(req("secret")))) == 4
+        assert cluster_info(broker.frontend, 0.5) is None  # plaintext peers get nothing
+
+
+def _info_workers(client):
+    try:
+        return [w.rank for w in client.info(timeout=0.5).workers]
+    except RequestError:
+        return None
