@@ -11,6 +11,7 @@ import torch
 from common.protocol import SamplingParams
 from worker.engine.logprobs import (clamp_logprob, compute_prompt_logprobs, extend_token_logprobs,
                                     score_token_ids, to_token_logprobs)
+from worker.engine import sampling_metadata
 from worker.engine.sampler import Sampler, apply_top_k_top_p
 from worker.engine.sampling_metadata import (SamplingMetadata, SamplingRow, make_generator,
                                              tokenize_bad_words)
@@ -47,7 +48,7 @@ def test_greedy_is_argmax_and_fast_path_builds_nothing():
     assert torch.equal(out.sampled, logits.argmax(-1))
     assert out.logprobs is None
     assert meta.all_greedy and meta.temperature is None and meta.penalties is None
-    assert meta.top_k is None and meta.top_p is None and meta.min_p is None
+    assert meta.full_vocab is None and meta.top_k_candidates is None
 
 
 def test_repetition_penalty_prompt_and_output():
@@ -115,27 +116,33 @@ def test_min_tokens_masks_stop_ids_until_reached():
     assert torch.equal(got, BASE)
 
 
-def _kept(logits, **kw):
-    """Token ids that can be sampled (non -inf after all filters) for one row."""
-    from worker.engine.sampler import apply_min_p
-    meta = SamplingMetadata.build([row(**kw)], logits.shape[-1], "cpu")
-    x = logits.clone().unsqueeze(0) / meta.temperature.unsqueeze(1)
-    if meta.min_p is not None:
-        apply_min_p(x, meta.min_p)
-    apply_top_k_top_p(x, meta.top_k, meta.top_k_max, meta.top_p)
-    return sorted(torch.nonzero(torch.isfinite(x[0])).flatten().tolist())
+def _kept(logits, n=2000, **kw):
+    """Token ids the real sampler can produce for one row's params (n draws)."""
+    out, _ = run(logits.unsqueeze(0).repeat(n, 1), [row(**kw) for _ in range(n)])
+    return sorted(set(out.sampled.tolist()))
 
 
-def test_top_k_top_p_min_p_hand_computed():
+@pytest.fixture(params=["candidates", "full_vocab"])
+def sampling_path(request, monkeypatch):
+    """Run top-k rows through the top-k candidate path, or force the full-vocab path."""
+    if request.param == "full_vocab":
+        monkeypatch.setattr(sampling_metadata, "MAX_CANDIDATE_TOP_K", 0)
+    return request.param
+
+
+def test_top_k_top_p_min_p_hand_computed(sampling_path):
     assert _kept(BASE, top_k=2) == [0, 3]
     assert _kept(BASE, top_k=-1) == list(range(V))
     p = torch.softmax(BASE, -1)
     order = torch.argsort(p, descending=True).tolist()
     cum = torch.cumsum(p[order], 0)
-    # smallest prefix with mass >= top_p
+    # smallest prefix with mass >= top_p (of the distribution renormalised over top-6)
+    cum6 = torch.cumsum(p[order[:6]] / p[order[:6]].sum(), 0)
     for top_p in (0.3, 0.6, 0.75, 0.9, 0.99):
         n = int((cum < top_p).sum().item()) + 1
         assert _kept(BASE, top_p=top_p) == sorted(order[:n]), top_p
+        n6 = int((cum6 < top_p).sum().item()) + 1
+        assert _kept(BASE, top_p=top_p, top_k=6) == sorted(order[:n6]), top_p
     # top-p applies to the distribution renormalised over the top-k survivors
     pk = p[order[:3]] / p[order[:3]].sum()
     assert pk[0] > 0.6 and _kept(BASE, top_k=3, top_p=0.6) == [3]
@@ -144,17 +151,40 @@ def test_top_k_top_p_min_p_hand_computed():
     for min_p in (0.1, 0.3, 0.5):
         want = sorted(torch.nonzero(p >= min_p * p.max()).flatten().tolist())
         assert _kept(BASE, min_p=min_p) == want
+        assert _kept(BASE, min_p=min_p, top_k=4) == sorted(set(want) & set(order[:4]))
     # temperature reshapes the distribution before top_p
     pt = torch.softmax(BASE / 0.5, -1)
     assert pt.max() > 0.75 and _kept(BASE, temperature=0.5, top_p=0.75) == [3]
+    assert _kept(BASE, temperature=0.5, top_p=0.75, top_k=5) == [3]
 
 
-def test_top_k_rows_mixed_with_unfiltered_rows():
+def test_top_k_path_frequencies_match_renormalised_probs(sampling_path):
+    n = 6000
+    out, meta = run(BASE.unsqueeze(0).repeat(n, 1), [row(top_k=3) for _ in range(n)])
+    assert (meta.top_k_candidates is not None) == (sampling_path == "candidates")
+    p = torch.softmax(BASE, -1)[[3, 0, 5]]
+    freq = torch.bincount(out.sampled, minlength=V).float()[[3, 0, 5]] / n
+    assert torch.allclose(freq, p / p.sum(), atol=0.03)
+
+
+def test_mixed_paths_in_one_batch():
+    logits = torch.stack([BASE] * 4)
+    rows = [row(top_k=1), row(temperature=0.0, allowed_token_ids=[6]), row(top_k=1000, top_p=0.3),
+            row(top_k=2, seed=3)]
+    out, meta = run(logits, rows)
+    assert meta.full_vocab.row_ids == [2] and meta.top_k_candidates.row_ids == [0, 3]
+    assert out.sampled[:3].tolist() == [3, 6, 3] and out.sampled[3].item() in (0, 3)
+
+
+def test_top_k_top_p_masks_each_row_with_its_own_values():
     logits = torch.stack([BASE, BASE, BASE])
-    meta = SamplingMetadata.build([row(top_k=1), row(), row(top_k=3)], V, "cpu")
     x = logits.clone()
-    apply_top_k_top_p(x, meta.top_k, meta.top_k_max, meta.top_p)
+    k = torch.tensor([1, V, 3])
+    apply_top_k_top_p(x, k, 3, None)
     assert torch.isfinite(x).sum(-1).tolist() == [1, V, 3]
+    x = logits.clone()
+    apply_top_k_top_p(x, k, 3, torch.tensor([1.0, 0.5, 1.0]))
+    assert torch.isfinite(x).sum(-1).tolist() == [1, 1, 3]
 
 
 def test_random_sampling_matches_distribution():
@@ -183,6 +213,10 @@ def test_seeded_rows_reproducible_regardless_of_batch():
     batch = torch.cat([others[:2], logits, others[2:4]])
     assert tokens(batch, mixed_rows, 2) == alone
     # n>1: choice i uses seed + i -> distinct but reproducible streams
+    # same on the top-k candidate path, where the batch's largest k differs
+    alone_k = tokens(logits, [row(seed=9, top_k=5, top_p=0.9)], 0)
+    mixed_k = [row(top_k=50), row(seed=9, top_k=5, top_p=0.9), row(seed=1, top_k=200)]
+    assert tokens(torch.cat([others[:1], logits, others[1:2]]), mixed_k, 1) == alone_k
     c1 = tokens(logits, [row(seed=42, index=1, temperature=1.0)], 0)
     c1_again = tokens(logits, [row(seed=42, index=1, temperature=1.0)], 0)
     assert c1 == c1_again and c1 != alone
@@ -278,9 +312,15 @@ def test_persistent_row_caches_follow_the_live_output_list():
         fresh = row(prompt=[1, 1, 4], output=list(r.output_token_ids), repetition_penalty=1.5,
                     frequency_penalty=0.5, allowed_token_ids=[0, 2, 3, 5])
         assert torch.equal(processed(BASE, r), processed(BASE, fresh))
-    assert r.output_counts(V, torch.device("cpu")).tolist() == [0, 0, 1, 2, 0, 1, 0, 0]
+    cpu = torch.device("cpu")
+    ids, counts = r.penalty_tensors(cpu)
+    assert ids.tolist() == [1, 4, 3, 2, 5] and counts.tolist() == [0, 0, 2, 1, 1]
     del r.output_token_ids[2:]  # a shrunk list (e.g. recompute) rebuilds the counts
-    assert r.output_counts(V, torch.device("cpu")).tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    ids, counts = r.penalty_tensors(cpu)
+    assert ids.tolist() == [1, 4, 3, 2] and counts.tolist() == [0, 0, 1, 1]
+    r.output_token_ids.extend([2, 6])
+    ids, counts = r.penalty_tensors(cpu)
+    assert ids.tolist() == [1, 4, 3, 2, 6] and counts.tolist() == [0, 0, 1, 2, 1]
 
 
 @pytest.mark.cuda

@@ -6,7 +6,8 @@
 4. greedy rows: argmax; random rows: temperature -> min_p -> top-k / top-p ->
    ``probs / Exp(1)`` argmax (the exponential trick; no multinomial, no sync),
    drawing a seeded row's noise from its own generator so the same seed gives
-   the same token whatever else is in the batch.
+   the same token whatever else is in the batch.  Rows with a small top_k do the
+   same on their k largest logits only (no full-vocab sort or noise).
 
 The logits tensor is modified in place.
 """
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from worker.engine.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
-from worker.engine.sampling_metadata import SAMPLING_EPS, SamplingMetadata
+from worker.engine.sampling_metadata import SAMPLING_EPS, RandomGroup, SamplingMetadata
 
 _NEG_INF = float("-inf")
 
@@ -35,7 +36,7 @@ class Sampler:
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
-        logits = logits.to(torch.float32)
+        logits = logits.to(torch.float32).contiguous()  # penalties index its flat view
         apply_logits_processors(logits, meta)
         sampled = sample(logits, meta)
         logprobs = None
@@ -76,21 +77,16 @@ def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    """vLLM/OpenAI definitions, on the rows that use a penalty only.
-
-    repetition: tokens seen in prompt or output get logit/p when positive, logit*p
-    otherwise; frequency: minus f * count in output; presence: minus p if in output.
-    """
+    """vLLM/OpenAI definitions on the (row, token) pairs a row has seen:
+    repetition: tokens in prompt or output get logit/p when positive, logit*p
+    otherwise; frequency: minus f * count in output; presence: minus p if in output."""
     pen = meta.penalties
-    sub = logits.index_select(0, pen.rows)
-    output_mask = pen.output_counts > 0
-    seen = pen.prompt_mask | output_mask
-    rep = pen.repetition.unsqueeze(1)
-    scale = torch.where(seen, torch.where(sub > 0, 1.0 / rep, rep), torch.ones_like(sub))
-    sub.mul_(scale)
-    sub.sub_(pen.frequency.unsqueeze(1) * pen.output_counts)
-    sub.sub_(pen.presence.unsqueeze(1) * output_mask)
-    logits.index_copy_(0, pen.rows, sub)
+    flat = logits.view(-1)  # index_select/index_copy_ on flat indices: cheapest gather/scatter
+    vals = flat.index_select(0, pen.flat_index)
+    rep = pen.repetition
+    vals = torch.where(vals > 0, vals / rep, vals * rep)
+    vals -= pen.frequency * pen.output_counts + pen.presence * (pen.output_counts > 0)
+    flat.index_copy_(0, pen.flat_index, vals)
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -101,14 +97,58 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if not meta.all_random:
         temp = torch.where(temp < SAMPLING_EPS, torch.ones_like(temp), temp)
     logits.div_(temp.unsqueeze(1))
-    if meta.min_p is not None:
-        apply_min_p(logits, meta.min_p)
-    apply_top_k_top_p(logits, meta.top_k, meta.top_k_max, meta.top_p)
+    # Greedy rows keep their argmax; each random group overwrites its own rows.
+    sampled = greedy
+    for group, sample_group in ((meta.full_vocab, sample_full_vocab),
+                                (meta.top_k_candidates, sample_top_k_candidates)):
+        if group is None:
+            continue
+        if group.rows is None:  # the group is the whole batch
+            return sample_group(logits, group)
+        tokens = sample_group(logits.index_select(0, group.rows), group)
+        if sampled is None:
+            sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
+        sampled.index_copy_(0, group.rows, tokens)
+    return sampled
+
+
+def sample_full_vocab(logits: torch.Tensor, group: RandomGroup) -> torch.Tensor:
+    """min_p -> top-k/top-p masks over the whole vocabulary -> exponential trick."""
+    if group.min_p is not None:
+        apply_min_p(logits, group.min_p)
+    apply_top_k_top_p(logits, group.top_k, group.top_k_max, group.top_p)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    sampled = exponential_sample(probs, meta.generators)
-    if greedy is None:
-        return sampled
-    return torch.where(meta.temperature < SAMPLING_EPS, greedy, sampled)
+    return exponential_sample(probs, group.generators)
+
+
+def sample_top_k_candidates(logits: torch.Tensor, group: RandomGroup) -> torch.Tensor:
+    """Rows whose small top_k bounds the candidates: the same filters and sampling as
+    ``sample_full_vocab`` evaluated on each row's k largest logits only, with no
+    full-vocab sort, softmax or noise.  (A tie with the k-th logit is cut by
+    position here; the full path keeps it.)"""
+    vals, idx = logits.topk(group.top_k_max, dim=-1)  # descending
+    positions = torch.arange(vals.shape[1], device=vals.device)
+    vals.masked_fill_(positions.unsqueeze(0) >= group.top_k.unsqueeze(1), _NEG_INF)
+    if group.min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+        vals.masked_fill_(vals < vals[:, :1] + group.min_p.log().unsqueeze(1), _NEG_INF)
+    probs = vals.softmax(dim=-1, dtype=torch.float32)
+    if group.top_p is not None:
+        # vLLM drops a token when the mass ranked above it already reaches top_p.
+        # top_p == 1 must drop nothing, even where rounding makes the mass reach 1.
+        limit = group.top_p.masked_fill(group.top_p >= 1.0, float("inf"))
+        mass_above = probs.cumsum(dim=-1) - probs
+        probs.masked_fill_(mass_above >= limit.unsqueeze(1), 0.0)
+    q = torch.empty_like(probs)
+    if len(group.generators) != probs.shape[0]:
+        q.exponential_()
+    else:
+        q.fill_(1.0)  # positions past a row's k have probability 0 and no draw
+    for row, gen in group.generators.items():
+        # Exactly k draws: a seeded row's RNG use depends only on its own top_k.
+        q[row, :group.top_k_list[row]].exponential_(generator=gen)
+    choice = probs.div_(q).argmax(dim=-1, keepdim=True)
+    return idx.gather(1, choice).squeeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

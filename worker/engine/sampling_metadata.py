@@ -15,6 +15,9 @@ import torch
 from common.protocol import SamplingParams
 
 SAMPLING_EPS = 1e-5  # temperature below this means greedy (vLLM)
+# Rows with 0 < top_k <= this sample among their top-k logits only (a partial topk
+# instead of a full-vocab sort and full-vocab noise); larger k use the full path.
+MAX_CANDIDATE_TOP_K = 256
 _UINT64_MASK = (1 << 64) - 1
 
 
@@ -67,9 +70,9 @@ class SamplingRow:
     """One choice that samples a token this step.
 
     The engine should keep one row per running choice across steps, holding the
-    live ``output_token_ids`` list: the device tensors for penalties and
-    allowed_token_ids are then cached on the row and updated incrementally (only the
-    newly generated tokens are counted each step) instead of rebuilt from lists.
+    live ``output_token_ids`` list: the penalty bookkeeping and the allowed_token_ids
+    mask are then cached on the row and updated incrementally (only the newly
+    generated tokens are counted each step) instead of rebuilt from lists.
     A fresh row per step is also correct, just slower for those features.  The
     output list may only grow (or shrink, which triggers a rebuild); replacing
     tokens in place needs a new row.
@@ -82,35 +85,70 @@ class SamplingRow:
     stop_ids_for_min_tokens: list[int] = field(default_factory=list)  # eos + stop_token_ids
     bad_words_ids: Optional[list[list[int]]] = None  # tokenize_bad_words(...) output
     # Device-side caches, valid while the row object lives (see class docstring).
-    _prompt_mask: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    _output_counts: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    _num_counted: int = field(default=0, repr=False, compare=False)
+    _pen_ids: Optional[list[int]] = field(default=None, repr=False, compare=False)
+    _pen_pos: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    _pen_counts: list[int] = field(default_factory=list, repr=False, compare=False)
+    _pen_counted: int = field(default=0, repr=False, compare=False)
+    _pen_ids_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _pen_counts_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _allowed_mask: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
-    def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[V] bool: token occurs in the prompt (built once)."""
-        m = self._prompt_mask
-        if m is None or m.device != device or m.shape[0] != vocab_size:
-            m = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            if self.prompt_token_ids:
-                m[torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)] = True
-            self._prompt_mask = m
-        return m
+    def penalty_entries(self) -> tuple[list[int], list[int]]:
+        """The distinct tokens penalties touch and their counts in the output.
 
-    def output_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[V] float32 occurrences in the output, updated with only the new tokens."""
-        c = self._output_counts
+        Tokens of the prompt (only when the repetition penalty is on, the one penalty
+        that looks at it) and of the output, each once, in first-seen order; counts
+        are output occurrences (0 for prompt-only tokens).  Updated with only the
+        tokens generated since the previous call.
+        """
         out = self.output_token_ids
-        if (c is None or c.device != device or c.shape[0] != vocab_size
-                or self._num_counted > len(out)):
-            c = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-            self._num_counted = 0
-            self._output_counts = c
-        if self._num_counted < len(out):
-            new = torch.tensor(out[self._num_counted:], dtype=torch.long, device=device)
-            c.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
-            self._num_counted = len(out)
-        return c
+        if self._pen_ids is None or self._pen_counted > len(out):
+            ids: list[int] = []
+            self._pen_pos = {}
+            self._pen_counts = []
+            if self.params.repetition_penalty != 1.0:
+                ids = list(dict.fromkeys(self.prompt_token_ids))
+                self._pen_pos = {t: j for j, t in enumerate(ids)}
+                self._pen_counts = [0] * len(ids)
+            self._pen_ids = ids
+            self._pen_counted = 0
+        ids, pos, counts = self._pen_ids, self._pen_pos, self._pen_counts
+        for t in out[self._pen_counted:]:
+            j = pos.get(t)
+            if j is None:
+                pos[t] = len(ids)
+                ids.append(t)
+                counts.append(1)
+            else:
+                counts[j] += 1
+        self._pen_counted = len(out)
+        return ids, counts
+
+    def penalty_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``penalty_entries`` as device tensors (long ids, float32 counts), grown by
+        appending the new tokens rather than rebuilt from the lists each step."""
+        out = self.output_token_ids
+        ids_t = self._pen_ids_t
+        if (ids_t is None or ids_t.device != device or self._pen_ids is None
+                or self._pen_counted > len(out)):
+            self._pen_ids = None
+            ids, counts = self.penalty_entries()
+            self._pen_ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+            self._pen_counts_t = torch.tensor(counts, dtype=torch.float32, device=device)
+            return self._pen_ids_t, self._pen_counts_t
+        start, num_old = self._pen_counted, len(self._pen_ids)
+        ids, _ = self.penalty_entries()
+        new_tokens = out[start:]
+        if len(ids) > num_old:
+            self._pen_ids_t = torch.cat([ids_t, torch.tensor(ids[num_old:], dtype=torch.long,
+                                                             device=device)])
+            self._pen_counts_t = torch.cat([self._pen_counts_t, torch.zeros(
+                len(ids) - num_old, dtype=torch.float32, device=device)])
+        if new_tokens:
+            pos = torch.tensor([self._pen_pos[t] for t in new_tokens], dtype=torch.long,
+                               device=device)
+            self._pen_counts_t.index_add_(0, pos, torch.ones(len(new_tokens), device=device))
+        return self._pen_ids_t, self._pen_counts_t
 
     def allowed_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """[V] bool, True = not in allowed_token_ids (built once)."""
@@ -129,14 +167,51 @@ def _row_needs_penalties(p: SamplingParams) -> bool:
 
 @dataclass
 class Penalties:
-    """Penalty inputs for the subset of rows that use any penalty."""
+    """Penalty inputs as flat (row, token) entries: only tokens a row has seen are
+    touched, so the cost follows prompt + output length, not batch x vocab."""
 
-    rows: torch.Tensor  # [Rp] long: batch rows these apply to
-    prompt_mask: torch.Tensor  # [Rp, V] bool: token occurs in the prompt
-    output_counts: torch.Tensor  # [Rp, V] float: occurrences in the output so far
-    presence: torch.Tensor  # [Rp] float
-    frequency: torch.Tensor  # [Rp] float
-    repetition: torch.Tensor  # [Rp] float
+    flat_index: torch.Tensor  # [S] long: row * vocab + token, a (row, seen token) pair
+    output_counts: torch.Tensor  # [S] float32: occurrences in the output so far
+    presence: torch.Tensor  # [S] float32: the row's presence_penalty
+    frequency: torch.Tensor  # [S] float32
+    repetition: torch.Tensor  # [S] float32
+
+
+@dataclass
+class RandomGroup:
+    """Random-sampling rows sharing one code path, with their filter parameters."""
+
+    rows: Optional[torch.Tensor]  # [G] long batch rows; None = every row of the batch
+    row_ids: list[int]  # host copy of the batch rows
+    top_k: Optional[torch.Tensor]  # [G] long, vocab size for rows without top-k; None if unused
+    top_k_max: int  # host-side max of top_k: no device sync to size the topk
+    top_p: Optional[torch.Tensor]  # [G] float32, 1.0 for rows without; None if unused
+    min_p: Optional[torch.Tensor]  # [G] float32; None if unused
+    generators: dict[int, torch.Generator]  # group-relative row -> per-choice RNG
+    top_k_list: list[int]  # host copy of top_k (rows' own k, vocab size when off)
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], ids: list[int], num_rows: int, vocab_size: int,
+              device: torch.device) -> "RandomGroup":
+        params = [rows[i].params for i in ids]
+        ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_k = None
+        top_k_max = 0
+        if any(k < vocab_size for k in ks):
+            top_k = torch.tensor(ks, dtype=torch.long, device=device)
+            top_k_max = max(k for k in ks if k < vocab_size)
+        ps = [p.top_p for p in params]
+        top_p = torch.tensor(ps, dtype=torch.float32, device=device) if any(
+            x < 1.0 for x in ps) else None
+        mps = [p.min_p for p in params]
+        min_p = torch.tensor(mps, dtype=torch.float32, device=device) if any(
+            x > SAMPLING_EPS for x in mps) else None
+        generators = {j: rows[i].generator for j, i in enumerate(ids)
+                      if rows[i].generator is not None}
+        all_rows = len(ids) == num_rows
+        return cls(rows=None if all_rows else torch.tensor(ids, dtype=torch.long, device=device),
+                   row_ids=ids, top_k=top_k, top_k_max=top_k_max, top_p=top_p, min_p=min_p,
+                   generators=generators, top_k_list=ks)
 
 
 @dataclass
@@ -146,11 +221,10 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     temperature: Optional[torch.Tensor]  # [R] float32; None when all greedy
-    top_k: Optional[torch.Tensor]  # [R] long, V for rows without top-k; None if unused
-    top_k_max: int  # host-side max of top_k (no device sync when masking)
-    top_p: Optional[torch.Tensor]  # [R] float32, 1.0 for rows without top-p; None if unused
-    min_p: Optional[torch.Tensor]  # [R] float32; None if unused
-    generators: dict[int, torch.Generator]  # row -> per-choice RNG (seeded rows)
+    # Random rows split by how they are sampled (each row's path depends only on its
+    # own params, so a seeded row's draws never depend on the rest of the batch):
+    full_vocab: Optional[RandomGroup]  # rows sampled over the whole vocabulary
+    top_k_candidates: Optional[RandomGroup]  # rows with a small top_k: only k candidates
     max_num_logprobs: Optional[int]  # max over rows; -1 = whole vocab; None = no row asks
     num_logprobs: list[Optional[int]]  # per-row request (None / k / -1)
     allowed_token_ids_mask: Optional[torch.Tensor]  # [R, V] bool, True = banned
@@ -175,25 +249,18 @@ class SamplingMetadata:
             temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                        device=device)
 
-        top_k = None
-        top_k_max = 0
-        top_p = None
-        min_p = None
-        generators: dict[int, torch.Generator] = {}
+        full_vocab = None
+        candidates = None
         if not all_greedy:
-            ks = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size
-                  for p, g in zip(params, greedy)]
-            if any(k < vocab_size for k in ks):
-                top_k = torch.tensor(ks, dtype=torch.long, device=device)
-                top_k_max = max(k for k in ks if k < vocab_size)
-            ps = [p.top_p if not g else 1.0 for p, g in zip(params, greedy)]
-            if any(x < 1.0 for x in ps):
-                top_p = torch.tensor(ps, dtype=torch.float32, device=device)
-            mps = [p.min_p if not g else 0.0 for p, g in zip(params, greedy)]
-            if any(x > SAMPLING_EPS for x in mps):
-                min_p = torch.tensor(mps, dtype=torch.float32, device=device)
-            generators = {i: r.generator for i, (r, g) in enumerate(zip(rows, greedy))
-                          if r.generator is not None and not g}
+            random_rows = [i for i, g in enumerate(greedy) if not g]
+            small_k = [i for i in random_rows if 0 < params[i].top_k <= MAX_CANDIDATE_TOP_K
+                       and params[i].top_k < vocab_size]
+            small = set(small_k)
+            others = [i for i in random_rows if i not in small]
+            if others:
+                full_vocab = RandomGroup.build(rows, others, num_rows, vocab_size, device)
+            if small_k:
+                candidates = RandomGroup.build(rows, small_k, num_rows, vocab_size, device)
 
         num_logprobs = [p.logprobs for p in params]
         requested = [k for k in num_logprobs if k is not None]
@@ -242,8 +309,8 @@ class SamplingMetadata:
 
         return cls(
             num_rows=num_rows, vocab_size=vocab_size, all_greedy=all_greedy,
-            all_random=all_random, temperature=temperature, top_k=top_k,
-            top_k_max=top_k_max, top_p=top_p, min_p=min_p, generators=generators,
+            all_random=all_random, temperature=temperature, full_vocab=full_vocab,
+            top_k_candidates=candidates,
             max_num_logprobs=max_num_logprobs, num_logprobs=num_logprobs,
             allowed_token_ids_mask=allowed_mask, logit_bias=logit_bias,
             min_tokens_mask=min_tokens_mask, bad_words=bad_words,
@@ -251,24 +318,26 @@ class SamplingMetadata:
 
 
 def _build_penalties(rows: Sequence[SamplingRow], pen_rows: list[int], vocab_size: int,
-                     device: torch.device) -> Penalties:
-    no_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    prompt_masks = []
-    counts = []
+                     device: torch.device) -> Optional[Penalties]:
+    ids: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    per_entry: list[list[torch.Tensor]] = [[], [], [], []]  # row, presence, frequency, rep.
     for i in pen_rows:
-        r = rows[i]
-        # Only the repetition penalty looks at the prompt.
-        prompt_masks.append(r.prompt_mask(vocab_size, device)
-                            if r.params.repetition_penalty != 1.0 else no_prompt)
-        counts.append(r.output_counts(vocab_size, device))
-    ps = [rows[i].params for i in pen_rows]
-    return Penalties(
-        rows=torch.tensor(pen_rows, dtype=torch.long, device=device),
-        prompt_mask=torch.stack(prompt_masks),
-        output_counts=torch.stack(counts),
-        presence=torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=device),
-        frequency=torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32,
-                               device=device),
-        repetition=torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32,
-                                device=device),
-    )
+        ids_t, counts_t = rows[i].penalty_tensors(device)
+        n = ids_t.numel()
+        if not n:
+            continue
+        p = rows[i].params
+        ids.append(ids_t)
+        counts.append(counts_t)
+        # torch.full per row: cheaper than one gather/repeat_interleave, which spawn
+        # intra-op threads for a few thousand elements.
+        per_entry[0].append(torch.full((n,), i, dtype=torch.long, device=device))
+        for dst, value in zip(per_entry[1:], (p.presence_penalty, p.frequency_penalty,
+                                              p.repetition_penalty)):
+            dst.append(torch.full((n,), value, dtype=torch.float32, device=device))
+    if not ids:
+        return None
+    row_t, presence, frequency, repetition = (torch.cat(x) for x in per_entry)
+    return Penalties(flat_index=row_t * vocab_size + torch.cat(ids), output_counts=torch.cat(counts),
+                     presence=presence, frequency=frequency, repetition=repetition)
