@@ -176,3 +176,17 @@ def test_metaspace_leading_space_restored_and_context_decoding():
     d = IncrementalDetokenizer(t, [1], SamplingParams())
     assert d.update([2])[0] == " world"  # decoded in the context of the prompt
     assert d.update([3])[0] == "s"
+
+
+def test_logprob_texts_complete_split_characters_with_context(tok):
+    ids = tok.encode(" ü").ids  # ' ', then the two UTF-8 bytes of 'ü' as separate tokens
+    assert len(ids) == 3 and tok.decode([ids[1]]) == "\ufffd"
+    lp = TokenLogprobs(token_ids=ids, logprobs=[-1.0] * 3, ranks=[1] * 3,
+                       top_ids=[[i, ids[0]] for i in ids], top_logprobs=[[-1.0, -2.0]] * 3)
+    attach_token_texts(lp, tok)
+    # vLLM: the first byte alone is incomplete (""), the second completes "ü"
+    assert lp.token_texts == [" ", "", "ü"]
+    assert lp.top_texts[2] == ["ü", " "]
+    # context from earlier steps (a delta holding one token)
+    assert decode_token_texts(tok, ids[2:], context_token_ids=ids[:2]) == ["ü"]
+    assert decode_token_texts(tok, ids[2:]) == [""]

@@ -31,6 +31,7 @@ from common.protocol import SamplingParams, TokenLogprobs
 INITIAL_DETOKENIZATION_OFFSET = 5
 _REPLACEMENT = "\ufffd"
 _METASPACE = "\u2581"  # SentencePiece's space marker, stripped by decode() of one token
+_MAX_UTF8_CONTEXT = 4  # preceding tokens that can hold the rest of one UTF-8 character
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -49,10 +50,14 @@ def ids_to_tokens(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return [t or "" for t in toks]
 
 
-def decode_token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def decode_token_texts(tokenizer: Any, ids: Sequence[int],
+                       context_token_ids: Sequence[int] = ()) -> list[str]:
     """Each id decoded on its own, as vLLM reports logprob tokens
-    (``convert_ids_list_to_tokens``): ``decode([id])``, with the leading spaces
-    that SentencePiece's decode strips restored from the raw piece."""
+    (``convert_ids_list_to_tokens`` + ``_verify_tokens``): ``decode([id])``, with
+    the leading spaces that SentencePiece's decode strips restored from the raw
+    piece.  ``ids`` are alternatives at one position; ``context_token_ids`` the
+    tokens before it: a text ending in U+FFFD (the id completes a multi-byte
+    character begun by earlier tokens) is re-decoded with that context."""
     ids = list(ids)
     if not ids:
         return []
@@ -64,7 +69,39 @@ def decode_token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
             missing = markers - (len(text) - len(text.lstrip(" ")))
             if missing > 0:
                 texts[j] = " " * missing + text
+    context = list(context_token_ids)[-_MAX_UTF8_CONTEXT:]
+    for j, text in enumerate(texts):
+        if text.endswith(_REPLACEMENT):
+            texts[j] = _complete_with_context(tokenizer, ids[j], context)
     return texts
+
+
+def _complete_with_context(tokenizer: Any, token_id: int, context: list[int]) -> str:
+    """vLLM ``_correct_decoded_token``: the text this token completes together with
+    the shortest tail of ``context`` that makes a whole character; the context
+    tokens that were incomplete on their own are attributed to this token.  ""
+    when the character is still incomplete."""
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    for n in range(1, len(context) + 1):
+        ctx = context[-n:]
+        full = decode(ctx + [token_id])
+        if full.endswith(_REPLACEMENT):
+            continue
+        clean_end = len(ctx)
+        while clean_end > 0 and decode([ctx[clean_end - 1]]).endswith(_REPLACEMENT):
+            clean_end -= 1
+        prefix = decode(ctx[:clean_end]) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
 
 
 def token_text_bytes(text: str) -> list[int]:
@@ -72,10 +109,20 @@ def token_text_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def attach_token_texts(logprobs: TokenLogprobs, tokenizer: Any) -> TokenLogprobs:
-    """Fill ``token_texts`` / ``top_texts`` for text-mode responses."""
-    logprobs.token_texts = decode_token_texts(tokenizer, logprobs.token_ids)
-    logprobs.top_texts = [decode_token_texts(tokenizer, row) for row in logprobs.top_ids]
+def attach_token_texts(logprobs: TokenLogprobs, tokenizer: Any,
+                       context_token_ids: Sequence[int] = ()) -> TokenLogprobs:
+    """Fill ``token_texts`` / ``top_texts`` for text-mode responses.  Position i is
+    decoded with the chosen tokens before it (``context_token_ids``, then
+    ``logprobs.token_ids[:i]``) as context for characters split over tokens."""
+    context = list(context_token_ids)[-_MAX_UTF8_CONTEXT:]
+    token_texts: list[str] = []
+    top_texts: list[list[str]] = []
+    for i, tid in enumerate(logprobs.token_ids):
+        token_texts.extend(decode_token_texts(tokenizer, [tid], context))
+        top_texts.append(decode_token_texts(tokenizer, logprobs.top_ids[i], context))
+        context = (context + [tid])[-_MAX_UTF8_CONTEXT:]
+    logprobs.token_texts = token_texts
+    logprobs.top_texts = top_texts
     return logprobs
 
 
