@@ -256,7 +256,7 @@ class Engine:
         if p.logprobs is not None and lp_lists is not None:
             entry = to_token_logprobs(lp_lists, row, p.logprobs)
             if request.req.output_text and self.tokenizer is not None:
-                attach_token_texts(entry, self.tokenizer)
+                attach_token_texts(entry, self.tokenizer, seq.output_ids[-5:-1])  # split-char context
             seq.pending_logprobs = extend_token_logprobs(seq.pending_logprobs, entry)
         new_tokens = [token]
         seq.check_token_stop(self.max_model_len)
