@@ -9,7 +9,10 @@ real worker's layout), as fast as it can; the client decodes every body and
 counts deltas.  Baseline: the same blaster bound as a ROUTER sending the same
 bodies straight to the client.  Latency: round trips of a 1-token request through
 the broker (client -> broker -> worker -> broker -> client) vs a direct echo;
-the broker's added latency per hop is (rtt_broker - rtt_direct) / 2.
+the broker's added latency per hop is (rtt_broker - rtt_direct) / 2.  On a small
+shared machine wall-clock rates mostly measure CPU contention between the three
+processes, so the broker's own CPU time per relayed message (from /proc) and the
+delta rate one broker core sustains at that cost are printed too.
 ``--full`` also runs tests/fake_worker.py (real WorkerServer loop, fake engine)
 with the AsyncClient, i.e. the whole Python path minus the model.
 """
@@ -164,6 +167,13 @@ def measure_rtt(endpoint: str, pings: int, tag: str) -> list[float]:
     return rtts
 
 
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time of a process, all its threads (libzmq IO threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -197,27 +207,36 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,16,256")
     p.add_argument("--pings", type=int, default=2000)
     p.add_argument("--full", action="store_true")
+    p.add_argument("--repeat", type=int, default=3, help="runs per throughput point (median reported)")
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     print(f"broker relay benchmark ({os.cpu_count()} CPUs; broker, worker and client share them)")
     with ProcGroup(tempfile.mkdtemp(prefix="bench-broker-")) as procs:
-        print(f"\n{'concurrent requests':>20} {'direct deltas/s':>16} {'broker deltas/s':>16} {'ratio':>7}")
+        print(f"\n{'concurrent requests':>20} {'direct deltas/s':>16} {'broker deltas/s':>16} {'ratio':>7} "
+              f"{'broker CPU us/msg':>18} {'deltas/s per broker core':>25}")
         for c in [int(x) for x in args.concurrency.split(",")]:
             steps = max(2, args.steps if c > 1 else args.steps * 50)
-            direct_ep = free_endpoint()
-            w = ctx.Process(target=blaster_direct, args=(direct_ep, c, steps), daemon=True)
-            w.start()
-            direct = measure_stream(direct_ep, c, steps, f"d{c}")
-            w.join(5)
-            w.kill()
-            broker = procs.broker()
-            w = ctx.Process(target=blaster_via_broker, args=(broker.backend, c, steps), daemon=True)
-            w.start()
-            wait_for_workers(broker.frontend, 1)
-            relayed = measure_stream(broker.frontend, c, steps, f"b{c}")
-            w.kill()
-            broker.stop()
-            print(f"{c:>20} {direct:>16,.0f} {relayed:>16,.0f} {relayed / direct:>7.2f}")
+            directs, relays, cpu_per_msg = [], [], []
+            for rep in range(args.repeat):  # alternate so that background load hits both alike
+                direct_ep = free_endpoint()
+                w = ctx.Process(target=blaster_direct, args=(direct_ep, c, steps), daemon=True)
+                w.start()
+                directs.append(measure_stream(direct_ep, c, steps, f"d{c}-{rep}"))
+                w.join(5)
+                w.kill()
+                broker = procs.broker()
+                w = ctx.Process(target=blaster_via_broker, args=(broker.backend, c, steps), daemon=True)
+                w.start()
+                wait_for_workers(broker.frontend, 1)
+                cpu0 = cpu_seconds(broker.pid)
+                relays.append(measure_stream(broker.frontend, c, steps, f"b{c}-{rep}"))
+                cpu_per_msg.append((cpu_seconds(broker.pid) - cpu0) / steps)
+                w.kill()
+                broker.stop()
+            direct, relayed = statistics.median(directs), statistics.median(relays)
+            per_msg = statistics.median(cpu_per_msg)
+            print(f"{c:>20} {direct:>16,.0f} {relayed:>16,.0f} {relayed / direct:>7.2f} {per_msg * 1e6:>18.1f} "
+                  f"{c / per_msg:>25,.0f}")
 
         direct_ep = free_endpoint()
         w = ctx.Process(target=echo_direct, args=(direct_ep,), daemon=True)

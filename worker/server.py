@@ -212,6 +212,7 @@ class WorkerServer:
                         break
                 busy = self.engine.has_unfinished()
                 if not busy and not self.pipe.poll(100):  # idle: block (wakes to notice signals)
+                    self._refresh_load()  # e.g. after a failed step shipped nothing
                     continue
                 deltas = self._drain_pipe()
                 if self.engine.has_unfinished():
