@@ -319,3 +319,36 @@ def _info_workers(client):
         return [w.rank for w in client.info(timeout=0.5).workers]
     except RequestError:
         return None
+
+
+def test_frozen_worker_expires_by_heartbeat_then_rejoins(tmp_path):
+    """SIGSTOP keeps the TCP connection up: only missed heartbeats reveal the death."""
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        frozen = procs.fake_worker(broker, 0, "--step-delay", "0.01", "--hold-token", "7")
+        wait_for_workers(broker.frontend, 1)
+        procs.fake_worker(broker, 1)
+        with Client(broker.frontend) as client:
+            started = client.generate(req("frozen-started", max_tokens=100_000, data_parallel_rank=0))
+            next(started)
+            wait_for_workers(broker.frontend, 2)
+            held = {}
+            # Find a session that sticks to rank 0, so the held request lands on the frozen worker.
+            session = next(s for s in (f"s{i}" for i in range(100))
+                           if served_rank(list(client.generate(req(f"probe-{s}", max_tokens=1, session_id=s)))) == 0)
+            holder = threading.Thread(target=lambda: held.update(
+                deltas=list(client.generate(req("frozen-unstarted", prompt=[7], max_tokens=3, session_id=session)))))
+            holder.start()
+            wait_for(lambda: cluster_info(broker.frontend).workers[0].load.waiting == 1, 5, "held request")
+            frozen.popen.send_signal(19)  # SIGSTOP
+            stopped = time.monotonic()
+            with pytest.raises(RequestError) as exc:
+                for _ in started:
+                    pass
+            assert exc.value.status == 500 and "no heartbeat" in exc.value.message
+            assert time.monotonic() - stopped < 3.5
+            holder.join(5)
+            assert served_rank(held["deltas"]) == 1
+            frozen.popen.send_signal(18)  # SIGCONT: told it is unknown, it drops its requests and re-registers
+            wait_for_workers(broker.frontend, 2, timeout=10)
+            assert served_rank(list(client.generate(req("back", data_parallel_rank=0)))) == 0
