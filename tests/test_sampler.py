@@ -347,3 +347,19 @@ def test_cuda_sampler_matches_cpu_semantics():
     assert out.sampled[3].item() != int(logits[3].argmax())
     assert torch.allclose(out.logprobs.top_logprobs[0].cpu(), cpu_out.logprobs.top_logprobs[0],
                           atol=1e-5)
+
+
+def test_prompt_logprobs_blocks_match_one_shot(monkeypatch):
+    from worker.engine import logprobs as lp_mod
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(7, V, generator=g)
+    targets = torch.randint(0, V, (7,), generator=g)
+    rows = [[t, (t + 1) % V] for t in targets.tolist()]
+    whole = compute_prompt_logprobs(logits, targets, 3)
+    whole_scores = score_token_ids(logits, rows)
+    monkeypatch.setattr(lp_mod, "PROMPT_ROWS_PER_BLOCK", 3)
+    blocked = compute_prompt_logprobs(logits, targets, 3)
+    for f in ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs"):
+        assert torch.equal(getattr(whole, f), getattr(blocked, f)), f
+    assert np.array_equal(score_token_ids(logits, rows), whole_scores)
+    assert np.allclose(whole_scores[:, 0], whole.token_logprobs.numpy())

@@ -22,6 +22,7 @@ import torch
 from common.protocol import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0
+PROMPT_ROWS_PER_BLOCK = 256  # prompt positions per log_softmax (bounds [rows, vocab] temporaries)
 
 
 @dataclass
@@ -81,8 +82,17 @@ def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
                             k: int) -> LogprobsTensors:
     """Logprobs of prompt tokens: row i of ``logits`` predicts ``target_ids[i]``
-    (the prompt token at position i + 1), with its top ``k`` (-1 = whole vocab)."""
-    return gather_logprobs(compute_logprobs(logits), k, target_ids)
+    (the prompt token at position i + 1), with its top ``k`` (-1 = whole vocab).
+    Rows are processed in blocks so a long prefill chunk never materialises a
+    float32 [chunk, vocab] log_softmax at once."""
+    parts = [gather_logprobs(compute_logprobs(logits[i:i + PROMPT_ROWS_PER_BLOCK]), k,
+                             target_ids[i:i + PROMPT_ROWS_PER_BLOCK])
+             for i in range(0, logits.shape[0], PROMPT_ROWS_PER_BLOCK)]
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobsTensors(*(torch.cat([getattr(p, f) for p in parts])
+                             for f in ("token_ids", "token_logprobs", "ranks", "top_ids",
+                                       "top_logprobs")))
 
 
 def score_token_ids(logits: torch.Tensor, rows: Sequence[Sequence[int]]) -> np.ndarray:
@@ -99,11 +109,12 @@ def score_token_ids(logits: torch.Tensor, rows: Sequence[Sequence[int]]) -> np.n
     for i, r in enumerate(rows):
         ids[i, :len(r)] = r
     ids_t = torch.from_numpy(ids).to(logits.device)
-    valid = ids_t >= 0
-    logprobs = compute_logprobs(logits)
-    scores = logprobs.gather(-1, ids_t.clamp(min=0))
-    scores = scores.masked_fill(~valid, float("-inf"))
-    return scores.cpu().numpy().astype(np.float32, copy=False)
+    out = np.empty((n, width), dtype=np.float32)
+    for i in range(0, n, PROMPT_ROWS_PER_BLOCK):
+        block = ids_t[i:i + PROMPT_ROWS_PER_BLOCK]
+        scores = compute_logprobs(logits[i:i + PROMPT_ROWS_PER_BLOCK]).gather(-1, block.clamp(min=0))
+        out[i:i + PROMPT_ROWS_PER_BLOCK] = scores.masked_fill(block < 0, float("-inf")).cpu().numpy()
+    return out
 
 
 def clamp_logprob(x: float) -> float:
