@@ -290,6 +290,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the engine, same on both sides (CPU: leave cores for the rest)")
     p.add_argument("--worker-args", default="", help="extra worker flags for the started stack")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process engine comparison")
     p.add_argument("--shared-prefix", type=int, default=0,
@@ -333,7 +335,8 @@ def bench_inprocess(model_dir: str, args, vocab: int) -> list[dict]:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=args.max_num_seqs))
+    engine = Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=args.max_num_seqs,
+                                 num_threads=args.threads))
     run_inprocess(engine, random_prompts(4, args.input_len, vocab, args.seed + 999), 4, 4, "warmup")
     rows = []
     for conc, num in level_counts(args):
@@ -360,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         model_dir = str(build_demo_model())
     vocab = min(model_vocab(model_dir, args.vocab_size), args.vocab_size)
-    worker_args = f"--max-num-seqs {args.max_num_seqs} {args.worker_args}".strip()
+    worker_args = f"--max-num-seqs {args.max_num_seqs} --threads {args.threads} {args.worker_args}".strip()
     with Stack(model_dir, args.workers, worker_args, args.device) as stack:
         http_rows = asyncio.run(bench_http(stack.url, args, vocab, headers))
         prefix_rows = asyncio.run(bench_shared_prefix(stack.url, args, vocab, headers)) if args.shared_prefix else []
