@@ -43,8 +43,14 @@ def validate_request(req: GenerateRequest, limits: ModelInfo, *, tokens_only: bo
     if not _INT64_MIN <= req.priority <= _INT64_MAX:
         _fail(f"priority must be a 64-bit signed integer, got {req.priority}.", "priority")
     p = req.params
-    validate_sampling_params(p)
     has_tokenizer = limits.has_tokenizer and not tokens_only
+    if not has_tokenizer and p.stop:
+        # Before the detokenize check: a tokens-only server may already have forced
+        # detokenize off, and this is the message that explains why stop fails.
+        _fail("stop strings are not supported on a --tokens-only server because "
+              "detokenization is disabled. Check stop strings on the coordinator, "
+              "or use stop_token_ids.", "stop")
+    validate_sampling_params(p)
 
     if req.output_text and not p.detokenize:
         _fail("output_mode='text' requires sampling_params.detokenize to be true", "output_mode")
@@ -54,10 +60,6 @@ def validate_request(req: GenerateRequest, limits: ModelInfo, *, tokens_only: bo
     if stream and p.prompt_logprob_token_ids is not None:
         _fail("prompt_logprob_token_ids are not available when stream=true.",
               "prompt_logprob_token_ids")
-    if not has_tokenizer and p.stop:
-        _fail("stop strings are not supported on a --tokens-only server because "
-              "detokenization is disabled. Check stop strings on the coordinator, "
-              "or use stop_token_ids.", "stop")
     if req.output_text and not has_tokenizer:
         _fail("output_mode='text' requires a tokenizer, but this server does not load one "
               "(--tokens-only or --skip-tokenizer-init). Send the request to a server that "

@@ -107,6 +107,9 @@ def test_output_mode_errors():
                        has_tokenizer=False)
     rejects("requires a tokenizer", output_text=True, limits=no_tok)
     rejects("stop strings", stop=["x"], limits=no_tok)
+    # the gateway forces detokenize off on a tokens-only server: still the tokens-only message
+    rejects("not supported on a --tokens-only server", stop=["x"], detokenize=False,
+            tokens_only=True)
 
 
 def test_cache_salt():
