@@ -12,6 +12,7 @@ Kinds (``KINDS``):
   qwen2          Qwen2ForCausalLM (q/k/v bias); generation_config with two eos ids,
                  max_new_tokens=32, temperature=0.7, top_p=0.9
   qwen3          Qwen3ForCausalLM (q/k norm) with explicit head_dim 32 != hidden/heads
+  mistral        MistralForCausalLM (no sliding window)
   llama_sharded  same weights as ``llama`` (same seed) in several safetensors shards
   llama_tied     tie_word_embeddings=True (no lm_head.weight in the checkpoint)
   llama_rope_llama3 / llama_rope_linear / llama_rope_yarn   rope_scaling variants
@@ -41,7 +42,7 @@ _ROPE = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 
-KINDS = ("llama", "qwen2", "qwen3", "llama_sharded", "llama_tied",
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama_sharded", "llama_tied",
          "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn")
 
 
@@ -75,6 +76,8 @@ def _hf_config(kind: str):
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=False)
     if kind == "qwen3":
         return transformers.Qwen3Config(**_COMMON, head_dim=32)
+    if kind == "mistral":
+        return transformers.MistralConfig(**_COMMON, sliding_window=None)
     extra = {}
     if kind == "llama_tied":
         extra["tie_word_embeddings"] = True
@@ -99,7 +102,7 @@ def build_tiny_model(kind: str, out: Path, seed: int = 0) -> Path:
     _quiet_transformers()
     config = _hf_config(kind)
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "qwen3": "Qwen3ForCausalLM"}[config.model_type]]
+                             "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[config.model_type]]
     cls = getattr(transformers, config.architectures[0])
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()

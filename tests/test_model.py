@@ -64,7 +64,7 @@ def _tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-KINDS = ["llama", "qwen2", "qwen3", "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -198,6 +198,19 @@ def test_model_config_legacy_keys(tmp_path):
         from worker.engine.models.llama import LlamaForCausalLM
 
         LlamaForCausalLM(ModelConfig.from_dicts(tmp_path, {**cfg, "rope_scaling": {"type": "longrope"}}))
+
+
+def test_dynamic_ntk_rope_table():
+    """Dynamic NTK: like vLLM, one enlarged base for the whole extended range."""
+    from worker.engine.models.rotary import build_cos_sin_table
+
+    plain = build_cos_sin_table(16, 10000.0, 128, None)
+    dyn = build_cos_sin_table(16, 10000.0, 128, {"rope_type": "dynamic", "factor": 2.0})
+    assert plain.shape == (128, 16) and dyn.shape == (256, 16)
+    base = 10000.0 * (2.0 * 2.0 - 1.0) ** (16 / 14)
+    inv_freq = 1.0 / base ** (torch.arange(0, 16, 2).float() / 16)
+    torch.testing.assert_close(dyn[200, :8], (200 * inv_freq).cos())
+    assert torch.equal(dyn[0], plain[0]) and not torch.allclose(dyn[100], plain[100])
 
 
 def test_kv_cache_helpers(tiny_model):
