@@ -1,0 +1,93 @@
+"""Pure pieces of the gateway: request mapping (headers, sent keys) and logprob shaping."""
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from common.errors import BadRequest, NotFound
+from common.protocol import ClusterInfo, ModelInfo, TokenLogprobs, WorkerLoad, WorkerStatus
+from gateway import logprobs_format
+from gateway.http_protocol import generate_request_decoder
+from gateway.request_mapping import map_request
+
+MODEL = ModelInfo(name="m", vocab_size=100, max_model_len=64, max_num_seqs=4)
+CLUSTER = ClusterInfo(workers=[WorkerStatus(rank=0, load=WorkerLoad()), WorkerStatus(rank=1, load=WorkerLoad()),
+                               WorkerStatus(rank=2, load=WorkerLoad(), alive=False)], model=MODEL)
+
+
+def mapped(body: dict, headers: dict | None = None, names=()):
+    http = generate_request_decoder.decode(msgspec.json.encode(body))
+    return map_request(http, headers or {}, CLUSTER, MODEL, served_model_names=list(names), arrival_time=1.0)
+
+
+def test_headers_are_forwarded_to_the_wire_request():
+    m = mapped({"token_ids": [1], "sampling_params": {}, "priority": -2, "cache_salt": "s",
+                "kv_transfer_params": {"k": 1}},
+               {"traceparent": "00-abc-def-01", "tracestate": "x=1", "x-session-id": "sess",
+                "x-data-parallel-rank": "1", "x-request-id": "rid", "other": "no"})
+    w = m.wire
+    assert w.trace_headers == {"traceparent": "00-abc-def-01", "tracestate": "x=1"}
+    assert (w.session_id, w.data_parallel_rank, w.request_id) == ("sess", 1, "generate-tokens-rid")
+    assert (w.priority, w.cache_salt, w.kv_transfer_params, w.arrival_time) == (-2, "s", {"k": 1}, 1.0)
+
+
+def test_max_tokens_sent_keys():
+    assert mapped({"token_ids": [1], "sampling_params": {}}).wire.params.max_tokens_is_default
+    explicit_null = mapped({"token_ids": [1], "sampling_params": {"max_tokens": None}}).wire.params
+    assert explicit_null.max_tokens is None and not explicit_null.max_tokens_is_default
+    assert mapped({"token_ids": [1], "sampling_params": {"max_tokens": 7}}).wire.params.max_tokens == 7
+
+
+def test_stop_string_becomes_list_and_stream_options():
+    m = mapped({"token_ids": [1], "sampling_params": {"stop": "x"}, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert m.wire.params.stop == ["x"] and m.stream and m.include_usage and m.continuous_usage
+    m = mapped({"token_ids": [1], "sampling_params": {}, "stream_options": {"continuous_usage_stats": True}})
+    assert not m.continuous_usage  # only together with include_usage, as in vLLM
+
+
+def test_rank_pinning_and_model_names():
+    with pytest.raises(BadRequest, match="data_parallel_rank 2"):
+        mapped({"token_ids": [1], "sampling_params": {}}, {"x-data-parallel-rank": "2"})  # dead rank
+    assert mapped({"token_ids": [1], "sampling_params": {}}, {"x-data-parallel-rank": "x"}).wire.data_parallel_rank \
+        is None
+    with pytest.raises(NotFound, match="The model `m` does not exist."):
+        mapped({"token_ids": [1], "sampling_params": {}, "model": "m"}, names=["alias"])
+    assert mapped({"token_ids": [1], "sampling_params": {}, "model": "alias"}, names=["alias"]).model_name == "alias"
+
+
+def _lp(sampled, lp, rank, tops):
+    return TokenLogprobs(token_ids=[sampled], logprobs=[lp], ranks=[rank], top_ids=[[t for t, _ in tops]],
+                         top_logprobs=[[v for _, v in tops]])
+
+
+def test_token_logprobs_sampled_first_and_truncated_like_vllm():
+    lp = _lp(9, -3.0, 5, [(1, -0.1), (2, -0.2), (3, -0.3)])
+    (entry,) = logprobs_format.token_logprobs(lp, 2)
+    assert (entry.token_id, entry.rank) == (9, 5)
+    assert [(t.token_id, t.rank) for t in entry.top_logprobs] == [(9, 5), (1, 1)]
+    (entry,) = logprobs_format.token_logprobs(lp, 0)
+    assert [t.token_id for t in entry.top_logprobs] == [9]  # max(k, 1)
+    (entry,) = logprobs_format.token_logprobs(lp, -1)
+    assert [t.token_id for t in entry.top_logprobs] == [9, 1, 2, 3]
+    (entry,) = logprobs_format.token_logprobs(_lp(1, -0.1, 1, [(1, -0.1), (2, -0.2)]), 2)
+    assert [t.token_id for t in entry.top_logprobs] == [1, 2]  # no duplicate of the sampled token
+
+
+def test_logprob_clamping_and_null_rank():
+    (entry,) = logprobs_format.token_logprobs(_lp(4, float("nan"), 0, [(4, float("-inf"))]), 1)
+    assert entry.logprob == -9999.0 and entry.rank is None
+    assert entry.top_logprobs[0].logprob == -9999.0
+    assert logprobs_format.clamp(-1e6) == -9999.0 and logprobs_format.clamp(-1.5) == -1.5
+    assert not math.isnan(logprobs_format.clamp(float("nan")))
+
+
+def test_text_logprobs_placeholder_without_text():
+    (entry,) = logprobs_format.text_logprobs(_lp(65, -1.0, 1, [(65, -1.0)]), 1)
+    assert entry.token == "token_id:65" and entry.bytes is None
+    lp = _lp(65, -1.0, 1, [(65, -1.0)])
+    lp.token_texts, lp.top_texts = ["é"], [["é"]]
+    (entry,) = logprobs_format.text_logprobs(lp, 1)
+    assert entry.token == "é" and entry.bytes == [0xC3, 0xA9]
