@@ -428,7 +428,7 @@ class Broker:
             self._rejected = {k: t for k, t in self._rejected.items() if now - t < self.cfg.heartbeat_interval}
         self._rejected[identity] = now
         try:
-            self.backend.send_multipart([identity, *framing.message(MsgType.DISCONNECT)], zmq.NOBLOCK)
+            framing.send_frames(self.backend, [identity, *framing.message(MsgType.DISCONNECT)])
         except zmq.ZMQError:
             pass
 
@@ -452,10 +452,7 @@ class Broker:
         log.warning("worker rank %d (pid %d) removed: %s; %d request(s) failed, %d re-dispatched", worker.rank,
                     worker.pid, reason, failed, retried)
         if notify:  # if it is in fact alive, make it drop its requests and re-register
-            try:
-                self.backend.send_multipart([worker.identity, *framing.message(MsgType.DISCONNECT)], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._reject_unknown(worker.identity)
 
     def _heartbeat_workers(self) -> None:
         beat = framing.message(MsgType.HEARTBEAT)
