@@ -56,7 +56,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.scratch_block = 0
         self.max_blocks_per_seq = config.max_blocks_per_seq(max_model_len)
-        self._pin = self.device.type == "cuda"
+        self._pinned: dict[str, torch.Tensor] = {}  # CUDA: host staging buffers
+        self._copies_done: Optional[torch.cuda.Event] = None
         self._graphs: dict[int, "_DecodeGraph"] = {}
         self._graph_pool = None
 
@@ -112,6 +113,8 @@ class ModelRunner:
 
     # --- batch layout ---------------------------------------------------------
     def prepare(self, scheduled: Sequence[ScheduledSeq], *, pad_block_table_to: Optional[int] = None) -> StepInputs:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the pinned staging buffers are free again
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         context_lens = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64,
@@ -140,28 +143,40 @@ class ModelRunner:
                  + positions % self.block_size)
 
         attn = AttentionMetadata(
-            query_start_loc=self._to_device(cu.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            context_lens=self._to_device(context_lens.astype(np.int32)),
-            slot_mapping=self._to_device(slots),
-            block_tables=self._to_device(block_tables),
+            query_start_loc=self._to_device(cu.astype(np.int32), "query_start_loc"),
+            seq_lens=self._to_device(seq_lens.astype(np.int32), "seq_lens"),
+            context_lens=self._to_device(context_lens.astype(np.int32), "context_lens"),
+            slot_mapping=self._to_device(slots, "slot_mapping"),
+            block_tables=self._to_device(block_tables, "block_tables"),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             context_lens_cpu=context_lens.tolist(),
         )
-        positions_t = self._to_device(positions)
+        positions_t = self._to_device(positions, "positions")
         attn.positions = positions_t
-        return StepInputs(self._to_device(input_ids), positions_t, attn, num_tokens)
+        inputs = StepInputs(self._to_device(input_ids, "input_ids"), positions_t, attn, num_tokens)
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        return inputs
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray, name: str) -> torch.Tensor:
+        """CPU: a zero-copy view.  CUDA: staged through a preallocated pinned buffer
+        (one per input kind, grown on demand) and copied asynchronously; ``prepare``
+        waits for the previous step's copies before overwriting the buffers."""
         t = torch.from_numpy(array)
         if self.device.type == "cpu":
             return t
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        buf = self._pinned.get(name)
+        if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
+            buf = torch.empty(max(t.numel(), 2 * (buf.numel() if buf is not None else 0), 1024),
+                              dtype=t.dtype, pin_memory=True)
+            self._pinned[name] = buf
+        staged = buf[:t.numel()].view(t.shape)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
 
     # --- execution ------------------------------------------------------------
     @torch.inference_mode()
