@@ -169,7 +169,12 @@ def build_demo_model(cache_dir: Optional[str | Path] = None, *, seed: int = 0, f
             if not force and (target / "model.safetensors").is_file():
                 return target  # another process won the race
             shutil.rmtree(target)
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+            # a concurrent build renamed its (identical) copy in first
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
