@@ -79,3 +79,14 @@ def test_transformers_and_our_loader_agree(demo_model_dir):
     for pos in range(len(ids) - 3, len(ids)):
         (got,) = seqs.step([("a", [ids[pos]])])
         torch.testing.assert_close(got[0], ref[pos], atol=1e-4, rtol=0)
+
+
+def test_concurrent_builds_leave_one_complete_model(tmp_path, demo_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = tmp_path / "shared"
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: demo_model.build_demo_model(target), range(3)))
+    assert paths == [target] * 3
+    assert _digests(target) == _digests(demo_model_dir)
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"]
