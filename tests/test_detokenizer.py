@@ -190,3 +190,11 @@ def test_logprob_texts_complete_split_characters_with_context(tok):
     # context from earlier steps (a delta holding one token)
     assert decode_token_texts(tok, ids[2:], context_token_ids=ids[:2]) == ["ü"]
     assert decode_token_texts(tok, ids[2:]) == [""]
+
+
+def test_stop_string_in_text_released_by_final_flush(tok):
+    first = tok.encode(" 日本語").ids[0]
+    assert tok.decode([first]) == " 日本\ufffd"  # one token: two characters and a partial one
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["日本"]))
+    assert d.update([first]) == ("", None)  # held: the text ends in an incomplete character
+    assert d.update([], finished=True) == (" ", "日本")

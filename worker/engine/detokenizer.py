@@ -239,7 +239,8 @@ class IncrementalDetokenizer:
             offsets.append(len(self.output_text))
         if finished or stop_terminated:
             self.output_text += self._flush_pending()
-            offsets[-1] = len(self.output_text)
+            if len(offsets) > 1:  # held-back text belongs to the tokens up to the last one
+                offsets[-1] = len(self.output_text)
         if skipped_stop_id is not None:
             self.output_token_ids.append(skipped_stop_id)
             offsets.append(len(self.output_text))
