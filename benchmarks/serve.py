@@ -7,9 +7,9 @@ concurrency level; prints TTFT / TPOT / ITL p50 and p99 and throughput.
     python -m benchmarks.serve --base-url http://host:8000   # any compatible server (vLLM included)
     python -m benchmarks.serve --shared-prefix 512           # TTFT with vs without prefix-cache reuse
 
-Without --base-url the benchmark starts ``tokserve serve`` itself, measures it, stops
-it, then runs the same workload on an in-process ``Engine`` (same model, same engine
-settings) and prints the full-stack / in-process ratio side by side.
+Without --base-url the benchmark starts ``tokserve serve`` itself and an in-process
+``Engine`` (same model, same engine settings), runs each level on both, alternating, and
+prints the full-stack / in-process throughput ratio side by side.
 """
 from __future__ import annotations
 
@@ -294,8 +294,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="torch threads of the engine, same on both sides (CPU: leave cores for the rest)")
     p.add_argument("--worker-args", default="", help="extra worker flags for the started stack")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process engine comparison")
+    p.add_argument("--repeat", type=int, default=1, help="runs per level and side; the median is reported")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="also run a shared-prefix workload with a prefix of this many tokens")
+    p.add_argument("--prefix-concurrency", type=int, default=2, help="concurrency of the shared-prefix workload")
     return p.parse_args(argv)
 
 
@@ -304,22 +306,54 @@ def level_counts(args) -> list[tuple[int, int]]:
     return [(c, args.num_prompts or max(8, 4 * c)) for c in levels]
 
 
-async def bench_http(url: str, args, vocab: int, headers) -> list[dict]:
-    rows = []
-    model = args.served_model_name
-    warm = [request_body(p, 4, True, model) for p in random_prompts(4, args.input_len, vocab, args.seed + 999)]
+def median_run(runs: list[LevelStats]) -> dict:
+    """Of repeated runs, the one with the median output throughput (noise from other load)."""
+    runs = sorted(runs, key=lambda r: r.output_throughput)
+    return summarize(runs[len(runs) // 2])
+
+
+def level_bodies(args, vocab: int, conc: int, num: int) -> tuple[list[list[int]], list[bytes]]:
+    prompts = random_prompts(num, args.input_len, vocab, args.seed + conc)
+    return prompts, [request_body(p, args.output_len, True, args.served_model_name) for p in prompts]
+
+
+async def warmup_stack(url: str, args, vocab: int, headers) -> None:
+    warm = [request_body(p, 4, True, args.served_model_name)
+            for p in random_prompts(4, args.input_len, vocab, args.seed + 999)]
     await warmup_http(url, warm, headers)
+
+
+def bench_http(url: str, args, vocab: int, headers) -> list[dict]:
+    asyncio.run(warmup_stack(url, args, vocab, headers))
+    rows = []
     for conc, num in level_counts(args):
-        prompts = random_prompts(num, args.input_len, vocab, args.seed + conc)
-        bodies = [request_body(p, args.output_len, True, model) for p in prompts]
-        rows.append(summarize(await run_http(url, bodies, conc, "http", headers)))
+        _, bodies = level_bodies(args, vocab, conc, num)
+        rows.append(median_run([asyncio.run(run_http(url, bodies, conc, "http", headers))
+                                for _ in range(args.repeat)]))
     return rows
+
+
+def bench_side_by_side(url: str, engine, args, vocab: int, headers) -> tuple[list[dict], list[dict]]:
+    """Full stack and in-process engine on the same workload, level by level, runs alternating
+    so that both see the same background load."""
+    asyncio.run(warmup_stack(url, args, vocab, headers))
+    run_inprocess(engine, random_prompts(4, args.input_len, vocab, args.seed + 999), 4, 4, "warmup")
+    http_rows, local_rows = [], []
+    for conc, num in level_counts(args):
+        prompts, bodies = level_bodies(args, vocab, conc, num)
+        http_runs, local_runs = [], []
+        for _ in range(args.repeat):
+            http_runs.append(asyncio.run(run_http(url, bodies, conc, "http", headers)))
+            local_runs.append(run_inprocess(engine, prompts, args.output_len, conc, "in-process"))
+        http_rows.append(median_run(http_runs))
+        local_rows.append(median_run(local_runs))
+    return http_rows, local_rows
 
 
 async def bench_shared_prefix(url: str, args, vocab: int, headers) -> list[dict]:
     """TTFT of prompts sharing a prefix, with cache reuse and with reuse defeated by unique cache_salts."""
-    conc = max(c for c, _ in level_counts(args))
-    num = args.num_prompts or max(8, 2 * conc)
+    conc = args.prefix_concurrency  # low: TTFT then measures prefill, not queueing
+    num = max(8, 4 * conc)
     prompts = random_prompts(num, args.input_len, vocab, args.seed + 7, prefix_len=args.shared_prefix)
     rows = []
     for label, salt in (("prefix-cache", None), ("no-reuse", "unique")):
@@ -331,18 +365,12 @@ async def bench_shared_prefix(url: str, args, vocab: int, headers) -> list[dict]
     return rows
 
 
-def bench_inprocess(model_dir: str, args, vocab: int) -> list[dict]:
+def make_engine(model_dir: str, args):
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=args.max_num_seqs,
-                                 num_threads=args.threads))
-    run_inprocess(engine, random_prompts(4, args.input_len, vocab, args.seed + 999), 4, 4, "warmup")
-    rows = []
-    for conc, num in level_counts(args):
-        prompts = random_prompts(num, args.input_len, vocab, args.seed + conc)
-        rows.append(summarize(run_inprocess(engine, prompts, args.output_len, conc, "in-process")))
-    return rows
+    return Engine(EngineConfig(model=model_dir, device=args.device, max_num_seqs=args.max_num_seqs,
+                               num_threads=args.threads))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -350,7 +378,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     if args.base_url:
         vocab = model_vocab(args.model, args.vocab_size)
-        rows = asyncio.run(bench_http(args.base_url, args, vocab, headers))
+        rows = bench_http(args.base_url, args, vocab, headers)
         if args.shared_prefix:
             rows += asyncio.run(bench_shared_prefix(args.base_url, args, vocab, headers))
         print_table(rows)
@@ -365,19 +393,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     vocab = min(model_vocab(model_dir, args.vocab_size), args.vocab_size)
     worker_args = f"--max-num-seqs {args.max_num_seqs} --threads {args.threads} {args.worker_args}".strip()
     with Stack(model_dir, args.workers, worker_args, args.device) as stack:
-        http_rows = asyncio.run(bench_http(stack.url, args, vocab, headers))
+        if args.no_inprocess:
+            print_table(bench_http(stack.url, args, vocab, headers))
+        else:
+            http_rows, local_rows = bench_side_by_side(stack.url, make_engine(model_dir, args), args, vocab, headers)
+            print_table([r for pair in zip(http_rows, local_rows) for r in pair])
+            print("\nfull stack / in-process output throughput:")
+            for h, l in zip(http_rows, local_rows):
+                print(f"  concurrency {h['concurrency']:>3}: {h['out_tok_per_s']:8.1f} / {l['out_tok_per_s']:8.1f}"
+                      f" tok/s = {100 * h['out_tok_per_s'] / l['out_tok_per_s']:5.1f} %")
         prefix_rows = asyncio.run(bench_shared_prefix(stack.url, args, vocab, headers)) if args.shared_prefix else []
-    rows = list(http_rows)
-    if not args.no_inprocess:
-        local_rows = bench_inprocess(model_dir, args, vocab)
-        rows = [r for pair in zip(http_rows, local_rows) for r in pair]
-        print_table(rows)
-        print("\nfull stack / in-process output throughput:")
-        for h, l in zip(http_rows, local_rows):
-            print(f"  concurrency {h['concurrency']:>3}: {h['out_tok_per_s']:8.1f} / {l['out_tok_per_s']:8.1f} tok/s"
-                  f" = {100 * h['out_tok_per_s'] / l['out_tok_per_s']:5.1f} %")
-    else:
-        print_table(rows)
     if prefix_rows:
         print("\nshared prefix of", args.shared_prefix, "tokens:")
         print_table(prefix_rows)

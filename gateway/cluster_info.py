@@ -14,6 +14,11 @@ from common.errors import Overloaded
 from common.protocol import ClusterInfo, ModelInfo
 
 
+def _consume_exception(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # waiters re-raise it; this keeps asyncio from logging it as lost
+
+
 class ClusterInfoCache:
     def __init__(self, client, ttl: float = 1.0, timeout: float = 2.0):
         self._client = client
@@ -27,14 +32,11 @@ class ClusterInfoCache:
         """The cached ClusterInfo; raises Overloaded (503) when the broker does not answer."""
         if self._info is not None and time.monotonic() - self._fetched_at < self._ttl:
             return self._info
-        if self._inflight is None:
+        if self._inflight is None or self._inflight.done():  # a failed refresh is retried
             self._inflight = asyncio.ensure_future(self._refresh())
-        inflight = self._inflight
-        try:
-            return await asyncio.shield(inflight)
-        finally:
-            if inflight.done() and self._inflight is inflight:
-                self._inflight = None
+            self._inflight.add_done_callback(_consume_exception)
+        # shield: a waiter that gets cancelled must not cancel the query the others share.
+        return await asyncio.shield(self._inflight)
 
     async def _refresh(self) -> ClusterInfo:
         try:

@@ -78,7 +78,7 @@ class GatewayMetrics:
 class RequestTracker:
     """Per-request timing as its deltas arrive (perf_counter, gateway-side)."""
 
-    __slots__ = ("m", "model", "start", "last", "generated", "num_prompt", "reason", "first_delta", "done", "arrival")
+    __slots__ = ("m", "model", "start", "last", "generated", "num_prompt", "reason", "first_delta", "done", "arrival", "itl")
 
     def __init__(self, metrics: GatewayMetrics, model_name: str, num_prompt_tokens: int, arrival_time: float):
         self.m, self.model = metrics, model_name
@@ -90,6 +90,7 @@ class RequestTracker:
         self.reason: Optional[str] = None
         self.first_delta: Optional[CompletionDelta] = None
         self.done = False
+        self.itl = metrics.itl.labels(model_name)  # resolved once: observed on every token
         metrics.in_flight.inc()
 
     def observe(self, delta: CompletionDelta) -> None:
@@ -100,7 +101,7 @@ class RequestTracker:
             if self.last is None:
                 self.m.ttft.labels(self.model).observe(now - self.start)
             else:
-                self.m.itl.labels(self.model).observe(now - self.last)
+                self.itl.observe(now - self.last)
             self.last = now
             self.generated += len(delta.token_ids)
         if delta.finish_reason is not None:

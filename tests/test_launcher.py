@@ -1,7 +1,8 @@
 """`tokserve serve`: the one-command stack on the demo model (built into a temp cache).
 
-One launcher run covers: the demo model is built, the stack answers a generate
-request, a worker killed with SIGKILL is restarted, and SIGTERM stops every child.
+One launcher run covers: the demo model is built, two gateways share the port, the
+stack answers a generate request, a worker killed with SIGKILL is restarted, and
+SIGTERM stops every child.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_serve_demo_model_restart_worker_and_clean_shutdown(tmp_path):
     env = {"TOKSERVE_CACHE": str(tmp_path / "cache"), "TOKSERVE_LOG_LEVEL": "INFO"}
     with ProcGroup(tmp_path / "logs") as procs:
         launcher = procs.spawn("launcher", [
-            "-m", "common.cli", "serve", "--port", str(port),
+            "-m", "common.cli", "serve", "--port", str(port), "--gateways", "2",
             "--frontend", f"ipc://{tmp_path}/frontend", "--backend", f"ipc://{tmp_path}/backend",
             "--worker-args", "--max-num-seqs 4 --num-kv-blocks 128 --threads 1"], env=env)
         try:
@@ -61,7 +62,7 @@ def test_serve_demo_model_restart_worker_and_clean_shutdown(tmp_path):
             assert len(r.json()["choices"][0]["token_ids"]) == 4
 
             pids = _child_pids(launcher.log_path.read_text())
-            assert set(pids) == {"broker", "worker[0]", "gateway[0]"}
+            assert set(pids) == {"broker", "worker[0]", "gateway[0]", "gateway[1]"}  # two share the port
             os.kill(pids["worker[0]"], signal.SIGKILL)
             new_worker = wait_for(lambda: _child_pids(launcher.log_path.read_text())["worker[0]"]
                                   if _child_pids(launcher.log_path.read_text())["worker[0]"] != pids["worker[0]"]
