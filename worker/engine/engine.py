@@ -242,7 +242,8 @@ class Engine:
             if p.prompt_logprobs is not None:
                 target_t = torch.tensor(targets, dtype=torch.long, device=rows.device)
                 lists = compute_prompt_logprobs(rows, target_t, p.prompt_logprobs).tolists()
-                request.prompt_logprobs.extend(prompt_token_logprobs(lists))
+                request.prompt_logprobs = extend_token_logprobs(request.prompt_logprobs,
+                                                                prompt_token_logprobs(lists))
             if p.prompt_logprob_token_ids:
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
@@ -298,8 +299,7 @@ class Engine:
         if not request.first_delta_sent and seq.index == 0:
             request.first_delta_sent = True
             delta.kv_transfer_params = request.req.kv_transfer_params
-            if request.prompt_logprobs is not None:
-                delta.prompt_logprobs = request.prompt_logprobs.drain()
+            delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if request.prompt_token_id_rows:
                 scores = _stack_padded(request.prompt_token_id_rows)
                 delta.prompt_token_id_scores = scores.tobytes()

@@ -35,37 +35,6 @@ class FinishReason:
     ABORT = "abort"
 
 
-class LogprobsBuffer:
-    """Column-wise accumulator of logprob entries, drained into TokenLogprobs."""
-
-    __slots__ = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.ranks: list[int] = []
-        self.top_ids: list[list[int]] = []
-        self.top_logprobs: list[list[float]] = []
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def extend(self, other: TokenLogprobs) -> None:
-        """Append a run of positions."""
-        self.token_ids.extend(other.token_ids)
-        self.logprobs.extend(other.logprobs)
-        self.ranks.extend(other.ranks)
-        self.top_ids.extend(other.top_ids)
-        self.top_logprobs.extend(other.top_logprobs)
-
-    def drain(self) -> Optional[TokenLogprobs]:
-        if not self.token_ids:
-            return None
-        out = TokenLogprobs(self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs)
-        self.__init__()
-        return out
-
-
 class Request:
     """One client request: prompt, parameters, and its n choices."""
 
@@ -92,7 +61,7 @@ class Request:
         # Prompt logprobs need logits of every prompt position, so cached prefixes can't be used.
         self.wants_prompt_scores = (req.params.prompt_logprobs is not None
                                     or bool(req.params.prompt_logprob_token_ids))
-        self.prompt_logprobs = LogprobsBuffer() if req.params.prompt_logprobs is not None else None
+        self.prompt_logprobs: Optional[TokenLogprobs] = None  # accumulated over prefill chunks
         self.prompt_token_id_rows: list[Any] = []  # float32 numpy row blocks, in prompt order
         self.num_prompt_scored = 0  # prompt positions whose logits were scored already
         self.bad_words_ids: Optional[list[list[int]]] = None
