@@ -84,7 +84,6 @@ class _DecodeGroup:
             seq_lens = attn.seq_lens.index_select(0, idx)
         self.flat_blocks = tables.reshape(-1).long()
         self.num = len(seq_idx)
-        self.nblocks = nblocks
         keys = torch.arange(self.max_len, device=device)
         self.mask = (keys[None, :] < seq_lens[:, None]).view(self.num, 1, 1, self.max_len)
 
