@@ -31,7 +31,7 @@ class LogprobsTensors:
 
     token_ids: torch.Tensor  # [N] long: sampled (or prompt target) token
     token_logprobs: torch.Tensor  # [N] float32
-    ranks: torch.Tensor  # [N] long, 1-based
+    ranks: torch.Tensor  # [N] int32, 1-based
     top_ids: torch.Tensor  # [N, k] long, descending logprob
     top_logprobs: torch.Tensor  # [N, k] float32
 
@@ -61,7 +61,8 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 def token_ranks(logprobs: torch.Tensor, token_logprobs: torch.Tensor) -> torch.Tensor:
     """1-based rank of each row's token: count of strictly greater logprobs + 1."""
-    return (logprobs > token_logprobs.unsqueeze(-1)).sum(-1) + 1
+    # int32 accumulation: about twice as fast as the default int64 sum of a bool mask
+    return (logprobs > token_logprobs.unsqueeze(-1)).sum(-1, dtype=torch.int32) + 1
 
 
 def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
