@@ -166,3 +166,26 @@ def test_text_mode_with_stop_string(llama_dir):
     t = engine.generate([request("k", prompt, max_tokens=16, ignore_eos=True, stop=[stop],
                                  allowed_token_ids=list(range(97, 123)))])["k"][0]
     assert t.text is None and t.token_ids == d.token_ids and t.stop_reason == stop
+
+
+def test_everything_at_once_under_pressure(llama_dir):
+    """Shared prefixes, n=2, staggered arrivals, tiny step budget and a tiny KV pool
+    (constant preemption + prefix-cache reuse): greedy outputs still match a roomy run."""
+    base = random_prompts(1, 40, 41, seed=11)[0]
+    tails = random_prompts(8, 1, 20, seed=12)
+    prompts = [base[: 8 * (i % 4 + 1)] + t for i, t in enumerate(tails)]
+    reqs = [request(str(i), p, max_tokens=6 + i % 3, ignore_eos=True, n=1 + i % 2) for i, p in enumerate(prompts)]
+    roomy = make_engine(llama_dir, enable_prefix_caching=False, max_num_batched_tokens=512)
+    expected = outputs(roomy, reqs)
+    engine = make_engine(llama_dir, num_kv_blocks=12, block_size=8, max_model_len=96, max_num_batched_tokens=12)
+    got: dict = {}
+    pending = list(reqs)
+    while pending or engine.has_unfinished():
+        if pending:
+            engine.add_request(pending.pop(0))
+        for d in engine.step():
+            got.setdefault(d.request_id, {}).setdefault(d.index, []).extend(d.token_ids)
+    assert {rid: [got[rid][i] for i in sorted(got[rid])] for rid in got} == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.hit_tokens > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
