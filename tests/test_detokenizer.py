@@ -198,3 +198,25 @@ def test_stop_string_in_text_released_by_final_flush(tok):
     d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["日本"]))
     assert d.update([first]) == ("", None)  # held: the text ends in an incomplete character
     assert d.update([], finished=True) == (" ", "日本")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_random_stop_strings_match_first_completed_occurrence(tok, include):
+    rng = random.Random(99 if include else 7)
+    alphabet = "ab éü日 "
+    for trial in range(120):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 30)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(1, 3))]
+        ids = tok.encode(text).ids
+        assert tok.decode(ids) == text
+        pieces, d, stop = run_stream(tok, [], ids, chunks=rng.choice([1, 2]), stop=stops,
+                                     include_stop_str_in_output=include)
+        ends = [(text.find(s) + len(s), k) for k, s in enumerate(stops) if s in text]
+        if not ends:
+            assert stop is None and "".join(pieces) == text, trial
+            continue
+        end, k = min(ends)
+        assert stop == stops[k], trial
+        want = text[:end] if include else text[:end - len(stops[k])]
+        assert "".join(pieces) == want, (trial, text, stops)
