@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import struct
 import threading
 import time
 from typing import AsyncIterator, Iterator, Optional
@@ -80,6 +81,7 @@ class AsyncClient:
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
+        self._monitor: Optional[zmq.asyncio.Socket] = None
         self._bad = RateLimitedLog(log)
         self._outputs_decoder = framing._decoders[Outputs]
 
@@ -97,11 +99,15 @@ class AsyncClient:
         if self.curve_server_key:
             sock.curve_serverkey = self.curve_server_key
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        # A dropped connection means the broker process died (or restarted faster than the
+        # heartbeat liveness): the requests it routed are lost, so fail them at once.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._sock = sock
         self._last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._reader(), name="tokserve-client-reader"),
-                       asyncio.create_task(self._heartbeat(), name="tokserve-client-heartbeat")]
+                       asyncio.create_task(self._heartbeat(), name="tokserve-client-heartbeat"),
+                       asyncio.create_task(self._watch_disconnects(), name="tokserve-client-monitor")]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -114,6 +120,11 @@ class AsyncClient:
         self._tasks = []
         self._fail_all(_unavailable("client closed"))
         if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
             self._sock.close(0)
             self._sock = None
 
@@ -229,6 +240,19 @@ class AsyncClient:
             if silent > self.expiry and (self._streams or self._info_waiters):
                 log.warning("broker silent for %.1fs: failing %d in-flight request(s)", silent, len(self._streams))
                 self._fail_all(_unavailable(f"lost connection to the broker ({silent:.1f}s without heartbeat)"))
+
+    async def _watch_disconnects(self) -> None:
+        while True:
+            frames = await self._monitor.recv_multipart()
+            if len(frames) != 2 or len(frames[0]) != 6:
+                continue
+            if struct.unpack("=hi", frames[0])[0] != zmq.EVENT_DISCONNECTED or not self._streams:
+                continue
+            lost = list(self._streams)
+            log.warning("connection to the broker dropped: failing %d in-flight request(s)", len(lost))
+            self._fail_all(_unavailable("lost connection to the broker (disconnected)"))
+            # If they reached a broker that is back already, don't leave them running.
+            self._send(framing.message(MsgType.ABORT, Abort(lost)))
 
     async def _reader(self) -> None:
         sock = self._sock

@@ -352,3 +352,27 @@ def test_frozen_worker_expires_by_heartbeat_then_rejoins(tmp_path):
             frozen.popen.send_signal(18)  # SIGCONT: told it is unknown, it drops its requests and re-registers
             wait_for_workers(broker.frontend, 2, timeout=10)
             assert served_rank(list(client.generate(req("back", data_parallel_rank=0)))) == 0
+
+
+def test_broker_restart_faster_than_liveness(tmp_path):
+    """A broker back before anyone misses a heartbeat must not leave streams hanging:
+    the client sees its connection drop, the worker is told to re-register and frees
+    the request."""
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        procs.fake_worker(broker, 0, "--step-delay", "0.01")
+        wait_for_workers(broker.frontend, 1)
+        with Client(broker.frontend) as client:
+            stream = client.generate(req("in-flight", max_tokens=100_000))
+            next(stream)
+            broker.kill9()
+            t0 = time.monotonic()
+            broker2 = procs.broker(frontend=broker.frontend, backend=broker.backend)
+            with pytest.raises(RequestError) as exc:
+                for _ in stream:
+                    pass
+            assert exc.value.status == 503 and time.monotonic() - t0 < 3
+            info = wait_for_workers(broker2.frontend, 1, timeout=5)
+            wait_for(lambda: cluster_info(broker2.frontend).workers[0].load.running == 0, 5, "request freed")
+            assert len(list(client.generate(req("after-fast-restart")))) == 4
+            assert info.workers[0].rank == 0
