@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--frontend", default=config.frontend_address(), help="broker endpoint for clients")
     p.add_argument("--backend", default=config.backend_address(), help="broker endpoint for workers")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="gateways require this Bearer key (or set $TOKSERVE_API_KEY)")
     p.add_argument("--tokens-only", action="store_true")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--worker-args", default="", help="extra arguments passed to every worker, e.g. '--max-num-seqs 64'")
@@ -98,10 +98,12 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
     broker = Child("broker", tokserve_cmd("broker", "--frontend", args.frontend, "--backend", args.backend,
                                           *log_args))
     workers = []
+    cuda = args.device.startswith("cuda")
     for rank in range(args.workers):
-        env = {"CUDA_VISIBLE_DEVICES": str(rank)} if args.device.startswith("cuda") else {}
+        # Each worker sees only its own GPU, which it then calls "cuda" (= cuda:0).
+        env = {"CUDA_VISIBLE_DEVICES": str(rank)} if cuda else {}
         argv = tokserve_cmd("worker", "--model", model_dir, "--rank", str(rank), "--broker", args.backend,
-                            "--device", args.device, *log_args, *args.worker_args.split())
+                            "--device", "cuda" if cuda else args.device, *log_args, *args.worker_args.split())
         if args.tokens_only:
             argv.append("--tokens-only")
         workers.append(Child(f"worker[{rank}]", argv, env))
@@ -111,13 +113,12 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                             *log_args, *args.gateway_args.split())
         if args.gateways > 1:
             argv.append("--reuse-port")
-        if args.api_key:
-            argv += ["--api-key", args.api_key]
         if args.tokens_only:
             argv.append("--tokens-only")
         if args.served_model_name:
             argv += ["--served-model-name", *args.served_model_name]
-        gateways.append(Child(f"gateway[{i}]", argv))
+        # The key travels in the environment: command lines are visible to every local user.
+        gateways.append(Child(f"gateway[{i}]", argv, {"TOKSERVE_API_KEY": args.api_key} if args.api_key else {}))
     return broker, workers, gateways
 
 

@@ -109,3 +109,20 @@ def test_supervisord_config_programs_parse():
         module.build_parser().parse_args(argv[4:])
     assert programs["worker-0"].environment == {"CUDA_VISIBLE_DEVICES": "0"}
     assert "--rank 0" in programs["worker-0"].command
+
+
+def test_launcher_plans_cuda_ranks_shared_port_and_secret_env():
+    from common.launcher import build_parser, plan_children
+
+    args = build_parser().parse_args(["--workers", "2", "--device", "cuda:3", "--gateways", "2", "--api-key", "k",
+                                      "--worker-args", "--max-num-seqs 8", "--tokens-only"])
+    broker, workers, gateways = plan_children(args, "/models/m")
+    assert broker.argv[3] == "broker"
+    for rank, w in enumerate(workers):
+        assert w.env == {"CUDA_VISIBLE_DEVICES": str(rank)}
+        assert w.argv[w.argv.index("--device") + 1] == "cuda"  # its only visible GPU
+        assert w.argv[w.argv.index("--rank") + 1] == str(rank)
+        assert w.argv[-3:] == ["--max-num-seqs", "8", "--tokens-only"]
+    for g in gateways:
+        assert "--reuse-port" in g.argv and "--tokens-only" in g.argv
+        assert "k" not in g.argv and g.env == {"TOKSERVE_API_KEY": "k"}
