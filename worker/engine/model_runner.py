@@ -84,11 +84,13 @@ class ModelRunner:
         """Run the largest step once; what remains under gpu_memory_utilization is KV cache."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        blocks = -(-self.token_budget // self.block_size) + self.max_blocks_per_seq
+        # The dummy step splits into max_model_len sequences, each wasting < 1 block.
+        blocks = -(-self.token_budget // self.block_size) + -(-self.token_budget // self.max_model_len)
         self.allocate_kv_cache(blocks)
         self._dummy_run(self.token_budget)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        # Peak of weights + activations: the temporary cache itself does not count.
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.kv_cache.element_size()
         self.kv_cache = None
         torch.cuda.empty_cache()
         _free, total = torch.cuda.mem_get_info(self.device)
