@@ -190,7 +190,8 @@ class Broker:
 
     def cluster_info(self) -> ClusterInfo:
         live = sorted(self.workers.all(), key=lambda w: w.rank)
-        return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model)
+        return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model,
+                           pending=self.pending_count)
 
     def _on_generate(self, client: bytes, body: bytes) -> None:
         req = framing.decode(body, GenerateRequest)
@@ -362,7 +363,7 @@ class Broker:
             if bye.drain:
                 log.info("worker rank %d draining", worker.rank)
                 worker.draining = True
-                worker.last_seen = time.monotonic()
+                worker.last_seen = self.workers.last_alive = time.monotonic()
             else:
                 self._worker_gone(worker, "disconnected", notify=False)
         else:

@@ -180,6 +180,7 @@ class WorkerStatus(msgspec.Struct, **_STRUCT):
 class ClusterInfo(msgspec.Struct, **_STRUCT):
     workers: list[WorkerStatus]
     model: Optional[ModelInfo] = None
+    pending: int = 0  # requests queued in the broker, waiting for worker capacity
 
 
 class OutputsHeader(msgspec.Struct, **_STRUCT):
