@@ -55,6 +55,7 @@ class LevelStats:
     concurrency: int
     duration: float
     results: list[Result]
+    cpu_s: Optional[float] = None  # CPU seconds spent serving (all processes involved)
 
     @property
     def ok(self) -> list[Result]:
@@ -89,6 +90,8 @@ def summarize(s: LevelStats) -> dict:
         ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
         tpot_p50_ms=percentile(tpot, 50), tpot_p99_ms=percentile(tpot, 99),
         itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99),
+        cpu_ms_per_tok=(1e3 * s.cpu_s / max(1, sum(r.output_tokens for r in ok))) if s.cpu_s is not None
+        else float("nan"),
     )
 
 
@@ -178,7 +181,7 @@ def run_inprocess(engine, prompts: list[list[int]], output_len: int, concurrency
                                                arrival_time=time.time()))
             live[rid] = (time.perf_counter(), Result(), [])
 
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     admit()
     while live:
         deltas = engine.step()
@@ -197,10 +200,38 @@ def run_inprocess(engine, prompts: list[list[int]], output_len: int, concurrency
                 results.append(res)
                 del live[d.request_id]
         admit()
-    return LevelStats(label, concurrency, time.perf_counter() - start, results)
+    return LevelStats(label, concurrency, time.perf_counter() - start, results, time.process_time() - cpu0)
 
 
 # ----------------------------------------------------------------------------- stack management
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process (Linux /proc); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+async def run_http_measured(stack: "Stack", bodies: list[bytes], concurrency: int, headers) -> LevelStats:
+    """run_http plus the CPU the stack's processes and this client spent on it: a ratio that
+    background load on a shared machine disturbs far less than wall-clock throughput."""
+    pids = child_pids(stack.proc.pid)
+    before = sum(process_cpu_s(p) for p in pids) + time.process_time()
+    stats = await run_http(stack.url, bodies, concurrency, "http", headers)
+    stats.cpu_s = sum(process_cpu_s(p) for p in pids) + time.process_time() - before
+    return stats
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -256,6 +287,7 @@ COLUMNS = [  # (key, header, width, format)
     ("ttft_p50_ms", "TTFT p50", 9, "{:.1f}"), ("ttft_p99_ms", "TTFT p99", 9, "{:.1f}"),
     ("tpot_p50_ms", "TPOT p50", 9, "{:.2f}"), ("tpot_p99_ms", "TPOT p99", 9, "{:.2f}"),
     ("itl_p50_ms", "ITL p50", 8, "{:.2f}"), ("itl_p99_ms", "ITL p99", 8, "{:.2f}"),
+    ("cpu_ms_per_tok", "CPU/tok", 8, "{:.2f}"),
 ]
 
 
@@ -333,17 +365,17 @@ def bench_http(url: str, args, vocab: int, headers) -> list[dict]:
     return rows
 
 
-def bench_side_by_side(url: str, engine, args, vocab: int, headers) -> tuple[list[dict], list[dict]]:
+def bench_side_by_side(stack: "Stack", engine, args, vocab: int, headers) -> tuple[list[dict], list[dict]]:
     """Full stack and in-process engine on the same workload, level by level, runs alternating
     so that both see the same background load."""
-    asyncio.run(warmup_stack(url, args, vocab, headers))
+    asyncio.run(warmup_stack(stack.url, args, vocab, headers))
     run_inprocess(engine, random_prompts(4, args.input_len, vocab, args.seed + 999), 4, 4, "warmup")
     http_rows, local_rows = [], []
     for conc, num in level_counts(args):
         prompts, bodies = level_bodies(args, vocab, conc, num)
         http_runs, local_runs = [], []
         for _ in range(args.repeat):
-            http_runs.append(asyncio.run(run_http(url, bodies, conc, "http", headers)))
+            http_runs.append(asyncio.run(run_http_measured(stack, bodies, conc, headers)))
             local_runs.append(run_inprocess(engine, prompts, args.output_len, conc, "in-process"))
         http_rows.append(median_run(http_runs))
         local_rows.append(median_run(local_runs))
@@ -396,12 +428,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.no_inprocess:
             print_table(bench_http(stack.url, args, vocab, headers))
         else:
-            http_rows, local_rows = bench_side_by_side(stack.url, make_engine(model_dir, args), args, vocab, headers)
+            http_rows, local_rows = bench_side_by_side(stack, make_engine(model_dir, args), args, vocab, headers)
             print_table([r for pair in zip(http_rows, local_rows) for r in pair])
             print("\nfull stack / in-process output throughput:")
             for h, l in zip(http_rows, local_rows):
                 print(f"  concurrency {h['concurrency']:>3}: {h['out_tok_per_s']:8.1f} / {l['out_tok_per_s']:8.1f}"
-                      f" tok/s = {100 * h['out_tok_per_s'] / l['out_tok_per_s']:5.1f} %")
+                      f" tok/s = {100 * h['out_tok_per_s'] / l['out_tok_per_s']:5.1f} %;  CPU per token"
+                      f" {h['cpu_ms_per_tok']:.2f} / {l['cpu_ms_per_tok']:.2f} ms"
+                      f" = {100 * l['cpu_ms_per_tok'] / h['cpu_ms_per_tok']:5.1f} % efficiency")
         prefix_rows = asyncio.run(bench_shared_prefix(stack.url, args, vocab, headers)) if args.shared_prefix else []
     if prefix_rows:
         print("\nshared prefix of", args.shared_prefix, "tokens:")
