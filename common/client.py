@@ -3,9 +3,10 @@ trainers can use to skip HTTP entirely.
 
 One DEALER socket per client object, multiplexed by request id; frame layouts in
 common/framing.py.  The client heartbeats the broker; when the broker is silent
-for longer than the liveness period, every in-flight request fails with a 503
-``RequestError`` and the client keeps working once the broker is back (ZeroMQ
-reconnects by itself).
+for longer than the liveness period, or the TCP connection to it drops (a broker
+restart can be faster than the liveness period), every in-flight request fails
+with a 503 ``RequestError``.  The client keeps working once the broker is back
+(ZeroMQ reconnects by itself).
 """
 from __future__ import annotations
 

@@ -35,6 +35,14 @@ current, and forwards every ``[identity][Outputs]`` pair to the frontend as
 worker receives the client identity with each GENERATE, the broker never needs
 a per-delta lookup.
 
+Bookkeeping the broker derives from these messages: a request is "started" once
+a header lists it (it can no longer be retried on another worker if its worker
+dies) and leaves the broker's table when a header lists it as finished or an
+ERROR for it arrives.  Request ids must be unique among in-flight requests (a
+duplicate gets ERROR 400).  A DISCONNECT from the broker tells a worker that the
+broker does not know it (restart, or it was declared dead): the worker drops its
+requests (their clients were already told) and sends READY again.
+
 Anything malformed (wrong magic, unknown type, wrong frame count, undecodable
 body) raises ``FrameError``; receivers log it (rate limited) and drop the message.
 """

@@ -33,9 +33,9 @@ def served_rank(deltas) -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Broker + fake workers of rank 0 and 1 (each step sleeps 2 ms)."""
+    """Broker (client frames capped at 1 MiB) + fake workers of rank 0 and 1 (each step sleeps 2 ms)."""
     with ProcGroup(tmp_path_factory.mktemp("broker-logs")) as procs:
-        broker = procs.broker()
+        broker = procs.broker("--max-frame-bytes", str(1 << 20))
         for rank in (0, 1):
             procs.fake_worker(broker, rank, "--step-delay", "0.002")
         wait_for_workers(broker.frontend, 2)
