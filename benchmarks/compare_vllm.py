@@ -183,7 +183,7 @@ def _ratio(a: float, b: float) -> str:
 
 METRICS = [("out_tok_per_s", "tok/s", "{:7.1f}"), ("ttft_p50_ms", "TTFT p50", "{:7.1f}"),
            ("ttft_p99_ms", "TTFT p99", "{:7.1f}"), ("itl_p50_ms", "ITL p50", "{:7.2f}"),
-           ("itl_p99_ms", "ITL p99", "{:7.2f}")]
+           ("itl_p99_ms", "ITL p99", "{:7.2f}"), ("tpot_p50_ms", "TPOT p50", "{:7.2f}")]
 
 
 def format_table(cells: list[tuple[dict, dict]]) -> str:
@@ -195,7 +195,9 @@ def format_table(cells: list[tuple[dict, dict]]) -> str:
         parts = [f"{f.format(ours[k])} {f.format(theirs[k])} {_ratio(ours[k], theirs[k])}" for k, _, f in METRICS]
         lines.append(f"{ours['input_len']:4d} {ours['concurrency']:5d} {ours['requests']:4d}  " + "  ".join(parts)
                      + f"  {ours['failed']}/{theirs['failed']}")
-    lines.append("x = ours / vLLM (throughput: higher is better for us; latencies: lower is better for us); ms")
+    lines.append("x = ours / vLLM (throughput: higher is better for us; latencies: lower is better for us); ms.\n"
+                 "ITL is measured between SSE chunks as they arrive: a server that flushes several chunks at once "
+                 "shows ITL p50 near 0; TPOT = (e2e - TTFT) / (tokens - 1) per request is immune to that.")
     return "\n".join(lines)
 
 
