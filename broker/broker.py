@@ -15,7 +15,7 @@ import zmq
 
 from broker.dispatch import LeastLoaded, sticky_worker
 from broker.workers import Worker, WorkerRegistry
-from common import config, framing
+from common import config, framing, security
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
 from common.protocol import (Abort, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest, MsgType,
@@ -57,12 +57,16 @@ class BrokerConfig:
     max_worker_frame_bytes: int = config.MAX_WORKER_FRAME_BYTES
     curve_secret_key: Optional[bytes] = None  # enables CURVE server mode on both sockets
     curve_public_key: Optional[bytes] = None
+    curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
 
 
 class Broker:
     def __init__(self, cfg: BrokerConfig, ctx: Optional[zmq.Context] = None):
         self.cfg = cfg
         self.ctx = ctx or zmq.Context.instance()
+        # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
+        self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
+                      if cfg.curve_secret_key and cfg.curve_authorized_dir else None)
         self.frontend = self._router(cfg.frontend, cfg.max_client_frame_bytes)
         self.backend = self._router(cfg.backend, cfg.max_worker_frame_bytes)
         self.workers = WorkerRegistry(cfg.heartbeat_interval, cfg.liveness, cfg.max_inflight_per_worker,
@@ -85,9 +89,7 @@ class Broker:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         if self.cfg.curve_secret_key:
-            sock.curve_server = True
-            sock.curve_secretkey = self.cfg.curve_secret_key
-            sock.curve_publickey = self.cfg.curve_public_key
+            security.configure_server(sock, security.CurveKeys(self.cfg.curve_public_key, self.cfg.curve_secret_key))
         sock.bind(endpoint)
         return sock
 
@@ -124,6 +126,8 @@ class Broker:
             self._reject_unknown(worker.identity)
         self.frontend.close(linger=500)
         self.backend.close(linger=500)
+        if self._auth is not None:
+            self._auth.stop()
 
     def _drain(self, sock: zmq.Socket, handler, budget: int = 512) -> None:
         # Bounded so one busy socket cannot starve the other or the heartbeats.

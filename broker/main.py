@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import signal
 
+import zmq
+
 from broker.broker import Broker, BrokerConfig
 from common import config
 from common.logging import get_logger, setup_logging
@@ -30,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clients sending a bigger frame are disconnected")
     p.add_argument("--curve-secret-file", default=None,
                    help="zmq.auth secret certificate: enable CURVE encryption on both sockets")
+    p.add_argument("--curve-authorized-keys", default=None, metavar="DIR",
+                   help="with --curve-secret-file: accept only peers whose public certificate (*.key) is in DIR")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -47,10 +51,24 @@ def main(argv: list[str] | None = None) -> int:
                        no_worker_timeout=args.no_worker_timeout,
                        max_inflight_per_worker=args.max_inflight_per_worker,
                        max_client_frame_bytes=args.max_frame_bytes)
+    if args.curve_authorized_keys and not args.curve_secret_file:
+        raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
     if args.curve_secret_file:
-        import zmq.auth
-        cfg.curve_public_key, cfg.curve_secret_key = zmq.auth.load_certificate(args.curve_secret_file)
-    broker = Broker(cfg)
+        from common import security
+        try:
+            keys = security.load_keypair(args.curve_secret_file)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        cfg.curve_public_key, cfg.curve_secret_key = keys.public, keys.secret
+        cfg.curve_authorized_dir = args.curve_authorized_keys
+    try:
+        try:
+        broker = Broker(cfg)
+    except zmq.ZMQError as exc:  # bad scheme, address in use, ...
+        log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, exc)
+        return 1
+    except ValueError as exc:  # e.g. a missing --curve-authorized-keys folder
+        raise SystemExit(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
     try:

@@ -21,7 +21,7 @@ from typing import AsyncIterator, Iterator, Optional
 import zmq
 import zmq.asyncio
 
-from common import config, framing
+from common import config, framing, security
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -68,11 +68,13 @@ class AsyncClient:
     """asyncio client; use inside one event loop (``async with AsyncClient(...)``)."""
 
     def __init__(self, address: str | None = None, *, identity: bytes | None = None,
-                 curve_server_key: bytes | None = None, heartbeat_interval: float | None = None,
+                 curve_server_key: bytes | None = None, curve_client_keys: security.CurveKeys | None = None,
+                 heartbeat_interval: float | None = None,
                  liveness: int | None = None, context: zmq.asyncio.Context | None = None):
         self.address = address or config.frontend_address()
         self.identity = identity
         self.curve_server_key = curve_server_key
+        self.curve_client_keys = curve_client_keys  # needed when the broker authenticates peers
         self.interval = heartbeat_interval or config.heartbeat_interval()
         self.expiry = self.interval * (liveness or config.heartbeat_liveness())
         self._ctx = context or zmq.asyncio.Context.instance()
@@ -98,8 +100,7 @@ class AsyncClient:
         if self.identity:
             sock.setsockopt(zmq.ROUTING_ID, self.identity)
         if self.curve_server_key:
-            sock.curve_serverkey = self.curve_server_key
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            security.configure_client(sock, self.curve_server_key, self.curve_client_keys)
         # A dropped connection means the broker process died (or restarted faster than the
         # heartbeat liveness): the requests it routed are lost, so fail them at once.
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

@@ -37,9 +37,11 @@ class ClientLifecycle:
 
 
 def make_client(settings: GatewaySettings):
+    from common import security
     from common.client import AsyncClient  # imported late: tests may pass their own client
 
-    return AsyncClient(settings.broker)
+    keys = security.load_keypair(settings.curve_client_key_file) if settings.curve_client_key_file else None
+    return AsyncClient(settings.broker, curve_server_key=settings.curve_server_key, curve_client_keys=keys)
 
 
 def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.asgi.App, GatewayState]:

@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--info-ttl", type=float, default=1.0, help="seconds cluster info is cached")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT so several gateways can share the port")
+    p.add_argument("--curve-server-key", default=None,
+                   help="broker's CURVE public key (Z85 text or its .key file): encrypt the broker link")
+    p.add_argument("--curve-client-key-file", default=None,
+                   help="this gateway's CURVE certificate (.key_secret), for a broker that authenticates peers")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -38,6 +42,14 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise SystemExit(f"--port must be in [0, 65535], got {args.port}")
     if args.max_body_bytes < 1:
         raise SystemExit("--max-body-bytes must be positive")
+    from common import security
+
+    try:
+        curve_server_key = security.load_public_key(args.curve_server_key) if args.curve_server_key else None
+        if args.curve_client_key_file:
+            security.load_keypair(args.curve_client_key_file)  # fail at startup, not at first connect
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     return GatewaySettings(
         broker=args.broker,
         host=args.host,
@@ -49,6 +61,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         info_ttl_s=args.info_ttl,
         reuse_port=args.reuse_port,
         log_level=(args.log_level or "info").lower(),
+        curve_server_key=curve_server_key,
+        curve_client_key_file=args.curve_client_key_file,
     )
 
 

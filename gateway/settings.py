@@ -24,3 +24,6 @@ class GatewaySettings:
     log_level: str = "info"
     # Bind with SO_REUSEPORT so several gateway processes share one port.
     reuse_port: bool = False
+    # CURVE to the broker (common/security.py): its public key, and ours when it authenticates peers.
+    curve_server_key: Optional[bytes] = None
+    curve_client_key_file: Optional[str] = None

@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", type=int, default=config.heartbeat_liveness())
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before aborting them")
-    p.add_argument("--curve-server-key", default=None, help="broker's CURVE public key (Z85) to encrypt the link")
+    p.add_argument("--curve-server-key", default=None,
+                   help="broker's CURVE public key (Z85 text or its .key file) to encrypt the link")
+    p.add_argument("--curve-client-key-file", default=None,
+                   help="this worker's CURVE certificate (.key_secret), for a broker that authenticates peers")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -68,12 +71,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg = engine_config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"invalid engine configuration: {exc}") from None
+    from common import security
     from worker.engine import Engine
     from worker.server import WorkerServer
 
-    engine = Engine(cfg)
+    try:
+        server_key = security.load_public_key(args.curve_server_key) if args.curve_server_key else None
+        client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    try:
+        engine = Engine(cfg)
+    except (OSError, ValueError) as exc:  # missing/invalid model folder, bad sizes, device
+        log.error("cannot start the engine: %s", exc)
+        return 1
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
-                          drain_timeout=args.drain_timeout,
-                          curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None)
+                          drain_timeout=args.drain_timeout, curve_server_key=server_key,
+                          curve_client_keys=client_keys)
     server.install_signal_handlers()
     return server.run()

@@ -22,7 +22,7 @@ from typing import Optional
 
 import zmq
 
-from common import config, framing
+from common import config, framing, security
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -46,11 +46,12 @@ def _send(sock: zmq.Socket, frames: list) -> None:
 
 class BrokerLink(threading.Thread):
     def __init__(self, ctx: zmq.Context, broker: str, pipe_addr: str, interval: float, liveness: int,
-                 curve_server_key: Optional[bytes] = None):
+                 curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None):
         super().__init__(name="broker-link", daemon=True)
         self.ctx, self.broker, self.pipe_addr = ctx, broker, pipe_addr
         self.interval, self.expiry = interval, interval * liveness
         self.curve_server_key = curve_server_key
+        self.curve_client_keys = curve_client_keys
         self.load = WorkerLoad()  # latest snapshot, replaced (never mutated) by the engine loop
         self.registered = False  # READY sent: heartbeats may flow
         self._bad = RateLimitedLog(log)
@@ -61,8 +62,7 @@ class BrokerLink(threading.Thread):
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         if self.curve_server_key:
-            sock.curve_serverkey = self.curve_server_key
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            security.configure_client(sock, self.curve_server_key, self.curve_client_keys)
         sock.connect(self.broker)
         return sock
 
@@ -150,7 +150,8 @@ class WorkerServer:
 
     def __init__(self, engine, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
-                 curve_server_key: Optional[bytes] = None, ctx: Optional[zmq.Context] = None):
+                 curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
+                 ctx: Optional[zmq.Context] = None):
         self.engine = engine
         self.rank = rank
         self.drain_timeout = drain_timeout
@@ -161,7 +162,7 @@ class WorkerServer:
         self.pipe.setsockopt(zmq.SNDHWM, 0)  # unbounded: the engine loop never blocks on the IO thread
         self.pipe.setsockopt(zmq.RCVHWM, 0)
         self.pipe.bind(pipe_addr)
-        self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key)
+        self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key, curve_client_keys)
         self.tracks: dict[str, _Track] = {}
         self.received = 0
         self._drain_requested = False
