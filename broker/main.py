@@ -62,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg.curve_public_key, cfg.curve_secret_key = keys.public, keys.secret
         cfg.curve_authorized_dir = args.curve_authorized_keys
     try:
-        try:
         broker = Broker(cfg)
     except zmq.ZMQError as exc:  # bad scheme, address in use, ...
         log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, exc)
