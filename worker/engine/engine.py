@@ -158,6 +158,7 @@ class Engine:
                           max_num_seqs=self.config.max_num_seqs)
 
     # --- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[CompletionDelta]:
         out = self.scheduler.schedule()
         if not out:
@@ -178,22 +179,12 @@ class Engine:
         if not sample_seqs:
             return []
 
-        # Fork choices 1..n-1 the first time choice 0 samples: they share the
-        # prompt's blocks and draw their first token from the same logits row.
         sample_rows = list(range(num_prompt_rows, len(rows)))
-        for i in range(len(sample_seqs)):
-            seq = sample_seqs[i]
-            request = seq.request
-            if not request.forked:
-                request.forked = True
-                for index in range(1, request.n):
-                    child = self._new_sequence(request, index, list(request.prompt_token_ids))
-                    self.block_manager.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    sample_seqs.append(child)
-                    sample_rows.append(sample_rows[i])
-        sample_logits = logits.index_select(
-            0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
+        self._fork_choices(sample_seqs, sample_rows)
+        if len(sample_rows) == len(rows) - num_prompt_rows:  # no fork: the rows are a plain tail
+            sample_logits = logits[num_prompt_rows:]
+        else:
+            sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
         meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size, self.device)
         result = self.sampler(sample_logits, meta)
         sampled = result.sampled.tolist()
@@ -204,6 +195,23 @@ class Engine:
         for i, seq in enumerate(sample_seqs):
             deltas.extend(self._append_token(seq, sampled[i], lp_lists, i, now))
         return deltas
+
+    def _fork_choices(self, sample_seqs: list[Sequence], sample_rows: list[int]) -> None:
+        """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
+        they share its full prompt blocks and draw their first token from the same
+        logits row (appended to ``sample_seqs`` / ``sample_rows``)."""
+        for i in range(len(sample_seqs)):
+            seq = sample_seqs[i]
+            request = seq.request
+            if request.forked:
+                continue
+            request.forked = True
+            for index in range(1, request.n):
+                child = self._new_sequence(request, index, list(request.prompt_token_ids))
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                sample_seqs.append(child)
+                sample_rows.append(sample_rows[i])
 
     def _select_rows(self, scheduled: list[ScheduledSeq]):
         """Logit rows this step needs: prompt positions to score, then one row per
