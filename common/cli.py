@@ -11,6 +11,7 @@ COMMANDS = {
     "worker": ("worker.main:main", "run one inference worker (one per GPU)"),
     "gateway": ("gateway.main:main", "run the HTTP gateway (Falcon ASGI on uvicorn)"),
     "demo-model": ("worker.engine.demo_model:main", "build the seeded random-weight demo model"),
+    "curve-keys": ("common.security:main", "create a CURVE certificate (key files) for encrypted broker links"),
 }
 
 

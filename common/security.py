@@ -15,7 +15,7 @@ that have to cross hosts.
 
 Key files are zmq.auth certificates: ``NAME.key`` (public) and ``NAME.key_secret``::
 
-    python -m common.security generate DIR --name broker
+    tokserve curve-keys DIR --name broker        # (python -m common.cli curve-keys ...)
 """
 from __future__ import annotations
 
@@ -110,11 +110,10 @@ def start_authenticator(ctx: zmq.Context, authorized_dir: Union[str, Path]) -> T
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m common.security", description="CURVE key files for tokserve")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    gen = sub.add_parser("generate", help="create NAME.key (public) and NAME.key_secret in DIR")
-    gen.add_argument("directory")
-    gen.add_argument("--name", default="broker")
+    p = argparse.ArgumentParser(prog="tokserve curve-keys",
+                                description="create a CURVE certificate: DIR/NAME.key (public) and DIR/NAME.key_secret")
+    p.add_argument("directory")
+    p.add_argument("--name", default="broker", help="file name stem, e.g. broker, gateway1, worker0")
     args = p.parse_args(argv)
     public, secret = generate(args.directory, args.name)
     print(f"public key file: {public}\nsecret key file: {secret}\npublic key: {load_keypair(secret).public.decode()}")

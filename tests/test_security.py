@@ -6,6 +6,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -114,7 +116,13 @@ def keys(tmp_path_factory):
     authorized = root / "authorized"
     authorized.mkdir()
     out = {}
-    for name in ("broker", "gateway", "worker", "stranger"):
+    cli = subprocess.run([sys.executable, "-m", "common.cli", "curve-keys", str(root / "keys"), "--name", "broker"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert security.load_keypair(root / "keys" / "broker.key_secret").public.decode() in cli.stdout
+    assert (root / "keys" / "broker.key_secret").stat().st_mode & 0o077 == 0  # secret: owner-only
+    out["broker"] = root / "keys" / "broker.key_secret"
+    for name in ("gateway", "worker", "stranger"):
         public, secret = security.generate(root / "keys", name)
         out[name] = secret
         if name in ("gateway", "worker"):  # the broker admits these two only
