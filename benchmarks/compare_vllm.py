@@ -70,6 +70,25 @@ class ManagedServer:
         finally:
             log.close()
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the live processes of the server's
+        session, read from /proc (0.0 where there is no /proc).  Shows whether both
+        servers really ran on the same amount of CPU, threads of helpers included."""
+        if self.proc is None or not os.path.isdir("/proc"):
+            return 0.0
+        ticks = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid:  # session id: ours are session leaders
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -147,7 +166,11 @@ def level_sizes(args) -> list[tuple[int, int, int]]:
 
 async def measure_cell(server: ManagedServer, prompts: list[list[int]], args, conc: int) -> dict:
     bodies = [request_body(p, args.output_len, True, None) for p in prompts]
-    return summarize(await run_http(server.url, bodies, conc, server.name))
+    cpu0 = server.cpu_seconds()
+    row = summarize(await run_http(server.url, bodies, conc, server.name))
+    # CPU cores the server kept busy on average during the cell (all its processes).
+    row["cpu_cores"] = (server.cpu_seconds() - cpu0) / row["duration_s"]
+    return row
 
 
 async def greedy_token_ids(server: ManagedServer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -183,7 +206,8 @@ def _ratio(a: float, b: float) -> str:
 
 METRICS = [("out_tok_per_s", "tok/s", "{:7.1f}"), ("ttft_p50_ms", "TTFT p50", "{:7.1f}"),
            ("ttft_p99_ms", "TTFT p99", "{:7.1f}"), ("itl_p50_ms", "ITL p50", "{:7.2f}"),
-           ("itl_p99_ms", "ITL p99", "{:7.2f}"), ("tpot_p50_ms", "TPOT p50", "{:7.2f}")]
+           ("itl_p99_ms", "ITL p99", "{:7.2f}"), ("tpot_p50_ms", "TPOT p50", "{:7.2f}"),
+           ("cpu_cores", "CPU cores", "{:7.2f}")]
 
 
 def format_table(cells: list[tuple[dict, dict]]) -> str:
@@ -197,7 +221,8 @@ def format_table(cells: list[tuple[dict, dict]]) -> str:
                      + f"  {ours['failed']}/{theirs['failed']}")
     lines.append("x = ours / vLLM (throughput: higher is better for us; latencies: lower is better for us); ms.\n"
                  "ITL is measured between SSE chunks as they arrive: a server that flushes several chunks at once "
-                 "shows ITL p50 near 0; TPOT = (e2e - TTFT) / (tokens - 1) per request is immune to that.")
+                 "shows ITL p50 near 0; TPOT = (e2e - TTFT) / (tokens - 1) per request is immune to that.\n"
+                 "CPU cores = CPU time of all the server's processes during the cell / its duration.")
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ def test_parse_args_sizes_max_model_len_and_cells():
 
 def test_table_has_one_row_per_cell_with_ratios():
     row = dict(input_len=128, concurrency=32, requests=64, failed=0, out_tok_per_s=200.0, ttft_p50_ms=10.0,
-               ttft_p99_ms=20.0, itl_p50_ms=1.0, itl_p99_ms=2.0, tpot_p50_ms=1.5)
+               ttft_p99_ms=20.0, itl_p50_ms=1.0, itl_p99_ms=2.0, tpot_p50_ms=1.5, cpu_cores=1.0)
     other = dict(row, out_tok_per_s=100.0, ttft_p50_ms=20.0, itl_p50_ms=0.0)
     lines = compare_vllm.format_table([(row, other)]).splitlines()
     cell = lines[2].split()
@@ -93,6 +93,7 @@ def test_managed_server_ready_and_stop_kills_whole_session(tmp_path):
         while len(_session_pids(sid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_session_pids(sid)) >= 2  # leader + grandchild
+        assert server.cpu_seconds() > 0.0  # interpreter start-up of the session's processes
     finally:
         server.stop(grace=0.2)  # the fake ignores nothing, but the grandchild needs the SIGKILL sweep
     time.sleep(0.2)
