@@ -127,3 +127,27 @@ def test_model_info_and_load(qwen2_dir):
 def test_kv_cache_smaller_than_max_model_len_lowers_it(llama_dir):
     engine = make_engine(llama_dir, num_kv_blocks=4, block_size=16, max_model_len=256)
     assert engine.max_model_len == 64 == engine.model_info.max_model_len
+
+
+def test_runner_lays_out_mixed_batches(llama_dir):
+    from worker.engine.request import Request, Sequence
+    from worker.engine.scheduler import ScheduledSeq
+
+    engine = make_engine(llama_dir, block_size=4)
+
+    def seq(tokens, computed, blocks):
+        req = request(f"s{len(tokens)}", tokens)
+        s = Sequence(Request(req, arrival_seq=0, max_tokens=4, eos_token_ids=[], now=0.0), 0, list(tokens))
+        s.num_computed_tokens, s.block_ids = computed, blocks
+        return s
+
+    decode = seq(list(range(10, 16)), 5, [3, 5])  # 1 new token at position 5
+    chunk = seq(list(range(20, 30)), 2, [7, 2, 9])  # 6 new tokens at positions 2..7
+    inputs = engine.runner.prepare([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 6)])
+    assert inputs.input_ids.tolist() == [15, 22, 23, 24, 25, 26, 27]
+    assert inputs.positions.tolist() == [5, 2, 3, 4, 5, 6, 7]
+    assert inputs.attn.slot_mapping.tolist() == [5 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3]
+    assert inputs.attn.query_start_loc.tolist() == [0, 1, 7]
+    assert inputs.attn.seq_lens.tolist() == [6, 8] and inputs.attn.context_lens.tolist() == [5, 2]
+    assert inputs.attn.block_tables.tolist() == [[3, 5, 0], [7, 2, 9]]
+    assert (inputs.attn.max_query_len, inputs.attn.max_seq_len) == (6, 8)
