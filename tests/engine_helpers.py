@@ -3,8 +3,6 @@ transformers greedy reference."""
 from __future__ import annotations
 
 import random
-from typing import Optional
-
 import torch
 
 from common.protocol import GenerateRequest, SamplingParams
@@ -81,7 +79,3 @@ def tokens_of(deltas) -> list[int]:
 def outputs(engine: Engine, reqs) -> dict[str, list[list[int]]]:
     res = engine.generate(reqs)
     return {rid: [d.token_ids for d in ds] for rid, ds in res.items()}
-
-
-def first(seq_of_deltas) -> Optional[object]:
-    return seq_of_deltas[0] if seq_of_deltas else None
