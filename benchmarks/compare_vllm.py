@@ -247,6 +247,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=int, default=1, help="KV cache GiB of both servers (vLLM takes whole GiB)")
     p.add_argument("--agreement-requests", type=int, default=16, help="greedy requests compared (0: skip)")
     p.add_argument("--agreement-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each cell this many times (fresh prompts, alternating order); medians shown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="our gateway port (default: a free one)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (default: a free one)")
@@ -257,27 +259,40 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write every measured row to this file")
     args = p.parse_args(argv)
     cells = level_sizes(args)
-    if not cells or args.output_len < 1 or args.threads < 1:
-        p.error("need at least one input length and concurrency level, output_len >= 1, threads >= 1")
+    if not cells or args.output_len < 1 or args.threads < 1 or args.rounds < 1:
+        p.error("need at least one input length and concurrency level, output_len >= 1, threads >= 1, rounds >= 1")
     if not args.max_model_len:
         need = max(n for n, _, _ in cells) + args.output_len
         args.max_model_len = -(-need // 256) * 256
     return args
 
 
+def median_row(rows: list[dict]) -> dict:
+    """Per-metric median over rounds (numbers only; the first round's labels)."""
+    out = dict(rows[0])
+    for k, v in rows[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            vals = sorted(r[k] for r in rows)
+            out[k] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    out["rounds"] = len(rows)
+    return out
+
+
 async def run_sweep(ours: ManagedServer, vllm: ManagedServer, args, vocab: int) -> list[tuple[dict, dict]]:
     cells = []
     for i, (input_len, conc, num) in enumerate(level_sizes(args)):
-        prompts = random_prompts(num, input_len, vocab, args.seed + 1000 * input_len + conc)
-        pair = {}
-        for server in ((ours, vllm) if i % 2 == 0 else (vllm, ours)):
-            row = await measure_cell(server, prompts, args, conc)
-            row["input_len"] = input_len
-            pair[server.name] = row
-        cells.append((pair["tokserve"], pair["vllm"]))
-        o, v = pair["tokserve"], pair["vllm"]
-        print(f"  in={input_len} conc={conc}: {o['out_tok_per_s']:.1f} vs {v['out_tok_per_s']:.1f} tok/s, "
-              f"TTFT p50 {o['ttft_p50_ms']:.1f} vs {v['ttft_p50_ms']:.1f} ms", flush=True)
+        rounds: dict[str, list[dict]] = {ours.name: [], vllm.name: []}
+        for r in range(args.rounds):
+            # Fresh prompts each round (no prefix-cache hits), the same for both servers.
+            prompts = random_prompts(num, input_len, vocab, args.seed + 1000 * input_len + conc + 100_000 * r)
+            for server in ((ours, vllm) if (i + r) % 2 == 0 else (vllm, ours)):
+                row = await measure_cell(server, prompts, args, conc)
+                row["input_len"] = input_len
+                rounds[server.name].append(row)
+            o, v = rounds[ours.name][-1], rounds[vllm.name][-1]
+            print(f"  in={input_len} conc={conc} round {r + 1}: {o['out_tok_per_s']:.1f} vs {v['out_tok_per_s']:.1f} "
+                  f"tok/s, TTFT p50 {o['ttft_p50_ms']:.1f} vs {v['ttft_p50_ms']:.1f} ms", flush=True)
+        cells.append((median_row(rounds[ours.name]), median_row(rounds[vllm.name])))
     return cells
 
 
@@ -333,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print()
     print(f"model {Path(model_dir).name}, {args.output_len} output tokens (ignore_eos, streaming), "
-          f"{args.threads} thread(s) per engine, {os.cpu_count()} CPUs")
+          f"{args.threads} thread(s) per engine, {os.cpu_count()} CPUs, median of {args.rounds} round(s) per cell")
     print(format_table(cells))
     if agree is not None:
         print(f"greedy token-id agreement: {100 * agree[0]:.1f} % of requests identical, "

@@ -130,3 +130,10 @@ def test_small_preset_loads_in_our_engine(tmp_path):
     assert tok is not None
     with pytest.raises(ValueError, match="unknown model size"):
         build_preset_model("7b", tmp_path / "x")
+
+
+def test_median_row_takes_per_metric_medians():
+    rows = [dict(input_len=128, out_tok_per_s=v, ttft_p50_ms=t) for v, t in ((100.0, 9.0), (300.0, 1.0), (200.0, 5.0))]
+    med = compare_vllm.median_row(rows)
+    assert (med["out_tok_per_s"], med["ttft_p50_ms"], med["input_len"], med["rounds"]) == (200.0, 5.0, 128, 3)
+    assert compare_vllm.median_row(rows[:2])["out_tok_per_s"] == 200.0  # even count: mean of the middle two
