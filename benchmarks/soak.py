@@ -23,7 +23,6 @@ import json
 import os
 import random
 import time
-import urllib.request
 from typing import Optional
 
 from benchmarks.serve import GENERATE, Stack, child_pids

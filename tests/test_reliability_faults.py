@@ -90,8 +90,9 @@ async def _streams_with_fault(stack: Stack, count: int, prefix: str, fault,
     def first_chunk(i: int):
         return lambda res: started.add(i) or False
 
-    tasks = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i, max_tokens), {"X-Request-Id": f"{prefix}-{i}"},
-                                          stop=first_chunk(i))) for i in range(count)]
+    tasks = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i, max_tokens),
+                                          {"X-Request-Id": f"{prefix}-{i}"}, stop=first_chunk(i)))
+             for i in range(count)]
     deadline = time.monotonic() + 60
     while len(started) < count and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
