@@ -157,6 +157,15 @@ def test_raw_byte_bodies(gw, raw):
     assert r.status_code in (200, 400), (r.status_code, raw, r.text)
 
 
+@fuzz(60)
+@given(body=st.fixed_dictionaries({}, optional={"request_ids": st.lists(junk_text, max_size=4) | json_values,
+                                                "junk": json_values}) | json_values)
+def test_abort_endpoint_bodies(gw, body):
+    _, client, _ = gw
+    r = client.post(ABORT, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code in (200, 400), (r.status_code, body, r.text)
+
+
 def test_server_alive_and_serving_after_fuzz(gw):
     gateway, client, procs = gw
     assert all(p.alive() for p in procs.procs), procs.tails()
