@@ -215,7 +215,10 @@ _FORBIDDEN = [
 
 def test_no_pickle_anywhere():
     this = Path(__file__).resolve()
-    files = [p for p in REPO.rglob("*.py") if ".git" not in p.parts and p.resolve() != this]
+    # The project's own code only: a virtual environment inside the checkout (as .ci/run makes)
+    # holds third-party packages that legitimately use pickle.
+    packages = ("common", "broker", "worker", "gateway", "tests", "benchmarks")
+    files = [p for pkg in packages for p in (REPO / pkg).rglob("*.py") if p.resolve() != this]
     assert len(files) > 50
     hits = []
     for path in files:
