@@ -11,7 +11,6 @@ head_dim is 64 in every preset: vLLM's CPU attention kernels accept only 64 or 1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -20,8 +19,8 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from worker.engine.demo_model import (BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, _random_weights, build_byte_tokenizer,
-                                      default_cache_dir)
+from worker.engine.demo_model import (BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_byte_tokenizer, default_cache_dir,
+                                      random_llama_weights, write_json)
 
 PRESET_VERSION = 1  # bump whenever the generated files change
 
@@ -47,10 +46,6 @@ def special_tokens(vocab_size: int) -> tuple[str, ...]:
     return (BOS_TOKEN, EOS_TOKEN) + tuple(f"<|reserved_{i}|>" for i in range(vocab_size - BYTE_VOCAB - 2))
 
 
-def _dump(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
 def _check_size(size: str) -> dict:
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
@@ -62,22 +57,22 @@ def write_preset_model(out: Path, size: str, seed: int = 0) -> None:
     cfg = _check_size(size)
     bos_id, eos_id = BYTE_VOCAB, BYTE_VOCAB + 1
     specials = special_tokens(cfg["vocab_size"])
-    _dump(out / "config.json", {
+    write_json(out / "config.json", {
         **cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": bos_id,
         "eos_token_id": eos_id, "torch_dtype": "float32", "initializer_range": 0.02, "use_cache": True,
         "tokserve_bench": {"version": PRESET_VERSION, "size": size, "seed": seed},
     })
-    _dump(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
     added = {str(BYTE_VOCAB + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                    "single_word": False, "special": True} for i, t in enumerate(specials)}
-    _dump(out / "tokenizer_config.json", {
+    write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
         "model_max_length": cfg["max_position_embeddings"], "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": added,
     })
     (out / "tokenizer.json").write_text(build_byte_tokenizer(specials).to_str() + "\n", encoding="utf-8")
-    save_file(_random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_llama_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def build_preset_model(size: str = "small", out: Optional[str | Path] = None, *, seed: int = 0,

@@ -82,11 +82,11 @@ def tokenizer_config(bos: str = BOS_TOKEN, eos: str = EOS_TOKEN, model_max_lengt
     }
 
 
-def _dump(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+def random_llama_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
@@ -131,11 +131,11 @@ def write_demo_model(out: Path, seed: int = 0) -> None:
         "use_cache": True,
         "tokserve_demo": {"version": DEMO_VERSION, "seed": seed},
     }
-    _dump(out / "config.json", config)
-    _dump(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
-    _dump(out / "tokenizer_config.json", tokenizer_config(model_max_length=cfg["max_position_embeddings"]))
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    write_json(out / "tokenizer_config.json", tokenizer_config(model_max_length=cfg["max_position_embeddings"]))
     (out / "tokenizer.json").write_text(build_byte_tokenizer().to_str(pretty=True) + "\n", encoding="utf-8")
-    save_file(_random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_llama_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def default_cache_dir() -> Path:
