@@ -100,8 +100,9 @@ def test_bad_requests_are_rejected_clearly(llama_dir):
     with pytest.raises(BadRequest, match="maximum model length") as e:
         engine.add_request(request("long", [5] * 65))
     assert e.value.status == 400
-    with pytest.raises(BadRequest, match="maximum context length"):
-        engine.add_request(request("ctx", [5] * 60, max_tokens=10))
+    # vLLM's generate endpoint accepts max_tokens past the context and stops at max_model_len.
+    ctx = engine.generate([request("ctx", [5] * 60, max_tokens=10, ignore_eos=True)])["ctx"][0]
+    assert ctx.finish_reason == "length" and len(ctx.token_ids) == 4
     with pytest.raises(BadRequest, match="out of vocabulary"):
         engine.add_request(request("oov", [5, 100_000]))
     engine.add_request(request("dup", [5, 6]))
@@ -151,3 +152,17 @@ def test_runner_lays_out_mixed_batches(llama_dir):
     assert inputs.attn.seq_lens.tolist() == [6, 8] and inputs.attn.context_lens.tolist() == [5, 2]
     assert inputs.attn.block_tables.tolist() == [[3, 5, 0], [7, 2, 9]]
     assert (inputs.attn.max_query_len, inputs.attn.max_seq_len) == (6, 8)
+
+
+def test_prompt_logprobs_carry_decoded_tokens_when_detokenizing(llama_dir):
+    """vLLM fills ``decoded_token`` of prompt logprobs whenever detokenize is on (tokens
+    mode too); with detokenize off it stays null."""
+    engine = make_engine(llama_dir)
+    prompt = [ord(c) for c in "Hello"]
+    on = engine.generate([request("on", prompt, max_tokens=1, prompt_logprobs=1)])["on"][0].prompt_logprobs
+    assert on.token_texts == list("ello")
+    assert [len(row) for row in on.top_texts] == [1] * 4
+    assert all(isinstance(t, str) for row in on.top_texts for t in row)
+    off = engine.generate([request("off", prompt, max_tokens=1, prompt_logprobs=1,
+                                   detokenize=False)])["off"][0].prompt_logprobs
+    assert off.token_texts is None and off.top_texts is None

@@ -92,12 +92,8 @@ class Engine:
         p = req.params
         prompt_len = len(req.prompt_token_ids)
         room = self.max_model_len - prompt_len
-        if p.max_tokens is not None and not p.max_tokens_is_default and p.max_tokens > room:
-            raise BadRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {prompt_len + p.max_tokens} tokens ({prompt_len} in the messages, "
-                f"{p.max_tokens} in the completion). Please reduce the length of the messages or "
-                f"completion.", "max_tokens")
+        # Like vLLM's generate endpoint, a max_tokens past the context is accepted and the
+        # generation stops at max_model_len (finish_reason "length"), not rejected.
         max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
         if p.max_tokens_is_default and self.model_config.max_new_tokens:
             max_tokens = min(max_tokens, self.model_config.max_new_tokens)
@@ -250,8 +246,12 @@ class Engine:
             if p.prompt_logprobs is not None:
                 target_t = torch.tensor(targets, dtype=torch.long, device=rows.device)
                 lists = compute_prompt_logprobs(rows, target_t, p.prompt_logprobs).tolists()
-                request.prompt_logprobs = extend_token_logprobs(request.prompt_logprobs,
-                                                                prompt_token_logprobs(lists))
+                entry = prompt_token_logprobs(lists)
+                if p.detokenize and self.tokenizer is not None:
+                    # vLLM fills decoded_token whenever it detokenizes, tokens mode included;
+                    # the prompt tokens before this chunk are the split-character context.
+                    attach_token_texts(entry, self.tokenizer, request.prompt_token_ids[max(first - 3, 0):first + 1])
+                request.prompt_logprobs = extend_token_logprobs(request.prompt_logprobs, entry)
             if p.prompt_logprob_token_ids:
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
