@@ -19,8 +19,14 @@ Backends, picked per call:
     context attends to its own fresh K/V (no gather, built-in causal kernel).
 Per-step index tensors are computed once and cached on the metadata, so layers
 after the first only run the attention math.
+
+On CPU, consecutive decode-only steps of the same batch keep each layer's gathered
+K/V in a contiguous per-layer mirror (``DecodeKVMirror``) and append only the new
+token per step instead of re-gathering every block of every sequence.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +92,27 @@ class _DecodeGroup:
         self.num = len(seq_idx)
         keys = torch.arange(self.max_len, device=device)
         self.mask = (keys[None, :] < seq_lens[:, None]).view(self.num, 1, 1, self.max_len)
+        self.seq_lens = seq_lens
+        self.tables = tables
+        self._append: Optional[tuple[int, torch.Tensor]] = None
+        self._tables_used: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def tables_and_used(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A private copy of the (trimmed) block tables (the runner may reuse its
+        buffers) and which of their entries hold each row's tokens (the rest is padding)."""
+        if self._tables_used is None:
+            cols = torch.arange(self.tables.shape[1], device=self.tables.device)
+            used = cols[None, :] * block_size < self.seq_lens[:, None]
+            self._tables_used = (self.tables.clone(), used)
+        return self._tables_used
+
+    def append_index(self, cap: int) -> torch.Tensor:
+        """Flat rows ``b * cap + seq_len_b - 1`` of the new tokens in a ``[B, cap]`` mirror
+        (computed once per step, shared by every layer)."""
+        if self._append is None or self._append[0] != cap:
+            rows = torch.arange(self.num, device=self.seq_lens.device) * cap
+            self._append = (cap, rows + self.seq_lens.long() - 1)
+        return self._append[1]
 
 
 class _PrefillSeq:
@@ -119,6 +146,77 @@ class _TorchPlan:
         self.decode = _DecodeGroup(attn, decode_idx, block_size) if decode_idx else None
 
 
+class DecodeKVMirror:
+    """One layer's K/V of the running decode batch, contiguous ``[B, cap, kvh, D]``.
+
+    Valid only while this layer's calls are consecutive decode-only steps of the
+    same rows: every row one token longer than last step and its block table an
+    extension of the old one.  Any other call (prefill/mixed step, other batch)
+    drops it, so a block reused by a new request between steps can never leak
+    stale K/V.  Rebuilding is the old full gather; continuing costs one
+    ``index_copy_`` of the B new tokens.  Slots past a row's length hold zeros or
+    older finite values and are masked, so SDPA sees the same values as a gather.
+    """
+
+    HEADROOM = 128  # tokens of growth before a rebuild
+    MAX_BYTES = 128 << 20  # K+V per layer; longer batches keep gathering per step
+
+    def __init__(self) -> None:
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.tables: Optional[torch.Tensor] = None  # [B, blocks] block ids at the last step
+        self.used: Optional[torch.Tensor] = None  # [B, blocks] bool: block holds the row's tokens
+        self.lens: list[int] = []
+
+    def clear(self) -> None:
+        self.k = self.v = self.tables = self.used = None
+        self.lens = []
+
+    def keys_values(self, kv_layer: torch.Tensor, g: "_DecodeGroup", attn: AttentionMetadata,
+                    k_new: torch.Tensor, v_new: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``[B, max_len, kvh, D]`` K and V of the step (new token included), or None
+        when the batch is too large to mirror (caller gathers)."""
+        lens = attn.seq_lens_cpu
+        tables = g.tables_and_used(kv_layer.shape[2])[0]
+        if self.k is not None and self._continues(lens, tables):
+            cap = self.k.shape[1]
+            idx = g.append_index(cap)
+            self.k.view(-1, *self.k.shape[2:]).index_copy_(0, idx, k_new)
+            self.v.view(-1, *self.v.shape[2:]).index_copy_(0, idx, v_new)
+        else:
+            block_size = kv_layer.shape[2]
+            cap = -(-(g.max_len + self.HEADROOM) // block_size) * block_size
+            if 2 * g.num * cap * k_new[0].numel() * k_new.element_size() > self.MAX_BYTES:
+                self.clear()
+                return None
+            self.k = self._fill(kv_layer[0], g, cap, k_new)
+            self.v = self._fill(kv_layer[1], g, cap, v_new)
+        self.tables, self.used = g.tables_and_used(kv_layer.shape[2])
+        self.lens = list(lens)
+        return self.k[:, : g.max_len], self.v[:, : g.max_len]
+
+    def _continues(self, lens: list[int], tables: torch.Tensor) -> bool:
+        old = self.lens
+        if len(lens) != len(old) or max(lens) > self.k.shape[1]:
+            return False
+        if any(n != o + 1 for n, o in zip(lens, old)):
+            return False
+        width = self.tables.shape[1]
+        if tables.shape[1] < width:
+            return False
+        # Only each row's own blocks count: padding columns change when a row grows.
+        return not bool(((tables[:, :width] != self.tables) & self.used).any())
+
+    @staticmethod
+    def _fill(cache: torch.Tensor, g: "_DecodeGroup", cap: int, new: torch.Tensor) -> torch.Tensor:
+        kvh, d = new.shape[1], new.shape[2]
+        buf = torch.zeros(g.num, cap, kvh, d, dtype=new.dtype, device=new.device)
+        gathered = _gather_blocks(cache, g.flat_blocks).view(g.num, -1, kvh, d)
+        n = min(cap, gathered.shape[1])
+        buf[:, :n] = gathered[:, :n]
+        return buf
+
+
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
@@ -126,6 +224,7 @@ class PagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
+        self.mirror = DecodeKVMirror()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  attn: AttentionMetadata) -> torch.Tensor:
@@ -135,6 +234,7 @@ class PagedAttention:
         flat[0].index_copy_(0, attn.slot_mapping, k)
         flat[1].index_copy_(0, attn.slot_mapping, v)
         if q.is_cuda:
+            self.mirror.clear()
             flash = flash_backend()
             if flash is not None and block_size % flash[1] == 0 and q.dtype in (torch.float16, torch.bfloat16):
                 return self._flash(flash, q, kv_layer, attn)
@@ -143,7 +243,9 @@ class PagedAttention:
             plan = attn.cache["torch_plan"] = _TorchPlan(attn, block_size)
         t = q.shape[0]
         if plan.decode is not None and plan.decode.rows is None:  # decode-only step: no scatter
-            return self._decode(q, kv_layer, plan.decode).reshape(t, -1)
+            kv = None if q.is_cuda else self.mirror.keys_values(kv_layer, plan.decode, attn, k, v)
+            return self._decode(q, kv_layer, plan.decode, kv).reshape(t, -1)
+        self.mirror.clear()
         if plan.decode is None and len(plan.prefills) == 1:  # single prefill chunk
             return self._prefill(q, k, v, kv_layer, plan.prefills[0]).reshape(t, -1)
         out = torch.empty_like(q)
@@ -153,11 +255,15 @@ class PagedAttention:
             out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
         return out.view(t, -1)
 
-    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
-        """Outputs ``[g.num, heads, D]`` of the group's rows."""
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, g: _DecodeGroup,
+                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Outputs ``[g.num, heads, D]`` of the group's rows; ``kv``: their K/V
+        ``[B, max_len, kvh, D]`` when already at hand, else gathered here."""
         kvh, d = self.num_kv_heads, self.head_dim
-        keys = _gather_blocks(kv_layer[0], g.flat_blocks).view(g.num, -1, kvh, d)[:, : g.max_len].transpose(1, 2)
-        values = _gather_blocks(kv_layer[1], g.flat_blocks).view(g.num, -1, kvh, d)[:, : g.max_len].transpose(1, 2)
+        if kv is None:
+            kv = tuple(_gather_blocks(kv_layer[i], g.flat_blocks).view(g.num, -1, kvh, d)[:, : g.max_len]
+                       for i in (0, 1))
+        keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         qd = q if g.rows is None else q.index_select(0, g.rows)
         qd = qd.view(g.num, kvh, self.group, d)  # group heads as the query-length axis
         o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=g.mask, scale=self.scale)
