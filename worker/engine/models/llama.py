@@ -16,7 +16,7 @@ from worker.engine.attn_metadata import AttentionMetadata
 from worker.engine.model_config import ModelConfig
 from worker.engine.models.attention import PagedAttention
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
-from worker.engine.models.rotary import apply_rotary, build_cos_sin_table
+from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -83,8 +83,9 @@ class LlamaDecoderLayer(nn.Module):
             t[a + "k_norm.weight"] = self.qk_norm_weight.data[self.num_heads:]
         return t
 
-    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: torch.Tensor,
-                attn: AttentionMetadata, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor],
+                rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
@@ -96,7 +97,7 @@ class LlamaDecoderLayer(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
-        qk = apply_rotary(qk, cos_sin)
+        qk = apply_rotary(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv_layer, attn)
@@ -122,11 +123,11 @@ class LlamaForCausalLM(nn.Module):
         # Cast like HF: cos/sin computed in float32, then rounded to the model dtype.
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
-        self.register_buffer("cos_sin", table.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
 
     @property
     def max_positions(self) -> int:
-        return self.cos_sin.shape[0]
+        return self.rope.shape[0]
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Every HF tensor name this model needs -> where it goes."""
@@ -142,10 +143,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for the flat batch."""
         h = F.embedding(input_ids, self.embed_tokens)
-        cos_sin = self.cos_sin.index_select(0, positions)  # shared by all layers
+        c = self.config
+        rope = rotary_factors(self.rope, positions, c.num_attention_heads + c.num_key_value_heads)  # all layers
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos_sin, attn, kv_cache[:, i])
+            h, residual = layer(h, residual, rope, attn, kv_cache[:, i])
         h, _ = self.norm(h, residual)
         return h
 
