@@ -189,3 +189,20 @@ def test_everything_at_once_under_pressure(llama_dir):
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.hit_tokens > 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_abort_releases_text_held_back_for_stop_strings(llama_dir):
+    """vLLM's abort output carries the text held back for stop-string matching, so the
+    client ends with the same text as without stop strings."""
+    prompt = random_prompts(1, 10, 11, seed=5)[0]
+    texts = {}
+    for name, stop in (("plain", None), ("held", ["\x01never"])):
+        engine = make_engine(llama_dir)
+        engine.add_request(request(name, prompt, max_tokens=50, ignore_eos=True, output_text=True, stop=stop))
+        deltas = []
+        for _ in range(10):
+            deltas += engine.step()
+        deltas += engine.abort(name)
+        assert deltas[-1].finish_reason == "abort"
+        texts[name] = "".join(d.text or "" for d in deltas)
+    assert texts["plain"] and texts["held"] == texts["plain"]

@@ -274,6 +274,12 @@ class IncrementalDetokenizer:
         self._emitted = end
         return text
 
+    def release_held(self) -> str:
+        """End the choice without a final token (abort): release the text held back for
+        stop-string matching; bytes of an unfinished character stay unsent (vLLM)."""
+        self.finished = True
+        return self._next_text()
+
     def flush(self) -> str:
         """Release held-back text when the choice ends without a final update."""
         if not self.finished:

@@ -136,7 +136,8 @@ class Engine:
             if not seq.is_finished():
                 seq.finish(FinishReason.ABORT)
                 self.scheduler.remove(seq)
-                deltas.append(self._delta(seq, [], None))
+                held = seq.detokenizer.release_held() if seq.detokenizer is not None else None
+                deltas.append(self._delta(seq, [], held))
         for index in range(len(request.sequences), request.n):  # choices not forked yet
             deltas.append(CompletionDelta(request_id=request_id, index=index, finish_reason=FinishReason.ABORT,
                                           num_prompt_tokens=request.num_prompt_tokens,
