@@ -200,15 +200,6 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         self._prefix_text = self._decode(self._window[:self._read_offset])
 
-    def _flush_pending(self) -> str:
-        """Text of tokens held back for an incomplete character (at the end of output)."""
-        if self._read_offset == len(self._window):
-            return ""
-        full = self._decode(self._window[self._prefix_offset:])
-        text = full[len(self._prefix_text):] if len(full) > len(self._prefix_text) else ""
-        self._read_offset = len(self._window)
-        return text
-
     # -- public API -----------------------------------------------------------------------
 
     def update(self, new_token_ids: Sequence[int], *, stop_terminated: bool = False,
@@ -218,7 +209,8 @@ class IncrementalDetokenizer:
         ``stop_terminated``: the last new token is an EOS / stop token id; its text
         is left out unless include_stop_str_in_output (vLLM).  ``finished``: the
         request ends this step for another reason (length, stop token, abort), so
-        everything held back is released.  A matched stop string finishes the choice
+        the text held back for stop strings is released (an unfinished character
+        never is: vLLM's DecodeStream does not emit it).  A matched stop string finishes the choice
         as well; tokens after the one completing it are removed from
         ``output_token_ids`` (``dropped_token_count`` says how many).
         """
@@ -237,10 +229,6 @@ class IncrementalDetokenizer:
             self.output_token_ids.append(tid)
             self.output_text += self._decode_next(tid)
             offsets.append(len(self.output_text))
-        if finished or stop_terminated:
-            self.output_text += self._flush_pending()
-            if len(offsets) > 1:  # held-back text belongs to the tokens up to the last one
-                offsets[-1] = len(self.output_text)
         if skipped_stop_id is not None:
             self.output_token_ids.append(skipped_stop_id)
             offsets.append(len(self.output_text))
@@ -281,11 +269,9 @@ class IncrementalDetokenizer:
         return self._next_text()
 
     def flush(self) -> str:
-        """Release held-back text when the choice ends without a final update."""
-        if not self.finished:
-            self.output_text += self._flush_pending()
-            self.finished = True
-        return self._next_text()
+        """Release held-back text when the choice ends without a final update.  Like
+        vLLM (tokenizers' DecodeStream), a character still incomplete is never emitted."""
+        return self.release_held()
 
 
 def find_stop_string(output_text: str, new_char_count: int, stop: Sequence[str],
