@@ -206,3 +206,11 @@ def test_abort_releases_text_held_back_for_stop_strings(llama_dir):
         assert deltas[-1].finish_reason == "abort"
         texts[name] = "".join(d.text or "" for d in deltas)
     assert texts["plain"] and texts["held"] == texts["plain"]
+
+
+def test_seed_minus_one_means_unseeded(llama_dir):
+    """vLLM turns seed=-1 into None: two such requests must not repeat each other."""
+    engine = make_engine(llama_dir)
+    outs = [engine.generate([request(rid, [5, 6, 7], temperature=1.0, seed=-1, max_tokens=12, ignore_eos=True)])
+            [rid][0].token_ids for rid in ("a", "b")]
+    assert outs[0] != outs[1]

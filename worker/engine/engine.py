@@ -111,7 +111,7 @@ class Engine:
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(request, index, token_ids)
         p = request.params
-        if p.seed is not None:
+        if p.seed is not None and p.seed != -1:  # vLLM: seed=-1 means no seed
             seq.generator = make_generator(p.seed, index, self.device)
         if self.tokenizer is not None and needs_detokenizer(p, request.req.output_text):
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p)
