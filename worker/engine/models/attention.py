@@ -210,10 +210,11 @@ class DecodeKVMirror:
     @staticmethod
     def _fill(cache: torch.Tensor, g: "_DecodeGroup", cap: int, new: torch.Tensor) -> torch.Tensor:
         kvh, d = new.shape[1], new.shape[2]
-        buf = torch.zeros(g.num, cap, kvh, d, dtype=new.dtype, device=new.device)
+        buf = torch.empty(g.num, cap, kvh, d, dtype=new.dtype, device=new.device)
         gathered = _gather_blocks(cache, g.flat_blocks).view(g.num, -1, kvh, d)
         n = min(cap, gathered.shape[1])
         buf[:, :n] = gathered[:, :n]
+        buf[:, n:].zero_()  # masked, but must be finite: SDPA multiplies it by zero weights
         return buf
 
 
