@@ -273,7 +273,10 @@ def median_row(rows: list[dict]) -> dict:
     for k, v in rows[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             vals = sorted(r[k] for r in rows)
-            out[k] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            if isinstance(v, int):  # counts (requests, failures) stay integers: low median
+                out[k] = vals[(len(vals) - 1) // 2]
+            else:
+                out[k] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
     out["rounds"] = len(rows)
     return out
 

@@ -137,3 +137,5 @@ def test_median_row_takes_per_metric_medians():
     med = compare_vllm.median_row(rows)
     assert (med["out_tok_per_s"], med["ttft_p50_ms"], med["input_len"], med["rounds"]) == (200.0, 5.0, 128, 3)
     assert compare_vllm.median_row(rows[:2])["out_tok_per_s"] == 200.0  # even count: mean of the middle two
+    counts = compare_vllm.median_row([dict(num_requests=n, failed=f) for n, f in ((32, 0), (32, 1))])
+    assert counts["num_requests"] == 32 and counts["failed"] == 0 and isinstance(counts["failed"], int)
