@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="gateways require this Bearer key (or set $TOKSERVE_API_KEY)")
     p.add_argument("--tokens-only", action="store_true")
     p.add_argument("--served-model-name", nargs="+", default=[])
+    p.add_argument("--broker-args", default="",
+                   help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
     p.add_argument("--worker-args", default="", help="extra arguments passed to every worker, e.g. '--max-num-seqs 64'")
     p.add_argument("--gateway-args", default="", help="extra arguments passed to every gateway")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /health")
@@ -96,21 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list[Child], list[Child]]:
     log_args = ["--log-level", args.log_level] if args.log_level else []
     broker = Child("broker", tokserve_cmd("broker", "--frontend", args.frontend, "--backend", args.backend,
-                                          *log_args))
+                                          *log_args, *shlex.split(args.broker_args)))
     workers = []
     cuda = args.device.startswith("cuda")
     for rank in range(args.workers):
         # Each worker sees only its own GPU, which it then calls "cuda" (= cuda:0).
         env = {"CUDA_VISIBLE_DEVICES": str(rank)} if cuda else {}
         argv = tokserve_cmd("worker", "--model", model_dir, "--rank", str(rank), "--broker", args.backend,
-                            "--device", "cuda" if cuda else args.device, *log_args, *args.worker_args.split())
+                            "--device", "cuda" if cuda else args.device, *log_args, *shlex.split(args.worker_args))
         if args.tokens_only:
             argv.append("--tokens-only")
         workers.append(Child(f"worker[{rank}]", argv, env))
     gateways = []
     for i in range(args.gateways):
         argv = tokserve_cmd("gateway", "--host", args.host, "--port", str(args.port), "--broker", args.frontend,
-                            *log_args, *args.gateway_args.split())
+                            *log_args, *shlex.split(args.gateway_args))
         if args.gateways > 1:
             argv.append("--reuse-port")
         if args.tokens_only:

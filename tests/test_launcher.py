@@ -115,9 +115,11 @@ def test_launcher_plans_cuda_ranks_shared_port_and_secret_env():
     from common.launcher import build_parser, plan_children
 
     args = build_parser().parse_args(["--workers", "2", "--device", "cuda:3", "--gateways", "2", "--api-key", "k",
-                                      "--worker-args", "--max-num-seqs 8", "--tokens-only"])
+                                      "--worker-args", "--max-num-seqs 8", "--tokens-only",
+                                      "--broker-args", "--curve-authorized-keys '/keys/my clients'"])
     broker, workers, gateways = plan_children(args, "/models/m")
     assert broker.argv[3] == "broker"
+    assert broker.argv[-2:] == ["--curve-authorized-keys", "/keys/my clients"]  # shell-style quoting kept
     for rank, w in enumerate(workers):
         assert w.env == {"CUDA_VISIBLE_DEVICES": str(rank)}
         assert w.argv[w.argv.index("--device") + 1] == "cuda"  # its only visible GPU
