@@ -109,6 +109,9 @@ def rotation_table(cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((cos, cos, -sin, sin), dim=-1)
 
 
+_EXPAND_LIMIT = 1 << 18  # elements (1 MiB of fp32) per factor: stays cache-resident
+
+
 def rotary_factors(table: torch.Tensor, positions: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-step ``(cos, signed_sin)``, each ``[T, heads, head_dim]`` and contiguous.
 
@@ -116,6 +119,10 @@ def rotary_factors(table: torch.Tensor, positions: torch.Tensor, heads: int) -> 
     ~2x faster than broadcasting ``[T, 1, D]`` rows over the strided q/k view."""
     rows = table.index_select(0, positions)
     t, d = rows.shape[0], rows.shape[1] // 2
+    if t * heads * d > _EXPAND_LIMIT:
+        # Prefill-sized steps: expanded factors would outgrow the caches and every layer
+        # would stream them from memory; broadcasting the [T, 1, D] rows is cheaper there.
+        return rows[:, None, :d], rows[:, None, d:]
     return (rows[:, None, :d].expand(t, heads, d).contiguous(),
             rows[:, None, d:].expand(t, heads, d).contiguous())
 
