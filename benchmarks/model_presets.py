@@ -11,16 +11,13 @@ head_dim is 64 in every preset: vLLM's CPU attention kernels accept only 64 or 1
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from safetensors.torch import save_file
 
-from worker.engine.demo_model import (BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_byte_tokenizer, default_cache_dir,
-                                      random_llama_weights, write_json)
+from worker.engine.demo_model import (BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_atomically, build_byte_tokenizer,
+                                      default_cache_dir, random_llama_weights, write_json)
 
 PRESET_VERSION = 1  # bump whenever the generated files change
 
@@ -86,21 +83,7 @@ def build_preset_model(size: str = "small", out: Optional[str | Path] = None, *,
     if out is None:
         suffix = f"-s{seed}" if seed else ""
         out = default_cache_dir() / f"bench-model-{size}-v{PRESET_VERSION}{suffix}"
-    target = Path(out)
-    if (target / "model.safetensors").is_file() and not force:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write_preset_model(tmp, size, seed)
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the folder is meant to be shared
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_atomically(Path(out), lambda tmp: write_preset_model(tmp, size, seed), force=force)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

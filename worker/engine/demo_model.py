@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -143,25 +143,18 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def build_demo_model(cache_dir: Optional[str | Path] = None, *, seed: int = 0, force: bool = False) -> Path:
-    """Path of the demo model for ``seed``, building it first if needed.
+def build_atomically(target: Path, write: Callable[[Path], None], *, force: bool = False) -> Path:
+    """Build a model folder at ``target`` with ``write(tmp)``, unless one is already there.
 
-    ``cache_dir`` is the exact output folder when given, else
-    ``$TOKSERVE_CACHE`` (default ``~/.cache/tokserve``) ``/demo-model-v<N>[-s<seed>]``.
     The files are written into a sibling temp folder and renamed into place, so a
     concurrent or interrupted build never leaves a half-written model behind.
     """
-    if cache_dir is not None:
-        target = Path(cache_dir)
-    else:
-        suffix = f"-s{seed}" if seed else ""
-        target = default_cache_dir() / f"demo-model-v{DEMO_VERSION}{suffix}"
     if target.is_dir() and (target / "model.safetensors").is_file() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_demo_model(tmp, seed)
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the model is meant to be shared
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
@@ -179,6 +172,21 @@ def build_demo_model(cache_dir: Optional[str | Path] = None, *, seed: int = 0, f
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def build_demo_model(cache_dir: Optional[str | Path] = None, *, seed: int = 0, force: bool = False) -> Path:
+    """Path of the demo model for ``seed``, building it first if needed.
+
+    ``cache_dir`` is the exact output folder when given, else
+    ``$TOKSERVE_CACHE`` (default ``~/.cache/tokserve``) ``/demo-model-v<N>[-s<seed>]``.
+    Built atomically (``build_atomically``).
+    """
+    if cache_dir is not None:
+        target = Path(cache_dir)
+    else:
+        suffix = f"-s{seed}" if seed else ""
+        target = default_cache_dir() / f"demo-model-v{DEMO_VERSION}{suffix}"
+    return build_atomically(target, lambda tmp: write_demo_model(tmp, seed), force=force)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
