@@ -12,9 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from tests.model_factory import load_hf_model
 from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.config import EngineConfig
 from worker.engine.loader import load_model
 from worker.engine.model_config import ModelConfig
 from worker.engine.models import kv_bytes_per_block, kv_cache_shape
+from worker.engine.models.cpu_gemm import onednn_supported, resolve_cpu_linear
 from worker.engine.tokenizer import load_tokenizer
 
 ATOL = 1e-4
@@ -81,6 +83,63 @@ def test_prefill_then_paged_decode_matches_hf(tiny_model, kind):
         (got,) = seqs.step([("a", [ids[pos]])])
         torch.testing.assert_close(got[0], ref[pos], atol=ATOL, rtol=0)
     assert seqs.tables["a"] != sorted(seqs.tables["a"])  # really non-contiguous
+
+
+needs_onednn = pytest.mark.skipif(not onednn_supported(torch.device("cpu"), torch.float32),
+                                  reason="torch build without oneDNN linear ops")
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
+def test_onednn_packed_linears_match_hf(tiny_model, kind):
+    """Prepacked oneDNN weights (the CPU default) still match HF within the parity
+    tolerance, q/k/v biases and a tied head included."""
+    path = tiny_model(kind)
+    hf, model = load_hf_model(path), load_model(path)
+    model.pack_linears()
+    assert model.layers[0].qkv_weight.is_mkldnn and "qkv_weight" not in dict(model.named_parameters())
+    if kind == "llama_tied":
+        assert model.lm_head is model.embed_tokens and not model.embed_tokens.is_mkldnn  # embedding stays dense
+    ids = _tokens(60, seed=5)
+    ref = hf_logits(hf, ids)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", ids[:50])])
+    torch.testing.assert_close(got, ref[:50], atol=ATOL, rtol=0)
+    for pos in range(50, len(ids)):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], ref[pos], atol=ATOL, rtol=0)
+
+
+def test_cpu_linear_choice():
+    cpu = torch.device("cpu")
+    assert resolve_cpu_linear("torch", cpu, torch.float32) == "torch"
+    assert resolve_cpu_linear("auto", torch.device("cuda"), torch.bfloat16) == "torch"
+    assert resolve_cpu_linear("auto", cpu, torch.float32) == ("onednn" if onednn_supported(cpu, torch.float32)
+                                                              else "torch")
+    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == "torch"  # oneDNN packing is used for fp32 only
+    with pytest.raises(ValueError, match="cpu_linear=onednn is not supported"):
+        resolve_cpu_linear("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="cpu_linear must be one of auto, onednn, torch"):
+        EngineConfig(model="unused", cpu_linear="mkl")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_mlp_row_blocks_are_bit_identical(tiny_model, packed):
+    """Large steps run the MLP in row blocks; every row must come out exactly as
+    from one whole-step call."""
+    if packed and not onednn_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("torch build without oneDNN linear ops")
+    path = tiny_model("qwen2")
+    whole, blocked = load_model(path), load_model(path)
+    for m in (whole, blocked):
+        if packed:
+            m.pack_linears()
+    for layer in blocked.layers:
+        layer.MLP_ROWS = 32
+    ids = _tokens(150, seed=6)  # 4 full blocks + a ragged one
+    a = PagedSeqs(whole).step([("a", ids[:100]), ("b", ids[100:])])
+    b = PagedSeqs(blocked).step([("a", ids[:100]), ("b", ids[100:])])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_mixed_batch_matches_separate_runs(tiny_model):

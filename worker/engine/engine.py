@@ -26,6 +26,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig
 from worker.engine.model_runner import ModelRunner
+from worker.engine.models.cpu_gemm import resolve_cpu_linear
 from worker.engine.request import FinishReason, Request, Sequence
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
@@ -46,6 +47,9 @@ class Engine:
         mc = self.model_config
         max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
         self.model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
+        self.cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
+        if self.cpu_linear == "onednn":
+            self.model.pack_linears()
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len)
@@ -81,8 +85,9 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
-                 mc.architecture, device, config.torch_dtype, num_blocks, config.block_size, max_model_len)
+        log.info("engine ready: %s on %s (%s, %s linears), %d KV blocks x %d tokens, max_model_len %d",
+                 mc.architecture, device, config.torch_dtype, self.cpu_linear if device.type == "cpu" else "cuda",
+                 num_blocks, config.block_size, max_model_len)
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:

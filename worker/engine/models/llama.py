@@ -15,6 +15,7 @@ from torch import nn
 from worker.engine.attn_metadata import AttentionMetadata
 from worker.engine.model_config import ModelConfig
 from worker.engine.models.attention import PagedAttention
+from worker.engine.models.cpu_gemm import LinearFn, onednn_linear, pack_weight
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
 from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
 
@@ -31,6 +32,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
+    MLP_ROWS = 512  # row block of the MLP on large steps: best of 128-1024 on the small and ~125M presets
+
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -52,6 +55,18 @@ class LlamaDecoderLayer(nn.Module):
         self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
         self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.attn = PagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.linear: LinearFn = F.linear
+
+    _LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def pack_linears(self) -> None:
+        """Swap the projection weights for oneDNN-packed copies (see cpu_gemm); the
+        dense originals are dropped, so weight_targets() is no longer usable."""
+        for name in self._LINEAR_WEIGHTS:
+            packed = pack_weight(getattr(self, name))
+            del self._parameters[name]
+            setattr(self, name, packed)
+        self.linear = onednn_linear
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
@@ -92,7 +107,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual)
         t = h.shape[0]
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        linear = self.linear
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
         n_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -101,11 +117,21 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv_layer, attn)
-        h = F.linear(o, self.o_weight, self.o_bias)
+        h = linear(o, self.o_weight, self.o_bias)
         h, residual = self.post_attention_layernorm(h, residual)
-        h = F.linear(silu_and_mul(F.linear(h, self.gate_up_weight, self.gate_up_bias)), self.down_weight,
-                     self.down_bias)
-        return h, residual
+        if t <= self.MLP_ROWS:
+            return self._mlp(h), residual
+        # Large (prefill) steps: the [rows, 2 * intermediate] activation of a whole
+        # step falls out of cache between the two GEMMs; row blocks keep it in L2.
+        # Each output row is computed exactly as in one call (tested bit-identical).
+        out = torch.empty_like(h)
+        for s in range(0, t, self.MLP_ROWS):
+            out[s:s + self.MLP_ROWS] = self._mlp(h[s:s + self.MLP_ROWS])
+        return out, residual
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate_up = self.linear(h, self.gate_up_weight, self.gate_up_bias)
+        return self.linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -123,7 +149,16 @@ class LlamaForCausalLM(nn.Module):
         # Cast like HF: cos/sin computed in float32, then rounded to the model dtype.
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
+        self._lm_head_packed: Optional[torch.Tensor] = None
         self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
+
+    def pack_linears(self) -> None:
+        """Use oneDNN-packed weights for every projection and the LM head (CPU, see
+        cpu_gemm).  Call after loading: the dense projection weights are dropped."""
+        for layer in self.layers:
+            layer.pack_linears()
+        # The embedding table stays dense (tied heads share it); the head gets its own copy.
+        self._lm_head_packed = pack_weight(self.lm_head)
 
     @property
     def max_positions(self) -> int:
@@ -154,4 +189,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[R, vocab]`` for the selected hidden rows."""
+        packed = self._lm_head_packed
+        if packed is not None:
+            return onednn_linear(hidden, packed, None).float()
         return F.linear(hidden, self.lm_head).float()
