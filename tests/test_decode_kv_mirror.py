@@ -61,5 +61,5 @@ def test_mirror_rebuilds_when_full(tiny_model):
     caps = set()
     for pos in range(12):
         _step_both(a, b, [("x", [toks[10 + pos]]), ("y", [toks[3 + pos]])])
-        caps.add(mirrored.layers[0].attn.mirror.k.shape[1])
+        caps.add(mirrored.layers[0].attn.mirror.k.shape[2])  # [B, kvh, cap, D]
     assert len(caps) > 1
