@@ -128,7 +128,14 @@ class ManagedServer:
 
 
 def thread_env(threads: int) -> dict[str, str]:
+    """Same OMP/MKL threads for a server; 0 leaves the server to choose (its defaults)."""
+    if not threads:
+        return {}
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def threads_label(threads: int) -> str:
+    return f"{threads} thread(s) per engine" if threads else "each server's default threads"
 
 
 def vllm_server(args, model_dir: str, log_dir: str) -> ManagedServer:
@@ -138,15 +145,18 @@ def vllm_server(args, model_dir: str, log_dir: str) -> ManagedServer:
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--seed", "0",
             "--disable-log-stats", "--uvicorn-log-level", "warning", *args.vllm_args.split()]
-    env = dict(thread_env(args.threads), VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gb),
-               # No pinning: our worker is not pinned either, and the box is shared.
-               VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind)
+    env = dict(thread_env(args.threads), VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gb))
+    # No pinning by default (our worker is not pinned either, and the box is shared);
+    # with --threads 0 vLLM keeps its own default (auto: pin, reserve a core for the front end).
+    bind = args.vllm_bind or ("auto" if not args.threads else "nobind")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return ManagedServer("vllm", argv, env, port, log_dir)
 
 
 def tokserve_server(args, model_dir: str, log_dir: str) -> ManagedServer:
     port = args.port or free_port()
-    worker_args = (f"--threads {args.threads} --dtype {args.dtype} --max-model-len {args.max_model_len} "
+    threads = f"--threads {args.threads} " if args.threads else ""
+    worker_args = (f"{threads}--dtype {args.dtype} --max-model-len {args.max_model_len} "
                    f"--max-num-seqs {args.max_num_seqs} --max-num-batched-tokens {args.max_num_batched_tokens} "
                    f"--kv-cache-memory-gb {args.kv_cache_gb} {args.worker_args}").strip()
     argv = [sys.executable, "-m", "common.cli", "serve", "--model", model_dir, "--port", str(port),
@@ -238,7 +248,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=0, help="per cell (default: max(8, 2 x concurrency))")
     p.add_argument("--threads", type=int, default=1,
                    help="torch/OMP threads of each engine (default 1: vLLM's own CPU default keeps a core "
-                        "for its front end on a 2-core box)")
+                        "for its front end on a 2-core box); 0: each server's own default (vLLM: auto "
+                        "binding with a reserved core; ours: torch's default, one thread per physical core)")
     p.add_argument("--dtype", default="float32",
                    help="both servers (vLLM's CPU 'auto' would pick bf16 while our CPU default is fp32)")
     p.add_argument("--max-model-len", type=int, default=0, help="default: longest prompt + output, rounded up")
@@ -252,15 +263,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="our gateway port (default: a free one)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (default: a free one)")
-    p.add_argument("--vllm-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (default nobind; 'auto' pins)")
+    p.add_argument("--vllm-bind", default="",
+                   help="VLLM_CPU_OMP_THREADS_BIND (default nobind, or vLLM's auto with --threads 0; 'auto' pins)")
     p.add_argument("--vllm-args", default="", help="extra arguments for vllm serve")
     p.add_argument("--worker-args", default="", help="extra arguments for our workers")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds each server gets to start")
     p.add_argument("--json", default=None, help="also write every measured row to this file")
     args = p.parse_args(argv)
     cells = level_sizes(args)
-    if not cells or args.output_len < 1 or args.threads < 1 or args.rounds < 1:
-        p.error("need at least one input length and concurrency level, output_len >= 1, threads >= 1, rounds >= 1")
+    if not cells or args.output_len < 1 or args.threads < 0 or args.rounds < 1:
+        p.error("need at least one input length and concurrency level, output_len >= 1, threads >= 0, rounds >= 1")
     if not args.max_model_len:
         need = max(n for n, _, _ in cells) + args.output_len
         args.max_model_len = -(-need // 256) * 256
@@ -331,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def on_sigterm(*_):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_sigterm)
-    print(f"model {model_dir} | {args.threads} thread(s) each | max_model_len {args.max_model_len} | "
+    print(f"model {model_dir} | {threads_label(args.threads)} | max_model_len {args.max_model_len} | "
           f"logs in {log_dir}", flush=True)
     try:
         for s in servers:  # start both at once: vLLM's warm-up compile is the long pole
@@ -351,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print()
     print(f"model {Path(model_dir).name}, {args.output_len} output tokens (ignore_eos, streaming), "
-          f"{args.threads} thread(s) per engine, {os.cpu_count()} CPUs, median of {args.rounds} round(s) per cell")
+          f"{threads_label(args.threads)}, {os.cpu_count()} CPUs, median of {args.rounds} round(s) per cell")
     print(format_table(cells))
     if agree is not None:
         print(f"greedy token-id agreement: {100 * agree[0]:.1f} % of requests identical, "
