@@ -34,11 +34,15 @@ class MsgType:
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, **_STRUCT):
     """vLLM SamplingParams subset of the token-in/token-out endpoint (../shared/SPEC.md)."""
 
     n: int = 1
-    temperature: float = 1.0  # < 1e-5 means greedy
+    temperature: float = 1.0  # < GREEDY_TEMPERATURE means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0

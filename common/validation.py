@@ -12,7 +12,7 @@ import math
 from typing import Iterable, Optional
 
 from common.errors import BadRequest
-from common.protocol import GenerateRequest, ModelInfo, SamplingParams
+from common.protocol import GREEDY_TEMPERATURE, GenerateRequest, ModelInfo, SamplingParams
 
 MAX_CACHE_SALT_LENGTH = 128
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -130,6 +130,8 @@ def validate_sampling_params(p: SamplingParams) -> None:
         _fail(f"temperature must be non-negative, got {p.temperature}.", "temperature")
     if p.temperature > 2.0:
         _fail(f"temperature must be in [0, 2], got {p.temperature}.", "temperature")
+    if p.temperature < GREEDY_TEMPERATURE and p.n > 1:  # n identical greedy choices: vLLM refuses
+        _fail(f"n must be 1 when using greedy sampling, got {p.n}.", "n")
     if not 0.0 < p.top_p <= 1.0:
         _fail(f"top_p must be in (0, 1], got {p.top_p}.", "top_p")
     if not isinstance(p.top_k, int) or isinstance(p.top_k, bool):

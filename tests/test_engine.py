@@ -77,7 +77,7 @@ def test_prompt_logprobs_and_token_id_scores_match_hf(llama_dir):
 def test_blocks_freed_after_completion_and_abort(llama_dir):
     engine = make_engine(llama_dir)
     bm = engine.block_manager
-    engine.add_request(request("a", list(range(3, 40)), max_tokens=50, ignore_eos=True, n=2))
+    engine.add_request(request("a", list(range(3, 40)), max_tokens=50, ignore_eos=True, n=2, temperature=1.0))
     engine.add_request(request("b", list(range(50, 70)), max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -90,7 +90,7 @@ def test_blocks_freed_after_completion_and_abort(llama_dir):
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     # Abort before the first step (choices not forked yet) also reports every choice.
-    engine.add_request(request("c", [5, 6, 7], n=3))
+    engine.add_request(request("c", [5, 6, 7], n=3, temperature=1.0))
     assert sorted(d.index for d in engine.abort("c")) == [0, 1, 2]
     assert not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
 

@@ -32,11 +32,12 @@ def test_defaults_and_edges_accepted():
     check()
     check(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2.0,
           frequency_penalty=2.0, repetition_penalty=0.01, max_tokens=1, min_tokens=1,
-          logprobs=5, prompt_logprobs=0, n=8, seed=-5, logit_bias={99: 5.0},
+          logprobs=5, prompt_logprobs=0, n=1, seed=-5, logit_bias={99: 5.0},
           allowed_token_ids=[0, 99], stop=["x"], stop_token_ids=[99], bad_words=["w"])
     check(logprobs=-1, limits=ModelInfo(name="m", vocab_size=100, max_model_len=32,
                                         max_num_seqs=8, max_logprobs=-1))
     check(prompt=range(31), max_tokens=None)
+    check(n=8, temperature=1e-5)  # the greedy cut-off itself samples, so n > 1 is fine
 
 
 @pytest.mark.parametrize("kw,message,param", [
@@ -82,6 +83,8 @@ def test_defaults_and_edges_accepted():
     (dict(allowed_token_ids=[1, 100]), "allowed_token_ids contains out-of-vocab token id!",
      "allowed_token_ids"),
     (dict(seed=2 ** 64), "seed must be between", "seed"),
+    (dict(n=2, temperature=0.0), "n must be 1 when using greedy sampling, got 2.", "n"),
+    (dict(n=3, temperature=9e-6), "n must be 1 when using greedy sampling, got 3.", "n"),
 ])
 def test_sampling_param_errors(kw, message, param):
     rejects(message, param, **kw)

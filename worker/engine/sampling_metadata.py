@@ -12,9 +12,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import GREEDY_TEMPERATURE, SamplingParams
 
-SAMPLING_EPS = 1e-5  # temperature below this means greedy (vLLM)
+SAMPLING_EPS = GREEDY_TEMPERATURE  # temperature below this means greedy (vLLM)
 # Rows with 0 < top_k <= this sample among their top-k logits only (a partial topk
 # instead of a full-vocab sort and full-vocab noise); larger k use the full path.
 MAX_CANDIDATE_TOP_K = 256
