@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-only", action="store_true", help="serve without a tokenizer")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--cpu-attention", default="auto", choices=["auto", "native", "torch"],
+                   help="CPU decode attention: compiled kernel reading the paged cache in place, or torch SDPA; "
+                        "auto: native when it builds (first build ~45 s, then cached)")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU GEMMs: oneDNN with prepacked weights, or torch's (MKL); auto: oneDNN where supported")
     p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
@@ -59,7 +62,8 @@ def engine_config_from_args(args):
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, max_logprobs=args.max_logprobs,
                         seed=args.seed, served_model_name=args.served_model_name, tokens_only=args.tokens_only,
-                        num_threads=args.threads, enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear)
+                        num_threads=args.threads, enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear,
+                        cpu_attention=args.cpu_attention)
 
 
 def main(argv: list[str] | None = None) -> int:

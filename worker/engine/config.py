@@ -16,6 +16,7 @@ _DTYPES = {
 # Fraction of device memory the engine may use on CUDA (weights + activations + KV).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+CPU_ATTENTION_CHOICES = ("auto", "native", "torch")
 # CPU KV cache default when the operator gives neither num_kv_blocks nor a size.
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
@@ -41,6 +42,7 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     enforce_eager: bool = False  # False: CUDA graphs for decode batches
     cpu_linear: str = "auto"  # CPU GEMMs: onednn (prepacked weights), torch (MKL), auto: onednn where supported
+    cpu_attention: str = "auto"  # CPU decode attention: native (compiled kernel), torch (SDPA), auto: native if it builds
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -55,6 +57,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.cpu_attention not in CPU_ATTENTION_CHOICES:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION_CHOICES)}, "
+                             f"got {self.cpu_attention!r}")
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
         self.torch_device  # validates the device string

@@ -26,6 +26,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig
 from worker.engine.model_runner import ModelRunner
+from worker.engine.kernels import load_cpu_kernels
 from worker.engine.models.cpu_gemm import resolve_cpu_linear
 from worker.engine.request import FinishReason, Request, Sequence
 from worker.engine.sampler import Sampler
@@ -50,6 +51,7 @@ class Engine:
         self.cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
         if self.cpu_linear == "onednn":
             self.model.pack_linears()
+        self.cpu_attention = self._pick_cpu_attention(config, device)
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len)
@@ -85,9 +87,23 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        log.info("engine ready: %s on %s (%s, %s linears), %d KV blocks x %d tokens, max_model_len %d",
-                 mc.architecture, device, config.torch_dtype, self.cpu_linear if device.type == "cpu" else "cuda",
+        log.info("engine ready: %s on %s (%s%s), %d KV blocks x %d tokens, max_model_len %d",
+                 mc.architecture, device, config.torch_dtype,
+                 f", {self.cpu_linear} linears, {self.cpu_attention} decode attention" if device.type == "cpu" else "",
                  num_blocks, config.block_size, max_model_len)
+
+    def _pick_cpu_attention(self, config: EngineConfig, device: torch.device) -> str:
+        if device.type != "cpu" or config.cpu_attention == "torch" or config.torch_dtype != torch.float32:
+            if config.cpu_attention == "native" and device.type == "cpu":
+                raise ValueError("cpu_attention=native needs dtype float32")
+            return "torch"
+        kernels = load_cpu_kernels()
+        if kernels is None:
+            if config.cpu_attention == "native":
+                raise ValueError("cpu_attention=native: the CPU kernels could not be built (see the log)")
+            return "torch"
+        self.model.use_native_kernels(kernels)
+        return "native"
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:

@@ -20,13 +20,15 @@ Backends, picked per call:
 Per-step index tensors are computed once and cached on the metadata, so layers
 after the first only run the attention math.
 
-On CPU, consecutive decode-only steps of the same batch keep each layer's gathered
-K/V in a contiguous per-layer mirror (``DecodeKVMirror``) and append only the new
-token per step instead of re-gathering every block of every sequence.
+On CPU with the native kernel (worker/engine/kernels, compiled on first use), every
+decode row reads its blocks in place: no gather, no copy, mixed steps included.
+Without it, consecutive decode-only steps of the same batch keep each layer's
+gathered K/V in a contiguous per-layer mirror (``DecodeKVMirror``) and append only
+the new token per step instead of re-gathering every block of every sequence.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -229,6 +231,7 @@ class PagedAttention:
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
         self.mirror = DecodeKVMirror()
+        self.native: Optional[Any] = None  # compiled CPU kernels module (float32 decode rows)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  attn: AttentionMetadata) -> torch.Tensor:
@@ -246,7 +249,10 @@ class PagedAttention:
         if plan is None:
             plan = attn.cache["torch_plan"] = _TorchPlan(attn, block_size)
         t = q.shape[0]
+        native = self.native is not None and not q.is_cuda and q.dtype == torch.float32
         if plan.decode is not None and plan.decode.rows is None:  # decode-only step: no scatter
+            if native:
+                return self._decode_native(q, kv_layer, plan.decode).view(t, -1)
             kv = None if q.is_cuda else self.mirror.keys_values(kv_layer, plan.decode, attn, k, v)
             return self._decode(q, kv_layer, plan.decode, kv).reshape(t, -1)
         self.mirror.clear()
@@ -254,7 +260,8 @@ class PagedAttention:
             return self._prefill(q, k, v, kv_layer, plan.prefills[0]).reshape(t, -1)
         out = torch.empty_like(q)
         if plan.decode is not None:
-            out.index_copy_(0, plan.decode.rows, self._decode(q, kv_layer, plan.decode))
+            dec = self._decode_native if native else self._decode
+            out.index_copy_(0, plan.decode.rows, dec(q, kv_layer, plan.decode))
         for seq in plan.prefills:
             out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
         return out.view(t, -1)
@@ -272,6 +279,12 @@ class PagedAttention:
         qd = qd.view(g.num, kvh, self.group, d)  # group heads as the query-length axis
         o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=g.mask, scale=self.scale)
         return o.reshape(g.num, self.num_heads, d)
+
+    def _decode_native(self, q: torch.Tensor, kv_layer: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
+        """Same outputs as ``_decode`` from the compiled kernel, reading the blocks in place."""
+        qd = q if g.rows is None else q.index_select(0, g.rows)
+        return self.native.paged_decode_attention(qd.contiguous(), kv_layer[0], kv_layer[1], g.tables,
+                                                  g.seq_lens, self.scale)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  s: _PrefillSeq) -> torch.Tensor:

@@ -160,6 +160,12 @@ class LlamaForCausalLM(nn.Module):
         # The embedding table stays dense (tied heads share it); the head gets its own copy.
         self._lm_head_packed = pack_weight(self.lm_head)
 
+    def use_native_kernels(self, module) -> None:
+        """Decode attention through the compiled CPU kernels (worker/engine/kernels)."""
+        for layer in self.layers:
+            layer.attn.native = module
+            layer.attn.mirror.clear()
+
     @property
     def max_positions(self) -> int:
         return self.rope.shape[0]

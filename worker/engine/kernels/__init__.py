@@ -1,0 +1,54 @@
+"""Native CPU kernels, compiled on first use by ``torch.utils.cpp_extension`` into
+torch's extension cache (about 45 s once per machine; needs a C++ compiler and
+ninja).  Where they cannot be built the engine keeps torch's kernels and says so
+once in the log.
+
+The build is tuned for the CPU it runs on (``-march=native``), so the module name
+carries a hash of the CPU's feature flags: a cache shared between different
+machines never loads code the CPU can't run.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("paged_decode_attention.cpp",)
+_lock = threading.Lock()
+_module: Optional[Any] = None
+_tried = False
+
+
+def _cpu_tag() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def load_cpu_kernels() -> Optional[Any]:
+    """The compiled kernels module, or None when it can't be built here (logged once)."""
+    global _module, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                from torch.utils.cpp_extension import load
+
+                here = Path(__file__).parent
+                _module = load(name=f"tokserve_cpu_kernels_{_cpu_tag()}",
+                               sources=[str(here / s) for s in _SOURCES],
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
+                               verbose=False)
+            except Exception as e:  # no compiler / ninja / headers: torch's kernels still work
+                log.warning("native CPU attention kernel unavailable (%s); using torch SDPA",
+                            str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return _module
