@@ -87,3 +87,21 @@ def test_model_with_native_decode_matches_hf(tiny_model, kind):
     torch.testing.assert_close(out[0][0], refs["b"][20], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[1], refs["c"], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[2][0], refs["a"][40], atol=ATOL, rtol=0)
+
+
+def test_stale_build_lock_is_cleared(tmp_path):
+    """A build killed mid-way leaves torch's lock file; an old one must not block loads forever."""
+    import os
+    import time
+
+    from worker.engine.kernels import STALE_LOCK_S, _clear_stale_lock
+
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    fresh.touch()
+    stale.touch()
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(stale, (old, old))
+    _clear_stale_lock(fresh)
+    _clear_stale_lock(stale)
+    _clear_stale_lock(tmp_path / "absent")
+    assert fresh.exists() and not stale.exists()

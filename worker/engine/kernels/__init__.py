@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp",)
+# torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
+# wrong moment) leaves it behind and every later load would wait on it forever.  A
+# build takes ~45 s here, so a lock this old has no live owner.
+STALE_LOCK_S = 300.0
 _lock = threading.Lock()
 _module: Optional[Any] = None
 _tried = False
@@ -41,10 +47,12 @@ def load_cpu_kernels() -> Optional[Any]:
         if not _tried:
             _tried = True
             try:
-                from torch.utils.cpp_extension import load
+                from torch.utils.cpp_extension import _get_build_directory, load
 
                 here = Path(__file__).parent
-                _module = load(name=f"tokserve_cpu_kernels_{_cpu_tag()}",
+                name = f"tokserve_cpu_kernels_{_cpu_tag()}"
+                _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+                _module = load(name=name,
                                sources=[str(here / s) for s in _SOURCES],
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
                                verbose=False)
@@ -52,3 +60,18 @@ def load_cpu_kernels() -> Optional[Any]:
                 log.warning("native CPU attention kernel unavailable (%s); using torch SDPA",
                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return _module
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+    else:
+        log.info("another process is building the CPU kernels; waiting for it")
