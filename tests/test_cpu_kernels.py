@@ -105,3 +105,20 @@ def test_stale_build_lock_is_cleared(tmp_path):
     _clear_stale_lock(stale)
     _clear_stale_lock(tmp_path / "absent")
     assert fresh.exists() and not stale.exists()
+
+
+def test_engine_uses_native_decode_by_default_and_torch_on_request(llama_dir):
+    from tests.engine_helpers import make_engine, random_prompts, request
+    from worker.engine import EngineConfig
+
+    prompts = random_prompts(6, 5, 40, seed=21)
+    reqs = lambda: [request(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)]  # noqa: E731
+    native, plain = make_engine(llama_dir), make_engine(llama_dir, cpu_attention="torch")
+    assert native.cpu_attention == "native" and plain.cpu_attention == "torch"
+    assert native.model.layers[0].attn.native is kernels and plain.model.layers[0].attn.native is None
+    got, ref = native.generate(reqs()), plain.generate(reqs())
+    assert {k: [d.token_ids for d in v] for k, v in got.items()} == {k: [d.token_ids for d in v] for k, v in ref.items()}
+    with pytest.raises(ValueError, match="cpu_attention must be one of auto, native, torch"):
+        EngineConfig(model=str(llama_dir), cpu_attention="fast")
+    with pytest.raises(ValueError, match="cpu_attention=native needs dtype float32"):
+        make_engine(llama_dir, cpu_attention="native", dtype="bfloat16")
