@@ -1,6 +1,7 @@
-"""Compiled CPU decode attention (worker/engine/kernels): equal to gather + SDPA on
-random paged layouts, equal to HF through the model, and bad inputs are errors,
-not crashes.  Skipped where the kernels can't be built (no compiler/ninja)."""
+"""Compiled CPU kernels (worker/engine/kernels): decode attention equal to gather +
+SDPA on random paged layouts, SwiGLU and rotary equal to torch's, the model with
+them equal to HF, bad inputs are errors, not crashes.  Skipped where the kernels
+can't be built (no compiler/ninja)."""
 from __future__ import annotations
 
 import random
@@ -48,6 +49,37 @@ def test_matches_gather_and_sdpa(batch, max_len, kv_heads, group, head_dim, bloc
     scale = head_dim ** -0.5
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_matches_torch():
+    from worker.engine.models.layers import silu_and_mul
+
+    g = torch.Generator().manual_seed(3)
+    for rows, inter in ((1, 8), (37, 96), (600, 768)):
+        gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+        torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="gate_up must be float32"):
+        kernels.silu_and_mul(torch.zeros(2, 3))
+
+
+def test_rotary_in_place_matches_torch_on_strided_views():
+    """q and k live inside the fused qkv output: rotate that strided view in place."""
+    from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
+
+    table = rotation_table(build_cos_sin_table(64, 10000.0, 512, {"rope_type": "llama3", "factor": 8.0,
+                                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                   "original_max_position_embeddings": 128}))
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(50, (4 + 2 + 2) * 64, generator=g)
+    positions = torch.randint(0, 512, (50,), generator=g)
+    qk = qkv[:, : 6 * 64].view(50, 6, 64)
+    expected = apply_rotary(qk, rotary_factors(table, positions, 6))
+    v_before = qkv[:, 6 * 64:].clone()
+    kernels.rotary_(qk, table, positions)
+    torch.testing.assert_close(qk, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 6 * 64:], v_before)  # v untouched
+    with pytest.raises(RuntimeError, match="position out of range"):
+        kernels.rotary_(qk, table, torch.full((50,), 512))
 
 
 def test_bad_inputs_raise():

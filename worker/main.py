@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--cpu-attention", default="auto", choices=["auto", "native", "torch"],
-                   help="CPU decode attention: compiled kernel reading the paged cache in place, or torch SDPA; "
+                   help="CPU kernels: compiled (decode attention reading the paged cache in place, SwiGLU, rotary) "
+                        "or torch's (SDPA); "
                         "auto: native when it builds (first build ~45 s, then cached)")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU GEMMs: oneDNN with prepacked weights, or torch's (MKL); auto: oneDNN where supported")

@@ -89,7 +89,7 @@ class Engine:
         self._arrivals = itertools.count()
         log.info("engine ready: %s on %s (%s%s), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
-                 f", {self.cpu_linear} linears, {self.cpu_attention} decode attention" if device.type == "cpu" else "",
+                 f", {self.cpu_linear} linears, {self.cpu_attention} attention kernels" if device.type == "cpu" else "",
                  num_blocks, config.block_size, max_model_len)
 
     def _pick_cpu_attention(self, config: EngineConfig, device: torch.device) -> str:

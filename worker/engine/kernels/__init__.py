@@ -1,7 +1,7 @@
-"""Native CPU kernels, compiled on first use by ``torch.utils.cpp_extension`` into
-torch's extension cache (about 45 s once per machine; needs a C++ compiler and
-ninja).  Where they cannot be built the engine keeps torch's kernels and says so
-once in the log.
+"""Native CPU kernels (decode attention over the paged cache, SwiGLU, rotary),
+compiled on first use by ``torch.utils.cpp_extension`` into torch's extension
+cache (about 45 s once per machine; needs a C++ compiler and ninja).  Where they
+cannot be built the engine keeps torch's kernels and says so once in the log.
 
 The build is tuned for the CPU it runs on (``-march=native``), so the module name
 carries a hash of the CPU's feature flags: a cache shared between different
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp",)
+_SOURCES = ("cpu_kernels.cpp",)
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A
 # build takes ~45 s here, so a lock this old has no live owner.

@@ -6,7 +6,7 @@ each HF tensor into its row range of the fused weight (``weight_targets``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,7 @@ class LlamaDecoderLayer(nn.Module):
         self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.attn = PagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         self.linear: LinearFn = F.linear
+        self.native: Optional[Any] = None  # compiled CPU kernels (use_native_kernels): SwiGLU, rotary
 
     _LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
@@ -113,7 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
-        qk = apply_rotary(qk, rope)
+        if self.native is not None:
+            self.native.rotary_(qk, *rope)  # in place: rope = (rotation table, positions)
+        else:
+            qk = apply_rotary(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv_layer, attn)
@@ -131,7 +135,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate_up = self.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return self.linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        act = silu_and_mul(gate_up) if self.native is None else self.native.silu_and_mul(gate_up)
+        return self.linear(act, self.down_weight, self.down_bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
         self._lm_head_packed: Optional[torch.Tensor] = None
+        self.native: Optional[Any] = None
         self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
 
     def pack_linears(self) -> None:
@@ -161,8 +167,11 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed = pack_weight(self.lm_head)
 
     def use_native_kernels(self, module) -> None:
-        """Decode attention through the compiled CPU kernels (worker/engine/kernels)."""
+        """Decode attention, SwiGLU and rotary through the compiled CPU kernels
+        (worker/engine/kernels; float32 on CPU)."""
+        self.native = module
         for layer in self.layers:
+            layer.native = module
             layer.attn.native = module
             layer.attn.mirror.clear()
 
@@ -185,7 +194,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm for the flat batch."""
         h = F.embedding(input_ids, self.embed_tokens)
         c = self.config
-        rope = rotary_factors(self.rope, positions, c.num_attention_heads + c.num_key_value_heads)  # all layers
+        if self.native is not None:  # layers rotate in place from the table
+            rope = (self.rope, positions)
+        else:  # per-step factors, shared by all layers
+            rope = rotary_factors(self.rope, positions, c.num_attention_heads + c.num_key_value_heads)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, rope, attn, kv_cache[:, i])
