@@ -57,7 +57,7 @@ def load_cpu_kernels() -> Optional[Any]:
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
                                verbose=False)
             except Exception as e:  # no compiler / ninja / headers: torch's kernels still work
-                log.warning("native CPU attention kernel unavailable (%s); using torch SDPA",
+                log.warning("native CPU kernels unavailable (%s); using torch's ops",
                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return _module
 
