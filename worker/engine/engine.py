@@ -21,12 +21,12 @@ from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
+from worker.engine.kernels import resolve_cpu_kernels
 from worker.engine.loader import load_model
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.kernels import load_cpu_kernels
 from worker.engine.models.cpu_gemm import resolve_cpu_linear
 from worker.engine.request import FinishReason, Request, Sequence
 from worker.engine.sampler import Sampler
@@ -51,7 +51,10 @@ class Engine:
         self.cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
         if self.cpu_linear == "onednn":
             self.model.pack_linears()
-        self.cpu_attention = self._pick_cpu_attention(config, device)
+        kernels = resolve_cpu_kernels(config.cpu_attention, device, config.torch_dtype)
+        if kernels is not None:
+            self.model.use_native_kernels(kernels)
+        self.cpu_attention = "torch" if kernels is None else "native"
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len)
@@ -91,19 +94,6 @@ class Engine:
                  mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears, {self.cpu_attention} attention kernels" if device.type == "cpu" else "",
                  num_blocks, config.block_size, max_model_len)
-
-    def _pick_cpu_attention(self, config: EngineConfig, device: torch.device) -> str:
-        if device.type != "cpu" or config.cpu_attention == "torch" or config.torch_dtype != torch.float32:
-            if config.cpu_attention == "native" and device.type == "cpu":
-                raise ValueError("cpu_attention=native needs dtype float32")
-            return "torch"
-        kernels = load_cpu_kernels()
-        if kernels is None:
-            if config.cpu_attention == "native":
-                raise ValueError("cpu_attention=native: the CPU kernels could not be built (see the log)")
-            return "torch"
-        self.model.use_native_kernels(kernels)
-        return "native"
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 log = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_kernels.cpp",)
@@ -60,6 +62,22 @@ def load_cpu_kernels() -> Optional[Any]:
                 log.warning("native CPU kernels unavailable (%s); using torch's ops",
                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return _module
+
+
+def resolve_cpu_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> Optional[Any]:
+    """The kernels module for ``cpu_attention=choice`` (auto/native/torch) on this
+    device and dtype, or None for torch's ops.  They serve float32 on CPU; an
+    explicit ``native`` that can't be served is an error, not a silent fallback."""
+    if device.type != "cpu" or choice == "torch":
+        return None
+    if dtype != torch.float32:
+        if choice == "native":
+            raise ValueError("cpu_attention=native needs dtype float32")
+        return None
+    module = load_cpu_kernels()
+    if module is None and choice == "native":
+        raise ValueError("cpu_attention=native: the CPU kernels could not be built (see the log)")
+    return module
 
 
 def _clear_stale_lock(lock: Path) -> None:
