@@ -6,8 +6,10 @@ by side in one run.
 Rows (time per step; ratio to the first row of each group):
 - attention (one layer, decode of ``batch`` sequences): our batched paged SDPA vs a
   per-sequence loop (gather blocks, repeat KV heads, SDPA per sequence);
+- attention with the compiled kernel (worker/engine/kernels) when it builds;
 - full model: decode step of ``batch`` sequences, a mixed step (one 256-token
-  prefill chunk with context + ``batch-1`` decodes), a 512-token prefill;
+  prefill chunk with context + ``batch-1`` decodes), a 512-token prefill; with
+  torch's ops, then with the engine's CPU defaults (oneDNN linears, native kernels);
 - AttentionMetadata.build for the decode batch.
 """
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch.nn.functional as F
 
 from worker.engine.attn_metadata import AttentionMetadata
 from worker.engine.model_config import ModelConfig
+from worker.engine.kernels import load_cpu_kernels
 from worker.engine.models import LlamaForCausalLM, kv_cache_shape
+from worker.engine.models.cpu_gemm import onednn_supported
 
 BLOCK = 16
 
@@ -92,6 +96,13 @@ def main() -> None:
     print("\nattention, one layer, decode:")
     print(f"  batched paged SDPA      {ours * 1e3:8.3f} ms   1.00x")
     print(f"  per-sequence loop       {naive * 1e3:8.3f} ms   {naive / ours:.2f}x slower")
+    kernels = load_cpu_kernels() if dtype == torch.float32 else None
+    if kernels is not None:
+        layer.native = kernels
+        native = _time(lambda: layer(q, k, k, kv[:, 0], attn), args.steps * 5)
+        assert torch.allclose(layer(q, k, k, kv[:, 0], attn), ref, atol=1e-5)
+        layer.native = None
+        print(f"  native paged kernel     {native * 1e3:8.3f} ms   {ours / native:.2f}x faster")
 
     def step(q_lens, c_lens, tabs):
         a = AttentionMetadata.build(q_lens, c_lens, tabs, BLOCK)
@@ -99,16 +110,25 @@ def main() -> None:
         h = model(ids, a.positions, a, kv)
         return model.compute_logits(h[a.query_start_loc[1:].long() - 1])
 
-    decode = _time(lambda: step([1] * b, lens, tables), args.steps)
-    mixed = _time(lambda: step([256] + [1] * (b - 1), [ctx - 256] + lens[1:], tables), args.steps)
-    prefill = _time(lambda: step([512], [0], tables[:1]), max(2, args.steps // 2))
+    def steps(label):
+        decode = _time(lambda: step([1] * b, lens, tables), args.steps)
+        mixed = _time(lambda: step([256] + [1] * (b - 1), [ctx - 256] + lens[1:], tables), args.steps)
+        prefill = _time(lambda: step([512], [0], tables[:1]), max(2, args.steps // 2))
+        print(f"\nfull model step (forward + logits of last tokens), {label}:")
+        print(f"  decode {b} seqs          {decode * 1e3:8.2f} ms   1.00x   ({b / decode:7.0f} tok/s)")
+        print(f"  mixed 256 + {b - 1} decodes  {mixed * 1e3:8.2f} ms   {mixed / decode:.2f}x   "
+              f"({(256 + b - 1) / mixed:7.0f} tok/s)")
+        print(f"  prefill 512 tokens      {prefill * 1e3:8.2f} ms   {prefill / decode:.2f}x   "
+              f"({512 / prefill:7.0f} tok/s)")
+        return decode
+
+    decode = steps("torch ops (MKL linears, SDPA)")
     build = _time(lambda: AttentionMetadata.build([1] * b, lens, tables, BLOCK), 200)
-    print("\nfull model step (forward + logits of last tokens):")
-    print(f"  decode {b} seqs          {decode * 1e3:8.2f} ms   1.00x   ({b / decode:7.0f} tok/s)")
-    print(f"  mixed 256 + {b - 1} decodes  {mixed * 1e3:8.2f} ms   {mixed / decode:.2f}x   "
-          f"({(256 + b - 1) / mixed:7.0f} tok/s)")
-    print(f"  prefill 512 tokens      {prefill * 1e3:8.2f} ms   {prefill / decode:.2f}x   "
-          f"({512 / prefill:7.0f} tok/s)")
+    if dtype == torch.float32 and onednn_supported(torch.device("cpu"), dtype):
+        model.pack_linears()  # the engine's CPU defaults, same weights
+        if kernels is not None:
+            model.use_native_kernels(kernels)
+        steps("engine CPU defaults (oneDNN linears" + (", native kernels)" if kernels is not None else ")"))
     print(f"\nAttentionMetadata.build, {b} decodes: {build * 1e6:.0f} us "
           f"({build / decode * 100:.2f}% of a decode step)")
 
