@@ -2,7 +2,9 @@
 
 Every request needs the model limits and the live worker ranks; asking the broker on
 each request would add a round trip, so the answer is kept ``ttl`` seconds and
-concurrent refreshes share one in-flight query.
+concurrent refreshes share one in-flight query.  An answer without a model (no
+worker registered yet) is not kept: the first worker must be usable at once from
+every gateway, not up to ``ttl`` later from the ones that asked before it came.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ class ClusterInfoCache:
 
     async def get(self) -> ClusterInfo:
         """The cached ClusterInfo; raises Overloaded (503) when the broker does not answer."""
-        if self._info is not None and time.monotonic() - self._fetched_at < self._ttl:
-            return self._info
+        info = self._info
+        if info is not None and info.model is not None and time.monotonic() - self._fetched_at < self._ttl:
+            return info
         if self._inflight is None or self._inflight.done():  # a failed refresh is retried
             self._inflight = asyncio.ensure_future(self._refresh())
             self._inflight.add_done_callback(_consume_exception)

@@ -91,3 +91,32 @@ def test_text_logprobs_placeholder_without_text():
     lp.token_texts, lp.top_texts = ["é"], [["é"]]
     (entry,) = logprobs_format.text_logprobs(lp, 1)
     assert entry.token == "é" and entry.bytes == [0xC3, 0xA9]
+
+
+def test_cluster_info_cache_keeps_answers_but_not_the_absence_of_a_model():
+    """A gateway that asked before the first worker registered must see it on the next
+    request, not a cached 'no worker yet' for up to ttl (two gateways behind one port
+    made the launcher's first request 503 that way)."""
+    import asyncio
+
+    from gateway.cluster_info import ClusterInfoCache
+
+    model = ModelInfo(name="m", vocab_size=10, max_model_len=8, max_num_seqs=2, max_logprobs=1)
+    answers = [ClusterInfo(model=None, workers=[]), ClusterInfo(model=model, workers=[])]
+
+    class Broker:
+        calls = 0
+
+        async def info(self, timeout):
+            Broker.calls += 1
+            return answers[min(Broker.calls, len(answers)) - 1]
+
+    async def run():
+        cache = ClusterInfoCache(Broker(), ttl=60.0)
+        assert (await cache.get()).model is None
+        assert (await cache.model()) == model  # refetched at once despite the long ttl
+        await cache.get()
+        await cache.model()
+        assert Broker.calls == 2  # a model answer is kept for ttl
+
+    asyncio.run(run())
