@@ -128,3 +128,16 @@ def test_launcher_plans_cuda_ranks_shared_port_and_secret_env():
     for g in gateways:
         assert "--reuse-port" in g.argv and "--tokens-only" in g.argv
         assert "k" not in g.argv and g.env == {"TOKSERVE_API_KEY": "k"}
+
+
+def test_cpu_workers_leave_a_cpu_to_the_front_end():
+    from common.launcher import build_parser, cpu_worker_threads, plan_children
+
+    assert [cpu_worker_threads(1, c) for c in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert cpu_worker_threads(2, 16) == 7 and cpu_worker_threads(4, 2) == 1
+    _, workers, _ = plan_children(build_parser().parse_args(["--workers", "2"]), "/m")
+    assert all(w.argv[w.argv.index("--threads") + 1] == str(cpu_worker_threads(2)) for w in workers)
+    _, workers, _ = plan_children(build_parser().parse_args(["--worker-args", "--threads 5"]), "/m")
+    assert workers[0].argv.count("--threads") == 1 and workers[0].argv[-1] == "5"  # the operator's choice wins
+    _, workers, _ = plan_children(build_parser().parse_args(["--device", "cuda"]), "/m")
+    assert "--threads" not in workers[0].argv
