@@ -1,5 +1,5 @@
-"""Compiled CPU kernels (worker/engine/kernels): decode attention equal to gather +
-SDPA on random paged layouts, SwiGLU and rotary equal to torch's, the model with
+"""Compiled CPU kernels (worker/engine/kernels): decode and prefill attention equal
+to gather + SDPA on random paged layouts, SwiGLU and rotary equal to torch's, the model with
 them equal to HF, bad inputs are errors, not crashes.  Skipped where the kernels
 can't be built (no compiler/ninja)."""
 from __future__ import annotations
@@ -49,6 +49,88 @@ def test_matches_gather_and_sdpa(batch, max_len, kv_heads, group, head_dim, bloc
     scale = head_dim ** -0.5
     got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, scale), atol=1e-5, rtol=1e-5)
+
+
+def prefill_reference(q, k_cache, v_cache, table, seq_len, scale):
+    """One chunk of q_len queries after seq_len - q_len cached tokens: gather, SDPA
+    with the lower-right causal mask."""
+    q_len, h, d = q.shape
+    kvh = k_cache.shape[2]
+    k = k_cache[table.long()].reshape(-1, kvh, d)[:seq_len].transpose(0, 1)[None]
+    v = v_cache[table.long()].reshape(-1, kvh, d)[:seq_len].transpose(0, 1)[None]
+    mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("chunks,kv_heads,group,head_dim,block", [
+    # (query_len, context_len) per sequence; query_len 1 = a decode row the call must leave alone
+    ([(512, 0)], 2, 2, 64, 16),
+    ([(37, 5), (1, 40), (100, 0), (2, 300)], 2, 2, 64, 16),  # several row blocks, a decode row between
+    ([(61, 3000)], 1, 4, 64, 16),  # long context: the row block shrinks to fit the score buffer
+    ([(20, 7), (33, 0)], 4, 1, 80, 8),  # head_dim not a multiple of the 16-column tile
+    ([(9, 0), (16, 16)], 2, 3, 128, 4),
+    ([(5, 11)], 1, 1, 32, 16),
+])
+def test_prefill_matches_gather_and_sdpa(chunks, kv_heads, group, head_dim, block):
+    g = torch.Generator().manual_seed(sum(q + c for q, c in chunks) + head_dim)
+    heads = kv_heads * group
+    per_seq = [-(-(q + c) // block) for q, c in chunks]
+    num_blocks = sum(per_seq) + 3
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    ids = list(range(num_blocks))
+    random.Random(len(chunks)).shuffle(ids)  # scattered, out-of-order blocks
+    width = max(per_seq) + 1
+    tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor(ids[at:at + n], dtype=torch.int32)
+        at += n
+    q_lens = [q for q, _ in chunks]
+    total = sum(q_lens)
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=g)  # q: a strided view, as in the model
+    q = qkv[:, :heads]
+    seq_lens = torch.tensor([q + c for q, c in chunks], dtype=torch.int32)
+    starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    prefills = [i for i, n in enumerate(q_lens) if n > 1]
+    out = torch.full((total, heads, head_dim), 7.0)
+    scale = head_dim ** -0.5
+    kernels.paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, torch.tensor(prefills),
+                                    scale, out)
+    for i, (q_len, ctx) in enumerate(chunks):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        if i not in prefills:
+            assert torch.all(out[rows] == 7.0)  # not asked for: untouched
+            continue
+        expected = prefill_reference(q[rows], k_cache, v_cache, tables[i], q_len + ctx, scale)
+        torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-5)
+
+
+def test_prefill_bad_inputs_raise():
+    k = torch.zeros(4, 16, 2, 64)
+    q = torch.zeros(10, 4, 64)
+    out = torch.empty_like(q)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    starts = torch.tensor([0, 5, 10], dtype=torch.int32)
+    seqs = torch.tensor([0, 1])
+    call = kernels.paged_prefill_attention
+    call(q, k, k, tables, lens, starts, seqs, 0.1, out)  # valid
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        call(q, k, k, torch.tensor([[0, 9], [2, 3]], dtype=torch.int32), lens, starts, seqs, 0.1, out)
+    with pytest.raises(RuntimeError, match="seq_len shorter than its query rows"):
+        call(q, k, k, tables, torch.tensor([20, 4], dtype=torch.int32), starts, seqs, 0.1, out)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        call(q, k, k, tables, torch.tensor([33, 5], dtype=torch.int32), starts, seqs, 0.1, out)
+    with pytest.raises(RuntimeError, match="sequence index out of range"):
+        call(q, k, k, tables, lens, starts, torch.tensor([2]), 0.1, out)
+    with pytest.raises(RuntimeError, match="query rows out of range"):
+        call(q, k, k, tables, lens, torch.tensor([0, 5, 11], dtype=torch.int32), seqs, 0.1, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        call(q, k, k, tables, lens, starts, seqs, 0.1, torch.empty(10, 4, 32))
+    with pytest.raises(RuntimeError, match="int64"):
+        call(q, k, k, tables, lens, starts, seqs.int(), 0.1, out)
 
 
 def test_silu_and_mul_matches_torch():
@@ -102,7 +184,8 @@ def test_bad_inputs_raise():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_model_with_native_decode_matches_hf(tiny_model, kind):
-    """Decode-only steps and the decode rows of mixed steps through the kernel equal HF."""
+    """Decode-only steps, mixed steps and prefill chunks with and without cached
+    context through the kernels equal HF."""
     path = tiny_model(kind)
     hf, model = load_hf_model(path), load_model(path)
     model.use_native_kernels(kernels)
@@ -115,10 +198,15 @@ def test_model_with_native_decode_matches_hf(tiny_model, kind):
         torch.testing.assert_close(out[0][0], refs["a"][30 + pos], atol=ATOL, rtol=0)
         torch.testing.assert_close(out[1][0], refs["b"][10 + pos], atol=ATOL, rtol=0)
     # Mixed: a fresh prefill between two decode rows.
-    out = seqs.step([("b", [full["b"][20]]), ("c", full["c"]), ("a", [full["a"][40]])])
+    out = seqs.step([("b", [full["b"][20]]), ("c", full["c"][:7]), ("a", [full["a"][40]])])
     torch.testing.assert_close(out[0][0], refs["b"][20], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out[1], refs["c"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], refs["c"][:7], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[2][0], refs["a"][40], atol=ATOL, rtol=0)
+    # Prefill chunks after cached context (chunked prefill), beside a decode row.
+    out = seqs.step([("c", full["c"][7:]), ("a", full["a"][41:45]), ("b", [full["b"][21]])])
+    torch.testing.assert_close(out[0], refs["c"][7:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], refs["a"][41:45], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[2][0], refs["b"][21], atol=ATOL, rtol=0)
 
 
 def test_stale_build_lock_is_cleared(tmp_path):

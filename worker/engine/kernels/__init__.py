@@ -1,11 +1,11 @@
-"""Native CPU kernels (decode attention over the paged cache, SwiGLU, rotary),
+"""Native CPU kernels (decode and prefill attention over the paged cache, SwiGLU, rotary),
 compiled on first use by ``torch.utils.cpp_extension`` into torch's extension
 cache (about 45 s once per machine; needs a C++ compiler and ninja).  Where they
 cannot be built the engine keeps torch's kernels and says so once in the log.
 
 The build is tuned for the CPU it runs on (``-march=native``), so the module name
-carries a hash of the CPU's feature flags: a cache shared between different
-machines never loads code the CPU can't run.
+carries a hash of the CPU's feature flags (a cache shared between different
+machines never loads code the CPU can't run) and of the kernel files.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_kernels.cpp",)
+_SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp")
+_HEADERS = ("softmax_row.h",)
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A
 # build takes ~45 s here, so a lock this old has no live owner.
@@ -42,6 +43,15 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _source_tag(here: Path) -> str:
+    """Hash of every kernel file: torch's own rebuild check hashes the sources but
+    not the headers they include, so an edited header could load a stale build."""
+    h = hashlib.sha1()
+    for f in _SOURCES + _HEADERS:
+        h.update((here / f).read_bytes())
+    return h.hexdigest()[:8]
+
+
 def load_cpu_kernels() -> Optional[Any]:
     """The compiled kernels module, or None when it can't be built here (logged once)."""
     global _module, _tried
@@ -52,7 +62,7 @@ def load_cpu_kernels() -> Optional[Any]:
                 from torch.utils.cpp_extension import _get_build_directory, load
 
                 here = Path(__file__).parent
-                name = f"tokserve_cpu_kernels_{_cpu_tag()}"
+                name = f"tokserve_cpu_kernels_{_cpu_tag()}_{_source_tag(here)}"
                 _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
                 _module = load(name=name,
                                sources=[str(here / s) for s in _SOURCES],

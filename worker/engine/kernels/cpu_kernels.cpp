@@ -1,15 +1,7 @@
-// The engine's CPU kernels (float32): paged decode attention, and the two
+// The engine's CPU kernels (float32) and their Python bindings: the two
 // element-wise steps of each decoder layer that torch runs as several passes over
-// memory (SwiGLU, rotary embedding).
-//
-// paged_decode_attention: single-token ("decode") attention reading the paged KV
-// cache in place.
-// torch's SDPA needs each sequence's keys gathered into one tensor first; this reads
-// them straight from their blocks.  One task per sequence: all query heads are
-// scored against each token's K row (every KV head, contiguous in the block) as it
-// streams by, so each K and V row is loaded once per step.  Two passes over the
-// keys (scores, then softmax-weighted values) with the scores in a per-thread
-// buffer; float32 throughout.
+// memory (SwiGLU, rotary embedding) live here; attention over the paged KV cache in
+// decode_attention.cpp and prefill_attention.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,90 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D] float32
-                                     const torch::Tensor& k_cache,  // [blocks, block_size, KVH, D]
-                                     const torch::Tensor& v_cache,  // [blocks, block_size, KVH, D]
-                                     const torch::Tensor& block_tables,  // [B, W] int32
-                                     const torch::Tensor& seq_lens,      // [B] int32
-                                     double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
-              "q must be a contiguous float32 [B, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.is_contiguous(),
-              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D] tensors");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 &&
-                  seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kInt32,
-              "block_tables must be int32 [B, W] and seq_lens int32 [B]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && KVH > 0 && H % KVH == 0, "head shapes of q and the cache disagree");
-  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "one block table and length per row");
-  const torch::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
-  const int64_t G = H / KVH, W = tables.size(1);
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < B; ++b) {  // bounds once, so the kernel can trust every index
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "seq_len out of range of its block table");
-    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_blocks, "block id out of range");
-  }
-  torch::Tensor out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t row = KVH * D;  // floats between consecutive tokens of one block
-
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D), inv(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t S = lp[b];
-      const int32_t* table = tp + b * W;
-      const float* qb = qp + b * H * D;  // query head j reads KV head j / G
-      scores.resize(H * S);
-      for (int64_t t = 0; t < S; ++t) {
-        const float* krow = kp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
-        for (int64_t j = 0; j < H; ++j) {
-          const float* qj = qb + j * D;
-          const float* k = krow + (j / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
-          scores[j * S + t] = s * sc;
-        }
-      }
-      for (int64_t j = 0; j < H; ++j) {
-        float* sj = scores.data() + j * S;
-        const float m = *std::max_element(sj, sj + S);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < S; ++t) {
-          sj[t] = std::exp(sj[t] - m);
-          sum += sj[t];
-        }
-        inv[j] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < S; ++t) {
-        const float* vrow = vp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
-        for (int64_t j = 0; j < H; ++j) {
-          const float p = scores[j * S + t];
-          const float* v = vrow + (j / G) * D;
-          float* a = acc.data() + j * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      }
-      float* ob = op + b * H * D;
-      for (int64_t j = 0; j < H; ++j)
-        for (int64_t d = 0; d < D; ++d) ob[j * D + d] = acc[j * D + d] * inv[j];
-    }
-  });
-  return out;
-}
 
 // SwiGLU on the fused [gate | up] projection in one pass: silu(gate) * up.
 // (torch: silu, then a multiply, each streaming the activation through memory.)
@@ -162,9 +70,20 @@ void rotary_(torch::Tensor x, const torch::Tensor& table, const torch::Tensor& p
   });
 }
 
+// decode_attention.cpp, prefill_attention.cpp
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale);
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                             const torch::Tensor& query_start, const torch::Tensor& seqs, double scale,
+                             torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "single-token attention over the paged KV cache (CPU, float32)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prefill chunks over the paged KV cache, written into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (CPU, float32)");
   m.def("rotary_", &rotary_, "rotary embedding in place, rotating halves (CPU, float32)");
 }

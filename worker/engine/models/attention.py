@@ -20,8 +20,11 @@ Backends, picked per call:
 Per-step index tensors are computed once and cached on the metadata, so layers
 after the first only run the attention math.
 
-On CPU with the native kernel (worker/engine/kernels, compiled on first use), every
-decode row reads its blocks in place: no gather, no copy, mixed steps included.
+On CPU with the native kernels (worker/engine/kernels, compiled on first use), every
+decode row reads its blocks in place (no gather, no copy, mixed steps included) and
+all prefill chunks of a step, with or without cached context, run in one call of a
+blocked causal kernel that packs each sequence's keys and values straight from
+their blocks.
 Without it, consecutive decode-only steps of the same batch keep each layer's
 gathered K/V in a contiguous per-layer mirror (``DecodeKVMirror``) and append only
 the new token per step instead of re-gathering every block of every sequence.
@@ -136,17 +139,25 @@ class _PrefillSeq:
 
 
 class _TorchPlan:
-    def __init__(self, attn: AttentionMetadata, block_size: int):
+    """How a step's rows split into one batched decode group and prefill chunks.
+    With the native kernels the prefill chunks are only a list of sequence ids
+    (``prefill_ids``): the kernel reads their blocks itself."""
+
+    def __init__(self, attn: AttentionMetadata, block_size: int, native: bool):
         decode_idx: list[int] = []
+        prefill_idx: list[int] = []
         self.prefills: list[_PrefillSeq] = []
         start = 0
         for i, q_len in enumerate(attn.query_lens_cpu):
             if q_len == 1:
                 decode_idx.append(i)
             else:
-                self.prefills.append(_PrefillSeq(attn, i, start, block_size))
+                prefill_idx.append(i)
+                if not native:
+                    self.prefills.append(_PrefillSeq(attn, i, start, block_size))
             start += q_len
         self.decode = _DecodeGroup(attn, decode_idx, block_size) if decode_idx else None
+        self.prefill_ids = torch.tensor(prefill_idx, dtype=torch.int64) if prefill_idx else None
 
 
 class DecodeKVMirror:
@@ -245,17 +256,24 @@ class PagedAttention:
             flash = flash_backend()
             if flash is not None and block_size % flash[1] == 0 and q.dtype in (torch.float16, torch.bfloat16):
                 return self._flash(flash, q, kv_layer, attn)
-        plan = attn.cache.get("torch_plan")
-        if plan is None:
-            plan = attn.cache["torch_plan"] = _TorchPlan(attn, block_size)
         t = q.shape[0]
         native = self.native is not None and not q.is_cuda and q.dtype == torch.float32
+        plan = attn.cache.get("torch_plan")
+        if plan is None:
+            plan = attn.cache["torch_plan"] = _TorchPlan(attn, block_size, native)
         if plan.decode is not None and plan.decode.rows is None:  # decode-only step: no scatter
             if native:
                 return self._decode_native(q, kv_layer, plan.decode).view(t, -1)
             kv = None if q.is_cuda else self.mirror.keys_values(kv_layer, plan.decode, attn, k, v)
             return self._decode(q, kv_layer, plan.decode, kv).reshape(t, -1)
         self.mirror.clear()
+        if native:  # prefill chunks (any context) in one kernel call, decode rows beside them
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if plan.decode is not None:
+                out.index_copy_(0, plan.decode.rows, self._decode_native(q, kv_layer, plan.decode))
+            self.native.paged_prefill_attention(q, kv_layer[0], kv_layer[1], attn.block_tables, attn.seq_lens,
+                                                attn.query_start_loc, plan.prefill_ids, self.scale, out)
+            return out.view(t, -1)
         if plan.decode is None and len(plan.prefills) == 1:  # single prefill chunk
             return self._prefill(q, k, v, kv_layer, plan.prefills[0]).reshape(t, -1)
         out = torch.empty_like(q)
