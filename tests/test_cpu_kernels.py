@@ -1,6 +1,6 @@
 """Compiled CPU kernels (worker/engine/kernels): decode and prefill attention equal
-to gather + SDPA on random paged layouts, SwiGLU and rotary equal to torch's, the model with
-them equal to HF, bad inputs are errors, not crashes.  Skipped where the kernels
+to gather + SDPA on random paged layouts, RMSNorm, SwiGLU and rotary equal to
+torch's, the model with them equal to HF, bad inputs are errors, not crashes.  Skipped where the kernels
 can't be built (no compiler/ninja)."""
 from __future__ import annotations
 
@@ -140,8 +140,32 @@ def test_silu_and_mul_matches_torch():
     for rows, inter in ((1, 8), (37, 96), (600, 768)):
         gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
         torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul(gate_up), atol=1e-5, rtol=1e-5)
+    extreme = torch.tensor([[-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0, 1e-3, 1.0] * 2])  # exp clamps: finite
+    torch.testing.assert_close(kernels.silu_and_mul(extreme), silu_and_mul(extreme), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="gate_up must be float32"):
         kernels.silu_and_mul(torch.zeros(2, 3))
+
+
+def test_rms_norm_matches_torch_and_adds_residual_in_place():
+    from worker.engine.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    for rows, hidden in ((1, 8), (33, 256), (700, 100)):
+        norm = RMSNorm(hidden, 1e-5, torch.float32, "cpu")
+        norm.weight.data.normal_(generator=g)
+        x = torch.randn(rows, hidden, generator=g) * 3
+        residual = torch.randn(rows, hidden, generator=g)
+        expected = norm(x.clone(), residual.clone())
+        torch.testing.assert_close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-5, rtol=1e-5)
+        norm.native = kernels
+        got, new_residual = norm(x, residual)
+        assert new_residual is residual  # updated in place, as the torch path does
+        torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(residual, expected[1], atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(torch.zeros(2, 4), torch.zeros(3), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        kernels.rms_norm(torch.zeros(2, 4), torch.zeros(4), 1e-5, torch.zeros(2, 5))
 
 
 def test_rotary_in_place_matches_torch_on_strided_views():

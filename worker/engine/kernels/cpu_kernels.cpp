@@ -1,7 +1,7 @@
-// The engine's CPU kernels (float32) and their Python bindings: the two
-// element-wise steps of each decoder layer that torch runs as several passes over
-// memory (SwiGLU, rotary embedding) live here; attention over the paged KV cache in
-// decode_attention.cpp and prefill_attention.cpp.
+// The engine's CPU kernels (float32) and their Python bindings: the element-wise
+// steps of each decoder layer that torch runs as several passes over memory
+// (residual add + RMSNorm, SwiGLU, rotary embedding) live here; attention over the
+// paged KV cache in decode_attention.cpp and prefill_attention.cpp.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "vec_math.h"
 
 // SwiGLU on the fused [gate | up] projection in one pass: silu(gate) * up.
 // (torch: silu, then a multiply, each streaming the activation through memory.)
@@ -25,8 +27,61 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
       const float* g = src + m * stride;
       const float* u = g + I;
       float* o = dst + m * I;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= I; i += 8) {  // g / (1 + e^-g) * u
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, tokserve_kernels::exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// RMSNorm of each row, as HF computes it in float32: (x * rsqrt(mean(x^2) + eps)) * w.
+// With a residual (the pre-norm decoder's running sum), residual += x first, in
+// place, and the sum is normalised: one pass where torch makes three (add, the norm's
+// reduction, its scaling).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, hidden] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == torch::kFloat32 &&
+                  weight.is_contiguous(),
+              "weight must be a contiguous float32 [hidden] tensor");
+  float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kFloat32 &&
+                    residual->is_contiguous(),
+                "residual must be a contiguous float32 tensor shaped like x");
+    rp = residual->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), N = x.size(1);
+  torch::Tensor out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fe = static_cast<float>(eps);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [=](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = xp + m * N;
+      if (rp != nullptr) {
+        float* r = rp + m * N;
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < N; ++i) r[i] += src[i];
+        src = r;
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) ss += src[i] * src[i];
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(N) + fe);
+      float* o = op + m * N;
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) o[i] = src[i] * scale * wp[i];
     }
   });
   return out;
@@ -84,6 +139,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "single-token attention over the paged KV cache (CPU, float32)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prefill chunks over the paged KV cache, written into out (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, after residual += x when a residual is given (CPU, float32)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (CPU, float32)");
   m.def("rotary_", &rotary_, "rotary embedding in place, rotating halves (CPU, float32)");
 }

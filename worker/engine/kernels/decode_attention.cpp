@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "softmax_row.h"
+#include "vec_math.h"
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D] float32
                                      const torch::Tensor& k_cache,  // [blocks, block_size, KVH, D]

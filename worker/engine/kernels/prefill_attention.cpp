@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "softmax_row.h"
+#include "vec_math.h"
 
 namespace {
 

@@ -167,11 +167,13 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed = pack_weight(self.lm_head)
 
     def use_native_kernels(self, module) -> None:
-        """Decode attention, SwiGLU and rotary through the compiled CPU kernels
-        (worker/engine/kernels; float32 on CPU)."""
+        """Attention, RMSNorm, SwiGLU and rotary through the compiled CPU kernels
+        (worker/engine/kernels; float32 on CPU); None restores torch's ops."""
         self.native = module
+        self.norm.native = module
         for layer in self.layers:
             layer.native = module
+            layer.input_layernorm.native = layer.post_attention_layernorm.native = module
             layer.attn.native = module
             layer.attn.mirror.clear()
 

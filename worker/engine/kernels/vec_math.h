@@ -1,4 +1,5 @@
-// Softmax of one row of float32 scores in place, for the attention kernels.
+// Vectorised exp and the softmax of one row of float32 scores in place, for the
+// attention kernels (and SwiGLU's sigmoid).
 //
 // The compiler's vectorised std::exp (glibc libmvec) measured ~4 cycles per score
 // here, as much as the two GEMMs of prefill attention together; the AVX2 path below
@@ -15,9 +16,10 @@
 
 namespace tokserve_kernels {
 
-// e^x for x <= 0 (scores minus their row max); below -86 returns ~4e-38, not 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-86.0f));  // result stays a normal float: no denormal stalls downstream
+// e^x, clamped to [e^-86, e^88]: results stay normal floats (no denormal stalls
+// downstream) and finite.
+inline __m256 exp_clamped(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-86.0f)), _mm256_set1_ps(88.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -66,7 +68,7 @@ inline float softmax_unnormalized(float* s, int64_t n) {
     const __m256 vmax = _mm256_set1_ps(m);
     __m256 vs = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+      const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
       _mm256_storeu_ps(s + j, e);
       vs = _mm256_add_ps(vs, e);
     }
