@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "vec_math.h"
@@ -121,9 +122,10 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
   float* op = out.data_ptr<float>();
   const int64_t qs_t = q.stride(0), qs_h = q.stride(1);
   const int64_t row = KVH * D;  // floats between consecutive tokens of one block
-  std::vector<float> kt_buf(pack_off[N]), v_buf(pack_off[N]);
-  float* ktp = kt_buf.data();
-  float* vbp = v_buf.data();
+  // Uninitialised: packing writes every element (padding included).
+  std::unique_ptr<float[]> kt_buf(new float[pack_off[N]]), v_buf(new float[pack_off[N]]);
+  float* ktp = kt_buf.get();
+  float* vbp = v_buf.get();
 
   // 1. Pack K^T [D, Sp] and V [Sp, D] per (sequence, KV head).
   at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
