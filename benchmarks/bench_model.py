@@ -6,7 +6,9 @@ by side in one run.
 Rows (time per step; ratio to the first row of each group):
 - attention (one layer, decode of ``batch`` sequences): our batched paged SDPA vs a
   per-sequence loop (gather blocks, repeat KV heads, SDPA per sequence);
-- attention with the compiled kernel (worker/engine/kernels) when it builds;
+- attention with the compiled kernel (worker/engine/kernels) when it builds, and
+  prefill attention (4 fresh 512-token prompts; 4 chunks after cached context):
+  SDPA per sequence vs the compiled prefill kernel;
 - full model: decode step of ``batch`` sequences, a mixed step (one 256-token
   prefill chunk with context + ``batch-1`` decodes), a 512-token prefill; with
   torch's ops, then with the engine's CPU defaults (oneDNN linears, native kernels);
@@ -103,6 +105,23 @@ def main() -> None:
         assert torch.allclose(layer(q, k, k, kv[:, 0], attn), ref, atol=1e-5)
         layer.native = None
         print(f"  native paged kernel     {native * 1e3:8.3f} ms   {ours / native:.2f}x faster")
+
+        # Prefill: 4 fresh 512-token prompts, then 4 chunks of 256 after 256 cached tokens.
+        for label, q_len, c_len in (("4 x 512 fresh prompts", 512, 0), ("4 x 256 after 256 cached", 256, 256)):
+            pa = AttentionMetadata.build([q_len] * 4, [c_len] * 4, tables[:4], BLOCK)
+            qp = torch.randn(4 * q_len, cfg.num_attention_heads, cfg.head_dim, dtype=dtype)
+            kp = torch.randn(4 * q_len, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+            sdpa = _time(lambda: layer(qp, kp, kp, kv[:, 0], pa), args.steps)
+            expected = layer(qp, kp, kp, kv[:, 0], pa)
+            layer.native = kernels
+            pa.cache.clear()  # the per-step plan differs with the kernels
+            fast = _time(lambda: layer(qp, kp, kp, kv[:, 0], pa), args.steps)
+            assert torch.allclose(layer(qp, kp, kp, kv[:, 0], pa), expected, atol=1e-4)
+            layer.native = None
+            pa.cache.clear()
+            print(f"\nattention, one layer, prefill {label}:")
+            print(f"  SDPA per sequence       {sdpa * 1e3:8.3f} ms   1.00x")
+            print(f"  native prefill kernel   {fast * 1e3:8.3f} ms   {sdpa / fast:.2f}x faster")
 
     def step(q_lens, c_lens, tabs):
         a = AttentionMetadata.build(q_lens, c_lens, tabs, BLOCK)

@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if not str(cfg.device).startswith("cuda"):
+        from worker.malloc_tuning import keep_freed_memory
+
+        keep_freed_memory()  # before the model loads: every big CPU buffer stays in the heap
     try:
         engine = Engine(cfg)
     except (OSError, ValueError) as exc:  # missing/invalid model folder, bad sizes, device
