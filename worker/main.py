@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--cpu-attention", default="auto", choices=["auto", "native", "torch"],
-                   help="CPU kernels: compiled (decode attention reading the paged cache in place, SwiGLU, rotary) "
+                   help="CPU kernels: compiled (decode and prefill attention reading the paged cache in place, "
+                        "RMSNorm, SwiGLU, rotary) "
                         "or torch's (SDPA); "
                         "auto: native when it builds (first build ~45 s, then cached)")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],

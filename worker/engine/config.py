@@ -42,7 +42,7 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     enforce_eager: bool = False  # False: CUDA graphs for decode batches
     cpu_linear: str = "auto"  # CPU GEMMs: onednn (prepacked weights), torch (MKL), auto: onednn where supported
-    cpu_attention: str = "auto"  # CPU decode attention + SwiGLU + rotary: native (compiled), torch, auto: native if it builds
+    cpu_attention: str = "auto"  # CPU attention + RMSNorm/SwiGLU/rotary: native (compiled), torch, auto: native if it builds
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
