@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if not str(cfg.device).startswith("cuda"):
+    if cfg.torch_device.type == "cpu":
         from worker.malloc_tuning import keep_freed_memory
 
         keep_freed_memory()  # before the model loads: every big CPU buffer stays in the heap

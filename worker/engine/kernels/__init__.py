@@ -1,7 +1,8 @@
-"""Native CPU kernels (decode and prefill attention over the paged cache, SwiGLU, rotary),
-compiled on first use by ``torch.utils.cpp_extension`` into torch's extension
-cache (about 45 s once per machine; needs a C++ compiler and ninja).  Where they
-cannot be built the engine keeps torch's kernels and says so once in the log.
+"""Native CPU kernels (decode and prefill attention over the paged cache, RMSNorm,
+SwiGLU, rotary), compiled on first use by ``torch.utils.cpp_extension`` into
+torch's extension cache (about 45 s once per machine; needs a C++ compiler and
+ninja).  Where they cannot be built the engine keeps torch's kernels and says so
+once in the log.
 
 The build is tuned for the CPU it runs on (``-march=native``), so the module name
 carries a hash of the CPU's feature flags (a cache shared between different

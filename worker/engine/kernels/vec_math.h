@@ -1,10 +1,11 @@
 // Vectorised exp and the softmax of one row of float32 scores in place, for the
 // attention kernels (and SwiGLU's sigmoid).
 //
-// The compiler's vectorised std::exp (glibc libmvec) measured ~4 cycles per score
-// here, as much as the two GEMMs of prefill attention together; the AVX2 path below
-// uses a Cephes-style exp (range reduction by ln 2, degree-6 polynomial, exponent
-// bits set directly: ~2 ulp, plenty for softmax weights) at ~0.5 cycle per score.
+// With the compiler's vectorised std::exp (glibc libmvec) the softmax of a 512-token
+// causal prefill (4 heads) took 0.89 ms, as long as either GEMM of that attention;
+// the AVX2 path below uses a Cephes-style exp (range reduction by ln 2, degree-6
+// polynomial, exponent bits set directly: ~2 ulp, plenty for softmax weights) and
+// took 0.44 ms.
 #pragma once
 
 #include <algorithm>

@@ -157,7 +157,7 @@ class _TorchPlan:
                     self.prefills.append(_PrefillSeq(attn, i, start, block_size))
             start += q_len
         self.decode = _DecodeGroup(attn, decode_idx, block_size) if decode_idx else None
-        self.prefill_ids = torch.tensor(prefill_idx, dtype=torch.int64) if prefill_idx else None
+        self.prefill_ids = torch.tensor(prefill_idx, dtype=torch.int64) if native and prefill_idx else None
 
 
 class DecodeKVMirror:
