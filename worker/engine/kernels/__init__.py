@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp")
-_HEADERS = ("vec_math.h",)
+_HEADERS = ("paged_cache.h", "vec_math.h")
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A
 # build takes ~45 s here, so a lock this old has no live owner.

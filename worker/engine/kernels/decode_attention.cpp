@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "paged_cache.h"
 #include "vec_math.h"
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D] float32
@@ -32,10 +33,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D]
                                      double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
               "q must be a contiguous float32 [B, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.is_contiguous(),
-              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D] tensors");
+  tokserve_kernels::check_kv_cache(k_cache, v_cache);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 &&
                   seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables must be int32 [B, W] and seq_lens int32 [B]");
@@ -49,8 +47,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D]
   const int32_t* lp = lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {  // bounds once, so the kernel can trust every index
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "seq_len out of range of its block table");
-    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_blocks, "block id out of range");
+    tokserve_kernels::check_block_ids(tp + b * W, lp[b], bs, num_blocks);
   }
   torch::Tensor out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -68,7 +65,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D]
       const float* qb = qp + b * H * D;  // query head j reads KV head j / G
       scores.resize(H * S);
       for (int64_t t = 0; t < S; ++t) {
-        const float* krow = kp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
+        const float* krow = kp + tokserve_kernels::token_offset(table, t, bs, row);
         for (int64_t j = 0; j < H; ++j) {
           const float* qj = qb + j * D;
           const float* k = krow + (j / G) * D;
@@ -81,7 +78,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D]
       for (int64_t j = 0; j < H; ++j) inv[j] = tokserve_kernels::softmax_unnormalized(scores.data() + j * S, S);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < S; ++t) {
-        const float* vrow = vp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
+        const float* vrow = vp + tokserve_kernels::token_offset(table, t, bs, row);
         for (int64_t j = 0; j < H; ++j) {
           const float p = scores[j * S + t];
           const float* v = vrow + (j / G) * D;

@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "paged_cache.h"
 #include "vec_math.h"
 
 namespace {
@@ -80,10 +81,7 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
               "q must be float32 [T, H, D] with contiguous head vectors");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
               "out must be a contiguous float32 tensor shaped like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.is_contiguous(),
-              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D] tensors");
+  tokserve_kernels::check_kv_cache(k_cache, v_cache);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 && seq_lens.dim() == 1 &&
                   seq_lens.scalar_type() == torch::kInt32 && query_start.dim() == 1 &&
                   query_start.scalar_type() == torch::kInt32 && seqs.dim() == 1 &&
@@ -110,8 +108,7 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
     const int64_t start = sp[b], qlen = sp[b + 1] - sp[b], S = lp[b];
     TORCH_CHECK(qlen >= 1 && start >= 0 && start + qlen <= T, "query rows out of range of q");
     TORCH_CHECK(S >= qlen && S <= W * bs, "seq_len shorter than its query rows or longer than its block table");
-    for (int64_t j = 0; j < (S + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[b * W + j] >= 0 && tp[b * W + j] < num_blocks, "block id out of range");
+    tokserve_kernels::check_block_ids(tp + b * W, S, bs, num_blocks);
     pack_off[n + 1] = pack_off[n] + KVH * round_up(S, NR) * D;
   }
   if (N == 0) return;
@@ -135,7 +132,7 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
       float* vv = vbp + pack_off[n] + h * Sp * D;
       const int32_t* table = tp + b * W;
       for (int64_t t = 0; t < S; ++t) {
-        const int64_t off = (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row + h * D;
+        const int64_t off = tokserve_kernels::token_offset(table, t, bs, row) + h * D;
         const float* k = kp + off;
         for (int64_t d = 0; d < D; ++d) kt[d * Sp + t] = k[d];
         std::copy(vp + off, vp + off + D, vv + t * D);
