@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from common.protocol import GenerateRequest, SamplingParams
 from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, Sequence
+from worker.engine.request import Request, EngineSequence
 
 BS = 4
 
@@ -11,10 +11,10 @@ BS = 4
 def make_seq(tokens, *, salt=None, prompt_logprobs=None, rid="r"):
     req = GenerateRequest(request_id=rid, prompt_token_ids=list(tokens),
                           params=SamplingParams(prompt_logprobs=prompt_logprobs), cache_salt=salt)
-    return Sequence(Request(req, arrival_seq=0, max_tokens=8, eos_token_ids=[], now=0.0), 0, list(tokens))
+    return EngineSequence(Request(req, arrival_seq=0, max_tokens=8, eos_token_ids=[], now=0.0), 0, list(tokens))
 
 
-def run_prefill(bm: BlockManager, seq: Sequence) -> list[int]:
+def run_prefill(bm: BlockManager, seq: EngineSequence) -> list[int]:
     """Admit a sequence the way the scheduler does and mark its prompt computed."""
     cached = bm.find_cached_prefix(seq)
     assert bm.allocate_slots(seq, seq.num_tokens - len(cached) * BS, cached)
@@ -107,7 +107,7 @@ def test_fork_shares_full_prompt_blocks():
     bm = BlockManager(16, BS)
     parent = make_seq(range(10))
     run_prefill(bm, parent)
-    child = Sequence(parent.request, 1, list(range(10)))
+    child = EngineSequence(parent.request, 1, list(range(10)))
     bm.fork(parent, child)
     assert child.block_ids == parent.block_ids[:2]
     assert child.num_computed_tokens == 8

@@ -131,14 +131,14 @@ def test_kv_cache_smaller_than_max_model_len_lowers_it(llama_dir):
 
 
 def test_runner_lays_out_mixed_batches(llama_dir):
-    from worker.engine.request import Request, Sequence
+    from worker.engine.request import Request, EngineSequence
     from worker.engine.scheduler import ScheduledSeq
 
     engine = make_engine(llama_dir, block_size=4)
 
     def seq(tokens, computed, blocks):
         req = request(f"s{len(tokens)}", tokens)
-        s = Sequence(Request(req, arrival_seq=0, max_tokens=4, eos_token_ids=[], now=0.0), 0, list(tokens))
+        s = EngineSequence(Request(req, arrival_seq=0, max_tokens=4, eos_token_ids=[], now=0.0), 0, list(tokens))
         s.num_computed_tokens, s.block_ids = computed, blocks
         return s
 

@@ -5,7 +5,7 @@ import itertools
 
 from common.protocol import GenerateRequest, SamplingParams
 from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, Sequence
+from worker.engine.request import Request, EngineSequence
 from worker.engine.scheduler import Scheduler
 
 BS = 4
@@ -17,7 +17,7 @@ def make_seq(n_prompt, *, priority=0, rid=None):
     req = GenerateRequest(request_id=rid, prompt_token_ids=list(range(1, n_prompt + 1)),
                           params=SamplingParams(), priority=priority)
     request = Request(req, arrival_seq=next(_arrival), max_tokens=100, eos_token_ids=[], now=0.0)
-    return Sequence(request, 0, list(req.prompt_token_ids))
+    return EngineSequence(request, 0, list(req.prompt_token_ids))
 
 
 def make_sched(num_blocks=64, budget=32, max_seqs=8, chunked=True):

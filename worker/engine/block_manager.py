@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
 
-from worker.engine.request import Sequence
+from worker.engine.request import EngineSequence
 
 _ROOT_HASH = hash(("tokserve-kv-root",))
 
@@ -58,7 +58,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # --- hashing ---------------------------------------------------------
-    def _update_hashes(self, seq: Sequence) -> None:
+    def _update_hashes(self, seq: EngineSequence) -> None:
         """Extend ``seq.block_hashes`` to cover every full block of its known tokens."""
         bs = self.block_size
         hashes = seq.block_hashes
@@ -69,7 +69,7 @@ class BlockManager:
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], extra))
 
     # --- prefix cache lookup --------------------------------------------
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: EngineSequence) -> list[int]:
         """Block ids of the longest cached prefix of a sequence that has nothing computed.
 
         The last token is always recomputed (its logits are needed), and requests
@@ -88,17 +88,17 @@ class BlockManager:
         return hits
 
     # --- allocation ------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+    def can_allocate(self, seq: EngineSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
         return self.num_blocks_to_take(seq, num_new_tokens, cached_blocks) <= len(self._free)
 
-    def num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int]) -> int:
+    def num_blocks_to_take(self, seq: EngineSequence, num_new_tokens: int, cached_blocks: Seq[int]) -> int:
         total = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         fresh = self.blocks_needed(total) - len(seq.block_ids) - len(cached_blocks)
         # Cached hits that are currently free also leave the free queue.
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         return max(fresh, 0) + revived
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+    def allocate_slots(self, seq: EngineSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones,
         first adopting ``cached_blocks`` (a prefix-cache hit).  All or nothing."""
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
@@ -130,7 +130,7 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: EngineSequence, child: EngineSequence) -> None:
         """Let a sibling choice share the parent's full prompt blocks.
 
         The child recomputes the partial last prompt block (< block_size tokens)
@@ -144,7 +144,7 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes[:num_full])
         child.num_computed_tokens = num_full * self.block_size
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
+    def register_computed_blocks(self, seq: EngineSequence) -> None:
         """Publish the sequence's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
@@ -158,7 +158,7 @@ class BlockManager:
                 self._cached[h] = block.block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: EngineSequence) -> None:
         """Drop the sequence's references; unreferenced blocks join the free queue.
 
         Tail blocks are queued first so that, of one sequence, the shared-prefix

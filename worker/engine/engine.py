@@ -28,7 +28,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
 from worker.engine.model_config import ModelConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.models.cpu_gemm import resolve_cpu_linear
-from worker.engine.request import FinishReason, Request, Sequence
+from worker.engine.request import FinishReason, Request, EngineSequence
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
 from worker.engine.scheduler import ScheduledSeq, Scheduler
@@ -119,8 +119,8 @@ class Engine:
         self.requests[req.request_id] = request
         self.scheduler.add(seq)
 
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(request, index, token_ids)
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> EngineSequence:
+        seq = EngineSequence(request, index, token_ids)
         p = request.params
         if p.seed is not None and p.seed != -1:  # vLLM: seed=-1 means no seed
             seq.generator = make_generator(p.seed, index, self.device)
@@ -204,7 +204,7 @@ class Engine:
             deltas.extend(self._append_token(seq, sampled[i], lp_lists, i, now))
         return deltas
 
-    def _fork_choices(self, sample_seqs: list[Sequence], sample_rows: list[int]) -> None:
+    def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:
         """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
         they share its full prompt blocks and draw their first token from the same
         logits row (appended to ``sample_seqs`` / ``sample_rows``)."""
@@ -226,7 +226,7 @@ class Engine:
         sequence that reached its end (its next token is sampled)."""
         prompt_jobs: list[tuple[Request, int, int]] = []  # (request, first position, count)
         prompt_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        sample_seqs: list[EngineSequence] = []
         sample_rows: list[int] = []
         row = 0
         for s in scheduled:
@@ -268,7 +268,7 @@ class Engine:
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
 
-    def _append_token(self, seq: Sequence, token: int, lp_lists: Any, row: int, now: float) -> list[CompletionDelta]:
+    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> list[CompletionDelta]:
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
@@ -300,7 +300,7 @@ class Engine:
                 self.requests.pop(request.request_id, None)
         return deltas
 
-    def _delta(self, seq: Sequence, new_tokens: list[int], text: Optional[str]) -> CompletionDelta:
+    def _delta(self, seq: EngineSequence, new_tokens: list[int], text: Optional[str]) -> CompletionDelta:
         request = seq.request
         delta = CompletionDelta(
             request_id=request.request_id,

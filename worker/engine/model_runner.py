@@ -201,7 +201,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of ``num_tokens`` tokens split into max_model_len sequences (profiling)."""
-        from worker.engine.request import Sequence as Seq
+        from worker.engine.request import EngineSequence as Seq
 
         scheduled = []
         block = 0

@@ -1,7 +1,7 @@
 """Per-request and per-choice state.
 
 A ``Request`` is what the client sent (one prompt, n choices).  Each choice is a
-``Sequence``: the unit the scheduler and block manager work on.  Choice 0 exists
+``EngineSequence``: the unit the scheduler and block manager work on.  Choice 0 exists
 from the start; choices 1..n-1 are forked from it once the prompt is prefilled,
 sharing its full prompt blocks, so the prompt is computed once.
 
@@ -65,7 +65,7 @@ class Request:
         self.prompt_token_id_rows: list[Any] = []  # float32 numpy row blocks, in prompt order
         self.num_prompt_scored = 0  # prompt positions whose logits were scored already
         self.bad_words_ids: Optional[list[list[int]]] = None
-        self.sequences: list[Sequence] = []
+        self.sequences: list[EngineSequence] = []
         self.forked = self.n == 1
         self.first_delta_sent = False
         self.first_scheduled_time: Optional[float] = None
@@ -76,7 +76,7 @@ class Request:
         return self.forked and all(s.status is SeqStatus.FINISHED for s in self.sequences)
 
 
-class Sequence:
+class EngineSequence:
     """One choice of a request: its tokens, KV blocks and streaming state."""
 
     def __init__(self, request: Request, index: int, token_ids: list[int]):
@@ -150,5 +150,5 @@ class Sequence:
         return True
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return (f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+        return (f"EngineSequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)}, {self.status.name})")

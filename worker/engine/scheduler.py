@@ -18,19 +18,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from worker.engine.block_manager import BlockManager
-from worker.engine.request import SeqStatus, Sequence
+from worker.engine.request import SeqStatus, EngineSequence
 
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
+    seq: EngineSequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[EngineSequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,16 +48,16 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap of (priority, arrival, seq_id, seq)
-        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, int, EngineSequence]] = []  # heap of (priority, arrival, seq_id, seq)
+        self.running: list[EngineSequence] = []
         self.num_preemptions = 0
 
     # --- queues ------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: EngineSequence) -> None:
         seq.status = SeqStatus.WAITING
         heapq.heappush(self._waiting, (*seq.priority_key, seq.seq_id, seq))
 
-    def add_running(self, seq: Sequence) -> None:
+    def add_running(self, seq: EngineSequence) -> None:
         """A forked choice that already holds blocks joins the running set directly."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -73,7 +73,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: EngineSequence) -> None:
         """Drop a sequence from whichever queue holds it (finish or abort) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
@@ -136,7 +136,7 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: EngineSequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_preemptions += 1
@@ -153,7 +153,7 @@ class Scheduler:
                 return
             self._preempt(victim)
 
-    def _fits(self, seq: Sequence) -> bool:
+    def _fits(self, seq: EngineSequence) -> bool:
         """Whether ``seq``'s next chunk fits next to the running sequences' next step."""
         if len(self.running) >= self.max_num_seqs:
             return False
