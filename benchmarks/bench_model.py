@@ -12,7 +12,7 @@ Rows (time per step; ratio to the first row of each group):
 - full model: decode step of ``batch`` sequences, a mixed step (one 256-token
   prefill chunk with context + ``batch-1`` decodes), a 512-token prefill; with
   torch's ops, then with the engine's CPU defaults (oneDNN linears, native kernels);
-- AttentionMetadata.build for the decode batch.
+- build_attention_metadata for the decode batch.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.attention.backends.cpu_native import CpuNativeBackend
+from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
+from worker.engine.attention.metadata import build_attention_metadata
 from worker.engine.model_config import ModelConfig
 from worker.engine.kernels import load_cpu_kernels
 from worker.engine.models import LlamaForCausalLM, kv_cache_shape
@@ -85,46 +87,46 @@ def main() -> None:
 
     # Attention alone, one layer.
     lens = [ctx - (i * 7) % 64 for i in range(b)]
-    attn = AttentionMetadata.build([1] * b, [n - 1 for n in lens], tables, BLOCK)
+    attn = build_attention_metadata([1] * b, [n - 1 for n in lens], tables, BLOCK)
     layer = model.layers[0].attn
     q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim, dtype=dtype)
     k = torch.randn(b, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
     ours = _time(lambda: layer(q, k, k, kv[:, 0], attn), args.steps * 5)
-    naive = _time(lambda: naive_decode_attention(q, kv[:, 0], tables, lens, layer.group, layer.scale),
+    naive = _time(lambda: naive_decode_attention(q, kv[:, 0], tables, lens, layer.impl.group, layer.impl.scale),
                   args.steps * 5)
     got = layer(q, k, k, kv[:, 0], attn)
-    ref = naive_decode_attention(q, kv[:, 0], tables, lens, layer.group, layer.scale)
+    ref = naive_decode_attention(q, kv[:, 0], tables, lens, layer.impl.group, layer.impl.scale)
     assert torch.allclose(got, ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
     print("\nattention, one layer, decode:")
     print(f"  batched paged SDPA      {ours * 1e3:8.3f} ms   1.00x")
     print(f"  per-sequence loop       {naive * 1e3:8.3f} ms   {naive / ours:.2f}x slower")
     kernels = load_cpu_kernels() if dtype == torch.float32 else None
     if kernels is not None:
-        layer.native = kernels
+        layer.set_backend(CpuNativeBackend(kernels))
         native = _time(lambda: layer(q, k, k, kv[:, 0], attn), args.steps * 5)
         assert torch.allclose(layer(q, k, k, kv[:, 0], attn), ref, atol=1e-5)
-        layer.native = None
+        layer.set_backend(TorchSDPABackend())
         print(f"  native paged kernel     {native * 1e3:8.3f} ms   {ours / native:.2f}x faster")
 
         # Prefill: 4 fresh 512-token prompts, then 4 chunks of 256 after 256 cached tokens.
         for label, q_len, c_len in (("4 x 512 fresh prompts", 512, 0), ("4 x 256 after 256 cached", 256, 256)):
-            pa = AttentionMetadata.build([q_len] * 4, [c_len] * 4, tables[:4], BLOCK)
+            pa = build_attention_metadata([q_len] * 4, [c_len] * 4, tables[:4], BLOCK)
             qp = torch.randn(4 * q_len, cfg.num_attention_heads, cfg.head_dim, dtype=dtype)
             kp = torch.randn(4 * q_len, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
             sdpa = _time(lambda: layer(qp, kp, kp, kv[:, 0], pa), args.steps)
             expected = layer(qp, kp, kp, kv[:, 0], pa)
-            layer.native = kernels
-            pa.cache.clear()  # the per-step plan differs with the kernels
+            layer.set_backend(CpuNativeBackend(kernels))
+            pa.plan = None  # the per-step plan differs with the kernels
             fast = _time(lambda: layer(qp, kp, kp, kv[:, 0], pa), args.steps)
             assert torch.allclose(layer(qp, kp, kp, kv[:, 0], pa), expected, atol=1e-4)
-            layer.native = None
-            pa.cache.clear()
+            layer.set_backend(TorchSDPABackend())
+            pa.plan = None
             print(f"\nattention, one layer, prefill {label}:")
             print(f"  SDPA per sequence       {sdpa * 1e3:8.3f} ms   1.00x")
             print(f"  native prefill kernel   {fast * 1e3:8.3f} ms   {sdpa / fast:.2f}x faster")
 
     def step(q_lens, c_lens, tabs):
-        a = AttentionMetadata.build(q_lens, c_lens, tabs, BLOCK)
+        a = build_attention_metadata(q_lens, c_lens, tabs, BLOCK)
         ids = torch.randint(0, cfg.vocab_size, (sum(q_lens),))
         h = model(ids, a.positions, a, kv)
         return model.compute_logits(h[a.query_start_loc[1:].long() - 1])
@@ -142,13 +144,13 @@ def main() -> None:
         return decode
 
     decode = steps("torch ops (MKL linears, SDPA)")
-    build = _time(lambda: AttentionMetadata.build([1] * b, lens, tables, BLOCK), 200)
+    build = _time(lambda: build_attention_metadata([1] * b, lens, tables, BLOCK), 200)
     if dtype == torch.float32 and onednn_supported(torch.device("cpu"), dtype):
         model.pack_linears()  # the engine's CPU defaults, same weights
         if kernels is not None:
-            model.use_native_kernels(kernels)
+            model.use_attention_backend(CpuNativeBackend(kernels))
         steps("engine CPU defaults (oneDNN linears" + (", native kernels)" if kernels is not None else ")"))
-    print(f"\nAttentionMetadata.build, {b} decodes: {build * 1e6:.0f} us "
+    print(f"\nbuild_attention_metadata, {b} decodes: {build * 1e6:.0f} us "
           f"({build / decode * 100:.2f}% of a decode step)")
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests.model_factory import load_hf_model
 from tests.test_model import ATOL, PagedSeqs, _tokens, hf_logits
+from worker.engine.attention.backends.cpu_native import CpuNativeBackend
 from worker.engine.kernels import load_cpu_kernels
 from worker.engine.loader import load_model
 
@@ -157,7 +158,7 @@ def test_rms_norm_matches_torch_and_adds_residual_in_place():
         residual = torch.randn(rows, hidden, generator=g)
         expected = norm(x.clone(), residual.clone())
         torch.testing.assert_close(kernels.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-5, rtol=1e-5)
-        norm.native = kernels
+        norm.ops = kernels
         got, new_residual = norm(x, residual)
         assert new_residual is residual  # updated in place, as the torch path does
         torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=1e-5)
@@ -212,7 +213,7 @@ def test_model_with_native_decode_matches_hf(tiny_model, kind):
     context through the kernels equal HF."""
     path = tiny_model(kind)
     hf, model = load_hf_model(path), load_model(path)
-    model.use_native_kernels(kernels)
+    model.use_attention_backend(CpuNativeBackend(kernels))
     full = {name: _tokens(n, seed=i) for i, (name, n) in enumerate([("a", 45), ("b", 25), ("c", 12)])}
     refs = {name: hf_logits(hf, ids) for name, ids in full.items()}
     seqs = PagedSeqs(model)
@@ -259,7 +260,7 @@ def test_engine_uses_native_decode_by_default_and_torch_on_request(llama_dir):
     reqs = lambda: [request(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)]  # noqa: E731
     native, plain = make_engine(llama_dir), make_engine(llama_dir, cpu_attention="torch")
     assert native.cpu_attention == "native" and plain.cpu_attention == "torch"
-    assert native.model.layers[0].attn.native is kernels and plain.model.layers[0].attn.native is None
+    assert native.model.layers[0].attn.backend.module is kernels and plain.model.layers[0].attn.backend.name == "torch"
     got, ref = native.generate(reqs()), plain.generate(reqs())
     assert {k: [d.token_ids for d in v] for k, v in got.items()} == {k: [d.token_ids for d in v] for k, v in ref.items()}
     with pytest.raises(ValueError, match="cpu_attention must be one of auto, native, torch"):

@@ -1,4 +1,4 @@
-"""Decode K/V mirror (worker/engine/models/attention.py: DecodeKVMirror): consecutive
+"""Decode K/V mirror (worker/engine/attention/backends/torch_sdpa.py: DecodeKVMirror): consecutive
 decode-only steps append to a per-layer contiguous copy instead of re-gathering
 every block.  Its outputs must be bit-identical to the gather path's."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ def _pair(path, headroom: int | None = None):
     """(model using the mirror, reference model that always gathers)."""
     mirrored, gathering = load_model(path), load_model(path)
     for layer in gathering.layers:
-        layer.attn.mirror.MAX_BYTES = 0
+        layer.attn.impl.mirror.MAX_BYTES = 0
     if headroom is not None:
         for layer in mirrored.layers:
-            layer.attn.mirror.HEADROOM = headroom
+            layer.attn.impl.mirror.HEADROOM = headroom
     return mirrored, gathering
 
 
@@ -31,7 +31,7 @@ def test_mirror_matches_gather_across_batch_changes(tiny_model):
     a, b = PagedSeqs(mirrored), PagedSeqs(gathering)
     toks = {name: _tokens(60, seed=i) for i, name in enumerate("ABCD")}
     _step_both(a, b, [("A", toks["A"][:20]), ("B", toks["B"][:7]), ("C", toks["C"][:33])])
-    mirror = mirrored.layers[0].attn.mirror
+    mirror = mirrored.layers[0].attn.impl.mirror
     assert mirror.k is None  # prefill steps never build it
     kept = None
     for pos in range(6):  # decode-only steps over uneven lengths: built once, then appended to
@@ -61,5 +61,5 @@ def test_mirror_rebuilds_when_full(tiny_model):
     caps = set()
     for pos in range(12):
         _step_both(a, b, [("x", [toks[10 + pos]]), ("y", [toks[3 + pos]])])
-        caps.add(mirrored.layers[0].attn.mirror.k.shape[2])  # [B, kvh, cap, D]
+        caps.add(mirrored.layers[0].attn.impl.mirror.k.shape[2])  # [B, kvh, cap, D]
     assert len(caps) > 1

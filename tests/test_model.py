@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model_factory import load_hf_model
-from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.attention.metadata import build_attention_metadata
 from worker.engine.config import EngineConfig
 from worker.engine.loader import load_model
 from worker.engine.model_config import ModelConfig
@@ -51,7 +51,7 @@ class PagedSeqs:
             tables.append(table)
             ids.extend(toks)
             self.lens[name] = c + len(toks)
-        attn = AttentionMetadata.build(q_lens, ctx, tables, BLOCK, self.device)
+        attn = build_attention_metadata(q_lens, ctx, tables, BLOCK, self.device)
         hidden = self.model(torch.tensor(ids, device=self.device), attn.positions, attn, self.kv)
         logits = self.model.compute_logits(hidden).cpu()
         return list(logits.split(q_lens))
@@ -300,14 +300,14 @@ def test_kv_cache_helpers(tiny_model):
 
 
 def test_attention_metadata_build():
-    m = AttentionMetadata.build([3, 1], [2, 5], [[7, 2], [4, 9]], 4)
+    m = build_attention_metadata([3, 1], [2, 5], [[7, 2], [4, 9]], 4)
     assert m.query_start_loc.tolist() == [0, 3, 4] and m.seq_lens.tolist() == [5, 6]
     assert m.positions.tolist() == [2, 3, 4, 5]
     assert m.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 9 * 4 + 1]
     assert m.block_tables.tolist() == [[7, 2], [4, 9]] and m.max_query_len == 3 and m.max_seq_len == 6
-    assert not m.is_decode_only and AttentionMetadata.build([1], [0], [[3]], 4).is_decode_only
+    assert not m.is_decode_only and build_attention_metadata([1], [0], [[3]], 4).is_decode_only
     with pytest.raises(ValueError, match="block table has only 1 blocks"):
-        AttentionMetadata.build([4], [2], [[1]], 4)
+        build_attention_metadata([4], [2], [[1]], 4)
 
 
 def test_bfloat16_model_tracks_float32(tiny_model):

@@ -17,6 +17,7 @@ _DTYPES = {
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
 CPU_ATTENTION_CHOICES = ("auto", "native", "torch")
+ATTENTION_BACKEND_CHOICES = ("auto", "native", "torch", "triton", "flash_attn")
 # CPU KV cache default when the operator gives neither num_kv_blocks nor a size.
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
@@ -43,6 +44,9 @@ class EngineConfig:
     enforce_eager: bool = False  # False: CUDA graphs for decode batches
     cpu_linear: str = "auto"  # CPU GEMMs: onednn (prepacked weights), torch (MKL), auto: onednn where supported
     cpu_attention: str = "auto"  # CPU attention + RMSNorm/SwiGLU/rotary: native (compiled), torch, auto: native if it builds
+    # auto: triton on CUDA (flash_attn, then torch without it), cpu_attention's choice on CPU
+    attention_backend: str = "auto"
+    kv_cache_memory_bytes: Optional[int] = None  # KV cache size, overrides gpu_memory_utilization's profiling
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,6 +64,11 @@ class EngineConfig:
         if self.cpu_attention not in CPU_ATTENTION_CHOICES:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION_CHOICES)}, "
                              f"got {self.cpu_attention!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                             f"got {self.attention_backend!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
         self.torch_device  # validates the device string
@@ -73,6 +82,14 @@ class EngineConfig:
             raise ValueError(f"invalid device {self.device!r}: {e}") from None
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        return dev
+
+    @property
+    def resolved_device(self) -> torch.device:
+        """The device with its index: plain ``cuda`` means the current CUDA device."""
+        dev = self.torch_device
+        if dev.type == "cuda" and dev.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
         return dev
 
     @property

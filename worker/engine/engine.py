@@ -21,7 +21,7 @@ from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
-from worker.engine.kernels import resolve_cpu_kernels
+from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.loader import load_model
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
@@ -43,6 +43,11 @@ class Engine:
         device = config.torch_device
         if device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if device.type == "cuda":
+            # cuda:N must be the current device: CUDA events, graph capture and the
+            # default stream otherwise land on device 0.
+            device = config.resolved_device
+            torch.cuda.set_device(device)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -51,13 +56,13 @@ class Engine:
         self.cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
         if self.cpu_linear == "onednn":
             self.model.pack_linears()
-        kernels = resolve_cpu_kernels(config.cpu_attention, device, config.torch_dtype)
-        if kernels is not None:
-            self.model.use_native_kernels(kernels)
-        self.cpu_attention = "torch" if kernels is None else "native"
+        self.attention_backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
+                                                           config.torch_dtype, config.block_size)
+        self.model.use_attention_backend(self.attention_backend)
+        self.cpu_attention = "native" if self.attention_backend.name == "native" else "torch"
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
-        self.runner = ModelRunner(config, mc, self.model, max_model_len)
+        self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
             # One sequence must always fit, or recompute preemption could never finish it.
@@ -90,9 +95,9 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        log.info("engine ready: %s on %s (%s%s), %d KV blocks x %d tokens, max_model_len %d",
+        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
-                 f", {self.cpu_linear} linears, {self.cpu_attention} attention kernels" if device.type == "cpu" else "",
+                 f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
                  num_blocks, config.block_size, max_model_len)
 
     # --- requests ------------------------------------------------------------------

@@ -81,7 +81,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
     bos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
-    sliding_window: Optional[int] = None  # recorded, not applied (full attention)
+    sliding_window: Optional[int] = None  # the window of the layers that use one
+    layer_sliding_windows: tuple[Optional[int], ...] = ()  # per layer: keys within the last w positions, None = full
     max_new_tokens: Optional[int] = None  # generation_config default, None = unbounded
     generation_defaults: dict = field(default_factory=dict)  # e.g. {"temperature": 0.6}
 
@@ -159,9 +160,8 @@ class ModelConfig:
                 if i not in eos:
                     eos.append(i)
 
-        sliding = cfg.get("sliding_window")
-        if sliding and cfg.get("use_sliding_window", True) and sliding < int(cfg.get("max_position_embeddings", 0)):
-            log.warning("sliding_window=%s is not applied: attention is full over the context", sliding)
+        layer_windows = _layer_sliding_windows(cfg, arch, layers)
+        sliding = next((w for w in layer_windows if w), None)
 
         max_new = gen.get("max_new_tokens")
         return cls(
@@ -189,6 +189,34 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
             pad_token_id=cfg.get("pad_token_id", gen.get("pad_token_id")),
             sliding_window=sliding,
+            layer_sliding_windows=layer_windows,
             max_new_tokens=int(max_new) if max_new is not None else None,
             generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
         )
+
+
+def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optional[int], ...]:
+    """Which layers attend within ``sliding_window`` positions, as transformers decides:
+    an explicit ``layer_types`` list wins; Mistral windows every layer when
+    ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, and then
+    the layers from ``max_window_layers`` on."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return (None,) * num_layers
+    window = int(window)
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"Unsupported layer_types {unknown}; supported: full_attention, sliding_attention")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if arch.startswith("Qwen"):
+        if not cfg.get("use_sliding_window", False):
+            return (None,) * num_layers
+        first = int(cfg.get("max_window_layers", 28))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if arch.startswith("Mistral"):
+        return (window,) * num_layers
+    return (None,) * num_layers

@@ -15,7 +15,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.attention.backends.base import AttentionBackend
+from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
+from worker.engine.attention.metadata import AttentionMetadata, StepLayout
 from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from worker.engine.models.llama import kv_bytes_per_block
 from worker.engine.scheduler import ScheduledSeq
@@ -31,6 +33,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] long
     attn: AttentionMetadata
     num_tokens: int
+    layout: StepLayout  # the host arrays the tensors were made from
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -42,12 +45,50 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+# A block costs a few array entries in the block manager; past this many blocks a
+# tiny model on a large GPU would spend seconds and gigabytes of host memory on
+# bookkeeping for a cache no batch can fill.
+MAX_KV_BLOCKS = 1 << 22
+
+
+def _cap_blocks(num: int) -> int:
+    if num > MAX_KV_BLOCKS:
+        log.info("KV cache capped at %d blocks (memory for %d)", MAX_KV_BLOCKS, num)
+        return MAX_KV_BLOCKS
+    return num
+
+
+def kv_blocks_for_memory(*, total: int, free: int, activations: int, graph_pool: int, sampler: int,
+                         utilization: float, per_block: int, weights_hint: int = 0) -> int:
+    """KV blocks that fit in ``utilization`` of the device.
+
+    ``total - free`` (measured with the profiling cache freed) is everything already
+    on the device: weights, the CUDA context, communication buffers and other
+    processes.  The step's activation peak, the graph pool and the sampler's
+    temporaries come on top while serving; the rest of the budget is KV cache.
+    """
+    budget = int(total * utilization)
+    in_use = total - free
+    num = (budget - in_use - activations - graph_pool - sampler) // per_block
+    if num < 1:
+        raise RuntimeError(
+            f"no memory left for the KV cache at gpu_memory_utilization={utilization}: of "
+            f"{total / _GIB:.2f} GiB, {in_use / _GIB:.2f} GiB are in use (weights ~{weights_hint / _GIB:.2f} GiB, "
+            f"the rest CUDA context and other processes), activations need {activations / _GIB:.2f} GiB, "
+            f"CUDA graphs {graph_pool / _GIB:.2f} GiB and the sampler {sampler / _GIB:.2f} GiB; raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or set "
+            f"--kv-cache-memory-bytes")
+    return _cap_blocks(int(num))
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: Any, model: torch.nn.Module, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: Any, model: torch.nn.Module, max_model_len: int,
+                 backend: Optional[AttentionBackend] = None):
         self.config = config
         self.model_config = model_config
         self.model = model
-        self.device = config.torch_device
+        self.device = config.resolved_device
+        self.backend = backend if backend is not None else TorchSDPABackend()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -72,8 +113,10 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            return _cap_blocks(max(1, cfg.kv_cache_memory_bytes // per_block))
         if cfg.kv_cache_memory_gb is not None:
-            return max(1, int(cfg.kv_cache_memory_gb * _GIB) // per_block)
+            return _cap_blocks(max(1, int(cfg.kv_cache_memory_gb * _GIB) // per_block))
         if self.device.type == "cuda":
             return self._profile_cuda_blocks(per_block)
         # CPU: a fixed memory budget, but no more than a full batch of full-length sequences needs.
@@ -81,26 +124,50 @@ class ModelRunner:
         return max(1, min(int(DEFAULT_CPU_KV_CACHE_GB * _GIB) // per_block, needed))
 
     def _profile_cuda_blocks(self, per_block: int) -> int:
-        """Run the largest step once; what remains under gpu_memory_utilization is KV cache."""
+        """Run the largest step (and, unless eager, capture the largest decode graph)
+        against a small temporary cache; what remains of ``gpu_memory_utilization`` of
+        the device, after everything else on it, is KV cache."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
         # The dummy step splits into max_model_len sequences, each wasting < 1 block.
         blocks = -(-self.token_budget // self.block_size) + -(-self.token_budget // self.max_model_len)
         self.allocate_kv_cache(blocks)
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        before = torch.cuda.memory_allocated(dev)  # weights + the temporary cache
         self._dummy_run(self.token_budget)
-        torch.cuda.synchronize(self.device)
-        # Peak of weights + activations: the temporary cache itself does not count.
-        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.kv_cache.element_size()
+        torch.cuda.synchronize(dev)
+        activations = torch.cuda.max_memory_allocated(dev) - before
+        graph_pool = self._profile_graph_pool()
         self.kv_cache = None
         torch.cuda.empty_cache()
-        _free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        num = budget // per_block
-        if num < 1:
-            raise RuntimeError(
-                f"no memory left for the KV cache: peak use {peak / _GIB:.2f} GiB of "
-                f"{total / _GIB:.2f} GiB at gpu_memory_utilization={self.config.gpu_memory_utilization}")
-        return int(num)
+        free, total = torch.cuda.mem_get_info(dev)
+        # Sampler temporaries of a full batch: fp32 logits, probabilities, sorted values
+        # and int64 sort indices for top-p/top-k, per row of the vocabulary.
+        sampler = self.config.max_num_seqs * self.model_config.vocab_size * 24
+        return kv_blocks_for_memory(total=total, free=free, activations=activations, graph_pool=graph_pool,
+                                    sampler=sampler, utilization=self.config.gpu_memory_utilization,
+                                    per_block=per_block, weights_hint=before - kv_bytes)
+
+    def _profile_graph_pool(self) -> int:
+        """Memory the CUDA-graph pool takes: the largest decode graph captured once
+        (smaller ones share its pool) on the temporary cache, then dropped."""
+        if self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return 0
+        dev = self.device
+        size = cuda_graph_batch_sizes(self.config.max_num_seqs)[-1]
+        reserved = torch.cuda.memory_reserved(dev)
+        try:
+            graph = _DecodeGraph.capture(self, size, torch.cuda.graph_pool_handle())
+        except Exception as e:  # capture_cuda_graphs will log it and run eager
+            log.info("graph-pool profiling skipped: capture failed (%s)", e)
+            return 0
+        torch.cuda.synchronize(dev)
+        used = torch.cuda.memory_reserved(dev) - reserved
+        del graph
+        torch.cuda.empty_cache()
+        return max(used, 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """``num_blocks`` usable blocks; on CUDA one more, a scratch block that padded
@@ -114,51 +181,41 @@ class ModelRunner:
         self.scratch_block = num_blocks
 
     # --- batch layout ---------------------------------------------------------
-    def prepare(self, scheduled: Sequence[ScheduledSeq], *, pad_block_table_to: Optional[int] = None) -> StepInputs:
-        if self._copies_done is not None:
-            self._copies_done.synchronize()  # the pinned staging buffers are free again
+    def layout(self, scheduled: Sequence[ScheduledSeq], *, table_width: Optional[int] = None) -> StepLayout:
+        """Host arrays of the step (the shared ``StepLayout.build``)."""
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         context_lens = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64,
                                    count=num_seqs)
-        seq_lens = context_lens + query_lens
-        num_tokens = int(query_lens.sum())
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        width = pad_block_table_to or max(len(s.seq.block_ids) for s in scheduled)
-        block_tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            seq = s.seq
+        input_ids = np.empty(int(query_lens.sum()), dtype=np.int64)
+        t = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
-            if s.num_new_tokens == 1:
-                input_ids[cu[i]] = seq.token_ids[start]
+            if n == 1:
+                input_ids[t] = seq.token_ids[start]
             else:
-                input_ids[cu[i]:cu[i + 1]] = seq.token_ids[start:start + s.num_new_tokens]
-            block_tables[i, :len(seq.block_ids)] = seq.block_ids
+                input_ids[t:t + n] = seq.token_ids[start:start + n]
+            t += n
+        # The scheduler allocated every sequence's blocks: no coverage check on the hot path.
+        return StepLayout.build(query_lens, context_lens, [s.seq.block_ids for s in scheduled], self.block_size,
+                                input_ids=input_ids, table_width=table_width, check=False)
 
-        # Positions and slots of every token at once: token t belongs to sequence seq_of[t].
-        seq_of = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - context_lens, query_lens)
-        slots = (block_tables[seq_of, positions // self.block_size].astype(np.int64) * self.block_size
-                 + positions % self.block_size)
+    def prepare(self, scheduled: Sequence[ScheduledSeq], *, pad_block_table_to: Optional[int] = None) -> StepInputs:
+        return self.to_inputs(self.layout(scheduled, table_width=pad_block_table_to))
 
-        attn = AttentionMetadata(
-            query_start_loc=self._to_device(cu.astype(np.int32), "query_start_loc"),
-            seq_lens=self._to_device(seq_lens.astype(np.int32), "seq_lens"),
-            context_lens=self._to_device(context_lens.astype(np.int32), "context_lens"),
-            slot_mapping=self._to_device(slots, "slot_mapping"),
-            block_tables=self._to_device(block_tables, "block_tables"),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            context_lens_cpu=context_lens.tolist(),
-        )
-        positions_t = self._to_device(positions, "positions")
-        attn.positions = positions_t
-        inputs = StepInputs(self._to_device(input_ids, "input_ids"), positions_t, attn, num_tokens)
+    def to_inputs(self, layout: StepLayout) -> StepInputs:
+        """Device tensors of a layout and the attention backend's plan for it."""
+        inputs = self.to_device_only(layout)
+        inputs.attn.plan = self.backend.plan(inputs.attn, self.block_size)
+        return inputs
+
+    def to_device_only(self, layout: StepLayout) -> StepInputs:
+        """Device tensors without a plan (a CUDA-graph replay planned at capture)."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the pinned staging buffers are free again
+        input_ids, positions, attn = layout.to_device(self.device, self._to_device)
+        inputs = StepInputs(input_ids, positions, attn, layout.num_tokens, layout)
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -187,7 +244,10 @@ class ModelRunner:
         graph = self._graph_for(scheduled)
         if graph is not None:
             return graph.run(self, scheduled)
-        inputs = self.prepare(scheduled)
+        return self.execute(self.prepare(scheduled))
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass of prepared inputs."""
         return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
 
     @torch.inference_mode()
@@ -216,13 +276,15 @@ class ModelRunner:
             block += nb
             scheduled.append(ScheduledSeq(seq, n))
             remaining -= n
-        inputs = self.prepare(scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+        hidden = self.execute(self.prepare(scheduled))
         self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)])
 
     # --- CUDA graphs --------------------------------------------------------------
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if not self.backend.supports_cuda_graphs:
+            log.info("%s attention plans on the host; decode runs without CUDA graphs", self.backend.name)
             return
         if not getattr(self.model, "supports_cuda_graphs", True):
             log.info("model does not support CUDA graphs; running eager")
@@ -277,21 +339,22 @@ class _DecodeGraph:
             query_lens_cpu=[1] * batch_size, seq_lens_cpu=[runner.max_model_len] * batch_size,
             max_query_len=1, max_seq_len=runner.max_model_len,
             context_lens_cpu=[runner.max_model_len - 1] * batch_size, positions=self.positions)
-        model, kv = runner.model, runner.kv_cache
-        # Warm up outside the graph (lazy initialisations), then capture.
+        model, kv, backend = runner.model, runner.kv_cache, runner.backend
+        # Warm up outside the graph (lazy initialisations, kernel compilation), then capture.
+        self.attn.plan = backend.plan(self.attn, runner.block_size)
         model(self.input_ids, self.positions, self.attn, kv)
         torch.cuda.synchronize(dev)
-        # Per-step index tensors the attention caches on the metadata must be computed
-        # inside the graph (from the static buffers), not reused from the warm-up.
-        self.attn.cache.clear()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
+            # The plan is the backend's own, built from the static buffers inside the
+            # capture: replays read each row's real length from ``seq_lens``.
+            self.attn.plan = backend.plan(self.attn, runner.block_size)
             self.output = model(self.input_ids, self.positions, self.attn, kv)
         return self
 
     def run(self, runner: ModelRunner, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
         n = len(scheduled)
-        inputs = runner.prepare(scheduled, pad_block_table_to=runner.max_blocks_per_seq)
+        inputs = runner.to_device_only(runner.layout(scheduled, table_width=runner.max_blocks_per_seq))
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(inputs.attn.slot_mapping)

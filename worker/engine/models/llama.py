@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.attn_metadata import AttentionMetadata
+from worker.engine.attention.metadata import AttentionMetadata
 from worker.engine.model_config import ModelConfig
-from worker.engine.models.attention import PagedAttention
+from worker.engine.attention.backends.base import AttentionBackend
+from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.cpu_gemm import LinearFn, onednn_linear, pack_weight
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
 from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
@@ -34,7 +35,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class LlamaDecoderLayer(nn.Module):
     MLP_ROWS = 512  # row block of the MLP on large steps: best of 128-1024 on the small and ~125M presets
 
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device, sliding_window: Optional[int] = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
@@ -54,9 +55,9 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
         self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
         self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
-        self.attn = PagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.attn = PagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, sliding_window)
         self.linear: LinearFn = F.linear
-        self.native: Optional[Any] = None  # compiled CPU kernels (use_native_kernels): SwiGLU, rotary
+        self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
 
     _LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
@@ -114,8 +115,8 @@ class LlamaDecoderLayer(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
-        if self.native is not None:
-            self.native.rotary_(qk, *rope)  # in place: rope = (rotation table, positions)
+        if self.ops is not None:
+            self.ops.rotary_(qk, *rope)  # in place: rope = (rotation table, positions)
         else:
             qk = apply_rotary(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
@@ -135,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate_up = self.linear(h, self.gate_up_weight, self.gate_up_bias)
-        act = silu_and_mul(gate_up) if self.native is None else self.native.silu_and_mul(gate_up)
+        act = silu_and_mul(gate_up) if self.ops is None else self.ops.silu_and_mul(gate_up)
         return self.linear(act, self.down_weight, self.down_bias)
 
 
@@ -147,7 +148,9 @@ class LlamaForCausalLM(nn.Module):
         dtype = dtype or config.dtype
         self.dtype, self.device = dtype, torch.device(device)
         self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        windows = config.layer_sliding_windows or (None,) * config.num_hidden_layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, windows[i])
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
@@ -155,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
         self._lm_head_packed: Optional[torch.Tensor] = None
-        self.native: Optional[Any] = None
+        self.ops: Optional[Any] = None
         self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
 
     def pack_linears(self) -> None:
@@ -166,16 +169,16 @@ class LlamaForCausalLM(nn.Module):
         # The embedding table stays dense (tied heads share it); the head gets its own copy.
         self._lm_head_packed = pack_weight(self.lm_head)
 
-    def use_native_kernels(self, module) -> None:
-        """Attention, RMSNorm, SwiGLU and rotary through the compiled CPU kernels
-        (worker/engine/kernels; float32 on CPU); None restores torch's ops."""
-        self.native = module
-        self.norm.native = module
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Attention through ``backend`` and, where it has them, its fused RMSNorm,
+        SwiGLU and rotary kernels (``backend.ops``; None keeps torch's ops)."""
+        ops = backend.ops
+        self.ops = ops
+        self.norm.ops = ops
         for layer in self.layers:
-            layer.native = module
-            layer.input_layernorm.native = layer.post_attention_layernorm.native = module
-            layer.attn.native = module
-            layer.attn.mirror.clear()
+            layer.ops = ops
+            layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
+            layer.attn.set_backend(backend)
 
     @property
     def max_positions(self) -> int:
@@ -196,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm for the flat batch."""
         h = F.embedding(input_ids, self.embed_tokens)
         c = self.config
-        if self.native is not None:  # layers rotate in place from the table
+        if self.ops is not None:  # layers rotate in place from the table
             rope = (self.rope, positions)
         else:  # per-step factors, shared by all layers
             rope = rotary_factors(self.rope, positions, c.num_attention_heads + c.num_key_value_heads)
