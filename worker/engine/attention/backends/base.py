@@ -1,0 +1,74 @@
+"""What every attention backend provides (vLLM v1's AttentionBackend / metadata
+builder / impl split, reduced to what this engine needs).
+
+A backend is one object per engine.  Once per step the runner calls ``plan`` on
+the step's metadata (the backend's metadata builder: index tensors, masks, groups
+of rows; shared by every layer through ``attn.plan``).  Each attention layer gets
+its own ``AttentionImpl`` from ``make_impl``, which writes the step's K/V into the
+paged cache and attends.  ``ops`` names the fused element-wise kernels (RMSNorm,
+rotary, SwiGLU) that go with the backend's device: the compiled CPU module, the
+Triton ops, or None for torch's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from worker.engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer's shape, as seen by this rank."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: Optional[int] = None  # keys within the last w positions; None = full context
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+class AttentionImpl:
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.group = spec.num_heads // spec.num_kv_heads
+        self.scale = spec.scale
+        self.sliding_window = spec.sliding_window
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
+        """Store the step's K/V ``[T, kv_heads, D]`` at ``attn.slot_mapping``."""
+        flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
+        flat[0].index_copy_(0, attn.slot_mapping, k)
+        flat[1].index_copy_(0, attn.slot_mapping, v)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        """q ``[T, heads, D]``, k/v ``[T, kv_heads, D]`` (already in the cache) ->
+        ``[T, heads * D]``."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Drop state kept across steps (e.g. a decode K/V mirror)."""
+
+
+class AttentionBackend:
+    name = "base"
+    # Whether a decode step can be captured in a CUDA graph: its plan and kernels
+    # must read lengths from device tensors only, never bake host values into the graph.
+    supports_cuda_graphs = False
+    ops: Optional[Any] = None
+
+    def plan(self, attn: AttentionMetadata, block_size: int) -> Any:
+        return None
+
+    def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,60 @@
+"""The compiled CPU kernels (worker/engine/kernels, float32): every decode row reads
+its blocks in place (no gather, no copy, mixed steps included) and all prefill
+chunks of a step, with or without cached context, run in one call of a blocked
+causal kernel that packs each sequence's keys and values straight from their blocks.
+
+The kernels attend over the full context, so sliding-window layers are served by
+torch SDPA inside the same backend (its plan then also carries SDPA's per-chunk
+index tensors).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.engine.attention.backends.base import AttentionBackend, AttentionImpl, AttentionSpec
+from worker.engine.attention.backends.torch_sdpa import TorchPlan, TorchSDPAImpl, _DecodeGroup
+from worker.engine.attention.metadata import AttentionMetadata
+
+
+class CpuNativeImpl(AttentionImpl):
+    def __init__(self, spec: AttentionSpec, module: Any):
+        super().__init__(spec)
+        self.module = module
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        plan: TorchPlan = attn.plan
+        if plan.decode is not None and plan.decode.rows is None:  # decode-only step
+            return self._decode(q, kv_layer, plan.decode).view(t, -1)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan.decode is not None:
+            out.index_copy_(0, plan.decode.rows, self._decode(q, kv_layer, plan.decode))
+        self.module.paged_prefill_attention(q, kv_layer[0], kv_layer[1], attn.block_tables, attn.seq_lens,
+                                            attn.query_start_loc, plan.prefill_ids, self.scale, out)
+        return out.view(t, -1)
+
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
+        qd = q if g.rows is None else q.index_select(0, g.rows)
+        return self.module.paged_decode_attention(qd.contiguous(), kv_layer[0], kv_layer[1], g.tables,
+                                                  g.seq_lens, self.scale)
+
+
+class CpuNativeBackend(AttentionBackend):
+    name = "native"
+
+    def __init__(self, module: Any):
+        self.module = module
+        self.ops = module  # the same module holds RMSNorm, SwiGLU and rotary
+        self._sdpa_layers = False
+
+    def plan(self, attn: AttentionMetadata, block_size: int) -> TorchPlan:
+        return TorchPlan(attn, block_size, native=True, torch_prefills=self._sdpa_layers)
+
+    def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
+        if spec.sliding_window:
+            self._sdpa_layers = True
+            return TorchSDPAImpl(spec)
+        return CpuNativeImpl(spec, self.module)

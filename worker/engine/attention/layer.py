@@ -1,0 +1,33 @@
+"""The attention layer a model holds: its shape (``AttentionSpec``) and the
+backend's implementation for it, swapped in by ``set_backend`` once the engine has
+chosen a backend (models are built before that choice; torch SDPA until then)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from worker.engine.attention.backends.base import AttentionBackend, AttentionImpl, AttentionSpec
+from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
+from worker.engine.attention.metadata import AttentionMetadata
+
+
+class PagedAttention:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int] = None):
+        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, sliding_window)
+        self.backend: AttentionBackend = TorchSDPABackend()
+        self.impl: AttentionImpl = self.backend.make_impl(self.spec)
+
+    def set_backend(self, backend: AttentionBackend) -> None:
+        self.impl.reset()
+        self.backend = backend
+        self.impl = backend.make_impl(self.spec)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                 attn: AttentionMetadata) -> torch.Tensor:
+        """q ``[T, heads, D]``, k/v ``[T, kv_heads, D]`` -> ``[T, heads * D]``; the step's
+        K/V are stored in ``kv_layer`` ``[2, blocks, block_size, kv_heads, D]`` first."""
+        if attn.plan is None:  # metadata built outside the runner (tests, benchmarks)
+            attn.plan = self.backend.plan(attn, kv_layer.shape[2])
+        self.impl.write_kv(k, v, kv_layer, attn)
+        return self.impl.forward(q, k, v, kv_layer, attn)
