@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes (vLLM's flag); skips the GPU memory profiling")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU this worker may fill (weights, activations, CUDA graphs, KV cache)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch", "triton", "flash_attn"],
+                   help="auto: triton on CUDA (flash_attn, then torch SDPA without it), --cpu-attention's choice on CPU")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -65,7 +71,9 @@ def engine_config_from_args(args):
                         enable_chunked_prefill=not args.no_chunked_prefill, max_logprobs=args.max_logprobs,
                         seed=args.seed, served_model_name=args.served_model_name, tokens_only=args.tokens_only,
                         num_threads=args.threads, enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear,
-                        cpu_attention=args.cpu_attention)
+                        cpu_attention=args.cpu_attention, attention_backend=args.attention_backend,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def main(argv: list[str] | None = None) -> int:
