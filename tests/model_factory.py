@@ -13,6 +13,8 @@ Kinds (``KINDS``):
                  max_new_tokens=32, temperature=0.7, top_p=0.9
   qwen3          Qwen3ForCausalLM (q/k norm) with explicit head_dim 32 != hidden/heads
   mistral        MistralForCausalLM (no sliding window)
+  mistral_swa    MistralForCausalLM with sliding_window=8 on every layer
+  qwen2_swa      Qwen2ForCausalLM with use_sliding_window: layer 0 full, layer 1 a window of 6
   llama_sharded  same weights as ``llama`` (same seed) in several safetensors shards
   llama_tied     tie_word_embeddings=True (no lm_head.weight in the checkpoint)
   llama_rope_llama3 / llama_rope_linear / llama_rope_yarn   rope_scaling variants
@@ -42,7 +44,7 @@ _ROPE = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "llama_sharded", "llama_tied",
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_sharded", "llama_tied",
          "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn")
 
 
@@ -78,6 +80,10 @@ def _hf_config(kind: str):
         return transformers.Qwen3Config(**_COMMON, head_dim=32)
     if kind == "mistral":
         return transformers.MistralConfig(**_COMMON, sliding_window=None)
+    if kind == "mistral_swa":
+        return transformers.MistralConfig(**_COMMON, sliding_window=8)
+    if kind == "qwen2_swa":
+        return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}
     if kind == "llama_tied":
         extra["tie_word_embeddings"] = True
