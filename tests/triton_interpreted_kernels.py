@@ -1,0 +1,164 @@
+"""The Triton kernels against plain torch references, on CPU tensors under Triton's
+interpreter.  Run by tests/test_triton_interpreted.py in a subprocess with
+TRITON_INTERPRET=1 (it must be set before the kernels are decorated)."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from worker.engine.models.layers import silu_and_mul as torch_silu_and_mul
+from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _ops():
+    from worker.engine.kernels.triton import ops
+
+    return ops()
+
+
+def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window=None):
+    """Per sequence: gather its blocks, lower-right causal (and windowed) softmax in fp32."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    block_size, hkv, d = k_cache.shape[1:]
+    g = q.shape[1] // hkv
+    for i in range(len(seq_lens)):
+        s, e, n = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
+        blocks = block_tables[i, : -(-n // block_size)].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].float().repeat_interleave(g, 1)
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].float().repeat_interleave(g, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale
+        qpos = torch.arange(n - (e - s), n)[:, None]
+        kpos = torch.arange(n)[None, :]
+        visible = kpos <= qpos
+        if window:
+            visible &= qpos - kpos < window
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    return out
+
+
+def _paged_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed):
+    """Caches with shuffled block ids, ragged rows, q a strided view of a fused qkv."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables = torch.zeros(len(q_lens), max(need) + 2, dtype=torch.int32)  # padded wider than needed
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    t = sum(q_lens)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k_cache, v_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32), tables
+
+
+CASES = [
+    # (q_lens, context lens, heads, kv heads, head_dim, block_size, dtype, window)
+    ([1, 9, 1, 20], [11, 0, 40, 6], 4, 4, 64, 16, torch.float32, None),  # mixed: decode + prefill with context
+    ([1, 1, 1], [5, 70, 33], 8, 2, 128, 16, torch.bfloat16, None),  # decode-only, GQA 4
+    ([13, 1, 7], [0, 29, 3], 16, 2, 64, 32, torch.float32, None),  # GQA 8
+    ([17, 1], [0, 0], 4, 1, 80, 16, torch.float16, None),  # fresh prefill, head_dim 80 (padded)
+    ([6, 1, 12], [30, 44, 9], 8, 2, 64, 16, torch.float32, 8),  # sliding window
+    ([5, 1], [20, 3], 4, 2, 64, 16, torch.bfloat16, 6),  # sliding window, bf16
+    ([3, 1], [9, 14], 2, 2, 64, 1, torch.float32, None),  # block size 1
+    ([4, 1], [300, 10], 4, 2, 64, 256, torch.float32, None),  # block size 256
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c[0]}-hq{c[2]}-hkv{c[3]}-d{c[4]}-bs{c[5]}-{c[6]}-w{c[7]}")
+def test_unified_attention_matches_reference(case):
+    q_lens, ctx, hq, hkv, d, bs, dtype, window = case
+    q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, ctx, hq, hkv, d, bs, dtype, seed=len(q_lens) + d + bs)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=d ** -0.5,
+                             sliding_window=window, max_query_len=max(q_lens))
+    ref = reference_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, window)
+    err = (out.float() - ref).abs().max().item()
+    assert err < TOL[dtype], err
+
+
+def test_reference_sees_a_wrong_window():
+    """The tolerance is tight enough that a window off by one is caught."""
+    q, kc, vc, qsl, sl, bt = _paged_batch([6, 1], [30, 44], 4, 2, 64, 16, torch.float32, seed=3)
+    out = torch.empty(q.shape)
+    _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=0.125,
+                             sliding_window=8)
+    assert (out - reference_attention(q, kc, vc, qsl, sl, bt, 0.125, 8)).abs().max() < 2e-5
+    assert (out - reference_attention(q, kc, vc, qsl, sl, bt, 0.125, 9)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(7, 2 * 3 * 80, generator=g).to(dtype)  # strided views of a fused projection
+    k, v = kv[:, :240].view(7, 3, 80), kv[:, 240:].view(7, 3, 80)
+    kc = torch.zeros(5, 4, 3, 80, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 17, -1, 0, 9, -1, 19])
+    _ops().reshape_and_cache(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, 3, 80), vc.view(-1, 3, 80)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [i for i in range(20) if i not in written]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 100, generator=g).to(dtype)
+    r = torch.randn(9, 100, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(100, generator=g)).to(dtype)
+
+    def ref(h):  # transformers' LlamaRMSNorm
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    tol = dict(rtol=TOL[dtype], atol=TOL[dtype])  # bf16: a rounding step apart at most
+    torch.testing.assert_close(_ops().rms_norm(x, w, 1e-6).float(), ref(x).float(), **tol)
+    res = r.clone()
+    out = _ops().rms_norm(x, w, 1e-6, res)
+    # Residual updated in place, in the model dtype (the interpreter rounds bf16 by
+    # truncation, a GPU to nearest: one ulp apart at most).
+    if dtype == torch.float32:
+        assert torch.equal(res, x + r)
+    else:
+        torch.testing.assert_close(res.float(), (x + r).float(), rtol=1 / 64, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref(x + r).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_strided_view(dtype):
+    d, heads, kv_heads, t = 64, 4, 2, 6
+    table = rotation_table(build_cos_sin_table(d, 10000.0, 512, None)).to(dtype)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    untouched = qkv[:, (heads + kv_heads) * d:].clone()
+    positions = torch.tensor([0, 1, 17, 200, 511, 3])
+    expected = apply_rotary(qk.float(), rotary_factors(table.float(), positions, heads + kv_heads))
+    _ops().rotary_(qk, table, positions)
+    assert (qk.float() - expected).abs().max() < TOL[dtype]
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    got = _ops().silu_and_mul(x)
+    assert got.shape == (5, 1500)
+    # bf16 rounds silu's output and the product: two rounding steps of relative error.
+    torch.testing.assert_close(got.float(), torch_silu_and_mul(x.float()), rtol=2 * TOL[dtype], atol=TOL[dtype])

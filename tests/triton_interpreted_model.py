@@ -1,0 +1,60 @@
+"""The model and the engine on the Triton backend, run on CPU tensors by Triton's
+interpreter.  Not collected on its own (the kernels must be decorated with
+TRITON_INTERPRET=1 set): tests/test_triton_backend.py runs this file in a
+subprocess with the interpreter on."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request
+from tests.model_factory import load_hf_model
+from tests.test_model import PagedSeqs, _tokens, hf_logits
+from worker.engine.attention.selector import resolve_attention_backend
+from worker.engine.loader import load_model
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+ATOL = 2e-4  # Triton's online softmax sums in another order than HF's eager attention
+
+
+def _triton_model(path):
+    import torch
+
+    model = load_model(path)
+    backend = resolve_attention_backend("triton", "auto", torch.device("cpu"), torch.float32, 4)
+    assert backend.name == "triton" and backend.ops is not None
+    model.use_attention_backend(backend)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa"])
+def test_mixed_steps_match_hf(tiny_model, kind):
+    """Fresh prefill, a chunk after cached context beside decode rows, decode-only
+    steps: one kernel launch per layer for every row kind, and the Triton RMSNorm,
+    rotary, SwiGLU and cache write."""
+    path = tiny_model(kind)
+    hf, model = load_hf_model(path), _triton_model(path)
+    a, b = _tokens(30, seed=11), _tokens(14, seed=12)
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", a[:17])])
+    assert (got - ref_a[:17]).abs().max() < ATOL
+    got_a, got_b = seqs.step([("a", a[17:26]), ("b", b[:10])])
+    assert (got_a - ref_a[17:26]).abs().max() < ATOL and (got_b - ref_b[:10]).abs().max() < ATOL
+    for i in range(4):
+        got_a, got_b = seqs.step([("a", [a[26 + i]]), ("b", [b[10 + i]])])
+        assert (got_a[0] - ref_a[26 + i]).abs().max() < ATOL
+        assert (got_b[0] - ref_b[10 + i]).abs().max() < ATOL
+
+
+def test_engine_on_triton_matches_hf_greedy(llama_dir):
+    engine = make_engine(llama_dir, attention_backend="triton", max_num_batched_tokens=32)
+    assert engine.attention_backend.name == "triton"
+    prompts = random_prompts(3, 10, 40, seed=3)
+    res = engine.generate([request(str(i), p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert res[str(i)][0].token_ids == hf_greedy(llama_dir, p, 6)[0]
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

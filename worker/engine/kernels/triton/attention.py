@@ -1,0 +1,183 @@
+"""Paged attention for every row of a step in one launch (vLLM's Triton "unified
+attention" design).
+
+Program (q-block b, KV head h) takes up to BLOCK_Q consecutive query tokens of one
+sequence together with the G query heads that share KV head h, so each K/V tile is
+read once for BLOCK_Q * G rows (GQA without copies).  Q-blocks are numbered per
+sequence with one spare each (``q_start // BLOCK_Q + seq``), so the grid,
+``T // BLOCK_Q + B`` programs, depends on host-known shapes only and a program finds
+its sequence by binary search over ``query_start_loc``: the launch is captured in
+CUDA graphs and replays with each row's real length.  Keys are walked in tiles of
+TILE_N positions, each key's page looked up in the block table, so any block size
+works.  Causal (lower-right: a chunk after ``context`` cached tokens) and sliding
+windows are masks on positions; tiles wholly outside them are skipped.  Online
+softmax in fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+# Triton's interpreter multiplies bf16 dot operands wrongly (numpy has no bf16), so
+# under it the dots run on fp32 copies; compiled kernels keep bf16/fp16 tensor-core dots.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq_lens, block_tables,
+    scale, num_seqs, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,  # IEEE: fp32 dots (no TF32 rounding)
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    local = q_block - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    q_idx = local * BLOCK_Q + offs_m // G  # query token within the sequence
+    head = kv_head * G + offs_m % G
+    row_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
+    d_ok = offs_d < HEAD_DIM
+    q_pos = context + q_idx  # its position: it sees keys 0..q_pos
+    token = q_start + q_idx
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+
+    last_pos = context + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
+    end_tile = last_pos // TILE_N + 1
+    start_tile = 0
+    if USE_WINDOW:
+        start_tile = tl.maximum(context + local * BLOCK_Q - window + 1, 0) // TILE_N
+    offs_n = tl.arange(0, TILE_N)
+    table = block_tables + seq * stride_bt
+    for tile in range(start_tile, end_tile):
+        k_pos = tile * TILE_N + offs_n
+        k_ok = k_pos < seq_len
+        page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot_in_page = k_pos % BLOCK_SIZE
+        k = tl.load(k_cache + page[None, :] * stride_kb + slot_in_page[None, :] * stride_ks
+                    + kv_head * stride_kh + offs_d[:, None],
+                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
+        v = tl.load(v_cache + page[:, None] * stride_vb + slot_in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
+        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  max_query_len: Optional[int]) -> dict:
+    """Tile sizes: 16 query rows per program (tl.dot's minimum), more when a group
+    is larger; key tiles of 32 positions for prefill-like steps, 16 for decode."""
+    g = num_heads // num_kv_heads
+    block_m = 16 if g <= 16 else triton.next_power_of_2(g)
+    block_q = max(block_m // g, 1)
+    tile_n = 16 if max_query_len == 1 else 32
+    head_pad = max(triton.next_power_of_2(head_dim), 16)
+    return dict(G=g, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+                BLOCK_Q=block_q, TILE_N=tile_n)
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, sliding_window: Optional[int] = None,
+                      max_query_len: Optional[int] = None) -> torch.Tensor:
+    """Attention of every query row of a step over its sequence's paged K/V.
+
+    q ``[T, Hq, D]`` (last dim contiguous; a strided view of a fused projection is
+    fine), k/v_cache ``[num_blocks, block_size, Hkv, D]``, out ``[T, Hq, D]``;
+    query_start_loc ``[B+1]``, seq_lens ``[B]`` and block_tables ``[B, W]`` int32.
+    """
+    t, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("unified_attention needs the head dimension contiguous")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not share {hkv} KV heads evenly")
+    num_seqs = seq_lens.shape[0]
+    cfg = launch_config(hq, hkv, d, block_size, max_query_len)
+    grid = (t // cfg["BLOCK_Q"] + num_seqs, hkv)
+    window = int(sliding_window or 0)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        float(scale), num_seqs, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        USE_WINDOW=window > 0, IEEE=q.dtype == torch.float32 or _INTERPRETING, **cfg)
+    return out
+
+
+def compile_specs() -> list:
+    specs = []
+    for dtype, head_dim, block_size, g, window in (("bf16", 128, 16, 4, False), ("fp16", 64, 32, 8, True),
+                                                   ("fp32", 80, 16, 1, False), ("bf16", 64, 1, 2, True)):
+        cfg = launch_config(g * 2, 2, head_dim, block_size, None)
+        sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}", "out_ptr": f"*{dtype}",
+               "query_start_loc": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
+               "scale": "fp32", "num_seqs": "i32", "window": "i32"}
+        for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh",
+                     "stride_vb", "stride_vs", "stride_vh", "stride_bt"):
+            sig[name] = "i64"
+        const = dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")
+        specs.append((f"unified_attention[{dtype},D={head_dim},bs={block_size},G={g},window={window}]",
+                      _unified_attention_kernel, sig, const))
+    return specs
