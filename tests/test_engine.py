@@ -88,7 +88,7 @@ def test_blocks_freed_after_completion_and_abort(llama_dir):
     rest = run_to_completion(engine)
     assert set(rest) == {("b", 0)} and rest[("b", 0)][-1].finish_reason == "length"
     assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     # Abort before the first step (choices not forked yet) also reports every choice.
     engine.add_request(request("c", [5, 6, 7], n=3, temperature=1.0))
     assert sorted(d.index for d in engine.abort("c")) == [0, 1, 2]

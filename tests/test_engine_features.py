@@ -97,7 +97,7 @@ def test_n_choices_share_the_prompt_and_seeds_reproduce(llama_dir):
     assert [s.index for s in seqs] == [0, 1, 2]
     shared = seqs[0].block_ids[:2]
     assert all(s.block_ids[:2] == shared for s in seqs)
-    assert [engine.block_manager.blocks[b].ref_count for b in shared] == [3, 3]
+    assert [engine.block_manager.ref_count(b) for b in shared] == [3, 3]
     rest = run_to_completion(engine)
     first_run = [[*seqs[i].output_ids] for i in range(3)]
     assert all(len(t) == 8 for t in first_run) and len({tuple(t) for t in first_run}) > 1
@@ -190,7 +190,7 @@ def test_everything_at_once_under_pressure(llama_dir):
     assert {rid: [got[rid][i] for i in sorted(got[rid])] for rid in got} == expected
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.hit_tokens > 0
     bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks and all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
 
 
 def test_abort_releases_text_held_back_for_stop_strings(llama_dir):

@@ -1,34 +1,49 @@
 """Paged KV block pool with reference counts and prefix caching (vLLM v1 KVCacheManager).
 
-Every block has a ref count; blocks with ref count 0 sit in an LRU free queue.
-A full block whose tokens were computed is registered under a chained hash
-``hash(parent_hash, block_token_ids, extra_keys)`` (extra keys = cache_salt on the
-first block, so salts isolate sharing).  A freed block keeps its hash until it
-is handed out again, so a later prompt with the same prefix can pick it up from
-the free queue ("cached but free") instead of recomputing; eviction takes the
-least recently freed block first, and blocks holding no cached content first of all.
+Every block has a ref count; blocks with ref count 0 are free.  A full block whose
+tokens were computed is registered under a chained sha256 hash of (parent hash,
+block token ids, extra keys: cache_salt on the first block, the LoRA adapter), so
+a collision cannot share KV across tenants.  A freed block keeps its hash until it
+is handed out again, so a later prompt with the same prefix can pick it up ("cached
+but free") instead of recomputing.  Allocation takes blocks holding no cached
+content first (the most recently freed of them first), then evicts the least
+recently freed cached block.
+
+State lives in flat arrays and a stack sized once (a GPU cache can have millions of
+blocks); only cached free blocks sit in an ordered map, so every operation costs
+O(blocks touched).
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
 
+import numpy as np
+
 from worker.engine.request import EngineSequence
 
-_ROOT_HASH = hash(("tokserve-kv-root",))
+BlockHash = bytes  # 32-byte sha256 digest
+_ROOT_HASH: BlockHash = hashlib.sha256(b"tokserve-kv-root").digest()
 
 
-class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: Optional[int] = None
+def _text_key(value: Optional[str]) -> bytes:
+    if value is None:
+        return b"\x00"
+    raw = value.encode("utf-8")
+    return b"\x01" + struct.pack("<Q", len(raw)) + raw  # length-prefixed: no two keys serialise alike
 
 
-def hash_block(parent_hash: Optional[int], token_ids: Seq[int], extra: Optional[str] = None) -> int:
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids), extra))
+def hash_block(parent_hash: Optional[BlockHash], token_ids: Seq[int], extra: Optional[str] = None,
+               adapter: Optional[str] = None) -> BlockHash:
+    """sha256 of the parent's hash, the block's token ids (int64 little-endian) and
+    its extra keys (vLLM's ``--prefix-caching-hash-algo sha256``)."""
+    h = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    h.update(_text_key(extra))
+    h.update(_text_key(adapter))
+    return h.digest()
 
 
 class BlockManager:
@@ -38,9 +53,14 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._ref: list[int] = [0] * num_blocks
+        self._hash: list[Optional[BlockHash]] = [None] * num_blocks
+        # Free blocks without cached content: a stack whose top is handed out next
+        # (block 0 first at start, then the most recently freed).
+        self._uncached = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
+        self._num_uncached = num_blocks
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: least recently freed first
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         # Prefix-cache statistics (tokens), for metrics.
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -48,11 +68,17 @@ class BlockManager:
     # --- accounting ------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_uncached + len(self._free_cached)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> Optional[BlockHash]:
+        return self._hash[block_id]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -63,10 +89,11 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         tokens = seq.token_ids
+        adapter = getattr(seq.request, "lora_name", None)
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else None
             extra = seq.request.cache_salt if i == 0 else None
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], extra))
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], extra, adapter))
 
     # --- prefix cache lookup --------------------------------------------
     def find_cached_prefix(self, seq: EngineSequence) -> list[int]:
@@ -89,13 +116,13 @@ class BlockManager:
 
     # --- allocation ------------------------------------------------------
     def can_allocate(self, seq: EngineSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
-        return self.num_blocks_to_take(seq, num_new_tokens, cached_blocks) <= len(self._free)
+        return self.num_blocks_to_take(seq, num_new_tokens, cached_blocks) <= self.num_free_blocks
 
     def num_blocks_to_take(self, seq: EngineSequence, num_new_tokens: int, cached_blocks: Seq[int]) -> int:
         total = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         fresh = self.blocks_needed(total) - len(seq.block_ids) - len(cached_blocks)
         # Cached hits that are currently free also leave the free queue.
-        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in cached_blocks if self._ref[b] == 0)
         return max(fresh, 0) + revived
 
     def allocate_slots(self, seq: EngineSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
@@ -115,19 +142,22 @@ class BlockManager:
         return True
 
     def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-        block.ref_count += 1
+        """One more reference to a prefix-cache hit (revived from the free map if free)."""
+        if self._ref[block_id] == 0:
+            del self._free_cached[block_id]
+        self._ref[block_id] += 1
 
     def _pop_free(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict its cached content
-            if self._cached.get(block.block_hash) == block_id:
-                del self._cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
+        if self._num_uncached:
+            self._num_uncached -= 1
+            block_id = int(self._uncached[self._num_uncached])
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            h = self._hash[block_id]  # evict its cached content
+            if self._cached.get(h) == block_id:
+                del self._cached[h]
+            self._hash[block_id] = None
+        self._ref[block_id] = 1
         return block_id
 
     def fork(self, parent: EngineSequence, child: EngineSequence) -> None:
@@ -151,27 +181,29 @@ class BlockManager:
         self._update_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         for i in range(seq.num_registered_blocks, num_full):
-            block = self.blocks[seq.block_ids[i]]
+            block_id = seq.block_ids[i]
             h = seq.block_hashes[i]
-            if block.block_hash is None and h not in self._cached:
-                block.block_hash = h
-                self._cached[h] = block.block_id
+            if self._hash[block_id] is None and h not in self._cached:
+                self._hash[block_id] = h
+                self._cached[h] = block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: EngineSequence) -> None:
         """Drop the sequence's references; unreferenced blocks join the free queue.
 
         Tail blocks are queued first so that, of one sequence, the shared-prefix
-        blocks (most reusable) are evicted last; blocks without cached content go
-        to the front, to be reused before any cached block.
+        blocks (most reusable) are evicted last; blocks without cached content are
+        reused before any cached block.
         """
+        ref = self._ref
         for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            ref[block_id] -= 1
+            if ref[block_id] == 0:
+                if self._hash[block_id] is None:
+                    self._uncached[self._num_uncached] = block_id
+                    self._num_uncached += 1
+                else:
+                    self._free_cached[block_id] = None
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

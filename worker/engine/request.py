@@ -90,7 +90,7 @@ class EngineSequence:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.block_hashes: list[bytes] = []  # chained sha256 hashes of the full blocks of token_ids
         self.num_registered_blocks = 0  # leading full blocks published in the prefix cache
         self.status = SeqStatus.WAITING
         self.finish_reason: Optional[str] = None
