@@ -6,7 +6,11 @@ once in the log.
 
 The build is tuned for the CPU it runs on (``-march=native``), so the module name
 carries a hash of the CPU's feature flags (a cache shared between different
-machines never loads code the CPU can't run) and of the kernel files.
+machines never loads code the CPU can't run) and of the kernel files.  The files are
+compiled from a copy inside the build directory, not from where the package sits:
+torch's ninja build keys objects by source path, so two checkouts (or an editable
+and an installed copy) of the same kernels share one build instead of rebuilding
+each other's.
 """
 from __future__ import annotations
 
@@ -53,6 +57,25 @@ def _source_tag(here: Path) -> str:
     return h.hexdigest()[:8]
 
 
+def kernel_module_name(here: Path) -> str:
+    return f"tokserve_cpu_kernels_{_cpu_tag()}_{_source_tag(here)}"
+
+
+def stage_sources(here: Path, dest: Path) -> Path:
+    """Copy the kernel files into ``dest`` (once per content: the module name already
+    hashes it), atomically per file so concurrent loaders never see a partial one."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in _SOURCES + _HEADERS:
+        data = (here / f).read_bytes()
+        target = dest / f
+        if target.is_file() and target.read_bytes() == data:
+            continue
+        tmp = dest / f".{f}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return dest
+
+
 def load_cpu_kernels() -> Optional[Any]:
     """The compiled kernels module, or None when it can't be built here (logged once)."""
     global _module, _tried
@@ -63,10 +86,12 @@ def load_cpu_kernels() -> Optional[Any]:
                 from torch.utils.cpp_extension import _get_build_directory, load
 
                 here = Path(__file__).parent
-                name = f"tokserve_cpu_kernels_{_cpu_tag()}_{_source_tag(here)}"
-                _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+                name = kernel_module_name(here)
+                build_dir = Path(_get_build_directory(name, verbose=False))
+                _clear_stale_lock(build_dir / "lock")
+                src = stage_sources(here, build_dir / "src")
                 _module = load(name=name,
-                               sources=[str(here / s) for s in _SOURCES],
+                               sources=[str(src / s) for s in _SOURCES],
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
                                verbose=False)
             except Exception as e:  # no compiler / ninja / headers: torch's kernels still work
