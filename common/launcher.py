@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF-format model folder (default: build and serve the demo model)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (worker i gets CUDA_VISIBLE_DEVICES=i)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs (ranks) per worker: worker i gets GPUs i*N .. i*N+N-1")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
@@ -114,11 +116,15 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
     workers = []
     cuda = args.device.startswith("cuda")
     worker_args = shlex.split(args.worker_args)
+    tp = args.tensor_parallel_size
     if not cuda and "--threads" not in worker_args:
-        worker_args += ["--threads", str(cpu_worker_threads(args.workers))]
+        worker_args += ["--threads", str(cpu_worker_threads(args.workers * tp))]  # per rank
+    if tp > 1:
+        worker_args += ["--tensor-parallel-size", str(tp)]
     for rank in range(args.workers):
-        # Each worker sees only its own GPU, which it then calls "cuda" (= cuda:0).
-        env = {"CUDA_VISIBLE_DEVICES": str(rank)} if cuda else {}
+        # Each worker sees only its own GPUs, which it then calls cuda:0 .. cuda:N-1.
+        gpus = ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))
+        env = {"CUDA_VISIBLE_DEVICES": gpus} if cuda else {}
         argv = tokserve_cmd("worker", "--model", model_dir, "--rank", str(rank), "--broker", args.backend,
                             "--device", "cuda" if cuda else args.device, *log_args, *worker_args)
         if args.tokens_only:

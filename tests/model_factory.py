@@ -15,6 +15,7 @@ Kinds (``KINDS``):
   mistral        MistralForCausalLM (no sliding window)
   mistral_swa    MistralForCausalLM with sliding_window=8 on every layer
   qwen2_swa      Qwen2ForCausalLM with use_sliding_window: layer 0 full, layer 1 a window of 6
+  llama_mqa      LlamaForCausalLM with one KV head (replicated under tensor parallelism)
   llama_sharded  same weights as ``llama`` (same seed) in several safetensors shards
   llama_tied     tie_word_embeddings=True (no lm_head.weight in the checkpoint)
   llama_rope_llama3 / llama_rope_linear / llama_rope_yarn   rope_scaling variants
@@ -44,8 +45,8 @@ _ROPE = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_sharded", "llama_tied",
-         "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
+         "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn")
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -85,6 +86,8 @@ def _hf_config(kind: str):
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}
+    if kind == "llama_mqa":
+        extra["num_key_value_heads"] = 1
     if kind == "llama_tied":
         extra["tie_word_embeddings"] = True
     if kind.startswith("llama_rope_"):

@@ -141,3 +141,14 @@ def test_cpu_workers_leave_a_cpu_to_the_front_end():
     assert workers[0].argv.count("--threads") == 1 and workers[0].argv[-1] == "5"  # the operator's choice wins
     _, workers, _ = plan_children(build_parser().parse_args(["--device", "cuda"]), "/m")
     assert "--threads" not in workers[0].argv
+
+
+def test_launcher_gives_each_tensor_parallel_worker_its_gpus():
+    from common.launcher import build_parser, cpu_worker_threads, plan_children
+
+    _, workers, _ = plan_children(build_parser().parse_args(["--workers", "2", "--device", "cuda",
+                                                             "--tensor-parallel-size", "2"]), "/m")
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "2,3"]
+    assert all(w.argv[w.argv.index("--tensor-parallel-size") + 1] == "2" for w in workers)
+    _, workers, _ = plan_children(build_parser().parse_args(["--tensor-parallel-size", "2"]), "/m")
+    assert workers[0].argv[workers[0].argv.index("--threads") + 1] == str(cpu_worker_threads(2))  # per rank

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache size in bytes (vLLM's flag); skips the GPU memory profiling")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU this worker may fill (weights, activations, CUDA graphs, KV cache)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks this worker owns (torch.distributed: NCCL on CUDA, gloo on CPU); "
+                        "on CUDA they use cuda:i .. cuda:i+N-1 from --device cuda:i")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch", "triton", "flash_attn"],
                    help="auto: triton on CUDA (flash_attn, then torch SDPA without it), --cpu-attention's choice on CPU")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -73,7 +76,8 @@ def engine_config_from_args(args):
                         num_threads=args.threads, enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear,
                         cpu_attention=args.cpu_attention, attention_backend=args.attention_backend,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,6 +225,9 @@ class WorkerServer:
             self._send([_CTL, _STOP])
             self.link.join(timeout=5)
             self.pipe.close(0)
+            close = getattr(self.engine, "close", None)
+            if close is not None:  # tensor-parallel followers stop with their worker
+                close()
         log.info("worker rank %d stopped", self.rank)
         return 0
 

@@ -47,6 +47,7 @@ class EngineConfig:
     # auto: triton on CUDA (flash_attn, then torch without it), cpu_attention's choice on CPU
     attention_backend: str = "auto"
     kv_cache_memory_bytes: Optional[int] = None  # KV cache size, overrides gpu_memory_utilization's profiling
+    tensor_parallel_size: int = 1  # ranks (devices) one worker owns; cuda:i..i+N-1 on CUDA
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -67,6 +68,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.cpu_linear not in CPU_LINEAR_CHOICES:

@@ -21,13 +21,12 @@ from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
-from worker.engine.attention.selector import resolve_attention_backend
-from worker.engine.loader import load_model
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig
 from worker.engine.model_runner import ModelRunner
-from worker.engine.models.cpu_gemm import resolve_cpu_linear
+from worker.engine.model_setup import build_model
+from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
 from worker.engine.request import FinishReason, Request, EngineSequence
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
@@ -52,17 +51,16 @@ class Engine:
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
         max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
-        self.model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
-        self.cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
-        if self.cpu_linear == "onednn":
-            self.model.pack_linears()
-        self.attention_backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
-                                                           config.torch_dtype, config.block_size)
-        self.model.use_attention_backend(self.attention_backend)
+        # Tensor parallelism: followers start (and join the process group) before the
+        # model is built, since every rank loads only its shard.
+        check_shardable(mc, config.tensor_parallel_size)
+        self.tp_leader = start_tensor_parallel(config, device)
+        self.model, self.attention_backend, self.cpu_linear = build_model(config, mc, device)
         self.cpu_attention = "native" if self.attention_backend.name == "native" else "torch"
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
+        self.runner.tp_leader = self.tp_leader
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
             # One sequence must always fit, or recompute preemption could never finish it.
@@ -160,6 +158,12 @@ class Engine:
                                           num_cached_tokens=request.num_cached_tokens,
                                           first_scheduled_time=request.first_scheduled_time))
         return deltas
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (idempotent; nothing to do at TP=1)."""
+        if self.tp_leader is not None:
+            self.tp_leader.shutdown()
+            self.tp_leader = None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -52,6 +52,7 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     targets = model.weight_targets()
+    slices = model.weight_slices()  # tensor parallelism: this rank's part of sharded tensors
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in iter_checkpoint(model_dir):
@@ -62,6 +63,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
             if not name.endswith(_IGNORED_SUFFIXES):
                 unexpected.append(name)
             continue
+        if name in slices:
+            tensor = tensor.narrow(*slices[name])
         if tensor.shape != dst.shape:
             # q_norm/k_norm hold one [head_dim] vector broadcast over the heads.
             if not (tensor.dim() == 1 and dst.dim() == 2 and dst.shape[1] == tensor.shape[0]):

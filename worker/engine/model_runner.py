@@ -19,7 +19,8 @@ from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import AttentionMetadata, StepLayout
 from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from worker.engine.models.llama import kv_bytes_per_block
+from worker.engine.models.llama import kv_bytes_per_block, kv_cache_shape
+from worker.engine.parallel.state import get_tp
 from worker.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,13 @@ def kv_blocks_for_memory(*, total: int, free: int, activations: int, graph_pool:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: Any, model: torch.nn.Module, max_model_len: int,
-                 backend: Optional[AttentionBackend] = None):
+                 backend: Optional[AttentionBackend] = None, *, device: Optional[torch.device] = None):
         self.config = config
         self.model_config = model_config
         self.model = model
-        self.device = config.resolved_device
+        self.device = device if device is not None else config.resolved_device
+        # Rank 0 under tensor parallelism: mirrors every model call to the followers.
+        self.tp_leader: Optional[Any] = None
         self.backend = backend if backend is not None else TorchSDPABackend()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -109,6 +112,18 @@ class ModelRunner:
 
     # --- KV cache ------------------------------------------------------------
     def decide_num_blocks(self) -> int:
+        """KV blocks to allocate; under tensor parallelism every rank sizes its own
+        cache (in lockstep) and the smallest count wins."""
+        leader = self.tp_leader
+        if leader is None:
+            return self._decide_num_blocks()
+        from worker.engine.parallel.follower import OP_PROFILE, min_across_ranks
+
+        leader.send(OP_PROFILE)
+        with leader.paused():
+            return min_across_ranks(self._decide_num_blocks())
+
+    def _decide_num_blocks(self) -> int:
         cfg = self.config
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         if cfg.num_kv_blocks is not None:
@@ -155,6 +170,9 @@ class ModelRunner:
         (smaller ones share its pool) on the temporary cache, then dropped."""
         if self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return 0
+        if get_tp().active:  # a lone capture would wait on the other ranks' all-reduces
+            log.info("graph-pool memory not profiled under tensor parallelism")
+            return 0
         dev = self.device
         size = cuda_graph_batch_sizes(self.config.max_num_seqs)[-1]
         reserved = torch.cuda.memory_reserved(dev)
@@ -172,11 +190,14 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """``num_blocks`` usable blocks; on CUDA one more, a scratch block that padded
         rows of a CUDA-graph batch write into (never handed to a sequence)."""
+        if self.tp_leader is not None and self.tp_leader.sending:
+            from worker.engine.parallel.follower import OP_ALLOC
+
+            self.tp_leader.send(OP_ALLOC, (num_blocks, self.max_model_len))
         mc = self.model_config
         extra = 1 if self.device.type == "cuda" else 0
-        shape = (2, mc.num_hidden_layers, num_blocks + extra, self.block_size, mc.num_key_value_heads,
-                 mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(kv_cache_shape(mc, num_blocks + extra, self.block_size), dtype=self.dtype,
+                                    device=self.device)
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
 
@@ -244,7 +265,17 @@ class ModelRunner:
         graph = self._graph_for(scheduled)
         if graph is not None:
             return graph.run(self, scheduled)
-        return self.execute(self.prepare(scheduled))
+        return self.run_layout(self.layout(scheduled))
+
+    def run_layout(self, layout: StepLayout) -> torch.Tensor:
+        """Hidden states of a step given as host arrays (tensor-parallel followers
+        enter here with the layout rank 0 broadcast)."""
+        if self.tp_leader is not None and self.tp_leader.sending:
+            self.tp_leader.step(layout)
+        graph = self._graph_for(layout)
+        if graph is not None:
+            return graph.run(self, layout)
+        return self.execute(self.to_inputs(layout))
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of prepared inputs."""
@@ -253,6 +284,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """float32 logits [len(rows), V] of the selected batch rows."""
+        if self.tp_leader is not None and self.tp_leader.sending:
+            self.tp_leader.logits(rows)
         index = torch.tensor(rows, dtype=torch.long)
         if self.device.type != "cpu":
             index = index.to(self.device, non_blocking=True)
@@ -276,13 +309,19 @@ class ModelRunner:
             block += nb
             scheduled.append(ScheduledSeq(seq, n))
             remaining -= n
-        hidden = self.execute(self.prepare(scheduled))
+        hidden = self.run_layout(self.layout(scheduled))
         self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)])
 
     # --- CUDA graphs --------------------------------------------------------------
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        if self.tp_leader is not None and self.tp_leader.sending:
+            from worker.engine.parallel.follower import OP_CAPTURE
+
+            self.tp_leader.send(OP_CAPTURE)  # every rank captures the same graphs in the same order
+            with self.tp_leader.paused():
+                return self.capture_cuda_graphs()
         if not self.backend.supports_cuda_graphs:
             log.info("%s attention plans on the host; decode runs without CUDA graphs", self.backend.name)
             return
@@ -299,10 +338,10 @@ class ModelRunner:
             self._graphs.clear()
         torch.cuda.synchronize(self.device)
 
-    def _graph_for(self, scheduled: Sequence[ScheduledSeq]) -> Optional["_DecodeGraph"]:
-        if not self._graphs or any(s.num_new_tokens != 1 for s in scheduled):
+    def _graph_for(self, layout: StepLayout) -> Optional["_DecodeGraph"]:
+        if not self._graphs or layout.num_tokens != len(layout.query_lens):  # decode-only steps only
             return None
-        n = len(scheduled)
+        n = len(layout.query_lens)
         for size in sorted(self._graphs):
             if size >= n:
                 return self._graphs[size]
@@ -352,9 +391,13 @@ class _DecodeGraph:
             self.output = model(self.input_ids, self.positions, self.attn, kv)
         return self
 
-    def run(self, runner: ModelRunner, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
-        n = len(scheduled)
-        inputs = runner.to_device_only(runner.layout(scheduled, table_width=runner.max_blocks_per_seq))
+    def run(self, runner: ModelRunner, layout: StepLayout) -> torch.Tensor:
+        n = len(layout.query_lens)
+        if layout.block_tables.shape[1] != runner.max_blocks_per_seq:  # the graph's static table width
+            table = np.zeros((n, runner.max_blocks_per_seq), dtype=np.int32)
+            table[:, :layout.block_tables.shape[1]] = layout.block_tables
+            layout.block_tables = table
+        inputs = runner.to_device_only(layout)
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(inputs.attn.slot_mapping)

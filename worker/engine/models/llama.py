@@ -18,18 +18,26 @@ from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.cpu_gemm import LinearFn, onednn_linear, pack_weight
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
+from worker.engine.parallel.sharding import head_shard, split, vocab_shard
+from worker.engine.parallel.state import get_tp
 from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
 
 
+def local_kv_heads(config: ModelConfig) -> int:
+    """KV heads this tensor-parallel rank holds (all of them at world size 1)."""
+    tp = get_tp()
+    return head_shard(config.num_attention_heads, config.num_key_value_heads, tp.rank, tp.world).num_kv_heads
+
+
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the single KV tensor the engine preallocates for this model."""
-    return (2, config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """Shape of the single KV tensor the engine preallocates for this model (this rank's heads)."""
+    return (2, config.num_hidden_layers, num_blocks, block_size, local_kv_heads(config), config.head_dim)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block costs across all layers, K and V (for sizing the cache)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
+    return 2 * config.num_hidden_layers * block_size * local_kv_heads(config) * config.head_dim * elem
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -37,25 +45,28 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device, sliding_window: Optional[int] = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.tp = tp = get_tp()
+        self.shard = shard = head_shard(c.num_attention_heads, c.num_key_value_heads, tp.rank, tp.world)
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim
+        self.inter_start, inter = split(c.intermediate_size, tp.rank, tp.world, "intermediate_size")
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.qkv_weight = empty_param(c.q_size + 2 * c.kv_size, c.hidden_size, dtype=dtype, device=device)
-        self.qkv_bias = empty_param(c.q_size + 2 * c.kv_size, dtype=dtype, device=device) if c.qkv_bias else None
-        self.o_weight = empty_param(c.hidden_size, c.q_size, dtype=dtype, device=device)
+        q_size, kv_size = self.q_size, self.kv_size
+        self.qkv_weight = empty_param(q_size + 2 * kv_size, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = empty_param(q_size + 2 * kv_size, dtype=dtype, device=device) if c.qkv_bias else None
+        self.o_weight = empty_param(c.hidden_size, q_size, dtype=dtype, device=device)
         self.o_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.o_bias else None
         # Qwen3: q_norm/k_norm weights broadcast per head into one [heads + kv_heads, D]
         # table so q and k are normalised by a single op.
-        self.qk_norm_weight = (empty_param(c.num_attention_heads + c.num_key_value_heads, c.head_dim,
+        self.qk_norm_weight = (empty_param(self.num_heads + self.num_kv_heads, c.head_dim,
                                            dtype=dtype, device=device) if c.qk_norm else None)
         self.qk_norm_eps = c.rms_norm_eps
-        inter = c.intermediate_size
         self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
         self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
         self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
         self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
-        self.attn = PagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, sliding_window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window)
         self.linear: LinearFn = F.linear
         self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
 
@@ -69,6 +80,25 @@ class LlamaDecoderLayer(nn.Module):
             del self._parameters[name]
             setattr(self, name, packed)
         self.linear = onednn_linear
+
+    def weight_slices(self, prefix: str) -> dict[str, tuple[int, int, int]]:
+        """HF tensor name -> (dim, start, length) of the slice this rank holds (sharded
+        tensors only; the loader narrows the checkpoint tensor before copying)."""
+        if not self.tp.active:
+            return {}
+        sh, d = self.shard, self.head_dim
+        inter = self.gate_up_weight.shape[0] // 2
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
+        t = {a + "q_proj.weight": q_rows, a + "k_proj.weight": kv_rows, a + "v_proj.weight": kv_rows,
+             a + "o_proj.weight": (1, sh.head_start * d, self.q_size),
+             m + "gate_proj.weight": (0, self.inter_start, inter), m + "up_proj.weight": (0, self.inter_start, inter),
+             m + "down_proj.weight": (1, self.inter_start, inter)}
+        if self.qkv_bias is not None:
+            t.update({a + "q_proj.bias": q_rows, a + "k_proj.bias": kv_rows, a + "v_proj.bias": kv_rows})
+        if self.gate_up_bias is not None:
+            t.update({m + "gate_proj.bias": (0, self.inter_start, inter), m + "up_proj.bias": (0, self.inter_start, inter)})
+        return t
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
@@ -122,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv_layer, attn)
-        h = linear(o, self.o_weight, self.o_bias)
+        h = self._row_parallel(o, self.o_weight, self.o_bias)
         h, residual = self.post_attention_layernorm(h, residual)
         if t <= self.MLP_ROWS:
             return self._mlp(h), residual
@@ -137,7 +167,15 @@ class LlamaDecoderLayer(nn.Module):
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate_up = self.linear(h, self.gate_up_weight, self.gate_up_bias)
         act = silu_and_mul(gate_up) if self.ops is None else self.ops.silu_and_mul(gate_up)
-        return self.linear(act, self.down_weight, self.down_bias)
+        return self._row_parallel(act, self.down_weight, self.down_bias)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Output projection over this rank's input columns; the partial sums of all
+        ranks are all-reduced, and the (unsharded) bias is added once, after."""
+        if not self.tp.active:
+            return self.linear(x, weight, bias)
+        out = self.tp.all_reduce(self.linear(x, weight, None))
+        return out if bias is None else out.add_(bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,13 +185,20 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         dtype = dtype or config.dtype
         self.dtype, self.device = dtype, torch.device(device)
-        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.tp = tp = get_tp()
+        self.vocab_start, self.vocab_held, shard_rows = vocab_shard(config.vocab_size, tp.rank, tp.world)
+        # Padded shard rows stay zero: their logits are cut off after the gather.
+        self.embed_tokens = empty_param(shard_rows, config.hidden_size, dtype=dtype, device=device)
+        if shard_rows != self.vocab_held:
+            self.embed_tokens.data[self.vocab_held:].zero_()
         windows = config.layer_sliding_windows or (None,) * config.num_hidden_layers
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, windows[i])
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
-                        else empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+                        else empty_param(shard_rows, config.hidden_size, dtype=dtype, device=device))
+        if self.lm_head is not self.embed_tokens and shard_rows != self.vocab_held:
+            self.lm_head.data[self.vocab_held:].zero_()
         # Cast like HF: cos/sin computed in float32, then rounded to the model dtype.
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
@@ -184,11 +229,24 @@ class LlamaForCausalLM(nn.Module):
     def max_positions(self) -> int:
         return self.rope.shape[0]
 
+    def weight_slices(self) -> dict[str, tuple[int, int, int]]:
+        """HF tensor name -> (dim, start, length) this tensor-parallel rank loads."""
+        if not self.tp.active:
+            return {}
+        vocab = (0, self.vocab_start, self.vocab_held)
+        t = {"model.embed_tokens.weight": vocab}
+        if not self.config.tie_word_embeddings:
+            t["lm_head.weight"] = vocab
+        for i, layer in enumerate(self.layers):
+            t.update(layer.weight_slices(f"model.layers.{i}."))
+        return t
+
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Every HF tensor name this model needs -> where it goes."""
-        t = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.weight.data}
+        t = {"model.embed_tokens.weight": self.embed_tokens.data[: self.vocab_held],
+             "model.norm.weight": self.norm.weight.data}
         if not self.config.tie_word_embeddings:
-            t["lm_head.weight"] = self.lm_head.data
+            t["lm_head.weight"] = self.lm_head.data[: self.vocab_held]
         for i, layer in enumerate(self.layers):
             t.update(layer.weight_targets(f"model.layers.{i}."))
         return t
@@ -197,22 +255,35 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for the flat batch."""
-        h = F.embedding(input_ids, self.embed_tokens)
-        c = self.config
+        h = self._embed(input_ids)
         if self.ops is not None:  # layers rotate in place from the table
             rope = (self.rope, positions)
         else:  # per-step factors, shared by all layers
-            rope = rotary_factors(self.rope, positions, c.num_attention_heads + c.num_key_value_heads)
+            rope = rotary_factors(self.rope, positions, self.layers[0].num_heads + self.layers[0].num_kv_heads)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, rope, attn, kv_cache[:, i])
         h, _ = self.norm(h, residual)
         return h
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.active:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: each rank embeds the ids in its shard, zeros elsewhere; the sum is the lookup.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_held)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 ``[R, vocab]`` for the selected hidden rows."""
+        """float32 ``[R, vocab]`` for the selected hidden rows (every rank calls it
+        under tensor parallelism: the vocabulary shards are gathered)."""
         packed = self._lm_head_packed
         if packed is not None:
-            return onednn_linear(hidden, packed, None).float()
-        return F.linear(hidden, self.lm_head).float()
+            logits = onednn_linear(hidden, packed, None).float()
+        else:
+            logits = F.linear(hidden, self.lm_head).float()
+        if self.tp.active:
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
+        return logits

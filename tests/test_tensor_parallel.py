@@ -1,0 +1,86 @@
+"""Tensor parallelism on CPU with gloo: TP=2 equals TP=1 (logits within 1e-4, greedy
+ids identical), KV heads split or replicated, and one engine owning two ranks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine_helpers import make_engine, random_prompts, request
+from tests.tp_model_check import run_steps
+from worker.engine.config import EngineConfig
+from worker.engine.loader import load_model
+from worker.engine.parallel.sharding import head_shard, vocab_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_head_sharding_rules():
+    assert head_shard(8, 4, 1, 2) == head_shard(8, 4, 1, 2)
+    s = head_shard(8, 4, 1, 2)
+    assert (s.num_heads, s.num_kv_heads, s.head_start, s.kv_head_start) == (4, 2, 4, 2)
+    # Fewer KV heads than ranks: each rank keeps the one head its query heads use.
+    for rank in range(4):
+        s = head_shard(8, 2, rank, 4)
+        assert (s.num_heads, s.num_kv_heads) == (2, 1)
+        assert s.kv_head_start == s.head_start // (8 // 2)
+    with pytest.raises(ValueError, match="must divide num_attention_heads"):
+        head_shard(6, 2, 0, 4)
+    with pytest.raises(ValueError, match="must divide tensor_parallel_size"):
+        head_shard(12, 2, 0, 3)
+    assert vocab_shard(10, 1, 4) == (3, 3, 3) and vocab_shard(10, 3, 4) == (9, 1, 3)
+
+
+def _tp_logits(model_dir: Path, tmp_path: Path, world: int) -> np.ndarray:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = tmp_path / "logits.npy"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_model_check", "--rank", str(r), "--world", str(world),
+                               "--init", init, "--model", str(model_dir), "--out", str(out)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return np.load(out, allow_pickle=False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa"])  # kv heads 2 -> split; 1 -> replicated
+def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
+    path = tiny_model(kind)
+    ref = torch.cat(run_steps(load_model(path))).numpy()
+    got = _tp_logits(path, tmp_path, 2)
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() < 1e-4
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_engine_with_two_ranks_matches_one(tiny_model):
+    path = tiny_model("qwen3")
+    prompts = random_prompts(5, 4, 40, seed=9)
+
+    def greedy(engine):
+        res = engine.generate([request(str(i), p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)])
+        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+
+    one = greedy(make_engine(path))
+    engine = make_engine(path, tensor_parallel_size=2)
+    try:
+        assert engine.model.layers[0].num_kv_heads == 1 and engine.runner.kv_cache.shape[-2] == 1
+        assert greedy(engine) == one
+        procs = engine.tp_leader.procs
+        assert all(p.is_alive() for p in procs)
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_unshardable_sizes_are_refused_before_starting(tiny_model):
+    with pytest.raises(ValueError, match="must divide num_attention_heads 4"):
+        make_engine(tiny_model("llama"), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(model="x", tensor_parallel_size=0)

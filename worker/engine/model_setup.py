@@ -1,0 +1,28 @@
+"""Builds the model a rank runs: weights (this rank's shard under tensor
+parallelism), the CPU linear choice and the attention backend with its fused ops.
+The engine and the tensor-parallel followers share it, so every rank runs the same
+kernels."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.engine.attention.backends.base import AttentionBackend
+from worker.engine.attention.selector import resolve_attention_backend
+from worker.engine.config import EngineConfig
+from worker.engine.loader import load_model
+from worker.engine.model_config import ModelConfig
+from worker.engine.models.cpu_gemm import resolve_cpu_linear
+
+
+def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> tuple[Any, AttentionBackend, str]:
+    """(model, attention backend, cpu linear choice)."""
+    model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
+    cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
+    if cpu_linear == "onednn":
+        model.pack_linears()
+    backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
+                                        config.torch_dtype, config.block_size)
+    model.use_attention_backend(backend)
+    return model, backend, cpu_linear
