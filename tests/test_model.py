@@ -351,3 +351,29 @@ def test_cuda_paged_attention_matches_hf(tiny_model, kind):
         out = seqs.step([("a", [ids[pos]]), ("b", [ids[pos - 23]])])
         torch.testing.assert_close(out[0][0], ref[pos], atol=1e-3, rtol=0)
         torch.testing.assert_close(out[1][0], ref[pos - 23], atol=1e-3, rtol=0)
+
+
+def test_quantized_checkpoints_are_refused_by_name(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    for quant in ({"quant_method": "fp8", "activation_scheme": "dynamic"}, {"quant_method": "gptq", "bits": 4},
+                  {"format": "float-quantized"}):
+        with pytest.raises(ValueError, match=r"quantized checkpoints \(quant_method='(fp8|gptq|float-quantized)'\) "
+                                             r"are not supported"):
+            ModelConfig.from_dicts(src, {**cfg, "quantization_config": quant})
+
+    # FP8 weights with scales but no quantization_config: refused by the tensors themselves.
+    def to_fp8(w):
+        name = "model.layers.0.mlp.down_proj.weight"
+        w[name] = w[name].to(torch.float8_e4m3fn)
+        w["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(())
+    fp8 = _copy_with_weights(src, tmp_path / "fp8", to_fp8)
+    with pytest.raises(ValueError, match=r"checkpoint tensor model.layers.0.mlp.down_proj.weight(_scale)? .* "
+                                         r"quantized checkpoints are not supported"):
+        load_model(fp8)
+
+    def gptq(w):
+        w["model.layers.0.mlp.up_proj.qweight"] = torch.zeros(4, 4, dtype=torch.int32)
+    packed = _copy_with_weights(src, tmp_path / "gptq", gptq)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.qweight"):
+        load_model(packed)

@@ -118,6 +118,11 @@ class ModelConfig:
                 f"Unsupported architecture {'/'.join(archs) or '(none given)'}; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         family = _ARCHITECTURES[arch]
+        quant = cfg.get("quantization_config") or cfg.get("compression_config")
+        if quant:
+            method = (quant.get("quant_method") or quant.get("format") or "unknown") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported; serve an "
+                             f"unquantized bfloat16/float16/float32 checkpoint")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"Unsupported hidden_act {act!r}; only silu is implemented")
