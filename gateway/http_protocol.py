@@ -52,6 +52,22 @@ class HttpSamplingParams(msgspec.Struct):
     logit_bias: Union[dict[int, float], None, UnsetType] = UNSET
     allowed_token_ids: Union[list[int], None, UnsetType] = UNSET
     bad_words: Union[list[str], None, UnsetType] = UNSET
+    # vLLM fields this server does not serve: decoded only to be refused by name when
+    # set to anything but their default (gateway/unserved_fields.py).
+    watermarking: Any = UNSET
+    prompt_logprob_start: Any = UNSET
+    logprob_token_ids: Any = UNSET
+    flat_logprobs: Any = UNSET
+    output_kind: Any = UNSET
+    stream_interval: Any = UNSET
+    output_text_buffer_length: Any = UNSET
+    structured_outputs: Any = UNSET
+    extra_args: Any = UNSET
+    skip_reading_prefix_cache: Any = UNSET
+    thinking_token_budget: Any = UNSET
+    repetition_detection: Any = UNSET
+    routed_experts_prompt_start: Any = UNSET
+    trace_decode_token_ids: Any = UNSET
 
 
 class StreamOptions(msgspec.Struct):
@@ -72,6 +88,12 @@ class HttpGenerateRequest(msgspec.Struct):
     priority: Int64 = 0
     kv_transfer_params: Optional[JsonObject] = None
     ec_transfer_params: Optional[JsonObject] = None
+    token_offsets: Optional[list[tuple[int, int]]] = None  # render's char offsets: informational, unused by vLLM too
+    # Not served here (multimodal input, reasoning-gated structured outputs): refused when set.
+    features: Any = None
+    content_parts: Any = None
+    reasoning_ended: Any = None
+    reasoning_parser_kwargs: Any = None
 
 
 class HttpAbortRequest(msgspec.Struct):

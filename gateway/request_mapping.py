@@ -15,11 +15,12 @@ import msgspec
 
 from common.errors import BadRequest, NotFound
 from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingParams
+from gateway import unserved_fields
 from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 TRACE_HEADERS = ("traceparent", "tracestate")
-_SAMPLING_FIELDS = HttpSamplingParams.__struct_fields__
+_SAMPLING_FIELDS = tuple(f for f in HttpSamplingParams.__struct_fields__ if f not in unserved_fields.SAMPLING_FIELDS)
 
 
 @dataclass
@@ -81,6 +82,7 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
                 *, served_model_names: list[str], arrival_time: Optional[float] = None) -> MappedRequest:
     """``headers`` must be a lower-case keyed mapping."""
     check_model(http.model, info, served_model_names)
+    unserved_fields.refuse_unserved(http)
     params = to_sampling_params(http.sampling_params)
     base_id = headers.get("x-request-id") or http.request_id or uuid.uuid4().hex
     trace = {h: headers[h] for h in TRACE_HEADERS if h in headers} or None
