@@ -152,6 +152,18 @@ def fuzz(examples: int) -> settings:
                     derandomize=True)
 
 
+_calls: dict = {}
+
+
+def _every(period: int, check) -> None:
+    """Run ``check`` on every ``period``-th example of the calling test: a process that
+    still runs but stopped serving is caught while the fuzzing goes on."""
+    key = check.__code__.co_firstlineno
+    n = _calls[key] = _calls.get(key, 0) + 1
+    if n % period == 0:
+        check(n)
+
+
 def _serves(client: Client, rid: str) -> None:
     req = GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
                           params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -168,6 +180,9 @@ def test_random_frames_to_broker_sockets(cluster, frames, side):
     sock.connect(cluster["broker"].frontend if side == "frontend" else cluster["broker"].backend)
     sock.send_multipart(frames)
     sock.close()
+    broker = cluster["broker"]
+    assert broker.alive(), broker.tail()
+    _every(100, lambda n: _serves(cluster["client"], f"during-random-frames-{n}"))
 
 
 def test_broker_alive_logged_and_serving_after_random_frames(cluster):
@@ -243,9 +258,11 @@ def _worker_serves(fake: FakeBroker, lone, rid: str) -> None:
 @fuzz(200)
 @given(frames=frame_lists)
 def test_random_frames_to_a_worker_socket(cluster, frames):
-    fake = cluster["fake"]
+    fake, lone = cluster["fake"], cluster["lone"]
     fake.send(*frames)
     fake.beat()
+    assert lone.alive(), lone.tail()
+    _every(100, lambda n: _worker_serves(fake, lone, f"during-random-frames-{n}"))
 
 
 def test_worker_alive_and_serving_after_random_frames(cluster):
