@@ -213,6 +213,16 @@ class Launcher:
         log.info("all children stopped")
 
 
+def build_demo_model_dir() -> str:
+    """Ask the worker side to build the demo model once, before any worker starts
+    (``tokserve demo-model`` prints its folder): common/ imports no other package."""
+    proc = subprocess.run(tokserve_cmd("demo-model"), capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not os.path.isdir(lines[-1]):
+        raise SystemExit(f"building the demo model failed: {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    return lines[-1]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("launcher", args.log_level)
@@ -223,9 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"--model {args.model}: not a directory")
         model_dir = os.path.abspath(args.model)
     else:
-        from worker.engine.demo_model import build_demo_model  # built once, before any worker starts
-
-        model_dir = str(build_demo_model())
+        model_dir = build_demo_model_dir()
         log.info("serving the demo model from %s", model_dir)
     launcher = Launcher(args, model_dir)
     signal.signal(signal.SIGTERM, launcher.request_stop)

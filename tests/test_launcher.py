@@ -152,3 +152,27 @@ def test_launcher_gives_each_tensor_parallel_worker_its_gpus():
     assert all(w.argv[w.argv.index("--tensor-parallel-size") + 1] == "2" for w in workers)
     _, workers, _ = plan_children(build_parser().parse_args(["--tensor-parallel-size", "2"]), "/m")
     assert workers[0].argv[workers[0].argv.index("--threads") + 1] == str(cpu_worker_threads(2))  # per rank
+
+
+def test_common_imports_no_other_package_of_ours():
+    """Layering: common/ is what every process shares; it must not pull in the worker,
+    the broker or the gateway (the launcher asks `tokserve demo-model` for the demo model)."""
+    import ast
+    from pathlib import Path
+
+    ours = {"worker", "broker", "gateway", "benchmarks", "tests"}
+    hits = []
+    for path in (Path(__file__).resolve().parents[1] / "common").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            hits += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ours]
+    assert not hits, hits
+
+
+def test_launcher_builds_the_demo_model_through_the_worker_cli(tmp_path, monkeypatch):
+    from common.launcher import build_demo_model_dir
+
+    monkeypatch.setenv("TOKSERVE_CACHE", str(tmp_path))
+    path = build_demo_model_dir()
+    assert path.startswith(str(tmp_path)) and (tmp_path / path.split("/")[-1] / "config.json").is_file()
