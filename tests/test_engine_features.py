@@ -147,6 +147,27 @@ def test_max_tokens_defaults(qwen2_dir):
     assert len(n.token_ids) == 60 and n.finish_reason == "length"
 
 
+def test_generation_config_source(qwen2_dir, tmp_path):
+    """--generation-config as vLLM: auto (the model's file, above), vllm (ignored), or
+    a folder; the generate endpoint takes max_tokens from it, as vLLM's scale-out
+    serving does (its other sampling defaults belong to the OpenAI endpoints)."""
+    prompt = [5, 6, 7, 8]
+    omitted = lambda rid: request(rid, prompt, ignore_eos=True, max_tokens_is_default=True)  # noqa: E731
+    plain = make_engine(qwen2_dir, max_model_len=64, generation_config="vllm")
+    assert plain.model_info.default_max_tokens is None and plain.generation_defaults == {}
+    assert len(plain.generate([omitted("v")])["v"][0].token_ids) == 60
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 5, "temperature": 0.2, "top_k": 7}')
+    custom = make_engine(qwen2_dir, max_model_len=64, generation_config=str(folder))
+    assert custom.generation_defaults == {"temperature": 0.2, "top_k": 7, "max_tokens": 5}
+    assert len(custom.generate([omitted("c")])["c"][0].token_ids) == 5
+    explicit = request("e", prompt, ignore_eos=True, max_tokens=9)  # the client's value wins
+    assert len(custom.generate([explicit])["e"][0].token_ids) == 9
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        make_engine(qwen2_dir, generation_config=str(tmp_path))
+
+
 def test_text_mode_with_stop_string(llama_dir):
     engine = make_engine(llama_dir)
     prompt = [72, 101, 108, 108, 111]  # "Hello" in the byte tokenizer

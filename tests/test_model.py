@@ -252,7 +252,10 @@ def test_model_config_fields(tiny_model):
     qwen2 = ModelConfig.from_dir(tiny_model("qwen2"))
     assert qwen2.qkv_bias and not qwen2.o_bias
     assert qwen2.eos_token_ids == (257, 258) and qwen2.max_new_tokens == 32
-    assert qwen2.generation_defaults == {"temperature": 0.7, "top_p": 0.9}
+    from worker.engine.model_config import generation_defaults
+
+    assert generation_defaults("auto", qwen2.path) == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 32}
+    assert generation_defaults("vllm", qwen2.path) == {}
     qwen3 = ModelConfig.from_dir(tiny_model("qwen3"))
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.q_size == 128
     rope = ModelConfig.from_dir(tiny_model("llama_rope_llama3"))

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks this worker owns (torch.distributed: NCCL on CUDA, gloo on CPU); "
                         "on CUDA they use cuda:i .. cuda:i+N-1 from --device cuda:i")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults as vLLM: auto (the model's generation_config.json), vllm (none), "
+                        "or a folder with a generation_config.json; the generate endpoint takes max_tokens from it")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch", "triton", "flash_attn"],
                    help="auto: triton on CUDA (flash_attn, then torch SDPA without it), --cpu-attention's choice on CPU")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -77,7 +80,7 @@ def engine_config_from_args(args):
                         cpu_attention=args.cpu_attention, attention_backend=args.attention_backend,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,7 @@ class EngineConfig:
     # auto: triton on CUDA (flash_attn, then torch without it), cpu_attention's choice on CPU
     attention_backend: str = "auto"
     kv_cache_memory_bytes: Optional[int] = None  # KV cache size, overrides gpu_memory_utilization's profiling
+    generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
     tensor_parallel_size: int = 1  # ranks (devices) one worker owns; cuda:i..i+N-1 on CUDA
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
-from worker.engine.model_config import ModelConfig
+from worker.engine.model_config import ModelConfig, generation_defaults
 from worker.engine.model_runner import ModelRunner
 from worker.engine.model_setup import build_model
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
@@ -79,6 +79,10 @@ class Engine:
         self.runner.capture_cuda_graphs()
 
         self.vocab_size = mc.vocab_size
+        # vLLM's generate endpoint takes only max_tokens from these (when the client omits
+        # it); the other sampling defaults are the OpenAI endpoints' (scale_out serving.py).
+        self.generation_defaults = generation_defaults(config.generation_config, config.model)
+        self.default_max_tokens = self.generation_defaults.get("max_tokens")
         self.device = device
         self.model_info = ModelInfo(
             name=config.served_model_name or config.model,
@@ -88,7 +92,7 @@ class Engine:
             max_logprobs=config.max_logprobs,
             has_tokenizer=self.tokenizer is not None,
             eos_token_ids=list(mc.eos_token_ids),
-            default_max_tokens=mc.max_new_tokens,
+            default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.requests: dict[str, Request] = {}
@@ -109,8 +113,8 @@ class Engine:
         # Like vLLM's generate endpoint, a max_tokens past the context is accepted and the
         # generation stops at max_model_len (finish_reason "length"), not rejected.
         max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
-        if p.max_tokens_is_default and self.model_config.max_new_tokens:
-            max_tokens = min(max_tokens, self.model_config.max_new_tokens)
+        if p.max_tokens_is_default and self.default_max_tokens:
+            max_tokens = min(max_tokens, self.default_max_tokens)
         request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
                           eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
         if p.bad_words and self.tokenizer is not None:

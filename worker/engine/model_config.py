@@ -33,7 +33,9 @@ _DTYPES = {
 }
 # generation_config.json keys that become per-request sampling defaults (vLLM's
 # ModelConfig.get_diff_sampling_param uses the same set).
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# vLLM's ModelConfig.get_diff_sampling_param keys (max_new_tokens becomes max_tokens).
+_GENERATION_DEFAULT_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                            "top_p", "min_p")
 
 
 def _read_json(path: Path) -> dict:
@@ -84,7 +86,6 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # the window of the layers that use one
     layer_sliding_windows: tuple[Optional[int], ...] = ()  # per layer: keys within the last w positions, None = full
     max_new_tokens: Optional[int] = None  # generation_config default, None = unbounded
-    generation_defaults: dict = field(default_factory=dict)  # e.g. {"temperature": 0.6}
 
     @property
     def eos_token_id(self) -> Optional[int]:
@@ -196,7 +197,6 @@ class ModelConfig:
             sliding_window=sliding,
             layer_sliding_windows=layer_windows,
             max_new_tokens=int(max_new) if max_new is not None else None,
-            generation_defaults={k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
         )
 
 
@@ -225,3 +225,23 @@ def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optio
     if arch.startswith("Mistral"):
         return (window,) * num_layers
     return (None,) * num_layers
+
+
+def generation_defaults(source: str, model_dir: str | Path) -> dict:
+    """Sampling defaults as vLLM's ``--generation-config``: ``auto`` reads the model's
+    generation_config.json, ``vllm`` uses none, any other value is a folder holding a
+    generation_config.json.  Keys: vLLM's diff sampling params, with HF's
+    ``max_new_tokens`` as ``max_tokens``."""
+    if source == "vllm":
+        return {}
+    folder = Path(model_dir) if source == "auto" else Path(source)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"--generation-config {source}: no generation_config.json in that folder")
+        return {}
+    gen = _read_json(path)
+    out = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
+    if gen.get("max_new_tokens") is not None:
+        out["max_tokens"] = int(gen["max_new_tokens"])
+    return out
