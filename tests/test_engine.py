@@ -166,3 +166,23 @@ def test_prompt_logprobs_carry_decoded_tokens_when_detokenizing(llama_dir):
     off = engine.generate([request("off", prompt, max_tokens=1, prompt_logprobs=1,
                                    detokenize=False)])["off"][0].prompt_logprobs
     assert off.token_texts is None and off.top_texts is None
+
+
+def test_engine_core_steps_without_wire_types(llama_dir):
+    """The core hands out engine outputs; only Engine packs CompletionDeltas (same result)."""
+    from tests.engine_helpers import make_engine
+    from worker.engine import EngineConfig
+    from worker.engine.engine_core import EngineCore
+    from worker.engine.outputs import SequenceOutput
+    from worker.engine.wire_output import merge_delta, to_delta
+
+    core = EngineCore(EngineConfig(model=str(llama_dir), max_model_len=256, max_num_seqs=16, num_threads=1))
+    core.add_request(request("a", [5, 6, 7, 8], max_tokens=5, ignore_eos=True, logprobs=1))
+    merged = None
+    while core.has_unfinished():
+        for out in core.step():
+            assert isinstance(out, SequenceOutput) and out.seq is not None
+            merged = merge_delta(merged, to_delta(out))
+    ref = make_engine(llama_dir).generate([request("a", [5, 6, 7, 8], max_tokens=5, ignore_eos=True,
+                                                   logprobs=1)])["a"][0]
+    assert merged.token_ids == ref.token_ids and merged.logprobs == ref.logprobs and merged.finish_reason == "length"

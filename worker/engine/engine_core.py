@@ -1,0 +1,307 @@
+"""The engine core: requests in, per-step ``SequenceOutput``s out.
+
+``step()`` = schedule -> forward -> logits of the rows that need them -> sample ->
+append tokens, check stops, detokenize.  Requests join and leave between steps
+(continuous batching).  What a step produced stays engine state (``outputs.py``);
+packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from common.errors import BadRequest
+from common.protocol import GenerateRequest, ModelInfo, WorkerLoad
+from common.validation import validate_request
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
+from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
+                                    score_token_ids, to_token_logprobs)
+from worker.engine.model_config import ModelConfig, generation_defaults
+from worker.engine.model_runner import ModelRunner
+from worker.engine.model_setup import build_model
+from worker.engine.outputs import SequenceOutput
+from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
+from worker.engine.request import FinishReason, Request, EngineSequence
+from worker.engine.sampler import Sampler
+from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
+from worker.engine.scheduler import ScheduledSeq, Scheduler
+from worker.engine.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device = config.torch_device
+        if device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if device.type == "cuda":
+            # cuda:N must be the current device: CUDA events, graph capture and the
+            # default stream otherwise land on device 0.
+            device = config.resolved_device
+            torch.cuda.set_device(device)
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
+        # Tensor parallelism: followers start (and join the process group) before the
+        # model is built, since every rank loads only its shard.
+        check_shardable(mc, config.tensor_parallel_size)
+        self.tp_leader = start_tensor_parallel(config, device)
+        self.model, self.attention_backend, self.cpu_linear = build_model(config, mc, device)
+        self.cpu_attention = "native" if self.attention_backend.name == "native" else "torch"
+        self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
+
+        self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
+        self.runner.tp_leader = self.tp_leader
+        num_blocks = self.runner.decide_num_blocks()
+        if num_blocks * config.block_size < max_model_len:
+            # One sequence must always fit, or recompute preemption could never finish it.
+            log.warning("KV cache holds %d tokens < max_model_len %d; lowering max_model_len",
+                        num_blocks * config.block_size, max_model_len)
+            max_model_len = num_blocks * config.block_size
+            self.runner.set_max_model_len(max_model_len)
+        self.max_model_len = max_model_len
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   token_budget=config.step_token_budget(max_model_len),
+                                   max_model_len=max_model_len,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.sampler = Sampler()
+        self.runner.capture_cuda_graphs()
+
+        self.vocab_size = mc.vocab_size
+        # vLLM's generate endpoint takes only max_tokens from these (when the client omits
+        # it); the other sampling defaults are the OpenAI endpoints' (scale_out serving.py).
+        self.generation_defaults = generation_defaults(config.generation_config, config.model)
+        self.default_max_tokens = self.generation_defaults.get("max_tokens")
+        self.device = device
+        self.model_info = ModelInfo(
+            name=config.served_model_name or config.model,
+            vocab_size=mc.vocab_size,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_logprobs=config.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+            eos_token_ids=list(mc.eos_token_ids),
+            default_max_tokens=self.default_max_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
+                 mc.architecture, device, config.torch_dtype,
+                 f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
+                 num_blocks, config.block_size, max_model_len)
+
+    # --- requests ------------------------------------------------------------------
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.request_id in self.requests:
+            raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
+        validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
+        p = req.params
+        prompt_len = len(req.prompt_token_ids)
+        room = self.max_model_len - prompt_len
+        # Like vLLM's generate endpoint, a max_tokens past the context is accepted and the
+        # generation stops at max_model_len (finish_reason "length"), not rejected.
+        max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+        if p.max_tokens_is_default and self.default_max_tokens:
+            max_tokens = min(max_tokens, self.default_max_tokens)
+        request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
+                          eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
+        if p.bad_words and self.tokenizer is not None:
+            try:
+                request.bad_words_ids = tokenize_bad_words(self.tokenizer, p.bad_words)
+            except ValueError as e:
+                raise BadRequest(str(e), "bad_words") from None
+        seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
+        self.requests[req.request_id] = request
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> EngineSequence:
+        seq = EngineSequence(request, index, token_ids)
+        p = request.params
+        if p.seed is not None and p.seed != -1:  # vLLM: seed=-1 means no seed
+            seq.generator = make_generator(p.seed, index, self.device)
+        if self.tokenizer is not None and needs_detokenizer(p, request.req.output_text):
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p)
+        min_stop_ids: list[int] = []
+        if p.min_tokens:
+            min_stop_ids = sorted(request.stop_token_ids)
+            if request.primary_eos is not None:
+                min_stop_ids.insert(0, request.primary_eos)
+        seq.sampling_row = SamplingRow(params=p, prompt_token_ids=request.prompt_token_ids,
+                                       output_token_ids=seq.output_ids, generator=seq.generator,
+                                       stop_ids_for_min_tokens=min_stop_ids,
+                                       bad_words_ids=request.bad_words_ids)
+        request.sequences.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> list[SequenceOutput]:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return []
+        outs: list[SequenceOutput] = []
+        for seq in request.sequences:
+            if not seq.is_finished():
+                seq.finish(FinishReason.ABORT)
+                self.scheduler.remove(seq)
+                held = seq.detokenizer.release_held() if seq.detokenizer is not None else None
+                outs.append(SequenceOutput(request, seq.index, seq, [], held))
+        for index in range(len(request.sequences), request.n):  # choices not forked yet
+            outs.append(SequenceOutput(request, index, None, []))
+        return outs
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (idempotent; nothing to do at TP=1)."""
+        if self.tp_leader is not None:
+            self.tp_leader.shutdown()
+            self.tp_leader = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+                          free_kv_blocks=self.block_manager.num_free_blocks,
+                          total_kv_blocks=self.block_manager.num_blocks,
+                          max_num_seqs=self.config.max_num_seqs)
+
+    # --- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[SequenceOutput]:
+        out = self.scheduler.schedule()
+        if not out:
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                # Cannot happen while one max_model_len sequence fits the KV cache; fail loudly, never spin.
+                raise RuntimeError("scheduler stalled: waiting requests but nothing can run")
+            return []
+        hidden = self.runner.forward(out.scheduled)
+        self.scheduler.update_after_step(out.scheduled)
+
+        prompt_jobs, sample_seqs, rows = self._select_rows(out.scheduled)
+        if not rows:
+            return []
+        logits = self.runner.compute_logits(hidden, rows)
+        num_prompt_rows = len(rows) - len(sample_seqs)
+        if prompt_jobs:
+            self._score_prompts(prompt_jobs, logits[:num_prompt_rows])
+        if not sample_seqs:
+            return []
+
+        sample_rows = list(range(num_prompt_rows, len(rows)))
+        self._fork_choices(sample_seqs, sample_rows)
+        if len(sample_rows) == len(rows) - num_prompt_rows:  # no fork: the rows are a plain tail
+            sample_logits = logits[num_prompt_rows:]
+        else:
+            sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
+        meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size, self.device)
+        result = self.sampler(sample_logits, meta)
+        sampled = result.sampled.tolist()
+        lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
+
+        now = time.time()
+        return [self._append_token(seq, sampled[i], lp_lists, i, now) for i, seq in enumerate(sample_seqs)]
+
+    def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:
+        """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
+        they share its full prompt blocks and draw their first token from the same
+        logits row (appended to ``sample_seqs`` / ``sample_rows``)."""
+        for i in range(len(sample_seqs)):
+            seq = sample_seqs[i]
+            request = seq.request
+            if request.forked:
+                continue
+            request.forked = True
+            for index in range(1, request.n):
+                child = self._new_sequence(request, index, list(request.prompt_token_ids))
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                sample_seqs.append(child)
+                sample_rows.append(sample_rows[i])
+
+    def _select_rows(self, scheduled: list[ScheduledSeq]):
+        """Logit rows this step needs: prompt positions to score, then one row per
+        sequence that reached its end (its next token is sampled)."""
+        prompt_jobs: list[tuple[Request, int, int]] = []  # (request, first position, count)
+        prompt_rows: list[int] = []
+        sample_seqs: list[EngineSequence] = []
+        sample_rows: list[int] = []
+        row = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens - n
+            request = seq.request
+            if request.wants_prompt_scores and seq.index == 0:
+                # Logits at position p score prompt token p+1; recompute after preemption
+                # must not score a position twice.
+                first = max(start, request.num_prompt_scored)
+                last = min(start + n, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_jobs.append((request, first, last - first))
+                    prompt_rows.extend(range(row + first - start, row + last - start))
+                    request.num_prompt_scored = last
+            if seq.num_computed_tokens == seq.num_tokens:
+                sample_seqs.append(seq)
+                sample_rows.append(row + n - 1)
+            row += n
+        return prompt_jobs, sample_seqs, prompt_rows + sample_rows
+
+    def _score_prompts(self, jobs: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
+        offset = 0
+        for request, first, count in jobs:
+            rows = logits[offset:offset + count]
+            offset += count
+            p = request.params
+            targets = request.prompt_token_ids[first + 1:first + 1 + count]
+            if p.prompt_logprobs is not None:
+                target_t = torch.tensor(targets, dtype=torch.long, device=rows.device)
+                lists = compute_prompt_logprobs(rows, target_t, p.prompt_logprobs).tolists()
+                entry = prompt_token_logprobs(lists)
+                if p.detokenize and self.tokenizer is not None:
+                    # vLLM fills decoded_token whenever it detokenizes, tokens mode included;
+                    # the prompt tokens before this chunk are the split-character context.
+                    attach_token_texts(entry, self.tokenizer, request.prompt_token_ids[max(first - 3, 0):first + 1])
+                request.prompt_logprobs = extend_token_logprobs(request.prompt_logprobs, entry)
+            if p.prompt_logprob_token_ids:
+                request.prompt_token_id_rows.append(
+                    score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
+
+    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> SequenceOutput:
+        request = seq.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        seq.append_token(token)
+        p = request.params
+        if p.logprobs is not None and lp_lists is not None:
+            entry = to_token_logprobs(lp_lists, row, p.logprobs)
+            if request.req.output_text and self.tokenizer is not None:
+                attach_token_texts(entry, self.tokenizer, seq.output_ids[-5:-1])  # split-char context
+            seq.pending_logprobs = extend_token_logprobs(seq.pending_logprobs, entry)
+        new_tokens = [token]
+        seq.check_token_stop(self.max_model_len)
+        text: Optional[str] = None
+        if seq.detokenizer is not None:
+            stop_by_token = seq.is_finished() and seq.finish_reason == FinishReason.STOP
+            text, stop_str = seq.detokenizer.update(
+                new_tokens, stop_terminated=stop_by_token, finished=seq.is_finished() and not stop_by_token)
+            if seq.detokenizer.dropped_token_count:
+                dropped = seq.detokenizer.dropped_token_count
+                del seq.token_ids[-dropped:]
+                del seq.output_ids[-dropped:]
+                new_tokens = new_tokens[:-dropped]
+            if stop_str is not None:
+                seq.finish(FinishReason.STOP, stop_str)
+        if seq.is_finished():
+            self.scheduler.remove(seq)
+            if request.is_finished():
+                self.requests.pop(request.request_id, None)
+        return SequenceOutput(request, seq.index, seq, new_tokens, text)
