@@ -58,9 +58,3 @@ class ClusterInfoCache:
             raise Overloaded("No inference worker is available yet.")
         return info.model
 
-    @staticmethod
-    def live_ranks(info: ClusterInfo) -> list[int]:
-        return sorted(w.rank for w in info.workers if w.alive)
-
-    def invalidate(self) -> None:
-        self._fetched_at = -1e9

@@ -11,7 +11,6 @@ import msgspec
 
 from common.client import RequestError
 from common.errors import Overloaded, ServingError
-from common.protocol import CompletionDelta
 from common.validation import validate_request
 from gateway.body import read_body
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher

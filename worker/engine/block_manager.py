@@ -77,9 +77,6 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
-    def block_hash(self, block_id: int) -> Optional[BlockHash]:
-        return self._hash[block_id]
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -114,10 +114,6 @@ class EngineSequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
     def priority_key(self) -> tuple[int, int]:
         return (self.request.priority, self.request.arrival_seq)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import SeqStatus, EngineSequence

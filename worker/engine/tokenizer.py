@@ -75,9 +75,6 @@ class Tokenizer:
         id_to_token = self._tok.id_to_token
         return [id_to_token(i) for i in ids]
 
-    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
-        return self._tok.decoder.decode(list(tokens)) if self._tok.decoder else "".join(tokens)
-
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 
