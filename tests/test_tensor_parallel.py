@@ -84,3 +84,63 @@ def test_unshardable_sizes_are_refused_before_starting(tiny_model):
         make_engine(tiny_model("llama"), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model="x", tensor_parallel_size=0)
+
+
+def _children(pid: int) -> list[int]:
+    """Descendant process ids (from /proc: no psutil here)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_tensor_parallel_worker_is_one_broker_peer(tiny_model, tmp_path):
+    """A real `tokserve worker --tensor-parallel-size 2` behind a real broker: one
+    registered worker, outputs equal to the in-process TP=1 engine, and its follower
+    rank stops with it."""
+    from common.client import Client
+    from common.protocol import GenerateRequest, SamplingParams
+    from tests.procs import ProcGroup, wait_for, wait_for_workers
+
+    path = tiny_model("qwen3")
+    prompt = [5, 6, 7, 8, 9, 10]
+    ref = make_engine(path).generate([request("r", prompt, max_tokens=8, ignore_eos=True)])["r"][0].token_ids
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        worker = procs.worker(broker, 0, "--model", str(path), "--threads", "1", "--num-kv-blocks", "64",
+                              "--tensor-parallel-size", "2")
+        info = wait_for_workers(broker.frontend, 1, timeout=120)
+        assert len(info.workers) == 1
+        followers = _children(worker.pid)
+        assert followers, "the follower rank runs as a child of the worker"
+        with Client(broker.frontend) as client:
+            req = GenerateRequest(request_id="tp", prompt_token_ids=prompt,
+                                  params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            assert [t for d in client.generate(req) for t in d.token_ids] == ref
+        worker.terminate()
+        wait_for(lambda: not any(_running(p) for p in followers), 20, "follower ranks exit with their worker")
+        # A worker killed outright leaves no orphan rank: its broken process group ends it.
+        worker = procs.worker(broker, 1, "--model", str(path), "--threads", "1", "--num-kv-blocks", "64",
+                              "--tensor-parallel-size", "2")
+        wait_for_workers(broker.frontend, 1, timeout=120, ranks={1})
+        followers = _children(worker.pid)
+        assert followers
+        worker.kill9()
+        wait_for(lambda: not any(_running(p) for p in followers), 60, "follower ranks exit after a kill -9")
