@@ -10,12 +10,14 @@ PR_SET_PDEATHSIG so they do not outlive a launcher that was killed outright.
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +31,12 @@ log = get_logger("tokserve.launcher")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 STABLE_AFTER_S = 30.0  # a child that ran this long gets its backoff reset
+# A child that never got healthy and exits this many times in a row is a crash loop:
+# restarting it forever only hides the error, so the launcher stops and shows it.
+MAX_STARTUP_FAILURES = 3
+USAGE_ERROR = 2  # argparse's exit code: the same command line will never start
+TAIL_LINES = 20
+PASS_THROUGH = ("--worker-args", "--gateway-args", "--broker-args")
 
 
 def _die_with_parent() -> None:
@@ -49,19 +57,46 @@ class Child:
     started_at: float = 0.0
     restarts: int = 0
     next_start: float = 0.0
+    healthy: bool = False  # ran long enough, or was up when the stack became ready
+    startup_failures: int = 0
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
 
     def start(self) -> None:
         env = dict(os.environ, **self.env)
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        # stderr passes through a thread that keeps the last lines: a crash loop is
+        # reported with its error, not just an exit code.
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent, stderr=subprocess.PIPE)
         self.started_at = time.monotonic()
+        threading.Thread(target=self._relay, args=(self.proc.stderr,), daemon=True).start()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def _relay(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+        stream.close()
+
+    def fatal(self) -> Optional[str]:
+        """Why this exited child must not be restarted, or None."""
+        code = self.proc.returncode
+        if self.healthy or time.monotonic() - self.started_at > STABLE_AFTER_S:
+            return None
+        if code == USAGE_ERROR:
+            return f"{self.name} rejected its command line (exit code 2)"
+        if self.startup_failures + 1 >= MAX_STARTUP_FAILURES:
+            return f"{self.name} exited during start-up {MAX_STARTUP_FAILURES} times in a row (last exit code {code})"
+        return None
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def schedule_restart(self) -> None:
-        if time.monotonic() - self.started_at > STABLE_AFTER_S:
+        if self.healthy or time.monotonic() - self.started_at > STABLE_AFTER_S:
             self.restarts = 0
+            self.healthy = True
+        else:
+            self.startup_failures += 1
         delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
         self.restarts += 1
         self.next_start = time.monotonic() + delay
@@ -175,11 +210,17 @@ class Launcher:
         deadline = time.monotonic() + self.args.ready_timeout
         ready = False
         while not self.stopping:
-            self.supervise()
+            failure = self.supervise()
+            if failure is not None:
+                log.error("%s; stopping. Its last output:\n%s", failure[0], "\n".join(failure[1].tail) or "(none)")
+                self.shutdown()
+                return 1
             if not ready:
                 if health_ok(self.health_url):
                     ready = True
-                    print(f"tokserve ready: http://{self.args.host}:{self.args.port}", flush=True)
+                    for child in self.children:
+                        child.healthy = child.healthy or child.running()
+                    print(ready_message(self.args), flush=True)
                 elif time.monotonic() > deadline:
                     log.error("stack not healthy after %.0f s", self.args.ready_timeout)
                     self.shutdown()
@@ -188,13 +229,19 @@ class Launcher:
         self.shutdown()
         return 0
 
-    def supervise(self) -> None:
+    def supervise(self) -> Optional[tuple[str, Child]]:
+        """Restart exited children; (reason, child) when one is in a crash loop."""
         now = time.monotonic()
         for child in self.children:
             if child.proc is not None and not child.running():
+                reason = child.fatal()
+                if reason is not None:
+                    time.sleep(0.2)  # let the relay thread take the child's last lines
+                    return reason, child
                 child.schedule_restart()
             if child.proc is None and now >= child.next_start:
                 child.start()
+        return None
 
     def shutdown(self) -> None:
         # Front to back: no new requests, then workers drain, then the broker goes.
@@ -223,8 +270,30 @@ def build_demo_model_dir() -> str:
     return lines[-1]
 
 
+def ready_message(args: argparse.Namespace) -> str:
+    url = f"http://{args.host}:{args.port}"
+    auth = " -H 'Authorization: Bearer $TOKSERVE_API_KEY'" if args.api_key else ""
+    return (f"tokserve ready: {url}\n"
+            f"  try: curl -s {url}/inference/v1/generate -H 'Content-Type: application/json'{auth} "
+            f"-d '{{\"token_ids\": [72, 101, 108, 108, 111], \"sampling_params\": {{\"max_tokens\": 8}}}}'")
+
+
+def join_pass_through(argv: list[str]) -> list[str]:
+    """``--worker-args --one-flag`` -> ``--worker-args=--one-flag``: argparse would take a
+    lone value that starts with a dash for the next option and fail."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in PASS_THROUGH and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_pass_through(list(sys.argv[1:] if argv is None else argv)))
     setup_logging("launcher", args.log_level)
     if args.workers < 1 or args.gateways < 1:
         raise SystemExit("--workers and --gateways must be at least 1")
@@ -233,6 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"--model {args.model}: not a directory")
         model_dir = os.path.abspath(args.model)
     else:
+        log.info("building the demo model (once per machine, a few seconds)")
         model_dir = build_demo_model_dir()
         log.info("serving the demo model from %s", model_dir)
     launcher = Launcher(args, model_dir)

@@ -55,6 +55,10 @@ def test_serve_demo_model_restart_worker_and_clean_shutdown(tmp_path):
             wait_for(lambda: _healthy(url) or not launcher.alive(), 120, "stack health", interval=0.3)
             assert launcher.alive(), launcher.tail()
             assert (tmp_path / "cache").is_dir()  # the demo model was built there
+            wait_for(lambda: "try: curl" in launcher.log_path.read_text(), 10, "the ready line")
+            text = launcher.log_path.read_text()
+            assert text.index("building the demo model") < text.index(f"tokserve ready: http://127.0.0.1:{port}")
+            assert "weights loaded" in text and "engine ready" in text  # the worker's start-up progress
 
             r = httpx.post(url + GENERATE, json=gen_body([72, 105], max_tokens=4, temperature=0, ignore_eos=True),
                            timeout=60)
@@ -176,3 +180,65 @@ def test_launcher_builds_the_demo_model_through_the_worker_cli(tmp_path, monkeyp
     monkeypatch.setenv("TOKSERVE_CACHE", str(tmp_path))
     path = build_demo_model_dir()
     assert path.startswith(str(tmp_path)) and (tmp_path / path.split("/")[-1] / "config.json").is_file()
+
+
+def test_crash_loop_stops_the_launcher_with_the_error(tmp_path):
+    """A worker that can never start (a bad flag: argparse's exit code 2) stops the
+    launcher with its error instead of being restarted forever."""
+    env = {"TOKSERVE_CACHE": str(tmp_path / "cache")}
+    with ProcGroup(tmp_path / "logs") as procs:
+        launcher = procs.spawn("launcher", [
+            "-m", "common.cli", "serve", "--port", str(free_port()), "--frontend", f"ipc://{tmp_path}/f",
+            "--backend", f"ipc://{tmp_path}/b", "--worker-args", "--bogus-flag"], env=env)
+        assert launcher.popen.wait(120) == 1
+        text = launcher.log_path.read_text()
+        assert "worker[0] rejected its command line (exit code 2); stopping" in text
+        assert "unrecognized arguments: --bogus-flag" in text
+        assert text.count("started worker[0]") == 1  # not restarted
+
+
+def test_children_failing_during_startup_are_a_crash_loop():
+    import sys
+
+    from common.launcher import MAX_STARTUP_FAILURES, Child
+
+    child = Child("flaky", [sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(1)"])
+    for attempt in range(1, MAX_STARTUP_FAILURES + 1):
+        child.start()
+        child.proc.wait()
+        time.sleep(0.2)
+        reason = child.fatal()
+        if attempt < MAX_STARTUP_FAILURES:
+            assert reason is None
+            child.schedule_restart()
+    assert reason == f"flaky exited during start-up {MAX_STARTUP_FAILURES} times in a row (last exit code 1)"
+    assert "boom" in child.tail
+    child.healthy = True  # once healthy, exits are restarted with backoff again
+    assert child.fatal() is None
+
+
+def test_pass_through_args_take_a_single_flag():
+    from common.launcher import build_parser, join_pass_through, plan_children
+
+    args = build_parser().parse_args(join_pass_through(["--worker-args", "--enforce-eager", "--port", "9"]))
+    assert args.worker_args == "--enforce-eager" and args.port == 9
+    _, workers, _ = plan_children(args, "/m")
+    assert "--enforce-eager" in workers[0].argv
+
+
+def test_kernel_build_is_announced_on_a_cold_cache(tmp_path):
+    """A first start says it is compiling (and roughly how long) before the build."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import logging, torch.utils.cpp_extension as ce; logging.basicConfig(level=logging.INFO)\n"
+            "def fail(**kw): raise RuntimeError('no compiler in this test')\n"
+            "ce.load = fail\n"
+            "from worker.engine.kernels import load_cpu_kernels; assert load_cpu_kernels() is None")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr
+    notice = proc.stderr.index("first start on this machine, about a minute")
+    assert notice < proc.stderr.index("native CPU kernels unavailable (no compiler in this test)")

@@ -9,6 +9,7 @@ CUDA graphs captured per padded batch size.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -143,6 +144,7 @@ class ModelRunner:
         against a small temporary cache; what remains of ``gpu_memory_utilization`` of
         the device, after everything else on it, is KV cache."""
         dev = self.device
+        log.info("profiling GPU memory with a %d-token step to size the KV cache", self.token_budget)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -329,6 +331,8 @@ class ModelRunner:
             log.info("model does not support CUDA graphs; running eager")
             return
         sizes = cuda_graph_batch_sizes(self.config.max_num_seqs)
+        log.info("capturing CUDA graphs for %d decode batch sizes (1..%d)", len(sizes), sizes[-1])
+        started = time.monotonic()
         self._graph_pool = torch.cuda.graph_pool_handle()
         try:
             for bs in reversed(sizes):  # largest first: smaller graphs reuse its pool memory
@@ -337,6 +341,8 @@ class ModelRunner:
             log.warning("CUDA graph capture failed (%s); running decode eagerly", e)
             self._graphs.clear()
         torch.cuda.synchronize(self.device)
+        if self._graphs:
+            log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.monotonic() - started)
 
     def _graph_for(self, layout: StepLayout) -> Optional["_DecodeGraph"]:
         if not self._graphs or layout.num_tokens != len(layout.query_lens):  # decode-only steps only

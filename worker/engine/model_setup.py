@@ -4,6 +4,8 @@ The engine and the tensor-parallel followers share it, so every rank runs the sa
 kernels."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -11,14 +13,21 @@ import torch
 from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.config import EngineConfig
-from worker.engine.loader import load_model
+from worker.engine.loader import load_model, safetensors_files
 from worker.engine.model_config import ModelConfig
 from worker.engine.models.cpu_gemm import resolve_cpu_linear
+
+log = logging.getLogger(__name__)
 
 
 def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> tuple[Any, AttentionBackend, str]:
     """(model, attention backend, cpu linear choice)."""
+    size = sum(f.stat().st_size for f in safetensors_files(config.model))
+    log.info("loading weights from %s (%.2f GB of safetensors) onto %s as %s", config.model, size / 1e9, device,
+             config.torch_dtype)
+    started = time.monotonic()
     model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
+    log.info("weights loaded in %.1f s", time.monotonic() - started)
     cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
     if cpu_linear == "onednn":
         model.pack_linears()

@@ -89,11 +89,17 @@ def load_cpu_kernels() -> Optional[Any]:
                 name = kernel_module_name(here)
                 build_dir = Path(_get_build_directory(name, verbose=False))
                 _clear_stale_lock(build_dir / "lock")
+                if not (build_dir / f"{name}.so").is_file():
+                    log.warning("compiling the native CPU kernels into %s: first start on this machine, "
+                                "about a minute (cached afterwards)", build_dir)
                 src = stage_sources(here, build_dir / "src")
+                started = time.monotonic()
                 _module = load(name=name,
                                sources=[str(src / s) for s in _SOURCES],
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
                                verbose=False)
+                if time.monotonic() - started > 5:
+                    log.info("native CPU kernels ready (%.0f s)", time.monotonic() - started)
             except Exception as e:  # no compiler / ninja / headers: torch's kernels still work
                 log.warning("native CPU kernels unavailable (%s); using torch's ops",
                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
@@ -128,4 +134,5 @@ def _clear_stale_lock(lock: Path) -> None:
         except OSError:
             pass
     else:
-        log.info("another process is building the CPU kernels; waiting for it")
+        log.warning("another process is building the native CPU kernels (%.0f s so far; about a minute on a "
+                    "first start); waiting for it", age)
