@@ -18,8 +18,8 @@ from broker.workers import Worker, WorkerRegistry
 from common import config, framing, security
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
-from common.protocol import (Abort, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest, MsgType,
-                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+from common.protocol import (Abort, BrokerStats, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest,
+                             MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
 
 log = get_logger("tokserve.broker")
 
@@ -75,6 +75,7 @@ class Broker:
         self.by_client: dict[bytes, set] = collections.defaultdict(set)
         self.pending: collections.deque[Entry] = collections.deque()
         self.pending_count = 0
+        self.stats = BrokerStats()
         self.policy = LeastLoaded()
         self._bad_frame = RateLimitedLog(log)
         self._unreachable = RateLimitedLog(log)
@@ -195,7 +196,7 @@ class Broker:
     def cluster_info(self) -> ClusterInfo:
         live = sorted(self.workers.all(), key=lambda w: w.rank)
         return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model,
-                           pending=self.pending_count)
+                           pending=self.pending_count, stats=self.stats)
 
     def _on_generate(self, client: bytes, body: bytes) -> None:
         req = framing.decode(body, GenerateRequest)
@@ -242,6 +243,7 @@ class Broker:
         entry.worker = worker
         worker.sent += 1
         worker.requests.add(entry.request_id)
+        self.stats.dispatched += 1
         return True
 
     def _enqueue(self, entry: Entry) -> None:
@@ -249,11 +251,13 @@ class Broker:
         if not self.workers.dispatchable() and self.workers.no_worker_for(now) > self.cfg.no_worker_timeout:
             self._finish(entry)
             self._error(entry, entry.request_id, 503, "no worker available", _E_OVERLOADED)
+            self.stats.rejected_overloaded += 1
             return
         if self.pending_count >= self.cfg.max_pending:
             self._finish(entry)
             self._error(entry, entry.request_id, 503,
                         f"server overloaded: {self.pending_count} requests already queued", _E_OVERLOADED)
+            self.stats.rejected_overloaded += 1
             return
         entry.worker = None
         entry.queued = True
@@ -454,6 +458,9 @@ class Broker:
                 entry.worker = None
                 self._assign(entry)
                 retried += 1
+        self.stats.workers_removed += 1
+        self.stats.failed_worker_death += failed
+        self.stats.redispatched += retried
         log.warning("worker rank %d (pid %d) removed: %s; %d request(s) failed, %d re-dispatched", worker.rank,
                     worker.pid, reason, failed, retried)
         if notify:  # if it is in fact alive, make it drop its requests and re-register

@@ -181,10 +181,21 @@ class WorkerStatus(msgspec.Struct, **_STRUCT):
     alive: bool = True
 
 
+class BrokerStats(msgspec.Struct, **_STRUCT):
+    """The broker's cumulative counters since it started (exported as metrics by the gateway)."""
+
+    dispatched: int = 0  # GENERATE messages sent to workers (re-dispatches included)
+    redispatched: int = 0  # unstarted requests moved off a dead worker
+    failed_worker_death: int = 0  # started requests that ended with an error because their worker died
+    rejected_overloaded: int = 0  # 503s: no worker, or the pending queue full
+    workers_removed: int = 0  # workers dropped (missed heartbeats, disconnect)
+
+
 class ClusterInfo(msgspec.Struct, **_STRUCT):
     workers: list[WorkerStatus]
     model: Optional[ModelInfo] = None
     pending: int = 0  # requests queued in the broker, waiting for worker capacity
+    stats: Optional[BrokerStats] = None
 
 
 class OutputsHeader(msgspec.Struct, **_STRUCT):

@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.protocol import ClusterInfo, CompletionDelta
@@ -22,6 +23,51 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class BrokerCollector:
+    """The broker's view, as of the last cluster answer: live workers, the dispatch
+    queue and its cumulative counters (every gateway exports the same broker values;
+    dashboards take the max across gateways)."""
+
+    _COUNTERS = (
+        ("dispatched", "tokserve:broker_requests_dispatched", "Requests the broker sent to workers."),
+        ("redispatched", "tokserve:broker_requests_redispatched", "Unstarted requests moved off a dead worker."),
+        ("failed_worker_death", "tokserve:broker_requests_failed_worker_death",
+         "Started requests that failed because their worker died."),
+        ("rejected_overloaded", "tokserve:broker_requests_rejected_overloaded",
+         "Requests refused with 503: no worker, or the dispatch queue full."),
+        ("workers_removed", "tokserve:broker_workers_removed", "Workers dropped (missed heartbeats, disconnects)."),
+    )
+
+    def __init__(self) -> None:
+        self.info: Optional[ClusterInfo] = None
+
+    def describe(self):
+        return []  # values only exist once the broker answered
+
+    def collect(self):
+        info = self.info
+        if info is None:
+            return
+        live = GaugeMetricFamily("tokserve:broker_live_workers", "Workers registered and alive at the broker.")
+        live.add_metric([], sum(1 for w in info.workers if w.alive))
+        yield live
+        pending = GaugeMetricFamily("tokserve:broker_pending_requests",
+                                    "Requests queued in the broker, waiting for worker capacity.")
+        pending.add_metric([], info.pending)
+        yield pending
+        received = CounterMetricFamily("tokserve:worker_requests_received",
+                                       "Requests each worker has received (its last load report).", labels=["engine"])
+        for w in info.workers:
+            received.add_metric([str(w.rank)], w.load.num_received)
+        yield received
+        stats = info.stats
+        if stats is not None:
+            for field, name, doc in self._COUNTERS:
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], getattr(stats, field))
+                yield c
 
 
 class GatewayMetrics:
@@ -59,8 +105,11 @@ class GatewayMetrics:
                                         req, buckets=_TOKEN_BUCKETS, registry=r)
         self.in_flight = Gauge("tokserve:gateway_requests_in_flight", "Requests this gateway is serving.",
                                registry=r)
+        self.broker = BrokerCollector()
+        r.register(self.broker)
 
     def update_cluster(self, info: Optional[ClusterInfo], model_name: str) -> None:
+        self.broker.info = info
         for w in info.workers if info is not None else ():
             labels = (model_name, str(w.rank))
             self.running.labels(*labels).set(w.load.running if w.alive else 0)

@@ -358,6 +358,36 @@ def test_health_models_version_and_metrics(gw):
     assert metric_value(text, "vllm:time_to_first_token_seconds_count") >= 1
 
 
+def test_broker_metrics_and_the_dashboard_query_only_exported_names(gw):
+    """deploy/grafana/tokserve.json: every metric it queries is one /metrics exports."""
+    import json
+    import re
+    from pathlib import Path
+
+    import time
+
+    post(gw, gen_body(PROMPT, max_tokens=2))
+    deadline = time.monotonic() + 5
+    while True:  # the gateway caches the broker's answer for a second
+        text = httpx.get(gw.url + "/metrics").text
+        if metric_value(text, "tokserve:broker_requests_dispatched_total") >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert metric_value(text, "tokserve:broker_live_workers") == 1
+    assert metric_value(text, "tokserve:broker_requests_dispatched_total") >= 1
+    assert metric_value(text, "tokserve:broker_pending_requests") == 0
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    # Labelled series appear once observed; their family is declared from the start.
+    declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    exported |= {f"{name}{suffix}" for name in declared for suffix in ("", "_total", "_bucket", "_count", "_sum")}
+    dash = json.loads((Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "tokserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    queried = {m for e in exprs for m in re.findall(r"\b((?:vllm|tokserve):[a-zA-Z0-9_:]+)", e)}
+    assert len(queried) >= 15
+    missing = sorted(queried - exported)
+    assert not missing, missing
+
+
 def test_concurrent_streams_are_independent(gw):
     results = {}
 
