@@ -35,6 +35,12 @@ GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
+class TimedResult(Result):
+    start: float = 0.0  # perf_counter when the request was sent
+    token_times: list = None  # perf_counter of each output token's arrival (for tokens/s over time)
+
+
+@dataclass
 class SampleRequest:
     prompt: list[int]
     output_len: int
@@ -118,8 +124,8 @@ def body_for(req: SampleRequest, model: Optional[str]) -> bytes:
 
 async def one_request(pool: asyncio.Queue, body: bytes) -> Result:
     conn: SseConnection = await pool.get()
-    res = Result()
-    start = last = time.perf_counter()
+    res = TimedResult(token_times=[])
+    start = last = res.start = time.perf_counter()
     got_first = False
     try:
         async for t, payload in conn.post_sse(GENERATE, body):
@@ -136,6 +142,7 @@ async def one_request(pool: asyncio.Queue, body: bytes) -> Result:
                 res.itls.append(t - last)
             last = t
             res.output_tokens += n
+            res.token_times.extend([t] * n)
     except Exception as exc:  # counted as failed, never fatal
         res.error = f"{type(exc).__name__}: {exc}"
         await conn.close()
@@ -251,6 +258,83 @@ def format_report(m: dict, percentiles: list[float]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- plots
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot / --sweep-rates need matplotlib: pip install 'tokserve[bench]'") from None
+    return plt
+
+
+def plot_run(results: list[TimedResult], path: str, title: str = "") -> None:
+    """1200 x 400 px: TTFT CDF, ITL CDF, output tokens/s over time (1 s bins)."""
+    plt = _pyplot()
+    ok = [r for r in results if r.error is None]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), dpi=100)
+    for ax, values, label in ((axes[0], [r.ttft * 1e3 for r in ok], "TTFT (ms)"),
+                              (axes[1], [x * 1e3 for r in ok for x in r.itls], "ITL (ms)")):
+        values = sorted(values)
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))] if values else [])
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests" if label.startswith("TTFT") else "fraction of tokens")
+        ax.grid(alpha=0.3)
+    t0 = min((r.start for r in results), default=0.0)
+    times = [t - t0 for r in ok for t in r.token_times]
+    bins = max(1, math.ceil(max(times, default=1.0)))
+    counts = [0] * bins
+    for t in times:
+        counts[min(int(t), bins - 1)] += 1
+    axes[2].step(range(bins), counts, where="post")
+    axes[2].set_xlabel("time (s)")
+    axes[2].set_ylabel("output tokens / s")
+    axes[2].grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def sweep(args: argparse.Namespace, requests: list[SampleRequest], api_key: Optional[str],
+          percentiles: list[float]) -> int:
+    """Each rate on each URL, side by side; a chart of output tok/s vs p99 TTFT and E2EL."""
+    rates = [float(r) for r in args.sweep_rates.split(",") if r]
+    urls = [args.base_url] + ([args.compare_url] if args.compare_url else [])
+    labels = (args.labels.split(",") + ["other"])[:len(urls)]
+    points: dict[str, list[dict]] = {label: [] for label in labels}
+    for rate in rates:
+        for url, label in zip(urls, labels):  # alternate servers at each rate: drift hits both
+            results, duration = asyncio.run(run_load(url, requests, rate, args.burstiness, args.max_concurrency,
+                                                     args.model, api_key, args.seed))
+            m = compute_metrics(requests, results, duration, sorted(set(percentiles) | {99.0}), {}, rate,
+                                args.max_concurrency)
+            points[label].append({k: m[k] for k in ("request_rate", "completed", "failed", "output_throughput",
+                                                    "p99_ttft_ms", "p99_e2el_ms", "median_ttft_ms")})
+            print(f"{label:>10}  rate {rate:6.2f}/s  {m['output_throughput']:9.1f} tok/s  "
+                  f"p99 TTFT {m['p99_ttft_ms']:8.1f} ms  p99 E2EL {m['p99_e2el_ms']:8.1f} ms  failed {m['failed']}")
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(points, indent=1), encoding="utf-8")
+    if args.plot:
+        plt = _pyplot()
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4), dpi=100)
+        for label, pts in points.items():
+            for ax, key in zip(axes, ("p99_ttft_ms", "p99_e2el_ms")):
+                ax.plot([p["output_throughput"] for p in pts], [p[key] for p in pts], marker="o", label=label)
+        for ax, name in zip(axes, ("p99 TTFT (ms)", "p99 end-to-end latency (ms)")):
+            ax.set_xlabel("output tokens / s")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"request rates {args.sweep_rates}/s, {len(requests)} requests each")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        plt.close(fig)
+    return 0 if all(p["completed"] for pts in points.values() for p in pts) else 1
+
+
 # ----------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokserve bench serve", description=__doc__.split("\n\n")[0])
@@ -276,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", default=None, metavar="FILE.json")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="latency CDFs (TTFT, ITL) and output tokens/s over time (needs matplotlib: the bench extra)")
+    p.add_argument("--sweep-rates", default=None, metavar="R1,R2,...",
+                   help="run each request rate (on --base-url and --compare-url) and chart throughput vs p99 latency")
+    p.add_argument("--compare-url", default=None, help="a second server for --sweep-rates (e.g. vLLM)")
+    p.add_argument("--labels", default="tokserve,other", help="names of --base-url and --compare-url in the sweep")
     return p
 
 
@@ -306,6 +396,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
     slos = parse_goodput(args.goodput)
     requests = dataset_from(args)
+    if args.sweep_rates:
+        return sweep(args, requests, api_key, percentiles)
     results, duration = asyncio.run(run_load(args.base_url, requests, args.request_rate, args.burstiness,
                                              args.max_concurrency, args.model, api_key, args.seed))
     metrics = compute_metrics(requests, results, duration, percentiles, slos, args.request_rate,
@@ -313,6 +405,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_report(metrics, percentiles))
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+    if args.plot:
+        plot_run(results, args.plot, title=f"{args.base_url}, {args.num_prompts} requests at {args.request_rate:g}/s")
     return 0 if metrics["completed"] else 1
 
 

@@ -71,3 +71,25 @@ def test_sharegpt_loader_and_arrival_process():
     assert bench_serve.parse_goodput(["ttft:5", "e2el:9"]) == {"ttft": 5.0, "e2el": 9.0}
     with pytest.raises(SystemExit):
         bench_serve.parse_goodput(["latency:5"])
+
+
+def test_plot_and_sweep_write_pngs(base_url, tmp_path):
+    from PIL import Image
+
+    run_png, sweep_png, sweep_json = tmp_path / "run.png", tmp_path / "sweep.png", tmp_path / "sweep.json"
+    common = [sys.executable, "-m", "common.cli", "bench", "serve", "--base-url", base_url, "--num-prompts", "8",
+              "--input-len", "16", "--output-len", "4"]
+    proc = subprocess.run(common + ["--request-rate", "40", "--plot", str(run_png)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with Image.open(run_png) as img:
+        assert img.size == (1200, 400) and img.format == "PNG"
+    proc = subprocess.run(common + ["--sweep-rates", "10,40", "--compare-url", base_url, "--labels", "a,b",
+                                    "--plot", str(sweep_png), "--save-result", str(sweep_json)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads(sweep_json.read_text())
+    assert set(points) == {"a", "b"} and [p["request_rate"] for p in points["a"]] == [10, 40]
+    assert all(p["completed"] == 8 and p["output_throughput"] > 0 for pts in points.values() for p in pts)
+    with Image.open(sweep_png) as img:
+        assert img.size == (1200, 400)
