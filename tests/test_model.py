@@ -380,3 +380,15 @@ def test_quantized_checkpoints_are_refused_by_name(tiny_model, tmp_path):
     packed = _copy_with_weights(src, tmp_path / "gptq", gptq)
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.qweight"):
         load_model(packed)
+
+
+def test_large_checkpoints_log_loading_progress(tiny_model, monkeypatch, caplog):
+    import logging
+
+    import worker.engine.loader as loader
+
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 1)  # the tiny checkpoint counts as large
+    with caplog.at_level(logging.INFO, logger="worker.engine.loader"):
+        list(loader.iter_checkpoint(tiny_model("llama_sharded")))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading weights:")]
+    assert 5 <= len(lines) <= 11 and "tensors)" in lines[-1]

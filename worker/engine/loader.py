@@ -48,12 +48,25 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+PROGRESS_MIN_BYTES = 2 << 30  # checkpoints this large log their loading progress
+
+
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint, one at a time."""
-    for path in safetensors_files(model_dir):
+    """(name, CPU tensor) for every tensor of the checkpoint, one at a time; large
+    checkpoints log a progress line every tenth of their bytes."""
+    files = safetensors_files(model_dir)
+    total = sum(p.stat().st_size for p in files)
+    done, next_report, count = 0, total / 10, 0
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                yield name, tensor
+                done += tensor.numel() * tensor.element_size()
+                count += 1
+                if total >= PROGRESS_MIN_BYTES and done >= next_report:
+                    log.info("loading weights: %.1f of %.1f GB (%d tensors)", done / 1e9, total / 1e9, count)
+                    next_report += total / 10
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
