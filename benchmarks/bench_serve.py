@@ -28,16 +28,10 @@ from typing import Optional
 
 import msgspec
 
-from benchmarks.serve import GENERATE, Result, percentile
+from benchmarks.serve import Result, http_one, percentile
 from benchmarks.sse_client import SseConnection
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-
-
-@dataclass
-class TimedResult(Result):
-    start: float = 0.0  # perf_counter when the request was sent
-    token_times: list = None  # perf_counter of each output token's arrival (for tokens/s over time)
 
 
 @dataclass
@@ -123,33 +117,11 @@ def body_for(req: SampleRequest, model: Optional[str]) -> bytes:
 
 
 async def one_request(pool: asyncio.Queue, body: bytes) -> Result:
-    conn: SseConnection = await pool.get()
-    res = TimedResult(token_times=[])
-    start = last = res.start = time.perf_counter()
-    got_first = False
+    conn: SseConnection = await pool.get()  # a free connection slot: the concurrency cap
     try:
-        async for t, payload in conn.post_sse(GENERATE, body):
-            chunk = msgspec.json.decode(payload)
-            if "error" in chunk:
-                res.error = str(chunk["error"])
-                continue
-            n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
-            if not n:
-                continue
-            if not got_first:
-                res.ttft, got_first = t - start, True
-            else:
-                res.itls.append(t - last)
-            last = t
-            res.output_tokens += n
-            res.token_times.extend([t] * n)
-    except Exception as exc:  # counted as failed, never fatal
-        res.error = f"{type(exc).__name__}: {exc}"
-        await conn.close()
+        return await http_one(conn, body)
     finally:
         pool.put_nowait(conn)
-    res.e2e = time.perf_counter() - start
-    return res
 
 
 async def run_load(base_url: str, requests: list[SampleRequest], rate: float, burstiness: float,
@@ -270,7 +242,7 @@ def _pyplot():
     return plt
 
 
-def plot_run(results: list[TimedResult], path: str, title: str = "") -> None:
+def plot_run(results: list[Result], path: str, title: str = "") -> None:
     """1200 x 400 px: TTFT CDF, ITL CDF, output tokens/s over time (1 s bins)."""
     plt = _pyplot()
     ok = [r for r in results if r.error is None]

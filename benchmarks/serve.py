@@ -43,6 +43,8 @@ class Result:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: Optional[str] = None
+    start: float = 0.0  # perf_counter when the request was sent
+    token_times: list[float] = field(default_factory=list)  # perf_counter of each output token's arrival
 
     @property
     def tpot(self) -> Optional[float]:
@@ -115,9 +117,9 @@ def request_body(prompt: list[int], output_len: int, stream: bool, model: Option
 
 
 # ----------------------------------------------------------------------------- HTTP runner
-async def _http_one(conn: SseConnection, body: bytes) -> Result:
+async def http_one(conn: SseConnection, body: bytes) -> Result:
     res = Result()
-    start = time.perf_counter()
+    start = res.start = time.perf_counter()
     last = None
     try:
         async for t, payload in conn.post_sse(GENERATE, body):
@@ -134,6 +136,7 @@ async def _http_one(conn: SseConnection, body: bytes) -> Result:
                 res.itls.append(t - last)
             last = t
             res.output_tokens += n
+            res.token_times.extend([t] * n)
     except Exception as exc:  # a failed request is counted, not fatal
         res.error = f"{type(exc).__name__}: {exc}"
         await conn.close()
@@ -150,7 +153,7 @@ async def run_http(base_url: str, bodies: list[bytes], concurrency: int, label: 
         conn = SseConnection(base_url, headers)
         try:
             while queue:
-                results.append(await _http_one(conn, queue.pop()))
+                results.append(await http_one(conn, queue.pop()))
         finally:
             await conn.close()
 
