@@ -79,6 +79,23 @@ def test_engine_with_two_ranks_matches_one(tiny_model):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
+    """Between steps followers wait on the control group, not under the step collectives'
+    timeout: an idle server longer than that timeout still serves."""
+    import time
+
+    monkeypatch.setenv("TOKSERVE_TP_STEP_TIMEOUT_S", "2")  # read by the spawned follower at import
+    path = tiny_model("llama")
+    engine = make_engine(path, tensor_parallel_size=2)
+    try:
+        first = engine.generate([request("a", [5, 6, 7], max_tokens=3, ignore_eos=True)])["a"][0].token_ids
+        time.sleep(4)
+        again = engine.generate([request("b", [5, 6, 7], max_tokens=3, ignore_eos=True)])["b"][0].token_ids
+        assert again == first and all(p.is_alive() for p in engine.tp_leader.procs)
+    finally:
+        engine.close()
+
+
 def test_unshardable_sizes_are_refused_before_starting(tiny_model):
     with pytest.raises(ValueError, match="must divide num_attention_heads 4"):
         make_engine(tiny_model("llama"), tensor_parallel_size=3)

@@ -6,7 +6,9 @@ round-trips through a GPU.  At world size 1 every collective is a no-op.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -38,6 +40,7 @@ class TensorParallel:
 
 
 _TP = TensorParallel()
+STEP_TIMEOUT_S = float(os.environ.get("TOKSERVE_TP_STEP_TIMEOUT_S", "600"))
 
 
 def get_tp() -> TensorParallel:
@@ -52,8 +55,13 @@ def init_tensor_parallel(rank: int, world: int, init_method: str, device: torch.
         _TP = TensorParallel()
         return _TP
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    # The device group only carries a step's collectives, which every rank is inside at
+    # once; it also bounds the rendezvous, so a rank that never came up is an error.
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=STEP_TIMEOUT_S))
+    # Followers wait on the control group between steps for as long as the server is
+    # idle; a rank 0 that dies closes the connections, which ends the wait at once.
+    cpu_group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
     _TP = TensorParallel(rank=rank, world=world, cpu_group=cpu_group)
     return _TP
 
