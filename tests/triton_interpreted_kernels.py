@@ -74,6 +74,12 @@ CASES = [
     ([5, 1], [20, 3], 4, 2, 64, 16, torch.bfloat16, 6),  # sliding window, bf16
     ([3, 1], [9, 14], 2, 2, 64, 1, torch.float32, None),  # block size 1
     ([4, 1], [300, 10], 4, 2, 64, 256, torch.float32, None),  # block size 256
+    # Decode-only batches of few (sequence, KV head) pairs take the split-KV path: keys in
+    # segments, partial softmax states merged by a second kernel.
+    ([1], [700], 8, 1, 64, 16, torch.float32, None),  # one long sequence: every segment busy
+    ([1, 1], [3, 250], 16, 2, 128, 1, torch.bfloat16, None),  # block size 1, a segment-less short row
+    ([1, 1, 1], [90, 40, 7], 8, 2, 64, 16, torch.float32, 20),  # window: early segments empty
+    ([1] * 64, [5 + 3 * i for i in range(64)], 4, 2, 64, 16, torch.float32, None),  # 128 pairs: the 2-D grid
 ]
 
 
@@ -87,6 +93,22 @@ def test_unified_attention_matches_reference(case):
     ref = reference_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, window)
     err = (out.float() - ref).abs().max().item()
     assert err < TOL[dtype], err
+
+
+def test_decode_paths_agree():
+    """The split-KV and the 2-D decode kernels give the same rows."""
+    from worker.engine.kernels.triton import attention
+
+    q, kc, vc, qsl, sl, bt = _paged_batch([1, 1, 1], [300, 41, 128], 8, 2, 64, 16, torch.float32, seed=4)
+    outs = []
+    for below in (10 ** 9, 0):  # force split, then force 2-D
+        attention.SPLIT_KV_BELOW = below
+        out = torch.empty(q.shape)
+        _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=0.125,
+                                 max_query_len=1)
+        outs.append(out)
+    attention.SPLIT_KV_BELOW = 128
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
 
 
 def test_reference_sees_a_wrong_window():

@@ -123,6 +123,109 @@ def _unified_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache, v_cache, m_buf, l_buf, acc_buf, query_start_loc, seq_lens, block_tables,
+    scale, window,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Decode rows only: program (sequence, KV head, segment) attends over one
+    segment of the sequence's key tiles and stores its partial softmax state (row
+    max, row sum, unnormalised output); ``_combine_kernel`` merges the segments.  A
+    lone long sequence then spreads over NUM_SEGMENTS programs per KV head instead
+    of one.  The segment bounds come from ``seq_lens`` on the device (graph-safe)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    token = tl.load(query_start_loc + seq)
+    seq_len = tl.load(seq_lens + seq)
+    q_pos = seq_len - 1
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    head = kv_head * G + offs_m
+    row_ok = offs_m < G
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    first_tile = 0
+    if USE_WINDOW:
+        first_tile = tl.maximum(q_pos - window + 1, 0) // TILE_N
+    num_tiles = q_pos // TILE_N + 1 - first_tile
+    per_segment = (num_tiles + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+    start_tile = first_tile + segment * per_segment
+    end_tile = tl.minimum(start_tile + per_segment, first_tile + num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    table = block_tables + seq * stride_bt
+    for tile in range(start_tile, end_tile):
+        k_pos = tile * TILE_N + offs_n
+        k_ok = k_pos < seq_len
+        page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot_in_page = k_pos % BLOCK_SIZE
+        k = tl.load(k_cache + page[None, :] * stride_kb + slot_in_page[None, :] * stride_ks
+                    + kv_head * stride_kh + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_cache + page[:, None] * stride_vb + slot_in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
+        visible = row_ok[:, None] & k_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (q_pos - k_pos[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Partial state at [seq, head, segment]: buffers are [B, Hq, NUM_SEGMENTS(, HEAD_PAD)].
+    row = (seq * (tl.num_programs(1) * G) + head) * NUM_SEGMENTS + segment
+    tl.store(m_buf + row, m_i, mask=row_ok)
+    tl.store(l_buf + row, l_i, mask=row_ok)
+    tl.store(acc_buf + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_buf, l_buf, acc_buf, out_ptr, query_start_loc, stride_ot, stride_oh, num_heads,
+                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    base = (seq * num_heads + head) * NUM_SEGMENTS
+    m = tl.load(m_buf + base + offs_s)
+    l = tl.load(l_buf + base + offs_s)
+    acc = tl.load(acc_buf + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # empty segments weigh nothing
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    token = tl.load(query_start_loc + seq)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+# Decode batches with fewer (sequence, KV head) pairs than this split each sequence's
+# keys into segments: below it the 2-D grid leaves most of a large GPU idle.
+SPLIT_KV_BELOW = 128
+NUM_SEGMENTS = 16
+
+
 def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   max_query_len: Optional[int]) -> dict:
     """Tile sizes: 16 query rows per program (tl.dot's minimum), more when a group
@@ -153,16 +256,44 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not share {hkv} KV heads evenly")
     num_seqs = seq_lens.shape[0]
+    window = int(sliding_window or 0)
+    ieee = q.dtype == torch.float32 or _INTERPRETING
+    if max_query_len == 1 and t == num_seqs and num_seqs * hkv < SPLIT_KV_BELOW:
+        return _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, ieee)
     cfg = launch_config(hq, hkv, d, block_size, max_query_len)
     grid = (t // cfg["BLOCK_Q"] + num_seqs, hkv)
-    window = int(sliding_window or 0)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         float(scale), num_seqs, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        USE_WINDOW=window > 0, IEEE=q.dtype == torch.float32 or _INTERPRETING, **cfg)
+        USE_WINDOW=window > 0, IEEE=ieee, **cfg)
+    return out
+
+
+def _split_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    g = num_heads // num_kv_heads
+    return dict(G=g, HEAD_DIM=head_dim, HEAD_PAD=max(triton.next_power_of_2(head_dim), 16), BLOCK_SIZE=block_size,
+                BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=16, NUM_SEGMENTS=NUM_SEGMENTS)
+
+
+def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, ieee):
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    cfg = _split_config(hq, hkv, d, k_cache.shape[1])
+    b = seq_lens.shape[0]
+    m_buf = torch.empty(b * hq * NUM_SEGMENTS, dtype=torch.float32, device=q.device)
+    l_buf = torch.empty_like(m_buf)
+    acc_buf = torch.empty(b * hq * NUM_SEGMENTS * cfg["HEAD_PAD"], dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(b, hkv, NUM_SEGMENTS)](
+        q, k_cache, v_cache, m_buf, l_buf, acc_buf, query_start_loc, seq_lens, block_tables,
+        float(scale), window, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        USE_WINDOW=window > 0, IEEE=ieee, **cfg)
+    _combine_kernel[(b, hq)](m_buf, l_buf, acc_buf, out, query_start_loc, out.stride(0), out.stride(1), hq,
+                             HEAD_DIM=d, HEAD_PAD=cfg["HEAD_PAD"], NUM_SEGMENTS=NUM_SEGMENTS)
     return out
 
 
@@ -180,4 +311,18 @@ def compile_specs() -> list:
         const = dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")
         specs.append((f"unified_attention[{dtype},D={head_dim},bs={block_size},G={g},window={window}]",
                       _unified_attention_kernel, sig, const))
+    for dtype, head_dim, block_size, g, window in (("bf16", 128, 16, 4, False), ("fp32", 80, 1, 8, True)):
+        cfg = _split_config(g * 2, 2, head_dim, block_size)
+        sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}", "m_buf": "*fp32",
+               "l_buf": "*fp32", "acc_buf": "*fp32", "query_start_loc": "*i32", "seq_lens": "*i32",
+               "block_tables": "*i32", "scale": "fp32", "window": "i32"}
+        for name in ("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+                     "stride_vh", "stride_bt"):
+            sig[name] = "i64"
+        specs.append((f"decode_split[{dtype},D={head_dim},bs={block_size},G={g},window={window}]",
+                      _decode_split_kernel, sig, dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")))
+        specs.append((f"decode_combine[{dtype},D={head_dim}]", _combine_kernel,
+                      {"m_buf": "*fp32", "l_buf": "*fp32", "acc_buf": "*fp32", "out_ptr": f"*{dtype}",
+                       "query_start_loc": "*i32", "stride_ot": "i64", "stride_oh": "i64", "num_heads": "i32"},
+                      dict(HEAD_DIM=head_dim, HEAD_PAD=cfg["HEAD_PAD"], NUM_SEGMENTS=NUM_SEGMENTS)))
     return specs
