@@ -168,6 +168,41 @@ def test_generation_config_source(qwen2_dir, tmp_path):
         make_engine(qwen2_dir, generation_config=str(tmp_path))
 
 
+def test_generation_config_sampling_keys_are_not_generate_defaults(qwen2_dir, tmp_path):
+    """vLLM 0.32's scale-out generate endpoint (token_in_token_out/serving.py) takes
+    only max_tokens from get_diff_sampling_param(); the request's SamplingParams keep
+    their own defaults for temperature, top_k, repetition_penalty... (those defaults
+    belong to the OpenAI endpoints' to_sampling_params).  So a seeded request that
+    omits them samples as one sending vLLM's neutral values, whatever the file says,
+    and as under --generation-config vllm."""
+    from common.protocol import GenerateRequest, SamplingParams
+
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(
+        '{"max_new_tokens": 12, "temperature": 0.05, "top_k": 1, "top_p": 0.5, "min_p": 0.2,'
+        ' "repetition_penalty": 1.8}')
+    prompt = [5, 6, 7, 8]
+
+    def tokens(engine, rid, **params):
+        req = GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                              params=SamplingParams(seed=11, ignore_eos=True, **params))
+        return engine.generate([req])[rid][0].token_ids
+
+    custom = make_engine(qwen2_dir, max_model_len=64, generation_config=str(folder))
+    assert custom.generation_defaults["temperature"] == 0.05 and custom.generation_defaults["top_k"] == 1
+    omitted = tokens(custom, "o", max_tokens_is_default=True)
+    assert len(omitted) == 12  # max_new_tokens applies
+    neutral = tokens(custom, "n", max_tokens=12, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                     repetition_penalty=1.0)
+    assert omitted == neutral
+    from_file = tokens(custom, "f", max_tokens=12, temperature=0.05, top_p=0.5, top_k=1, min_p=0.2,
+                       repetition_penalty=1.8)
+    assert from_file != omitted
+    plain = make_engine(qwen2_dir, max_model_len=64, generation_config="vllm")
+    assert tokens(plain, "v", max_tokens=12) == omitted
+
+
 def test_text_mode_with_stop_string(llama_dir):
     engine = make_engine(llama_dir)
     prompt = [72, 101, 108, 108, 111]  # "Hello" in the byte tokenizer

@@ -50,6 +50,35 @@ class EngineCore:
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
+        self._build_model_and_cache(config, mc, device)
+        self.vocab_size = mc.vocab_size
+        # vLLM's generate endpoint takes only max_tokens from these (when the client omits
+        # it); the other sampling defaults are the OpenAI endpoints' (scale_out serving.py).
+        self.generation_defaults = generation_defaults(config.generation_config, config.model)
+        self.default_max_tokens = self.generation_defaults.get("max_tokens")
+        self.device = device
+        self.model_info = ModelInfo(
+            name=config.served_model_name or config.model,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_logprobs=config.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+            eos_token_ids=list(mc.eos_token_ids),
+            default_max_tokens=self.default_max_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
+                 mc.architecture, device, config.torch_dtype,
+                 f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
+                 self.block_manager.num_blocks, config.block_size, self.max_model_len)
+
+    def _build_model_and_cache(self, config: EngineConfig, mc: ModelConfig, device: torch.device) -> None:
+        """Model (with its tensor-parallel followers), tokenizer, runner, KV cache,
+        block manager, scheduler and sampler; sets ``max_model_len`` (lowered when
+        the KV cache holds less)."""
         max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
         # Tensor parallelism: followers start (and join the process group) before the
         # model is built, since every rank loads only its shard.
@@ -77,30 +106,6 @@ class EngineCore:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler()
         self.runner.capture_cuda_graphs()
-
-        self.vocab_size = mc.vocab_size
-        # vLLM's generate endpoint takes only max_tokens from these (when the client omits
-        # it); the other sampling defaults are the OpenAI endpoints' (scale_out serving.py).
-        self.generation_defaults = generation_defaults(config.generation_config, config.model)
-        self.default_max_tokens = self.generation_defaults.get("max_tokens")
-        self.device = device
-        self.model_info = ModelInfo(
-            name=config.served_model_name or config.model,
-            vocab_size=mc.vocab_size,
-            max_model_len=max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_logprobs=config.max_logprobs,
-            has_tokenizer=self.tokenizer is not None,
-            eos_token_ids=list(mc.eos_token_ids),
-            default_max_tokens=self.default_max_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
-        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
-                 mc.architecture, device, config.torch_dtype,
-                 f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
-                 num_blocks, config.block_size, max_model_len)
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:

@@ -31,9 +31,9 @@ _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
     "half": torch.float16, "bfloat16": torch.bfloat16,
 }
-# generation_config.json keys that become per-request sampling defaults (vLLM's
-# ModelConfig.get_diff_sampling_param uses the same set).
-# vLLM's ModelConfig.get_diff_sampling_param keys (max_new_tokens becomes max_tokens).
+# generation_config.json keys of vLLM's ModelConfig.get_diff_sampling_param (with
+# max_new_tokens, which becomes max_tokens).  vLLM's generate endpoint applies only
+# max_tokens of them; the rest are the OpenAI endpoints' defaults.
 _GENERATION_DEFAULT_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
                             "top_p", "min_p")
 
