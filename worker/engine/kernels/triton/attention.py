@@ -223,7 +223,9 @@ def _combine_kernel(m_buf, l_buf, acc_buf, out_ptr, query_start_loc, stride_ot, 
 # Decode batches with fewer (sequence, KV head) pairs than this split each sequence's
 # keys into segments: below it the 2-D grid leaves most of a large GPU idle.
 SPLIT_KV_BELOW = 128
-NUM_SEGMENTS = 16
+# Under the interpreter every program costs milliseconds of Python: fewer segments keep
+# the CPU tests quick while still merging several.
+NUM_SEGMENTS = 4 if _INTERPRETING else 16
 
 
 def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
