@@ -9,15 +9,17 @@ but free") instead of recomputing.  Allocation takes blocks holding no cached
 content first (the most recently freed of them first), then evicts the least
 recently freed cached block.
 
-State lives in flat arrays and a stack sized once (a GPU cache can have millions of
-blocks); only cached free blocks sit in an ordered map, so every operation costs
-O(blocks touched).
+State lives in flat arrays sized once (a GPU cache can have millions of blocks):
+ref counts and hashes per block, a stack of free blocks without cached content, and
+the free cached blocks in an intrusive doubly linked list over two int32 arrays
+(vLLM's FreeKVCacheBlockQueue), so initialisation allocates a few arrays, a fully
+cached pool costs no Python object per block beyond its hash, and every operation
+costs O(blocks touched).
 """
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from typing import Optional, Sequence as Seq
 
 import numpy as np
@@ -46,10 +48,64 @@ def hash_block(parent_hash: Optional[BlockHash], token_ids: Seq[int], extra: Opt
     return h.digest()
 
 
+_MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
+
+
+class _LRUList:
+    """Doubly linked list of block ids threaded through two int32 arrays (``prev``
+    and ``next`` indexed by block id; index ``capacity`` is the sentinel), oldest
+    first.  O(1) append, remove and pop; only members' links are meaningful, so the
+    arrays need no initialisation (np.empty of millions of entries is immediate)."""
+
+    __slots__ = ("_prev", "_next", "_sentinel", "_len")
+
+    def __init__(self, capacity: int):
+        self._prev = np.empty(capacity + 1, dtype=np.int32)
+        self._next = np.empty(capacity + 1, dtype=np.int32)
+        self._sentinel = capacity
+        self._prev[capacity] = self._next[capacity] = capacity
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, block_id: int) -> None:
+        prev, nxt, s = self._prev, self._next, self._sentinel
+        tail = prev[s]
+        nxt[tail] = block_id
+        prev[block_id] = tail
+        nxt[block_id] = s
+        prev[s] = block_id
+        self._len += 1
+
+    def remove(self, block_id: int) -> None:
+        prev, nxt = self._prev, self._next
+        p, n = prev[block_id], nxt[block_id]
+        nxt[p] = n
+        prev[n] = p
+        self._len -= 1
+
+    def pop_oldest(self) -> int:
+        if not self._len:
+            raise IndexError("pop from an empty block list")
+        block_id = int(self._next[self._sentinel])
+        self.remove(block_id)
+        return block_id
+
+    def __iter__(self):
+        """Members oldest first (for tests and debugging; O(len))."""
+        b = int(self._next[self._sentinel])
+        while b != self._sentinel:
+            yield b
+            b = int(self._next[b])
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
+        if num_blocks >= _MAX_BLOCKS:
+            raise ValueError(f"at most {_MAX_BLOCKS - 1} KV cache blocks are supported, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -57,9 +113,9 @@ class BlockManager:
         self._hash: list[Optional[BlockHash]] = [None] * num_blocks
         # Free blocks without cached content: a stack whose top is handed out next
         # (block 0 first at start, then the most recently freed).
-        self._uncached = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
+        self._uncached = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self._num_uncached = num_blocks
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: least recently freed first
+        self._free_cached = _LRUList(num_blocks)  # least recently freed first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         # Prefix-cache statistics (tokens), for metrics.
         self.query_tokens = 0
@@ -139,9 +195,9 @@ class BlockManager:
         return True
 
     def _take(self, block_id: int) -> None:
-        """One more reference to a prefix-cache hit (revived from the free map if free)."""
+        """One more reference to a prefix-cache hit (revived from the free list if free)."""
         if self._ref[block_id] == 0:
-            del self._free_cached[block_id]
+            self._free_cached.remove(block_id)
         self._ref[block_id] += 1
 
     def _pop_free(self) -> int:
@@ -149,7 +205,7 @@ class BlockManager:
             self._num_uncached -= 1
             block_id = int(self._uncached[self._num_uncached])
         else:
-            block_id, _ = self._free_cached.popitem(last=False)
+            block_id = self._free_cached.pop_oldest()
             h = self._hash[block_id]  # evict its cached content
             if self._cached.get(h) == block_id:
                 del self._cached[h]
@@ -200,7 +256,7 @@ class BlockManager:
                     self._uncached[self._num_uncached] = block_id
                     self._num_uncached += 1
                 else:
-                    self._free_cached[block_id] = None
+                    self._free_cached.append(block_id)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
