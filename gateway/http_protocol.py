@@ -52,22 +52,33 @@ class HttpSamplingParams(msgspec.Struct):
     logit_bias: Union[dict[int, float], None, UnsetType] = UNSET
     allowed_token_ids: Union[list[int], None, UnsetType] = UNSET
     bad_words: Union[list[str], None, UnsetType] = UNSET
-    # vLLM fields this server does not serve: decoded only to be refused by name when
-    # set to anything but their default (gateway/unserved_fields.py).
-    watermarking: Any = UNSET
-    prompt_logprob_start: Any = UNSET
-    logprob_token_ids: Any = UNSET
-    flat_logprobs: Any = UNSET
-    output_kind: Any = UNSET
-    stream_interval: Any = UNSET
-    output_text_buffer_length: Any = UNSET
-    structured_outputs: Any = UNSET
-    extra_args: Any = UNSET
-    skip_reading_prefix_cache: Any = UNSET
-    thinking_token_budget: Any = UNSET
-    repetition_detection: Any = UNSET
-    routed_experts_prompt_start: Any = UNSET
-    trace_decode_token_ids: Any = UNSET
+    # vLLM fields with no effect here, typed as vLLM types them and then ignored: vLLM's
+    # generate endpoint overwrites output_kind (DELTA when streaming, else FINAL_ONLY);
+    # flat_logprobs only changes the engine's in-memory logprob layout; skip_clone is a
+    # copy-avoidance hint.
+    output_kind: Union[Literal[0, 1, 2], UnsetType] = UNSET  # RequestOutputKind
+    flat_logprobs: Union[bool, UnsetType] = UNSET
+    skip_clone: Union[bool, UnsetType] = UNSET
+    # vLLM fields this server does not serve: typed as vLLM types them, then refused by
+    # name when set to anything but a default (gateway/unserved_fields.py).
+    watermarking: Union[bool, None, UnsetType] = UNSET
+    prompt_logprob_start: Union[int, None, UnsetType] = UNSET
+    logprob_token_ids: Union[list[int], None, UnsetType] = UNSET
+    stream_interval: Union[int, None, UnsetType] = UNSET
+    output_text_buffer_length: Union[int, UnsetType] = UNSET
+    structured_outputs: Union[JsonObject, None, UnsetType] = UNSET
+    extra_args: Union[JsonObject, None, UnsetType] = UNSET
+    skip_reading_prefix_cache: Union[bool, None, UnsetType] = UNSET
+    thinking_token_budget: Union[int, None, UnsetType] = UNSET
+    repetition_detection: Union[JsonObject, None, UnsetType] = UNSET
+    routed_experts_prompt_start: Union[int, UnsetType] = UNSET
+    trace_decode_token_ids: Union[list[int], None, UnsetType] = UNSET
+
+
+class ReasoningParserKwargs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``ReasoningParserKwargs`` (``extra="forbid"``)."""
+
+    chat_template_kwargs: JsonObject = msgspec.field(default_factory=dict)
 
 
 class StreamOptions(msgspec.Struct):
@@ -89,11 +100,14 @@ class HttpGenerateRequest(msgspec.Struct):
     kv_transfer_params: Optional[JsonObject] = None
     ec_transfer_params: Optional[JsonObject] = None
     token_offsets: Optional[list[tuple[int, int]]] = None  # render's char offsets: informational, unused by vLLM too
-    # Not served here (multimodal input, reasoning-gated structured outputs): refused when set.
-    features: Any = None
-    content_parts: Any = None
-    reasoning_ended: Any = None
-    reasoning_parser_kwargs: Any = None
+    # Multimodal input, not served here: refused unless null (gateway/unserved_fields.py).
+    features: Optional[JsonObject] = None
+    content_parts: Optional[list[JsonObject]] = None
+    # Filled in by vLLM's /render from the chat request (reasoning_ended is true when
+    # include_reasoning is off).  In vLLM they only gate structured outputs, which are
+    # refused here, so they are type-checked like vLLM's and have nothing to act on.
+    reasoning_ended: Optional[bool] = None
+    reasoning_parser_kwargs: Optional[ReasoningParserKwargs] = None
 
 
 class HttpAbortRequest(msgspec.Struct):

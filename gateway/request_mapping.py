@@ -20,7 +20,8 @@ from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 TRACE_HEADERS = ("traceparent", "tracestate")
-_SAMPLING_FIELDS = tuple(f for f in HttpSamplingParams.__struct_fields__ if f not in unserved_fields.SAMPLING_FIELDS)
+_SAMPLING_FIELDS = tuple(f for f in HttpSamplingParams.__struct_fields__
+                         if f not in unserved_fields.SAMPLING_FIELDS and f not in unserved_fields.INERT_SAMPLING_FIELDS)
 
 
 @dataclass

@@ -2,8 +2,14 @@
 
 Silently dropping one would change what the client gets without telling it (a JSON
 schema ignored, images never seen), so a request that sets one to anything but its
-default is a 400 naming the field.  Defaults (what clients send when they mean
-"off") pass.
+default is a 400 naming the field.  Defaults (what clients that serialise every field
+send when they mean "off") pass.  The fields' types are checked at decode time
+(gateway/http_protocol.py), as vLLM's pydantic model checks them.
+
+Not listed, so accepted: fields with no effect on what the client gets here
+(``INERT_SAMPLING_FIELDS``; ``reasoning_ended`` / ``reasoning_parser_kwargs``, which in
+vLLM only gate structured outputs, refused below).  Keys vLLM's model does not have
+(``lora_request`` ...) are ignored, as pydantic's default ``extra="ignore"`` does in vLLM.
 """
 from __future__ import annotations
 
@@ -14,19 +20,15 @@ import msgspec
 from common.errors import BadRequest
 from gateway.http_protocol import HttpGenerateRequest
 
-# field -> values that mean "not used" (vLLM's defaults)
+# field -> values that mean "not used" (vLLM's defaults, and their equivalents)
 REQUEST_FIELDS: dict[str, tuple[Any, ...]] = {
-    "features": (None,),  # multimodal features
-    "content_parts": (None, []),  # raw multimodal input
-    "reasoning_ended": (None,),
-    "reasoning_parser_kwargs": (None,),
+    "features": (None,),  # multimodal hashes and placeholders
+    "content_parts": (None, []),  # raw multimodal input (vLLM skips an empty list)
 }
 SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "watermarking": (None, False),
-    "prompt_logprob_start": (None, 0),
+    "prompt_logprob_start": (None, 0),  # 0: the first row, vLLM's default
     "logprob_token_ids": (None,),
-    "flat_logprobs": (False,),
-    "output_kind": (0,),
     "stream_interval": (None, 1),
     "output_text_buffer_length": (0,),
     "structured_outputs": (None,),
@@ -37,9 +39,12 @@ SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "routed_experts_prompt_start": (0,),
     "trace_decode_token_ids": (None,),
 }
+# Decoded (type-checked) and dropped: nothing a client can observe depends on them here.
+INERT_SAMPLING_FIELDS = ("output_kind", "flat_logprobs", "skip_clone")
 
 
 def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # type() keeps True from passing for a default of 1 and 0 for False.
     return value is msgspec.UNSET or any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 

@@ -217,6 +217,8 @@ def test_wild_generate_requests_from_a_direct_client(cluster, request):
         assert 400 <= exc.status < 500, exc
     else:
         assert deltas and deltas[-1].finish_reason is not None
+    assert cluster["worker"].alive(), cluster["worker"].tail()
+    _every(40, lambda n: _serves(cluster["client"], f"during-wild-requests-{n}"))
 
 
 def test_worker_alive_and_serving_after_wild_requests(cluster):

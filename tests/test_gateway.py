@@ -247,13 +247,17 @@ def test_kv_and_ec_transfer_params_pass_through(gw):
     # vLLM fields this server does not serve: refused by name, never silently dropped.
     ({"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {"image": ["h"]}}}, 400,
      "`features` is not supported by this server."),
-    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url"}]}, 400, "content_parts"),
-    ({"token_ids": [1], "sampling_params": {}, "reasoning_ended": True}, 400, "reasoning_ended"),
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url"}]}, 400,
+     "`content_parts` is not supported by this server."),
     ({"token_ids": [1], "sampling_params": {"structured_outputs": {"json": {"type": "object"}}}}, 400,
      "`sampling_params.structured_outputs` is not supported by this server."),
-    ({"token_ids": [1], "sampling_params": {"logprob_token_ids": [3]}}, 400, "sampling_params.logprob_token_ids"),
-    ({"token_ids": [1], "sampling_params": {"extra_args": {"x": 1}}}, 400, "sampling_params.extra_args"),
-    ({"token_ids": [1], "sampling_params": {"thinking_token_budget": 8}}, 400, "thinking_token_budget"),
+    # ... and typed as vLLM types them
+    ({"token_ids": [1], "sampling_params": {}, "features": "image"}, 400, "features"),
+    ({"token_ids": [1], "sampling_params": {"output_kind": 3}}, 400, "sampling_params.output_kind"),
+    ({"token_ids": [1], "sampling_params": {"logprob_token_ids": ["a"]}}, 400, "sampling_params.logprob_token_ids[0]"),
+    ({"token_ids": [1], "sampling_params": {}, "reasoning_ended": "yes"}, 400, "reasoning_ended"),
+    ({"token_ids": [1], "sampling_params": {}, "reasoning_parser_kwargs": {"enable_thinking": True}}, 400,
+     "reasoning_parser_kwargs"),  # vLLM's model forbids extra keys
 ])
 def test_bad_requests_get_vllm_errors(gw, body, status, needle):
     err = error_of(post(gw, body), status)
@@ -261,15 +265,108 @@ def test_bad_requests_get_vllm_errors(gw, body, status, needle):
     assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
 
 
+# A value other than the default for every sampling field vLLM 0.32 has and this server
+# does not serve; each must be a 400 naming it (one table, so a field added to
+# unserved_fields.SAMPLING_FIELDS without a case here fails test_every_unserved_field_has_a_case).
+UNSERVED_SAMPLING_VALUES = {
+    "watermarking": True,
+    "prompt_logprob_start": 2,
+    "logprob_token_ids": [3, 4],
+    "stream_interval": 4,
+    "output_text_buffer_length": 3,
+    "structured_outputs": {"regex": "[ab]+"},
+    "extra_args": {"x": 1},
+    "skip_reading_prefix_cache": True,
+    "thinking_token_budget": 8,
+    "repetition_detection": {"max_pattern_size": 4},
+    "routed_experts_prompt_start": 5,
+    "trace_decode_token_ids": [5, 6],
+}
+# vLLM 0.32 SamplingParams' public fields (vllm/sampling_params.py), every one decoded here.
+VLLM_SAMPLING_FIELDS = {
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "watermarking", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "flat_logprobs",
+    "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "output_kind", "stream_interval", "skip_clone", "output_text_buffer_length", "structured_outputs",
+    "logit_bias", "allowed_token_ids", "extra_args", "bad_words", "skip_reading_prefix_cache",
+    "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start", "trace_decode_token_ids",
+}
+# vLLM 0.32 GenerateRequest's fields (token_in_token_out/protocol.py).
+VLLM_REQUEST_FIELDS = {
+    "request_id", "token_ids", "token_offsets", "features", "content_parts", "sampling_params", "model",
+    "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "output_mode", "stream", "stream_options",
+    "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
+}
+
+
+def test_every_vllm_field_is_decoded_and_every_unserved_field_has_a_case():
+    """A vLLM field msgspec did not know would be dropped without a word."""
+    from gateway import unserved_fields
+    from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
+
+    assert set(HttpSamplingParams.__struct_fields__) == VLLM_SAMPLING_FIELDS
+    assert set(HttpGenerateRequest.__struct_fields__) == VLLM_REQUEST_FIELDS
+    assert set(unserved_fields.SAMPLING_FIELDS) == set(UNSERVED_SAMPLING_VALUES)
+
+
+@pytest.mark.parametrize("field", sorted(UNSERVED_SAMPLING_VALUES))
+def test_unserved_sampling_fields_are_refused_by_name(gw, field):
+    body = gen_body(PROMPT, max_tokens=2)
+    body["sampling_params"][field] = UNSERVED_SAMPLING_VALUES[field]
+    for stream in (False, True):
+        err = error_of(post(gw, {**body, "stream": stream}), 400)
+        assert err == {"message": f"`sampling_params.{field}` is not supported by this server.",
+                       "type": "BadRequestError", "param": f"sampling_params.{field}", "code": 400}
+
+
 def test_unserved_fields_at_their_defaults_are_accepted(gw):
-    """Clients that serialise every field send the unserved ones as their defaults."""
-    body = {**gen_body(PROMPT, max_tokens=2), "features": None, "content_parts": None, "reasoning_ended": None,
-            "token_offsets": [[0, 1]] * len(PROMPT)}
-    body["sampling_params"].update(flat_logprobs=False, output_kind=0, structured_outputs=None, extra_args=None,
-                                   routed_experts_prompt_start=0, skip_reading_prefix_cache=None)
+    """Clients that serialise every field (vLLM's own model_dump) send the unserved ones as
+    their defaults: the request is served and its output is the plain request's."""
+    plain = post(gw, gen_body(PROMPT, max_tokens=4, temperature=0, ignore_eos=True))
+    assert plain.status_code == 200, plain.text
+    body = {**gen_body(PROMPT, max_tokens=4, temperature=0, ignore_eos=True), "features": None,
+            "content_parts": [], "token_offsets": [[0, 1]] * len(PROMPT)}
+    body["sampling_params"].update(watermarking=False, prompt_logprob_start=None, logprob_token_ids=None,
+                                   stream_interval=None, output_text_buffer_length=0, structured_outputs=None,
+                                   extra_args={}, skip_reading_prefix_cache=False, thinking_token_budget=None,
+                                   repetition_detection=None, routed_experts_prompt_start=0,
+                                   trace_decode_token_ids=None)
     r = post(gw, body)
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"][0]["token_ids"]) == 2
+    assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+    # True/1 are not the defaults False/0 (bool is an int in Python)
+    body["sampling_params"]["watermarking"] = 1
+    error_of(post(gw, body), 400)
+
+
+def test_inert_fields_and_render_reasoning_fields_are_accepted(gw):
+    """What vLLM's /render sends for a reasoning model (reasoning_ended, reasoning_parser_kwargs:
+    they only gate structured outputs, refused here) and sampling fields vLLM's generate
+    endpoint overrides or that only shape its internals are served, output unchanged."""
+    plain = post(gw, gen_body(PROMPT, max_tokens=4, temperature=0, ignore_eos=True, logprobs=1))
+    assert plain.status_code == 200, plain.text
+    body = {**gen_body(PROMPT, max_tokens=4, temperature=0, ignore_eos=True, logprobs=1,
+                       output_kind=2, flat_logprobs=True, skip_clone=True),
+            "reasoning_ended": True, "reasoning_parser_kwargs": {"chat_template_kwargs": {"enable_thinking": False}}}
+    r = post(gw, body)
+    assert r.status_code == 200, r.text
+    got, want = r.json()["choices"][0], plain.json()["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    assert [e["token_id"] for e in got["logprobs"]["content"]] == [e["token_id"] for e in want["logprobs"]["content"]]
+    # Streaming still streams (output_kind=2, FINAL_ONLY, is overridden as in vLLM).
+    payloads = sse_payloads(post(gw, {**body, "stream": True}))
+    assert payloads[-1] == "[DONE]"
+    assert [t for p in payloads[:-1] for t in json.loads(p)["choices"][0]["token_ids"]] == want["token_ids"]
+    assert len(payloads) - 1 >= 2  # deltas, not one final output
+
+
+def test_fields_vllm_does_not_have_are_ignored_as_vllm_ignores_them(gw):
+    """vLLM's GenerateRequest has no LoRA field (an adapter is chosen by `model`, and an
+    unknown name is a 404); pydantic ignores unknown keys, so does this server."""
+    r = post(gw, {**gen_body(PROMPT, max_tokens=2), "lora_request": {"lora_name": "x"}, "lora_name": "x"})
+    assert r.status_code == 200, r.text
+    assert error_of(post(gw, {**gen_body(PROMPT, max_tokens=2), "model": "my-lora"}), 404)["param"] == "model"
 
 
 def test_stream_errors_before_first_token_keep_http_status(gw):
