@@ -49,14 +49,30 @@ def _tp_logits(model_dir: Path, tmp_path: Path, world: int) -> np.ndarray:
     return np.load(out, allow_pickle=False)
 
 
+def _hf_step_logits(path: Path) -> np.ndarray:
+    """transformers' logits in run_steps' row order (full forwards of each sequence)."""
+    from tests.model_factory import load_hf_model
+    from tests.tp_model_check import STEPS_A, STEPS_B
+
+    hf = load_hf_model(path)
+    with torch.no_grad():
+        a = hf(torch.tensor([STEPS_A[:29]])).logits[0].float()
+        b = hf(torch.tensor([STEPS_B[:12]])).logits[0].float()
+    rows = [a[:18], a[18:26], b[:9]] + [r for i in range(3) for r in (a[26 + i:27 + i], b[9 + i:10 + i])]
+    return torch.cat(rows).numpy()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa"])  # kv heads 2 -> split; 1 -> replicated
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
+    """A prefill, a chunk after cached context beside a second prefill, and decodes
+    over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""
     path = tiny_model(kind)
     ref = torch.cat(run_steps(load_model(path))).numpy()
     got = _tp_logits(path, tmp_path, 2)
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() < 1e-4
     assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(got - _hf_step_logits(path)).max() < 1e-4
 
 
 def test_engine_with_two_ranks_matches_one(tiny_model):

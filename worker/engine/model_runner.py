@@ -263,10 +263,8 @@ class ModelRunner:
     # --- execution ------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Hidden states [T, H] of the step's tokens (the K/V are written to the cache)."""
-        graph = self._graph_for(scheduled)
-        if graph is not None:
-            return graph.run(self, scheduled)
+        """Hidden states [T, H] of the step's tokens (the K/V are written to the cache);
+        ``run_layout`` picks a CUDA graph for decode-only steps."""
         return self.run_layout(self.layout(scheduled))
 
     def run_layout(self, layout: StepLayout) -> torch.Tensor:
@@ -319,11 +317,13 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         if self.tp_leader is not None and self.tp_leader.sending:
-            from worker.engine.parallel.follower import OP_CAPTURE
+            from worker.engine.parallel.follower import OP_CAPTURE, agree_on_graphs
 
             self.tp_leader.send(OP_CAPTURE)  # every rank captures the same graphs in the same order
             with self.tp_leader.paused():
-                return self.capture_cuda_graphs()
+                self.capture_cuda_graphs()
+                agree_on_graphs(self)  # a rank that fell back to eager makes every rank eager
+            return
         if not self.backend.supports_cuda_graphs:
             log.info("%s attention plans on the host; decode runs without CUDA graphs", self.backend.name)
             return

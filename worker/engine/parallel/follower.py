@@ -86,6 +86,13 @@ def min_across_ranks(value: int) -> int:
     return int(t.item())
 
 
+def agree_on_graphs(runner) -> None:
+    """After a lockstep capture: decode runs graphed only if every rank captured
+    (rank 0 and the followers must take the same path at every step)."""
+    if not min_across_ranks(int(bool(runner._graphs))):
+        runner._graphs.clear()
+
+
 class TPLeader:
     """Rank 0's handle on its followers."""
 
@@ -196,5 +203,6 @@ def serve_follower(runner) -> None:
             runner.allocate_kv_cache(ints[0])
         elif op == OP_CAPTURE:
             runner.capture_cuda_graphs()
+            agree_on_graphs(runner)
         else:
             raise RuntimeError(f"unknown tensor-parallel op {op}")
