@@ -6,11 +6,15 @@ once in the log.
 
 The build is tuned for the CPU it runs on (``-march=native``), so the module name
 carries a hash of the CPU's feature flags (a cache shared between different
-machines never loads code the CPU can't run) and of the kernel files.  The files are
-compiled from a copy inside the build directory, not from where the package sits:
-torch's ninja build keys objects by source path, so two checkouts (or an editable
-and an installed copy) of the same kernels share one build instead of rebuilding
-each other's.
+machines never loads code the CPU can't run), of the kernel files, and of the
+toolchain that goes into the compile command (torch's version and install path,
+Python's headers, the compiler, the flags).  The files are compiled from a copy
+inside the build directory, not from where the package sits.  Torch's ninja build
+rebuilds whenever a source path or the command line changes, so without both two
+checkouts (or an editable and an installed copy, or two virtual environments) of
+the same kernels would rebuild each other's on every alternate start; this way one
+environment's checkouts and installed copies share one build, and each environment
+(or torch upgrade in place, whose headers ninja does not track) gets its own.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp")
 _HEADERS = ("paged_cache.h", "vec_math.h")
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A
 # build takes ~45 s here, so a lock this old has no live owner.
@@ -57,8 +62,22 @@ def _source_tag(here: Path) -> str:
     return h.hexdigest()[:8]
 
 
+def _toolchain_tag() -> str:
+    """Hash of what torch writes into the compile and link commands besides the
+    sources: torch's install path (its include and library dirs), its version (a
+    reinstall in place changes headers ninja does not track), Python's include dir,
+    the compiler (``CXX``, as torch reads it) and our flags."""
+    import sysconfig
+
+    parts = (torch.__version__, str(getattr(torch.version, "git_version", "")),
+             os.path.dirname(os.path.abspath(torch.__file__)),
+             str(sysconfig.get_path("include", scheme="posix_prefix")), os.environ.get("CXX", "c++"), *_CFLAGS)
+    return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:8]
+
+
 def kernel_module_name(here: Path) -> str:
-    return f"tokserve_cpu_kernels_{_cpu_tag()}_{_source_tag(here)}"
+    """Keyed by CPU, kernel content and toolchain, not by where the kernels sit."""
+    return f"tokserve_cpu_kernels_{_cpu_tag()}_{_source_tag(here)}_{_toolchain_tag()}"
 
 
 def stage_sources(here: Path, dest: Path) -> Path:
@@ -96,7 +115,7 @@ def load_cpu_kernels() -> Optional[Any]:
                 started = time.monotonic()
                 _module = load(name=name,
                                sources=[str(src / s) for s in _SOURCES],
-                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
+                               extra_cflags=list(_CFLAGS),
                                verbose=False)
                 if time.monotonic() - started > 5:
                     log.info("native CPU kernels ready (%.0f s)", time.monotonic() - started)
