@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # Tensors only quantized checkpoints carry (FP8 scales, GPTQ/AWQ packed weights): such
 # a checkpoint may lack quantization_config, and loading it as dense would be garbage.
-_QUANTIZED_SUFFIXES = ("_scale", "_scale_inv", ".qweight", ".qzeros", ".scales", ".g_idx", ".absmax", ".quant_map",
-                       ".weight_packed", ".weight_shape")
+_QUANTIZED_SUFFIXES = ("_scale", "_scale_inv", "_zero_point", ".qweight", ".qzeros", ".scales", ".g_idx", "absmax",
+                       "quant_map", ".weight_packed", ".weight_shape", ".SCB", ".weight_format")
+_QUANTIZED_PARTS = ("qweight", ".quant_state.")  # GPTQ/AWQ packed weights, bitsandbytes 4-bit state
 _QUANTIZED_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                      if hasattr(torch, n)}
 
@@ -75,8 +76,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in iter_checkpoint(model_dir):
-        if name.endswith(_QUANTIZED_SUFFIXES) or tensor.dtype in _QUANTIZED_DTYPES or (
-                name.endswith(".weight") and not tensor.is_floating_point()):
+        if name.endswith(_QUANTIZED_SUFFIXES) or any(p in name for p in _QUANTIZED_PARTS) or (
+                tensor.dtype in _QUANTIZED_DTYPES) or (name.endswith(".weight") and not tensor.is_floating_point()):
             raise ValueError(f"checkpoint tensor {name} ({tensor.dtype}) belongs to a quantized checkpoint; "
                              f"quantized checkpoints are not supported: serve an unquantized "
                              f"bfloat16/float16/float32 checkpoint")

@@ -121,7 +121,11 @@ class ModelConfig:
         family = _ARCHITECTURES[arch]
         quant = cfg.get("quantization_config") or cfg.get("compression_config")
         if quant:
-            method = (quant.get("quant_method") or quant.get("format") or "unknown") if isinstance(quant, dict) else quant
+            if isinstance(quant, dict):  # old bitsandbytes configs name no method, only load_in_4bit/8bit
+                method = quant.get("quant_method") or quant.get("format") or (
+                    "bitsandbytes" if quant.get("load_in_4bit") or quant.get("load_in_8bit") else "unknown")
+            else:
+                method = quant
             raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported; serve an "
                              f"unquantized bfloat16/float16/float32 checkpoint")
         act = cfg.get("hidden_act", "silu")
