@@ -1,6 +1,6 @@
 """The model and the engine on the Triton backend, run on CPU tensors by Triton's
 interpreter.  Not collected on its own (the kernels must be decorated with
-TRITON_INTERPRET=1 set): tests/test_triton_backend.py runs this file in a
+TRITON_INTERPRET=1 set): tests/test_triton_interpreted.py runs this file in a
 subprocess with the interpreter on."""
 from __future__ import annotations
 

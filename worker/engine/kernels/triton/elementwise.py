@@ -92,6 +92,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.co
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused ``[T, 2I]`` projection -> ``[T, I]``."""
+    if gate_up.stride(1) != 1:  # the kernel walks columns with unit stride
+        gate_up = gate_up.contiguous()
     t, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
