@@ -44,6 +44,46 @@ def _find_seq(query_start_loc, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, tile, table, k_cache, v_cache, seq_len, q_pos, row_ok, kv_head, scale, window,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 USE_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step over the keys of tile ``tile`` (TILE_N positions, each
+    key's page looked up in the block table) for rows at positions ``q_pos``:
+    returns the updated (row max, row sum, unnormalised output)."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    k_pos = tile * TILE_N + offs_n
+    k_ok = k_pos < seq_len
+    page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    slot_in_page = k_pos % BLOCK_SIZE
+    k = tl.load(k_cache + page[None, :] * stride_kb + slot_in_page[None, :] * stride_ks
+                + kv_head * stride_kh + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+    v = tl.load(v_cache + page[:, None] * stride_vb + slot_in_page[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale
+    visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq_lens, block_tables,
     scale, num_seqs, window,
@@ -84,39 +124,11 @@ def _unified_attention_kernel(
     start_tile = 0
     if USE_WINDOW:
         start_tile = tl.maximum(context + local * BLOCK_Q - window + 1, 0) // TILE_N
-    offs_n = tl.arange(0, TILE_N)
     table = block_tables + seq * stride_bt
     for tile in range(start_tile, end_tile):
-        k_pos = tile * TILE_N + offs_n
-        k_ok = k_pos < seq_len
-        page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot_in_page = k_pos % BLOCK_SIZE
-        k = tl.load(k_cache + page[None, :] * stride_kb + slot_in_page[None, :] * stride_ks
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
-        v = tl.load(v_cache + page[:, None] * stride_vb + slot_in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale
-        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile, table, k_cache, v_cache, seq_len, q_pos, row_ok,
+                                     kv_head, scale, window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE)
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -162,37 +174,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    offs_n = tl.arange(0, TILE_N)
     table = block_tables + seq * stride_bt
+    q_pos_rows = tl.zeros([BLOCK_M], tl.int32) + q_pos
     for tile in range(start_tile, end_tile):
-        k_pos = tile * TILE_N + offs_n
-        k_ok = k_pos < seq_len
-        page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot_in_page = k_pos % BLOCK_SIZE
-        k = tl.load(k_cache + page[None, :] * stride_kb + slot_in_page[None, :] * stride_ks
-                    + kv_head * stride_kh + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_cache + page[:, None] * stride_vb + slot_in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale
-        visible = row_ok[:, None] & k_ok[None, :]
-        if USE_WINDOW:
-            visible = visible & (q_pos - k_pos[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile, table, k_cache, v_cache, seq_len, q_pos_rows, row_ok,
+                                     kv_head, scale, window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, IEEE)
 
     # Partial state at [seq, head, segment]: buffers are [B, Hq, NUM_SEGMENTS(, HEAD_PAD)].
     row = (seq * (tl.num_programs(1) * G) + head) * NUM_SEGMENTS + segment
