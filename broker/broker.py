@@ -13,13 +13,14 @@ from typing import Optional
 
 import zmq
 
+from broker.control import ControlPlane
 from broker.dispatch import LeastLoaded, sticky_worker
 from broker.workers import Worker, WorkerRegistry
 from common import config, framing, security
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
 from common.protocol import (Abort, BrokerStats, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest,
-                             MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+                             MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad, WorkerReady)
 
 log = get_logger("tokserve.broker")
 
@@ -77,6 +78,7 @@ class Broker:
         self.pending_count = 0
         self.stats = BrokerStats()
         self.policy = LeastLoaded()
+        self.control = ControlPlane(self)
         self._bad_frame = RateLimitedLog(log)
         self._unreachable = RateLimitedLog(log)
         self._stop = False
@@ -190,13 +192,16 @@ class Broker:
             framing.expect_count(rest, 1, "INFO")
             nonce = framing.nonce_from(rest[0])
             self._to_client(client, framing.message(MsgType.INFO, self.cluster_info(), framing.nonce_bytes(nonce)))
+        elif msg_type == MsgType.CONTROL:
+            self.control.on_client(client, rest)
         else:
             raise FrameError(f"message type {msg_type!r} not accepted from clients")
 
     def cluster_info(self) -> ClusterInfo:
         live = sorted(self.workers.all(), key=lambda w: w.rank)
         return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model,
-                           pending=self.pending_count, stats=self.stats)
+                           pending=self.pending_count, stats=self.stats, paused=self.control.paused,
+                           weight_version=self.control.pool_version)
 
     def _on_generate(self, client: bytes, body: bytes) -> None:
         req = framing.decode(body, GenerateRequest)
@@ -212,6 +217,9 @@ class Broker:
 
     def _assign(self, entry: Entry) -> None:
         """Send ``entry`` to a worker, queue it, or fail it."""
+        if self.control.paused:  # waits for /resume (bounded by max_pending)
+            self._enqueue(entry)
+            return
         while True:
             live = self.workers.dispatchable()
             if not live:
@@ -248,7 +256,8 @@ class Broker:
 
     def _enqueue(self, entry: Entry) -> None:
         now = time.monotonic()
-        if not self.workers.dispatchable() and self.workers.no_worker_for(now) > self.cfg.no_worker_timeout:
+        if not self.control.paused and not self.workers.dispatchable() and \
+                self.workers.no_worker_for(now) > self.cfg.no_worker_timeout:
             self._finish(entry)
             self._error(entry, entry.request_id, 503, "no worker available", _E_OVERLOADED)
             self.stats.rejected_overloaded += 1
@@ -265,6 +274,8 @@ class Broker:
         self.pending_count += 1
 
     def _dispatch_pending(self) -> None:
+        if self.control.paused:
+            return
         while self.pending:
             entry = self.pending[0]
             if entry.done:
@@ -284,15 +295,28 @@ class Broker:
                 return
 
     def _on_abort(self, client: bytes, request_ids: list[str]) -> None:
+        entries = [self.requests.get(rid) for rid in request_ids]
+        # Unknown, finished or another client's: aborting is idempotent.
+        self._abort_entries([e for e in entries if e is not None and e.client == client])
+
+    def abort_everywhere(self, request_ids: Optional[list[str]]) -> int:
+        """The RL route's abort: the given requests, or every request, of every client."""
+        if request_ids is None:
+            entries = [e for e in self.requests.values() if not e.orphaned]
+        else:
+            entries = [e for e in map(self.requests.get, request_ids) if e is not None and not e.orphaned]
+        self._abort_entries(entries)
+        return len(entries)
+
+    def _abort_entries(self, entries: list[Entry]) -> None:
         per_worker: dict[Worker, list[str]] = {}
-        for rid in request_ids:
-            entry = self.requests.get(rid)
-            if entry is None or entry.client != client:
-                continue  # unknown or finished: aborting is idempotent
+        for entry in entries:
+            rid = entry.request_id
             if entry.worker is None:  # still queued here: answer for the worker
                 self._finish(entry)
-                deltas = [CompletionDelta(request_id=rid, index=i, finish_reason="abort") for i in range(entry.n)]
-                self._to_client(client, framing.message(MsgType.OUTPUTS, Outputs(deltas)))
+                deltas = [CompletionDelta(request_id=rid, index=i, finish_reason="abort", weight_versions=[])
+                          for i in range(entry.n)]
+                self._to_client(entry.client, framing.message(MsgType.OUTPUTS, Outputs(deltas)))
             else:
                 per_worker.setdefault(entry.worker, []).append(rid)
         for worker, rids in per_worker.items():
@@ -364,6 +388,13 @@ class Broker:
                     self._to_client(entry.client, framing.message(MsgType.ERROR, rest[0]))
                 if self.pending:
                     self._dispatch_pending()
+        elif msg_type == MsgType.CONTROL:
+            if worker is None:
+                self._reject_unknown(identity)
+                return
+            framing.expect_count(rest, 1, "CONTROL")
+            worker.last_seen = time.monotonic()
+            self.control.on_worker_reply(worker, framing.decode(rest[0], RankReply))
         elif msg_type == MsgType.DISCONNECT:
             if worker is None:
                 return
@@ -418,8 +449,10 @@ class Broker:
             log.error("worker pid %d claims rank %d already held by pid %d; ignored", ready.pid, ready.rank,
                       holder.pid)
             return
-        worker = Worker(identity=identity, rank=ready.rank, model=ready.model, load=ready.load, pid=ready.pid)
+        worker = Worker(identity=identity, rank=ready.rank, model=ready.model, load=ready.load, pid=ready.pid,
+                        weight_version=ready.weight_version, world_size=ready.world_size)
         self.workers.add(worker)
+        self.control.on_worker_ready(worker)
         log.info("worker rank %d registered (pid %d, model %s, max_num_seqs %d)", ready.rank, ready.pid,
                  ready.model.name, ready.model.max_num_seqs)
         self._to_worker(worker, framing.message(MsgType.HEARTBEAT))
@@ -443,6 +476,7 @@ class Broker:
 
     def _worker_gone(self, worker: Worker, reason: str, notify: bool = True) -> None:
         self.workers.remove(worker)
+        self.control.on_worker_gone(worker)
         retried = failed = 0
         for rid in list(worker.requests):
             entry = self.requests[rid]
@@ -474,7 +508,7 @@ class Broker:
     def _expire(self, now: float) -> None:
         for worker in self.workers.expired(now):
             self._worker_gone(worker, f"no heartbeat for {now - worker.last_seen:.1f}s")
-        if self.pending and not self.workers.dispatchable() and \
+        if self.pending and not self.control.paused and not self.workers.dispatchable() and \
                 self.workers.no_worker_for(now) > self.cfg.no_worker_timeout:
             while self.pending:
                 entry = self.pending.popleft()

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common.protocol import ModelInfo, WorkerLoad, WorkerStatus
+from common.protocol import DEFAULT_WEIGHT_VERSION, ModelInfo, WorkerLoad, WorkerStatus
 
 
 @dataclass(eq=False)
@@ -19,6 +19,10 @@ class Worker:
     sent: int = 0  # GENERATEs sent; minus load.num_received = still on the wire
     requests: set = field(default_factory=set)  # request ids assigned and not finished
     draining: bool = False  # said goodbye: finishes its requests, gets no new ones
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    stale: bool = False  # weights differ from the pool's version: held out of dispatch
+    replaying: bool = False  # the broker is bringing it to the pool's version
+    world_size: int = 1  # devices it drives (tensor-parallel size)
 
     def score(self) -> int:
         """Least-loaded dispatch score (vLLM DP balancing: waiting weighs 4x running)."""
@@ -27,7 +31,8 @@ class Worker:
         return load.waiting * 4 + load.running + (unreported if unreported > 0 else 0)
 
     def status(self) -> WorkerStatus:
-        return WorkerStatus(rank=self.rank, load=self.load, alive=True)
+        return WorkerStatus(rank=self.rank, load=self.load, alive=True, weight_version=self.weight_version,
+                            stale=self.stale, world_size=self.world_size)
 
 
 class WorkerRegistry:
@@ -55,7 +60,8 @@ class WorkerRegistry:
 
     def dispatchable(self) -> list[Worker]:
         """Live workers taking new requests, in rank order (stable for tie rotation)."""
-        return sorted((w for w in self._by_identity.values() if not w.draining), key=lambda w: w.rank)
+        return sorted((w for w in self._by_identity.values() if not w.draining and not w.stale),
+                      key=lambda w: w.rank)
 
     def has_capacity(self, worker: Worker) -> bool:
         limit = self._max_inflight or self._per_slot * max(1, worker.model.max_num_seqs)
@@ -77,8 +83,9 @@ class WorkerRegistry:
         return [w for w in self._by_identity.values() if now - w.last_seen > self.expiry]
 
     def no_worker_for(self, now: float) -> float:
-        """Seconds without any dispatchable worker (0 while one exists)."""
-        if any(not w.draining for w in self._by_identity.values()):
+        """Seconds without any dispatchable worker (0 while one exists, or one is being
+        brought to the pool's weight version)."""
+        if any(not w.draining and (not w.stale or w.replaying) for w in self._by_identity.values()):
             self.last_alive = now
             return 0.0
         return now - self.last_alive

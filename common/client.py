@@ -16,16 +16,17 @@ import queue
 import struct
 import threading
 import time
-from typing import AsyncIterator, Iterator, Optional
+from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import zmq
 import zmq.asyncio
 
-from common import config, framing, security
+from common import config, framing, security, tensor_frames
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
-from common.protocol import Abort, ClusterInfo, CompletionDelta, ErrorMsg, GenerateRequest, MsgType, Outputs
+from common.protocol import (Abort, ClusterInfo, CompletionDelta, ControlReply, ControlRequest, ErrorMsg,
+                             GenerateRequest, MsgType, Outputs)
 
 log = get_logger("tokserve.client")
 
@@ -80,7 +81,7 @@ class AsyncClient:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._streams: dict[str, _Stream] = {}
-        self._info_waiters: dict[int, asyncio.Future] = {}
+        self._info_waiters: dict[int, asyncio.Future] = {}  # INFO and CONTROL replies, by nonce
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._last_heard = 0.0
@@ -199,6 +200,95 @@ class AsyncClient:
         finally:
             self._info_waiters.pop(nonce, None)
 
+    # ------------------------------------------------------- control plane
+    async def control(self, op: str, args: Optional[dict] = None, *, rank: Optional[int] = None,
+                      payload: Sequence = (), timeout: Optional[float] = None) -> ControlReply:
+        """Run a control command on every live worker (or ``rank``); the aggregated reply.
+
+        Raises RequestError with the broker's status when any targeted worker refused
+        or failed (its message names the ranks), 503 when the broker is unreachable.
+        ``payload`` frames (e.g. a weight bucket) go to every targeted worker."""
+        if self._sock is None:
+            await self.start()
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._info_waiters[nonce] = fut
+        body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank))
+        try:
+            frames = [framing.MAGIC, MsgType.CONTROL, body, *payload]
+            if not await self._send_when_connected(frames):
+                raise _unavailable(f"broker at {self.address} is unreachable")
+            reply: ControlReply = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise _unavailable(f"{op}: no reply within {timeout}s") from None
+        finally:
+            self._info_waiters.pop(nonce, None)
+        if not reply.ok:
+            raise RequestError(reply.message, reply.status)
+        return reply
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True, **kw) -> None:
+        """Stop serving: ``abort`` in-flight requests, ``wait`` for them, or ``keep`` them frozen."""
+        await self.control("pause", {"mode": mode, "clear_cache": clear_cache}, **kw)
+
+    async def resume(self, **kw) -> None:
+        await self.control("resume", **kw)
+
+    async def is_paused(self) -> bool:
+        return bool((await self.control("is_paused")).result["is_paused"])
+
+    async def abort_all(self, request_ids: Optional[list[str]] = None) -> int:
+        """Abort these requests (or all) of every client; the number aborted."""
+        args = {"request_ids": list(request_ids)} if request_ids else {}
+        return int((await self.control("abort", args)).result["aborted"])
+
+    async def update_weights(self, named_tensors, version: Optional[str] = None, *,
+                             bucket_bytes: int = tensor_frames.DEFAULT_BUCKET_BYTES, rank: Optional[int] = None,
+                             timeout: Optional[float] = None) -> int:
+        """Push (name, tensor) pairs to every worker in buckets of raw frames, then swap
+        them in at once (and label them ``version``).  Returns the tensor count."""
+        await self.control("start_weight_update", rank=rank, timeout=timeout)
+        count = 0
+        for info, frames in tensor_frames.buckets(named_tensors, bucket_bytes):
+            await self.control("update_weights", {"update_info": info}, payload=frames, rank=rank, timeout=timeout)
+            count += len(info["names"])
+        args = {"weight_version": version} if version is not None else {}
+        await self.control("finish_weight_update", args, rank=rank, timeout=timeout)
+        return count
+
+    async def update_weights_from_disk(self, path: str, version: Optional[str] = None, **kw) -> None:
+        """Every worker reloads the safetensors checkpoint in ``path`` (a folder they can read)."""
+        await self.control("start_weight_update", **kw)
+        await self.control("update_weights", {"update_info": {"path": path}}, **kw)
+        args = {"weight_version": version} if version is not None else {}
+        await self.control("finish_weight_update", args, **kw)
+
+    async def weight_info(self) -> dict:
+        """The pool's weight version and each rank's (``stale`` ranks are held out of dispatch)."""
+        return (await self.control("weight_info")).result
+
+    async def weight_checksums(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for r in (await self.control("weight_checker", {"action": "checksum"})).ranks:
+            out.update(r.result["checksums"])
+        return out
+
+    async def reset_prefix_cache(self) -> bool:
+        reply = await self.control("reset_prefix_cache")
+        return all(r.result.get("success") for r in reply.ranks)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await self.control("sleep", {"level": level, "mode": mode})
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """True once every worker holds its weights and KV cache again."""
+        reply = await self.control("wake_up", {"tags": tags} if tags else {})
+        return all(r.result.get("fully_awake") for r in reply.ranks)
+
+    async def is_sleeping(self) -> bool:
+        reply = await self.control("is_sleeping")
+        return any(r.result.get("is_sleeping") for r in reply.ranks)
+
     @property
     def in_flight(self) -> int:
         return len(self._streams)
@@ -290,6 +380,11 @@ class AsyncClient:
             stream = self._streams.pop(err.request_id, None)
             if stream is not None:
                 stream.queue.put_nowait(RequestError.from_msg(err))
+        elif msg_type == MsgType.CONTROL:
+            reply = framing.decode(rest[0], ControlReply)
+            fut = self._info_waiters.get(reply.nonce)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
         elif msg_type == MsgType.INFO:
             framing.expect_count(rest, 2, "INFO")
             fut = self._info_waiters.get(framing.nonce_from(rest[1]))
@@ -355,6 +450,46 @@ class Client:
 
     def info(self, timeout: float = 2.0) -> ClusterInfo:
         return self._call(self._client.info(timeout))
+
+    # Control plane: the AsyncClient methods, run on the client's loop.
+    def control(self, op: str, args: Optional[dict] = None, **kw) -> ControlReply:
+        return self._call(self._client.control(op, args, **kw))
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, **kw) -> None:
+        self._call(self._client.pause(mode, clear_cache, **kw))
+
+    def resume(self, **kw) -> None:
+        self._call(self._client.resume(**kw))
+
+    def is_paused(self) -> bool:
+        return self._call(self._client.is_paused())
+
+    def abort_all(self, request_ids: Optional[list[str]] = None) -> int:
+        return self._call(self._client.abort_all(request_ids))
+
+    def update_weights(self, named_tensors, version: Optional[str] = None, **kw) -> int:
+        return self._call(self._client.update_weights(named_tensors, version, **kw))
+
+    def update_weights_from_disk(self, path: str, version: Optional[str] = None, **kw) -> None:
+        self._call(self._client.update_weights_from_disk(path, version, **kw))
+
+    def weight_info(self) -> dict:
+        return self._call(self._client.weight_info())
+
+    def weight_checksums(self) -> dict[str, str]:
+        return self._call(self._client.weight_checksums())
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call(self._client.reset_prefix_cache())
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self._call(self._client.sleep(level, mode))
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        return self._call(self._client.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return self._call(self._client.is_sleeping())
 
     def close(self) -> None:
         if self._closed:

@@ -13,6 +13,7 @@ Client <-> broker (frontend)::
     HEARTBEAT  [MAGIC][0x06][]                         reply: [MAGIC][0x06][]
     OUTPUTS    [MAGIC][0x03][Outputs]                  broker -> client
     ERROR      [MAGIC][0x04][ErrorMsg]                 broker -> client
+    CONTROL    [MAGIC][0x09][ControlRequest][payload]* reply: [MAGIC][0x09][ControlReply]
 
 Broker <-> worker (backend)::
 
@@ -25,6 +26,11 @@ Broker <-> worker (backend)::
     DISCONNECT [MAGIC][0x07][Disconnect]               worker -> broker: draining / leaving
     ERROR      [MAGIC][0x04][ErrorMsg][client identity]
     OUTPUTS    [MAGIC][0x03][OutputsHeader]([client identity][Outputs])*
+    CONTROL    [MAGIC][0x09][ControlRequest][payload]* broker -> worker (payload: raw tensor bytes)
+    CONTROL    [MAGIC][0x09][RankReply]                worker -> broker
+
+Control commands fan out to every live worker (or the one rank asked for); the
+broker answers the client once every targeted worker replied or died.
 
 The relay fast path is OUTPUTS: a worker ships ONE frame set per engine step; the
 deltas are grouped per client and each group is encoded once as that client's
@@ -54,8 +60,8 @@ import msgspec
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from common.protocol import (MAGIC, Abort, ClusterInfo, Disconnect, ErrorMsg, GenerateRequest, MsgType,
-                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+from common.protocol import (MAGIC, Abort, ClusterInfo, ControlReply, ControlRequest, Disconnect, ErrorMsg,
+                             GenerateRequest, MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad, WorkerReady)
 
 T = TypeVar("T")
 
@@ -72,7 +78,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {
     t: msgspec.msgpack.Decoder(t)
     for t in (GenerateRequest, Abort, Outputs, ErrorMsg, WorkerReady, WorkerLoad, ClusterInfo, OutputsHeader,
-              Disconnect)
+              Disconnect, ControlRequest, ControlReply, RankReply)
 }
 
 

@@ -29,6 +29,7 @@ class MsgType:
     HEARTBEAT = b"\x06"  # both ways; worker's body is WorkerLoad, others empty
     DISCONNECT = b"\x07"  # worker -> broker on graceful exit / broker -> worker
     INFO = b"\x08"  # client -> broker (empty) / broker -> client: ClusterInfo
+    CONTROL = b"\x09"  # control plane: ControlRequest out, ControlReply / RankReply back
 
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
@@ -127,6 +128,9 @@ class CompletionDelta(msgspec.Struct, **_STRUCT):
     # Timestamps (time.time()) for /metrics and the response's metrics field.
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    # On the finishing delta of a choice only: [[version, start, end], ...] half-open
+    # spans over its output-token indexes (vLLM's WeightVersionSpan list).
+    weight_versions: Optional[list[tuple[str, int, int]]] = None
 
 
 class Outputs(msgspec.Struct, **_STRUCT):
@@ -168,17 +172,26 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     num_received: int = 0
 
 
+DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one
+
+
 class WorkerReady(msgspec.Struct, **_STRUCT):
     rank: int
     model: ModelInfo
     load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
     pid: int = 0
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    world_size: int = 1  # devices this worker drives (its tensor-parallel size)
 
 
 class WorkerStatus(msgspec.Struct, **_STRUCT):
     rank: int
     load: WorkerLoad
     alive: bool = True
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    # Held out of dispatch: its weights are not the pool's current version.
+    stale: bool = False
+    world_size: int = 1
 
 
 class BrokerStats(msgspec.Struct, **_STRUCT):
@@ -196,6 +209,8 @@ class ClusterInfo(msgspec.Struct, **_STRUCT):
     model: Optional[ModelInfo] = None
     pending: int = 0  # requests queued in the broker, waiting for worker capacity
     stats: Optional[BrokerStats] = None
+    paused: bool = False
+    weight_version: Optional[str] = None  # the pool's version (None: no update finished yet)
 
 
 class OutputsHeader(msgspec.Struct, **_STRUCT):
@@ -214,3 +229,42 @@ class Disconnect(msgspec.Struct, **_STRUCT):
     running ones; ``drain=False``: gone now (treated like a death)."""
 
     drain: bool = False
+
+
+class ControlRequest(msgspec.Struct, **_STRUCT):
+    """A control-plane command (RL routes: pause, weight transfer, sleep, ...).
+
+    Client -> broker: ``nonce`` is the client's, echoed in the ControlReply.  Broker ->
+    worker: the broker's own nonce, echoed in the worker's RankReply.  ``rank`` targets
+    one worker; None means every live worker.  Extra frames after the body (raw tensor
+    bytes of a weight bucket) travel to every targeted worker untouched.
+    """
+
+    nonce: int
+    op: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    rank: Optional[int] = None
+
+
+class RankReply(msgspec.Struct, **_STRUCT):
+    """One worker's answer to a ControlRequest."""
+
+    nonce: int
+    rank: int
+    ok: bool = True
+    status: int = 200
+    message: str = ""
+    result: Any = None
+    weight_version: str = DEFAULT_WEIGHT_VERSION  # after the command
+
+
+class ControlReply(msgspec.Struct, **_STRUCT):
+    """Broker -> client: the aggregate of the targeted workers' RankReplies (or the
+    broker's own answer for commands it serves itself)."""
+
+    nonce: int
+    ok: bool = True
+    status: int = 200
+    message: str = ""
+    result: Any = None
+    ranks: list[RankReply] = msgspec.field(default_factory=list)

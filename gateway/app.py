@@ -19,6 +19,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
+from gateway.resources import rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -54,14 +55,18 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     )
     middleware = [ClientLifecycle(client)]
     if settings.api_key:
-        middleware.append(ApiKeyMiddleware(settings.api_key))
+        # vLLM leaves its RL routes open; here they need the key like everything else.
+        extra = tuple(rl.ROUTES) if settings.enable_rl else ()
+        middleware.append(ApiKeyMiddleware(settings.api_key, extra))
     app = falcon.asgi.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
     abort = AbortResource(state)
     app.add_route("/inference/v1/generate", GenerateResource(state))
     app.add_route("/inference/v1/abort_requests", abort)
-    if settings.tokens_only:
+    if settings.enable_rl:
+        rl.add_routes(app, state)  # its /abort_requests also takes the legacy {"request_ids": [...]}
+    elif settings.tokens_only:
         app.add_route("/abort_requests", abort)  # vLLM's unauthenticated legacy path
     app.add_route("/health", HealthResource(state))
     app.add_route("/metrics", MetricsResource(state))

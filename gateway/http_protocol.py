@@ -182,6 +182,14 @@ class PerRequestMetrics(msgspec.Struct):
     speculative_decoding: None = None
 
 
+class WeightVersionSpan(msgspec.Struct):
+    """Output tokens ``[start, end)`` were sampled by the weights labelled ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
 class TokensChoice(msgspec.Struct):
     index: int
     finish_reason: Optional[str]
@@ -189,7 +197,7 @@ class TokensChoice(msgspec.Struct):
     token_ids: Optional[list[int]]
     routed_experts: None = None
     sampling_mask: None = None
-    weight_versions: None = None
+    weight_versions: Optional[list[WeightVersionSpan]] = None
     logprobs: Optional[Logprobs] = None
 
 
@@ -200,7 +208,7 @@ class TextChoice(msgspec.Struct):
     token_ids: Optional[list[int]]
     routed_experts: None = None
     sampling_mask: None = None
-    weight_versions: None = None
+    weight_versions: Optional[list[WeightVersionSpan]] = None
     text: str = ""
     logprobs: Optional[Logprobs] = None
 

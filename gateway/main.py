@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="broker's CURVE public key (Z85 text or its .key file): encrypt the broker link")
     p.add_argument("--curve-client-key-file", default=None,
                    help="this gateway's CURVE certificate (.key_secret), for a broker that authenticates peers")
+    p.add_argument("--enable-rl", action="store_true",
+                   help="serve vLLM's RL control routes (pause/resume, weight transfer, sleep/wake, prefix cache "
+                        "reset) across the worker pool; also on with VLLM_SERVER_DEV_MODE=1")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -63,6 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         log_level=(args.log_level or "info").lower(),
         curve_server_key=curve_server_key,
         curve_client_key_file=args.curve_client_key_file,
+        enable_rl=args.enable_rl or os.environ.get("VLLM_SERVER_DEV_MODE", "") == "1",
     )
 
 

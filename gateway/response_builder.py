@@ -22,6 +22,7 @@ from gateway.http_protocol import (
     TextChoice,
     TokensChoice,
     Usage,
+    WeightVersionSpan,
     json_encoder,
 )
 from gateway.request_mapping import MappedRequest
@@ -38,6 +39,13 @@ def _logprobs(delta: CompletionDelta, num: Optional[int], text_mode: bool) -> Op
         return None
     fmt = logprobs_format.text_logprobs if text_mode else logprobs_format.token_logprobs
     return Logprobs(content=fmt(delta.logprobs, num))
+
+
+def weight_version_spans(delta: CompletionDelta, num_tokens: int) -> Optional[list[WeightVersionSpan]]:
+    """A finished choice's spans; ``[]`` for a choice that produced no token."""
+    if delta.weight_versions is None:
+        return [] if num_tokens == 0 else None
+    return [WeightVersionSpan(v, s, e) for v, s, e in delta.weight_versions]
 
 
 def request_metrics(arrival: float, first_scheduled: Optional[float], first_token: Optional[float],
@@ -103,6 +111,7 @@ class ResponseAccumulator:
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[Optional[str]] = [None] * n
         self.stop: list = [None] * n
+        self.versions: list = [None] * n
 
     def add(self, delta: CompletionDelta) -> None:
         self.facts.observe(delta)
@@ -117,6 +126,7 @@ class ResponseAccumulator:
             self.logprobs[i].extend(lp.content)
         if delta.finish_reason is not None:
             self.finish[i], self.stop[i] = delta.finish_reason, delta.stop_reason
+            self.versions[i] = weight_version_spans(delta, len(self.token_ids[i]))
 
     def build(self) -> bytes:
         m, facts = self.mapped, self.facts
@@ -128,6 +138,7 @@ class ResponseAccumulator:
                 finish_reason=self.finish[i] or "stop",
                 stop_reason=self.stop[i],
                 token_ids=ids,
+                weight_versions=self.versions[i] if self.finish[i] else [],
                 logprobs=Logprobs(content=self.logprobs[i]) if want_lp else None,
             )
             choices.append(TextChoice(text="".join(self.texts[i]), **fields) if m.text_mode else TokensChoice(**fields))
@@ -182,6 +193,9 @@ class StreamChunker:
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
             token_ids=delta.token_ids,
+            # Final chunk of the choice only, covering its whole output.
+            weight_versions=(weight_version_spans(delta, self.generated[i] if 0 <= i < len(self.generated) else 0)
+                             if delta.finish_reason is not None else None),
             logprobs=_logprobs(delta, m.wire.params.logprobs, m.text_mode),
         )
         choice = TextChoice(text=delta.text or "", **fields) if m.text_mode else TokensChoice(**fields)

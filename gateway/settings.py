@@ -27,3 +27,5 @@ class GatewaySettings:
     # CURVE to the broker (common/security.py): its public key, and ours when it authenticates peers.
     curve_server_key: Optional[bytes] = None
     curve_client_key_file: Optional[str] = None
+    # vLLM's RL / dev routes (/pause, /update_weights, /sleep, ...): --enable-rl or VLLM_SERVER_DEV_MODE=1.
+    enable_rl: bool = False

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from common.errors import BadRequest
 from common.logging import setup_logging
-from common.protocol import CompletionDelta, GenerateRequest, ModelInfo, WorkerLoad
+from types import SimpleNamespace
+
+from common.protocol import DEFAULT_WEIGHT_VERSION, CompletionDelta, GenerateRequest, ModelInfo, WorkerLoad
 
 BAD_TOKEN = 999_999  # a prompt starting with it is rejected like invalid input
 CRASH_TOKEN = 999_998  # a prompt starting with it makes the next step raise
@@ -44,6 +46,16 @@ class FakeEngine:
                                     max_num_seqs=max_num_seqs, eos_token_ids=[2], has_tokenizer=False)
         self.reqs: dict[str, _Req] = {}
         self._crash_next = False
+        # The control-plane surface the worker needs (no weights to update here).
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.is_asleep = False
+        self.config = SimpleNamespace(tensor_parallel_size=1)
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    def reset_prefix_cache(self) -> bool:
+        return True
 
     def add_request(self, req: GenerateRequest) -> None:
         if req.prompt_token_ids and req.prompt_token_ids[0] == BAD_TOKEN:

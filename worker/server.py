@@ -26,8 +26,9 @@ from common import config, framing, security
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
-from common.protocol import (MAGIC, Abort, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest, MsgType,
-                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+from common.protocol import (MAGIC, Abort, CompletionDelta, ControlRequest, Disconnect, ErrorMsg, GenerateRequest,
+                             MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+from worker.control import WorkerControl
 
 log = get_logger("tokserve.worker")
 
@@ -129,7 +130,7 @@ class BrokerLink(threading.Thread):
         except FrameError as exc:
             self._bad.warning("dropped malformed message from broker: %s", exc)
             return
-        if msg_type in (MsgType.GENERATE, MsgType.ABORT):
+        if msg_type in (MsgType.GENERATE, MsgType.ABORT, MsgType.CONTROL):
             _send(pipe, frames)
         elif msg_type == MsgType.DISCONNECT:  # the broker does not know us (restart, or declared us dead)
             self.registered = False
@@ -169,6 +170,7 @@ class WorkerServer:
         self._drain_deadline: Optional[float] = None
         self._bad = RateLimitedLog(log)
         self._gen_decoder = framing._decoders[GenerateRequest]
+        self.control = WorkerControl(self)
 
     # ---------------------------------------------------------------- control
     def request_drain(self, *_args) -> None:
@@ -184,7 +186,9 @@ class WorkerServer:
 
     def _ready(self) -> None:
         self._refresh_load()
-        ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid())
+        ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
+                            weight_version=self.engine.weight_version,
+                            world_size=self.engine.config.tensor_parallel_size)
         self._send(framing.message(MsgType.READY, ready))
 
     def _refresh_load(self) -> WorkerLoad:
@@ -211,15 +215,17 @@ class WorkerServer:
                         log.warning("drain timeout: aborting %d request(s)", len(self.tracks))
                         self._ship(self._abort_ids(list(self.tracks)))
                         break
-                busy = self.engine.has_unfinished()
+                busy = self.engine.has_unfinished() and not self.control.frozen
                 if not busy and not self.pipe.poll(100):  # idle: block (wakes to notice signals)
                     self._refresh_load()  # e.g. after a failed step shipped nothing
+                    self._send_deferred_replies()
                     continue
                 deltas = self._drain_pipe()
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() and not self.control.frozen:
                     deltas.extend(self._step())
                 if deltas:
                     self._ship(deltas)
+                self._send_deferred_replies()
         finally:
             self._send(framing.message(MsgType.DISCONNECT, Disconnect(drain=False)))
             self._send([_CTL, _STOP])
@@ -250,6 +256,11 @@ class WorkerServer:
                     self._on_generate(frames[2], frames[3])
                 elif msg_type == MsgType.ABORT:
                     out.extend(self._abort_ids(framing.decode(frames[2], Abort).request_ids))
+                elif msg_type == MsgType.CONTROL:
+                    if out:  # deltas before the command stay ahead of what it ships
+                        self._ship(out)
+                        out = []
+                    self._on_control(framing.decode(frames[2], ControlRequest), frames[3:])
             except FrameError as exc:
                 self._bad.warning("dropped malformed message: %s", exc)
 
@@ -275,6 +286,22 @@ class WorkerServer:
             self._error(client, rid, 500, f"engine failed to add the request: {exc}", "InternalServerError")
             return
         self.tracks[rid] = _Track(client, max(1, req.params.n))
+
+    def _on_control(self, req: ControlRequest, payload: list) -> None:
+        reply = self.control.handle(req, payload)
+        self._refresh_load()  # sleep/wake change the KV blocks the broker sees
+        if reply is not None:
+            self._send(framing.message(MsgType.CONTROL, reply))
+
+    def _send_deferred_replies(self) -> None:
+        for reply in self.control.poll_deferred():
+            self._send(framing.message(MsgType.CONTROL, reply))
+
+    def abort_all(self) -> None:
+        """pause(mode=abort): every request of this worker ends now, its clients told."""
+        deltas = self._abort_ids(list(self.tracks))
+        if deltas:
+            self._ship(deltas)
 
     def _abort_ids(self, request_ids: list[str]) -> list[CompletionDelta]:
         out = []

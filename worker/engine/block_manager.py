@@ -261,6 +261,21 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (after a weight change their K/V is stale).
+
+        Free cached blocks become plain free blocks; blocks still held keep their
+        data for their sequences but are no longer found by new ones.  Returns the
+        number of blocks that were cached."""
+        dropped = len(self._cached)
+        while len(self._free_cached):
+            block_id = self._free_cached.pop_oldest()
+            self._uncached[self._num_uncached] = block_id
+            self._num_uncached += 1
+        self._hash = [None] * self.num_blocks
+        self._cached.clear()
+        return dropped
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.query_tokens += num_tokens
         self.hit_tokens += num_hit_tokens

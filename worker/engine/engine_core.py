@@ -28,6 +28,7 @@ from worker.engine.model_setup import build_model
 from worker.engine.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
 from worker.engine.request import FinishReason, Request, EngineSequence
+from worker.engine.rl_control import RLControl
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
 from worker.engine.scheduler import ScheduledSeq, Scheduler
@@ -36,7 +37,7 @@ from worker.engine.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-class EngineCore:
+class EngineCore(RLControl):
     def __init__(self, config: EngineConfig):
         self.config = config
         device = config.torch_device
@@ -70,6 +71,7 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self._init_rl_control()
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
@@ -175,14 +177,17 @@ class EngineCore:
         return bool(self.requests)
 
     def load(self) -> WorkerLoad:
+        kv_released = "kv_cache" in self.asleep
         return WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
-                          free_kv_blocks=self.block_manager.num_free_blocks,
-                          total_kv_blocks=self.block_manager.num_blocks,
+                          free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
+                          total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
                           max_num_seqs=self.config.max_num_seqs)
 
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
+        if self.asleep:  # requests wait until wake_up restores the KV cache / weights
+            return []
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
@@ -285,6 +290,7 @@ class EngineCore:
         if request.first_token_time is None:
             request.first_token_time = now
         seq.append_token(token)
+        seq.track_weight_version(self.weight_version)
         p = request.params
         if p.logprobs is not None and lp_lists is not None:
             entry = to_token_logprobs(lp_lists, row, p.logprobs)

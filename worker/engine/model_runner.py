@@ -203,6 +203,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
 
+    def release_kv_cache(self) -> None:
+        """Sleep: give the KV cache memory back (CUDA graphs hold its address: dropped too)."""
+        self._graphs.clear()
+        self._graph_pool = None
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # --- batch layout ---------------------------------------------------------
     def layout(self, scheduled: Sequence[ScheduledSeq], *, table_width: Optional[int] = None) -> StepLayout:
         """Host arrays of the step (the shared ``StepLayout.build``)."""

@@ -22,7 +22,7 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         return CompletionDelta(request_id=request.request_id, index=out.index, finish_reason=FinishReason.ABORT,
                                num_prompt_tokens=request.num_prompt_tokens,
                                num_cached_tokens=request.num_cached_tokens,
-                               first_scheduled_time=request.first_scheduled_time)
+                               first_scheduled_time=request.first_scheduled_time, weight_versions=[])
     delta = CompletionDelta(
         request_id=request.request_id,
         index=seq.index,
@@ -35,6 +35,7 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         num_cached_tokens=request.num_cached_tokens,
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
+        weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
     )
     seq.pending_logprobs = None
     if not request.first_delta_sent and seq.index == 0:
@@ -61,6 +62,7 @@ def merge_delta(acc: Optional[CompletionDelta], d: CompletionDelta) -> Completio
     acc.finish_reason = d.finish_reason
     acc.stop_reason = d.stop_reason
     acc.num_cached_tokens = d.num_cached_tokens
+    acc.weight_versions = d.weight_versions
     for f in ("prompt_logprobs", "prompt_token_id_scores", "prompt_token_id_shape", "kv_transfer_params",
               "first_scheduled_time", "first_token_time"):
         if getattr(acc, f) is None:

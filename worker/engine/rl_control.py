@@ -1,0 +1,170 @@
+"""The engine's side of the RL control plane: its weight version, writing new
+weights, the prefix cache reset, and sleep/wake of the KV cache and the weights.
+
+Transport (how new tensors arrive) and pause semantics live in the worker
+(worker/control.py); everything here runs between two engine steps on the
+engine thread, so no forward step ever sees a half-written update.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from common.errors import BadRequest
+from common.protocol import DEFAULT_WEIGHT_VERSION
+from worker.engine.weights import ModelWeights, checkpoint_tensors
+
+log = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+# Checkpoint tensors an update from disk may carry that the model does not hold (derived buffers,
+# a tied head's copy): skipped, like the loader does.
+_IGNORABLE = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", "lm_head.weight")
+
+
+class RLControl:
+    """Mixed into EngineCore (needs model, runner, block_manager, scheduler, requests, config)."""
+
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+
+    def _init_rl_control(self) -> None:
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self._weights: Optional[ModelWeights] = None
+        self.asleep: set[str] = set()  # subset of SLEEP_TAGS that is released
+        # Checkpoint folders whose weights the model holds now, in order: the model's own, then
+        # every update from disk since.  None once weights came over the wire (not reproducible).
+        self.disk_lineage: Optional[list[str]] = [self.config.model]
+
+    def _require_single_rank(self, what: str) -> None:
+        if self.tp_leader is not None:
+            raise BadRequest(f"{what} is not supported on a worker with tensor_parallel_size > 1 yet", None)
+
+    @property
+    def weights(self) -> ModelWeights:
+        self._require_single_rank("updating or reading weights")
+        if "weights" in self.asleep:
+            raise BadRequest("the weights are released (sleep level 2): POST /wake_up first", None)
+        if self._weights is None:
+            self._weights = ModelWeights(self.model)
+        return self._weights
+
+    def set_weight_version(self, version: str) -> None:
+        if not isinstance(version, str) or not version:
+            raise BadRequest("the weight version must be a non-empty string", "weight_version")
+        self.weight_version = version
+
+    # --- weights -------------------------------------------------------------------
+    def write_weights(self, tensors: dict[str, torch.Tensor], *, from_disk: Optional[str] = None) -> None:
+        """Copy (already checked) tensors into the model and drop what the old weights cached."""
+        self.weights.write(tensors)
+        if from_disk is not None and self.disk_lineage is not None:
+            self.disk_lineage.append(from_disk)
+        elif from_disk is None:
+            self.disk_lineage = None
+        self.invalidate_cached_kv()
+
+    def read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
+        """Every tensor of the safetensors checkpoint at ``path`` that the model holds,
+        checked against the model's names, shapes and dtypes before anything is written."""
+        spec = self.weights.spec
+        try:
+            tensors = {}
+            for name, tensor in checkpoint_tensors(path):
+                if name not in spec and name.endswith(_IGNORABLE):
+                    continue
+                tensors[name] = tensor
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"cannot read the checkpoint at {path!r}: {exc}", "update_info") from None
+        if not tensors:
+            raise BadRequest(f"the checkpoint at {path!r} holds no tensor of this model", "update_info")
+        self.weights.check((n, str(t.dtype), list(t.shape)) for n, t in tensors.items())
+        return tensors
+
+    def invalidate_cached_kv(self) -> None:
+        """K/V computed with the old weights must not serve new requests: forget the
+        prefix cache, and stop running sequences from publishing their blocks."""
+        self.block_manager.reset_prefix_cache()
+        for request in self.requests.values():
+            for seq in request.sequences:
+                seq.num_registered_blocks = 1 << 30  # reset to 0 if preempted (recomputed with new weights)
+
+    def reset_prefix_cache(self) -> bool:
+        self.invalidate_cached_kv()
+        return True
+
+    def weight_checksums(self, prefix: str) -> dict[str, str]:
+        return self.weights.checksums(prefix)
+
+    def zero_weights(self) -> None:
+        self.weights.zero()
+        self.disk_lineage = None
+        self.invalidate_cached_kv()
+
+    # --- sleep / wake --------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: release the KV cache; level 2: the weights as well.  Running
+        sequences are preempted first (recomputed after wake-up)."""
+        self._require_single_rank("sleep mode")
+        if level < 1:
+            return
+        for seq in list(self.scheduler.running):
+            self.scheduler._preempt(seq)
+        self.block_manager.reset_prefix_cache()
+        if "kv_cache" not in self.asleep:
+            self.runner.release_kv_cache()
+            self.asleep.add("kv_cache")
+        if level >= 2 and "weights" not in self.asleep:
+            self._weights = None
+            self.model = self.runner.model = None
+            self.asleep.add("weights")
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("asleep (level %d): released %s", level, ", ".join(sorted(self.asleep)))
+
+    def wake_up(self, tags: Optional[Iterable[str]] = None) -> bool:
+        """Restore the released parts named by ``tags`` (all when None); True when fully awake.
+
+        Released weights are reloaded from the checkpoints they came from.  When the
+        last update came over the wire it cannot be reloaded: the weights fall back to
+        the disk lineage and the version label to ``default``, so the broker sees the
+        rank as stale and does not serve from it until it gets the weights again."""
+        wanted = set(SLEEP_TAGS if tags is None else tags)
+        unknown = wanted - set(SLEEP_TAGS) - {"scheduling"}
+        if unknown:
+            raise BadRequest(f"unknown wake_up tag(s) {sorted(unknown)}: expected weights, kv_cache", "tags")
+        if "weights" in wanted and "weights" in self.asleep:
+            self._reload_weights()
+        if "kv_cache" in wanted and "kv_cache" in self.asleep:
+            self.runner.allocate_kv_cache(self.block_manager.num_blocks)
+            self.asleep.discard("kv_cache")
+        if not self.asleep and self.device.type == "cuda":
+            self.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses
+        return not self.asleep
+
+    def _reload_weights(self) -> None:
+        from worker.engine.model_setup import build_model
+
+        lineage = self.disk_lineage
+        reproducible = lineage is not None
+        if lineage is None:
+            lineage = [self.config.model]
+            log.warning("weights of version %r came over the wire and were released: reloading %s; "
+                        "push the weights again", self.weight_version, lineage[0])
+            self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.model, _, _ = build_model(self.config, self.model_config, self.device)
+        self.model.use_attention_backend(self.attention_backend)
+        self.runner.model = self.model
+        self.asleep.discard("weights")
+        self.disk_lineage = [lineage[0]]
+        for path in lineage[1:]:
+            self.write_weights(self.read_checkpoint(path), from_disk=path)
+        if not reproducible:
+            self.disk_lineage = [lineage[0]]
+
+    @property
+    def is_asleep(self) -> bool:
+        return bool(self.asleep)
