@@ -227,6 +227,12 @@ class Broker:
                 return
             if entry.rank is not None:
                 worker = self.workers.by_rank(entry.rank)
+                if worker is not None and worker.stale:
+                    self._finish(entry)
+                    self._error(entry, entry.request_id, 503,
+                                f"data_parallel_rank {entry.rank} holds weights {worker.weight_version!r}, not the "
+                                f"pool's {self.control.pool_version!r}: held out until it is updated", _E_OVERLOADED)
+                    return
                 if worker is None or worker.draining:
                     self._finish(entry)
                     ranks = sorted(w.rank for w in live)

@@ -50,6 +50,7 @@ class ControlPlane:
         self.lineage: Optional[list[str]] = []  # disk updates since start; None: not reproducible
         self._update_paths: Optional[list[str]] = []  # of the pool-wide update in progress
         self._in_update = False  # between start_weight_update and finish_weight_update
+        self._update_restarts = False  # the update includes a whole checkpoint: lineage starts over
         self.fanouts: dict[int, Fanout] = {}
         self._nonces = itertools.count(1)
 
@@ -177,11 +178,14 @@ class ControlPlane:
             self.paused = False
             self.broker._dispatch_pending()
         elif op == "start_weight_update":
-            self._update_paths = []
+            self._update_paths, self._update_restarts = [], False
         elif op == "update_weights":
             info = args.get("update_info")
             path = info.get("path") if isinstance(info, dict) else None
-            if self._update_paths is not None and path is not None:
+            complete = all(isinstance(r.result, dict) and r.result.get("complete") for r in replies)
+            if path is not None and complete:
+                self._update_paths, self._update_restarts = [path], True  # a whole checkpoint
+            elif self._update_paths is not None and path is not None:
                 self._update_paths.append(path)
             elif path is None:
                 self._update_paths = None
@@ -204,9 +208,11 @@ class ControlPlane:
     def _commit_lineage(self) -> None:
         if self._update_paths is None:
             self.lineage = None
+        elif self._update_restarts:
+            self.lineage = list(self._update_paths)
         elif self.lineage is not None:
             self.lineage.extend(self._update_paths)
-        self._update_paths = []
+        self._update_paths, self._update_restarts = [], False
 
     # ------------------------------------------------------- broker-local
     def local_is_paused(self, req: ControlRequest) -> ControlReply:

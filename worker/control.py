@@ -198,7 +198,8 @@ class WorkerControl:
                 raise BadRequest(f"update_info.path {path!r} is not a directory on the worker", "update_info")
             tensors = engine.read_checkpoint(path)
             self._apply(tensors, from_disk=path)
-            return {"tensors": len(tensors)}
+            # complete: every weight of the model, so the folder alone reproduces them
+            return {"tensors": len(tensors), "complete": engine.weights.spec.keys() <= tensors.keys()}
         entries = self._entries(info)
         if payload:
             try:

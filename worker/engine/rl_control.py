@@ -60,7 +60,9 @@ class RLControl:
     def write_weights(self, tensors: dict[str, torch.Tensor], *, from_disk: Optional[str] = None) -> None:
         """Copy (already checked) tensors into the model and drop what the old weights cached."""
         self.weights.write(tensors)
-        if from_disk is not None and self.disk_lineage is not None:
+        if from_disk is not None and self.weights.spec.keys() <= tensors.keys():
+            self.disk_lineage = [from_disk]  # a whole checkpoint: reproducible from it alone
+        elif from_disk is not None and self.disk_lineage is not None:
             self.disk_lineage.append(from_disk)
         elif from_disk is None:
             self.disk_lineage = None
@@ -84,15 +86,17 @@ class RLControl:
         return tensors
 
     def invalidate_cached_kv(self) -> None:
-        """K/V computed with the old weights must not serve new requests: forget the
-        prefix cache, and stop running sequences from publishing their blocks."""
+        """No K/V computed with the old weights is used again: running sequences are
+        preempted (their prompt and output so far are recomputed with the new weights,
+        so every later token is exactly what the new weights sample for that prefix)
+        and the prefix cache is forgotten."""
+        for seq in list(self.scheduler.running):
+            self.scheduler._preempt(seq)
         self.block_manager.reset_prefix_cache()
-        for request in self.requests.values():
-            for seq in request.sequences:
-                seq.num_registered_blocks = 1 << 30  # reset to 0 if preempted (recomputed with new weights)
 
     def reset_prefix_cache(self) -> bool:
-        self.invalidate_cached_kv()
+        """Forget cached blocks; running sequences keep theirs (same weights: still valid)."""
+        self.block_manager.reset_prefix_cache()
         return True
 
     def weight_checksums(self, prefix: str) -> dict[str, str]:
@@ -155,6 +159,7 @@ class RLControl:
             log.warning("weights of version %r came over the wire and were released: reloading %s; "
                         "push the weights again", self.weight_version, lineage[0])
             self.weight_version = DEFAULT_WEIGHT_VERSION
+        # The model's own checkpoint first: a partial update from disk only has some tensors.
         self.model, _, _ = build_model(self.config, self.model_config, self.device)
         self.model.use_attention_backend(self.attention_backend)
         self.runner.model = self.model
