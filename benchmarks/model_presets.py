@@ -34,6 +34,9 @@ SIZES: dict[str, dict] = {
     # benchmarks/bench_model.py and benchmarks/engine_throughput.py).
     "125m": dict(_LLAMA, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, vocab_size=32000),
+    # ~500M (Qwen2.5-0.5B sized), for weight-transfer benchmarks: 2 GB of fp32 weights.
+    "500m": dict(_LLAMA, hidden_size=1280, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=20,
+                 num_key_value_heads=4, vocab_size=32000),
 }
 
 

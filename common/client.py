@@ -216,7 +216,7 @@ class AsyncClient:
         body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank))
         try:
             frames = [framing.MAGIC, MsgType.CONTROL, body, *payload]
-            if not await self._send_when_connected(frames):
+            if not await self._send_when_connected(frames, copy=not payload):  # tensor bytes: zero-copy
                 raise _unavailable(f"broker at {self.address} is unreachable")
             reply: ControlReply = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -244,14 +244,31 @@ class AsyncClient:
 
     async def update_weights(self, named_tensors, version: Optional[str] = None, *,
                              bucket_bytes: int = tensor_frames.DEFAULT_BUCKET_BYTES, rank: Optional[int] = None,
-                             timeout: Optional[float] = None) -> int:
+                             timeout: Optional[float] = None, max_in_flight: int = 3) -> int:
         """Push (name, tensor) pairs to every worker in buckets of raw frames, then swap
         them in at once (and label them ``version``).  Returns the tensor count."""
         await self.control("start_weight_update", rank=rank, timeout=timeout)
+        # Buckets are pipelined (a few in flight) so the hops client -> broker -> worker
+        # overlap instead of adding up; workers take them in order.
+        window = asyncio.Semaphore(max_in_flight)
+        sent: list[asyncio.Task] = []
         count = 0
+
+        async def one(info, frames):
+            try:
+                await self.control("update_weights", {"update_info": info}, payload=frames, rank=rank,
+                                   timeout=timeout)
+            finally:
+                window.release()
+
         for info, frames in tensor_frames.buckets(named_tensors, bucket_bytes):
-            await self.control("update_weights", {"update_info": info}, payload=frames, rank=rank, timeout=timeout)
+            await window.acquire()
+            sent.append(asyncio.ensure_future(one(info, frames)))
             count += len(info["names"])
+        results = await asyncio.gather(*sent, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]  # the session is now failed on the workers: finish would refuse it
         args = {"weight_version": version} if version is not None else {}
         await self.control("finish_weight_update", args, rank=rank, timeout=timeout)
         return count
@@ -294,9 +311,10 @@ class AsyncClient:
         return len(self._streams)
 
     # ------------------------------------------------------------- internals
-    def _send(self, frames: list) -> bool:
-        """Non-blocking send (never waits on HWM); False when no broker connection exists."""
-        fut = self._sock.send_multipart(frames, zmq.NOBLOCK)
+    def _send(self, frames: list, copy: bool = True) -> bool:
+        """Non-blocking send (never waits on HWM); False when no broker connection exists.
+        ``copy=False`` hands the buffers to libzmq (they must stay unchanged until sent)."""
+        fut = self._sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         exc = fut.exception() if fut.done() else None
         if isinstance(exc, zmq.Again):
             return False
@@ -304,14 +322,14 @@ class AsyncClient:
             raise exc
         return True
 
-    async def _send_when_connected(self, frames: list) -> bool:
+    async def _send_when_connected(self, frames: list, copy: bool = True) -> bool:
         """Send, waiting up to one heartbeat interval for a (re)connection to the broker."""
-        if self._send(frames):
+        if self._send(frames, copy):
             return True
         deadline = time.monotonic() + self.interval
         while (left := deadline - time.monotonic()) > 0:
             await self._sock.poll(max(1, int(left * 1000)), zmq.POLLOUT)
-            if self._send(frames):
+            if self._send(frames, copy):
                 return True
         return False
 

@@ -163,3 +163,16 @@ def recv_frames(sock: zmq.Socket) -> list[bytes]:
     while _get(sock, _RCVMORE):
         frames.append(_recv(sock, _NB))
     return frames
+
+
+def recv_frames_zero_copy_payload(sock: zmq.Socket) -> list:
+    """``recv_frames``, except that the payload frames of a CONTROL message (tensor
+    bytes, after MAGIC, type and body) stay zmq.Frame objects over libzmq's buffers
+    instead of being copied into bytes."""
+    frames = [_recv(sock, _NB)]
+    while _get(sock, _RCVMORE):
+        if len(frames) >= 3 and frames[1] == MsgType.CONTROL:
+            frames.append(_recv(sock, _NB, False))
+        else:
+            frames.append(_recv(sock, _NB))
+    return frames

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Iterable, Iterator, Sequence
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 64 << 20
 FRAME_BYTES = 16 << 20  # well below the broker's client frame limit (common.config.MAX_CLIENT_FRAME_BYTES)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,7 @@ class _UpdateSession:
     written: int = 0  # tensors written in place (while paused)
     from_disk: Optional[str] = None  # the checkpoint folder, when every bucket came from one
     over_wire: bool = False
+    failed: Optional[str] = None  # why a bucket was refused: the update cannot finish
 
 
 @dataclass
@@ -67,15 +69,20 @@ class WorkerControl:
     def handle(self, req: ControlRequest, payload: list) -> Optional[RankReply]:
         """Run one command; None when the reply is deferred (sent by ``poll_deferred``)."""
         handler = getattr(self, "op_" + req.op, None) if req.op.isidentifier() else None
+        started = time.perf_counter()
         try:
             if handler is None:
                 raise BadRequest(f"unknown control command {req.op!r}", "op")
             result = handler(req, payload) if req.op == "update_weights" else handler(req)
         except ServingError as exc:
+            if req.op == "update_weights" and self.session is not None:
+                self.session.failed = exc.message
             return self.reply(req.nonce, ok=False, status=exc.status, message=exc.message)
         except Exception as exc:
             log.exception("control command %s failed", req.op)
             return self.reply(req.nonce, ok=False, status=500, message=f"{req.op} failed: {exc}")
+        finally:
+            log.info("control %s took %.3f s", req.op, time.perf_counter() - started)
         if isinstance(result, _Deferred):
             self.deferred.append(result)
             return None
@@ -182,6 +189,9 @@ class WorkerControl:
         self.session = _UpdateSession()
 
     def op_update_weights(self, req: ControlRequest, payload: list):
+        if self.session is not None and self.session.failed:
+            raise BadRequest(f"an earlier bucket of this update was refused ({self.session.failed}): "
+                             f"POST /start_weight_update to start over", "update_info")
         info = req.args.get("update_info")
         if isinstance(info, list):  # vLLM accepts a list of per-bucket payloads
             if payload:
@@ -214,7 +224,8 @@ class WorkerControl:
                 raise BadRequest("the torch.distributed transfer blocks the engine while it receives: "
                                  "POST /pause before /update_weights", None)
             for name, tensor in self.receiver.receive(entries):
-                engine.write_weights({name: tensor})  # paused: in place, one tensor at a time
+                # paused: in place, one tensor at a time
+                engine.write_weights({name: tensor}, more_to_come=self.session is not None)
                 if self.session is not None:
                     self.session.written += 1
             if self.session is not None:
@@ -245,7 +256,7 @@ class WorkerControl:
         """One bucket: staged in an open update unless paused; written at once otherwise."""
         s = self.session
         if s is None or self.paused is not None:
-            self.engine.write_weights(tensors, from_disk=from_disk)
+            self.engine.write_weights(tensors, from_disk=from_disk, more_to_come=s is not None)
             if s is not None:
                 s.written += len(tensors)
         else:
@@ -263,8 +274,14 @@ class WorkerControl:
         s = self.session
         if s is None:
             raise BadRequest("no weight update in progress: POST /start_weight_update first", None)
+        if s.failed:
+            self.engine.end_weight_writes()
+            self.session = None if not s.written else s
+            raise BadRequest(f"a bucket of this update was refused ({s.failed}); nothing staged was applied: "
+                             f"start over with /start_weight_update", None)
         if s.staged:
             self.engine.write_weights(s.staged, from_disk=s.from_disk if not s.over_wire else None)
+        self.engine.end_weight_writes()
         self.session = None
         if version is not None:
             self.engine.set_weight_version(version)

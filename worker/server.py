@@ -102,7 +102,7 @@ class BrokerLink(threading.Thread):
                     if sock is dealer:
                         while True:
                             try:
-                                frames = framing.recv_frames(dealer)
+                                frames = framing.recv_frames_zero_copy_payload(dealer)
                             except zmq.Again:
                                 break
                             last_heard = time.monotonic()
@@ -242,7 +242,7 @@ class WorkerServer:
         out: list[CompletionDelta] = []
         while True:
             try:
-                frames = framing.recv_frames(self.pipe)
+                frames = framing.recv_frames_zero_copy_payload(self.pipe)
             except zmq.Again:
                 return out
             try:

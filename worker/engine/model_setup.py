@@ -28,6 +28,9 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     started = time.monotonic()
     model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
+    from worker.engine.weights import weight_spec
+
+    model.weight_spec = weight_spec(model)  # what weight updates may name (cheap before packing)
     cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
     if cpu_linear == "onednn":
         model.pack_linears()

@@ -57,9 +57,12 @@ class RLControl:
         self.weight_version = version
 
     # --- weights -------------------------------------------------------------------
-    def write_weights(self, tensors: dict[str, torch.Tensor], *, from_disk: Optional[str] = None) -> None:
-        """Copy (already checked) tensors into the model and drop what the old weights cached."""
-        self.weights.write(tensors)
+    def write_weights(self, tensors: dict[str, torch.Tensor], *, from_disk: Optional[str] = None,
+                      more_to_come: bool = False) -> None:
+        """Copy (already checked) tensors into the model and drop what the old weights
+        cached.  ``more_to_come``: part of an open update (CPU layers stay unpacked
+        until ``end_weight_writes``, so each is packed once)."""
+        self.weights.write(tensors, keep_dense=more_to_come)
         if from_disk is not None and self.weights.spec.keys() <= tensors.keys():
             self.disk_lineage = [from_disk]  # a whole checkpoint: reproducible from it alone
         elif from_disk is not None and self.disk_lineage is not None:
@@ -67,6 +70,10 @@ class RLControl:
         elif from_disk is None:
             self.disk_lineage = None
         self.invalidate_cached_kv()
+
+    def end_weight_writes(self) -> None:
+        if self._weights is not None:
+            self._weights.pack()
 
     def read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """Every tensor of the safetensors checkpoint at ``path`` that the model holds,

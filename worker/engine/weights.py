@@ -48,7 +48,13 @@ class ModelWeights:
 
     def __init__(self, model):
         self.model = model
-        self.spec = self._spec()
+        # build_model records the spec before packing; computing it later unpacks every layer.
+        self.spec = getattr(model, "weight_spec", None) or weight_spec(model)
+        self._left_dense: list = []  # layers written during an open update, packed again by pack()
+
+    def _spec_of(self, model) -> dict[str, WeightSpec]:
+        self.model, self._left_dense = model, []
+        return self._spec()
 
     def _spec(self) -> dict[str, WeightSpec]:
         out: dict[str, WeightSpec] = {}
@@ -84,25 +90,47 @@ class ModelWeights:
         return f"model.layers.{i}.", self.model.layers[i]
 
     @contextlib.contextmanager
-    def _dense(self, module, write: bool = False):
-        """Dense projection weights for the block; re-packed after a write."""
+    def _dense(self, module, write: bool = False, keep_dense: bool = False):
+        """Dense projection weights for the block; re-packed after a write (unless
+        ``keep_dense``: an update in progress packs each layer once, in ``pack``)."""
         if module is self.model or module.linear is not onednn_linear:
             yield
             if write and module is self.model and self.model._lm_head_packed is not None:
-                self.model._lm_head_packed = pack_weight(self.model.lm_head)
+                if keep_dense:
+                    self._left_dense.append(module)
+                else:
+                    self.model._lm_head_packed = pack_weight(self.model.lm_head)
             return
         names = module._LINEAR_WEIGHTS
         for n in names:
             setattr(module, n, torch.nn.Parameter(getattr(module, n).to_dense(), requires_grad=False))
-        module.linear = F.linear
+        module.linear = F.linear  # dense layers run with torch's GEMM meanwhile: still correct
         try:
             yield
         finally:
-            for n in names:
-                packed = pack_weight(getattr(module, n))
-                del module._parameters[n]
-                setattr(module, n, packed)
-            module.linear = onednn_linear
+            if keep_dense:
+                self._left_dense.append(module)
+            else:
+                self._pack(module)
+
+    def _pack(self, module) -> None:
+        if module is self.model:
+            if self.model._lm_head_packed is not None:
+                self.model._lm_head_packed = pack_weight(self.model.lm_head)
+            return
+        if module.linear is onednn_linear:
+            return
+        for n in module._LINEAR_WEIGHTS:
+            packed = pack_weight(getattr(module, n))
+            del module._parameters[n]
+            setattr(module, n, packed)
+        module.linear = onednn_linear
+
+    def pack(self) -> None:
+        """Pack the layers an update left dense (once each)."""
+        left, self._left_dense = self._left_dense, []
+        for module in {id(m): m for m in left}.values():
+            self._pack(module)
 
     # --- checks ----------------------------------------------------------
     def check(self, entries: Iterable[tuple[str, str, list[int]]]) -> list[tuple[str, torch.dtype, tuple]]:
@@ -125,7 +153,7 @@ class ModelWeights:
 
     # --- write / read ----------------------------------------------------
     @torch.inference_mode()
-    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+    def write(self, tensors: dict[str, torch.Tensor], keep_dense: bool = False) -> None:
         """Copy checked tensors into the model (cast to its dtype), block by block."""
         by_group: dict[str, list[str]] = {}
         for name in tensors:
@@ -134,7 +162,7 @@ class ModelWeights:
             names = by_group.get(prefix)
             if not names:
                 continue
-            with self._dense(module, write=True):
+            with self._dense(module, write=True, keep_dense=keep_dense):
                 targets = self._targets(prefix, module)
                 for name in names:
                     targets[name].copy_(tensors[name])  # q/k_norm: one row broadcast over the heads
@@ -156,6 +184,11 @@ class ModelWeights:
     @torch.inference_mode()
     def zero(self) -> None:
         self.write({name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in self.spec.items()})
+
+
+def weight_spec(model) -> dict[str, WeightSpec]:
+    """Checkpoint name -> shape and dtype of every weight ``model`` holds."""
+    return ModelWeights.__new__(ModelWeights)._spec_of(model)
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
