@@ -58,7 +58,7 @@ def _push_gloo(client: Client, named, version: str, workers: int, bucket_bytes: 
     return elapsed
 
 
-def run(size: str, workers: int, repeats: int, bucket_mb: int) -> list[tuple]:
+def run(size: str, workers: int, repeats: int, bucket_mb: int, cpu_linear: str) -> list[tuple]:
     base = build_preset_model(size)
     new = build_preset_model(size, seed=1)
     named = sorted(load_file(str(new / "model.safetensors")).items())
@@ -68,7 +68,7 @@ def run(size: str, workers: int, repeats: int, bucket_mb: int) -> list[tuple]:
         broker = procs.broker()
         for rank in range(workers):
             procs.worker(broker, rank, "--model", str(base), "--threads", "1", "--num-kv-blocks", "64",
-                         "--max-num-seqs", "8", "--max-model-len", "512")
+                         "--max-num-seqs", "8", "--max-model-len", "512", "--cpu-linear", cpu_linear)
         wait_for_workers(broker.frontend, workers, timeout=600)
         with Client(broker.frontend) as client:
             for transport in ("zmq", "gloo"):
@@ -81,7 +81,7 @@ def run(size: str, workers: int, repeats: int, bucket_mb: int) -> list[tuple]:
                         times.append(_push_gloo(client, named, version, workers, bucket_mb << 20))
                     assert client.weight_info()["weight_version"] == version
                 best = min(times)
-                rows.append((size, transport, workers, nbytes / 1e9, best, nbytes * workers / best / 1e9))
+                rows.append((size, cpu_linear, transport, workers, nbytes / 1e9, best, nbytes * workers / best / 1e9))
     return rows
 
 
@@ -92,13 +92,17 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="updates per transport (best one is reported)")
     p.add_argument("--bucket-mb", type=int, default=256, help="gloo packed buffer size")
+    p.add_argument("--cpu-linear", nargs="+", default=["auto"], choices=["auto", "onednn", "torch"],
+                   help="workers' CPU GEMMs: oneDNN-packed weights are re-packed after an update")
     args = p.parse_args(argv)
     rows = []
     for size in args.sizes:
-        rows.extend(run(size, args.workers, args.repeats, args.bucket_mb))
-    print(f"{'model':>6} {'transport':>9} {'workers':>7} {'GB':>6} {'pause->update->resume s':>24} {'GB/s':>6}")
-    for size, transport, workers, gb, secs, rate in rows:
-        print(f"{size:>6} {transport:>9} {workers:>7} {gb:6.2f} {secs:24.2f} {rate:6.2f}")
+        for linear in args.cpu_linear:
+            rows.extend(run(size, args.workers, args.repeats, args.bucket_mb, linear))
+    print(f"{'model':>6} {'linears':>7} {'transport':>9} {'workers':>7} {'GB':>6} {'pause->update->resume s':>24} "
+          f"{'GB/s':>6}")
+    for size, linear, transport, workers, gb, secs, rate in rows:
+        print(f"{size:>6} {linear:>7} {transport:>9} {workers:>7} {gb:6.2f} {secs:24.2f} {rate:6.2f}")
     print("(CPU, loopback; fp32 weights; GB/s counts the bytes every worker received)")
     return 0
 

@@ -136,7 +136,8 @@ class Broker:
         # Bounded so one busy socket cannot starve the other or the heartbeats.
         for _ in range(budget):
             try:
-                frames = framing.recv_frames(sock)
+                # Weight buckets from clients stay in libzmq's buffers and go out to every worker uncopied.
+                frames = framing.recv_frames_zero_copy_payload(sock, routed=True)
             except zmq.Again:
                 return
             try:

@@ -57,6 +57,9 @@ def _unavailable(message: str, request_id: Optional[str] = None) -> RequestError
     return RequestError(message, 503, "ServiceUnavailableError", None, request_id)
 
 
+_BULK_MIN_BYTES_PER_S = 20e6
+
+
 class _Stream:
     __slots__ = ("queue", "remaining")
 
@@ -88,6 +91,7 @@ class AsyncClient:
         self._monitor: Optional[zmq.asyncio.Socket] = None
         self._bad = RateLimitedLog(log)
         self._outputs_decoder = framing._decoders[Outputs]
+        self._bulk_bytes = 0  # weight-bucket bytes sent and not yet answered
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -216,9 +220,14 @@ class AsyncClient:
         body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank))
         try:
             frames = [framing.MAGIC, MsgType.CONTROL, body, *payload]
-            if not await self._send_when_connected(frames, copy=not payload):  # tensor bytes: zero-copy
-                raise _unavailable(f"broker at {self.address} is unreachable")
-            reply: ControlReply = await asyncio.wait_for(fut, timeout)
+            nbytes = sum(len(f) for f in payload)
+            self._bulk_bytes += nbytes
+            try:
+                if not await self._send_when_connected(frames, copy=not payload):  # tensor bytes: zero-copy
+                    raise _unavailable(f"broker at {self.address} is unreachable")
+                reply: ControlReply = await asyncio.wait_for(fut, timeout)
+            finally:
+                self._bulk_bytes -= nbytes
         except asyncio.TimeoutError:
             raise _unavailable(f"{op}: no reply within {timeout}s") from None
         finally:
@@ -244,7 +253,7 @@ class AsyncClient:
 
     async def update_weights(self, named_tensors, version: Optional[str] = None, *,
                              bucket_bytes: int = tensor_frames.DEFAULT_BUCKET_BYTES, rank: Optional[int] = None,
-                             timeout: Optional[float] = None, max_in_flight: int = 3) -> int:
+                             timeout: Optional[float] = None, max_in_flight: int = 2) -> int:
         """Push (name, tensor) pairs to every worker in buckets of raw frames, then swap
         them in at once (and label them ``version``).  Returns the tensor count."""
         await self.control("start_weight_update", rank=rank, timeout=timeout)
@@ -347,7 +356,10 @@ class AsyncClient:
             await asyncio.sleep(self.interval)
             self._send(beat)
             silent = time.monotonic() - self._last_heard
-            if silent > self.expiry and (self._streams or self._info_waiters):
+            # Heartbeats queue behind our own weight buckets on the same connection: allow
+            # for those bytes at a pessimistic rate before calling the broker lost.
+            allowance = self.expiry + self._bulk_bytes / _BULK_MIN_BYTES_PER_S
+            if silent > allowance and (self._streams or self._info_waiters):
                 log.warning("broker silent for %.1fs: failing %d in-flight request(s)", silent, len(self._streams))
                 self._fail_all(_unavailable(f"lost connection to the broker ({silent:.1f}s without heartbeat)"))
 

@@ -212,8 +212,9 @@ class TrainerWeightSender:
 
 
 def weight_checksums(named_tensors: Iterable, prefix: str = "") -> dict[str, str]:
-    """sha256 per tensor, as ``/weight_checker`` computes them on the server (pass the
-    served dtype's tensors: the digest is over their bytes)."""
+    """sha256 per tensor (vLLM's compute_tensor_digests), as ``/weight_checker``
+    computes them on the server: pass the served dtype's tensors, the digest is over
+    their bytes."""
     import hashlib
 
     import torch

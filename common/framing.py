@@ -165,13 +165,15 @@ def recv_frames(sock: zmq.Socket) -> list[bytes]:
     return frames
 
 
-def recv_frames_zero_copy_payload(sock: zmq.Socket) -> list:
+def recv_frames_zero_copy_payload(sock: zmq.Socket, routed: bool = False) -> list:
     """``recv_frames``, except that the payload frames of a CONTROL message (tensor
     bytes, after MAGIC, type and body) stay zmq.Frame objects over libzmq's buffers
-    instead of being copied into bytes."""
+    instead of being copied into bytes.  ``routed``: a ROUTER socket, whose first
+    frame is the sender's identity."""
+    at = 2 if routed else 1  # index of the type frame
     frames = [_recv(sock, _NB)]
     while _get(sock, _RCVMORE):
-        if len(frames) >= 3 and frames[1] == MsgType.CONTROL:
+        if len(frames) > at + 1 and frames[at] == MsgType.CONTROL:
             frames.append(_recv(sock, _NB, False))
         else:
             frames.append(_recv(sock, _NB))

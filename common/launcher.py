@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=config.backend_address(), help="broker endpoint for workers")
     p.add_argument("--api-key", default=None, help="gateways require this Bearer key (or set $TOKSERVE_API_KEY)")
     p.add_argument("--tokens-only", action="store_true")
+    p.add_argument("--enable-rl", action="store_true",
+                   help="gateways serve the RL control routes (pause/resume, weight transfer, sleep/wake)")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
@@ -171,6 +173,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                             *log_args, *shlex.split(args.gateway_args))
         if args.gateways > 1:
             argv.append("--reuse-port")
+        if args.enable_rl:
+            argv.append("--enable-rl")
         if args.tokens_only:
             argv.append("--tokens-only")
         if args.served_model_name:

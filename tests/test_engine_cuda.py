@@ -224,3 +224,24 @@ def test_kv_cache_memory_bytes_sets_the_cache_size(llama_dir):
     kv = engine.runner.kv_cache
     assert abs(kv.numel() * kv.element_size() - size) <= 2 * per_block  # + the graphs' scratch block
     assert used < size + (512 << 20)  # weights, graphs and workspaces of a tiny model on top
+
+
+def test_weight_update_and_sleep_under_cuda_graphs(tiny_model_root):
+    """Weights written in place keep the captured graphs valid; a level-2 sleep/wake
+    re-captures them over the new KV cache and reloaded weights."""
+    from safetensors.torch import load_file
+
+    from tests.model_factory import tiny_model_dir
+
+    a, b = tiny_model_dir("llama", tiny_model_root, 0), tiny_model_dir("llama", tiny_model_root, 1)
+    prompts = [[5, 9, 11, 40], [100, 23, 18, 64, 2]]
+    engine = make_engine(a, device="cuda", dtype="float32", enforce_eager=False)
+    fresh_b = _ids(make_engine(b, device="cuda", dtype="float32", enforce_eager=False), prompts, 10)
+    engine.write_weights(load_file(str(b / "model.safetensors")))
+    assert _ids(engine, prompts, 10) == fresh_b
+    engine.sleep(2)
+    assert engine.runner.kv_cache is None and engine.model is None
+    assert engine.wake_up(None)
+    fresh_a = _ids(make_engine(a, device="cuda", dtype="float32", enforce_eager=False), prompts, 10)
+    assert _ids(engine, prompts, 10) == fresh_a  # over the wire: reloaded from the model's own checkpoint
+    assert engine.weight_version == "default"

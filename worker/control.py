@@ -82,7 +82,8 @@ class WorkerControl:
             log.exception("control command %s failed", req.op)
             return self.reply(req.nonce, ok=False, status=500, message=f"{req.op} failed: {exc}")
         finally:
-            log.info("control %s took %.3f s", req.op, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            (log.info if took > 1.0 else log.debug)("control %s took %.3f s", req.op, took)
         if isinstance(result, _Deferred):
             self.deferred.append(result)
             return None
@@ -306,6 +307,3 @@ class WorkerControl:
             raise BadRequest(f"unknown weight_checker action {action!r}: expected checksum, reset or compare",
                              "action")
         return {"checksums": self.engine.weight_checksums(f"dp{self.server.rank}:pp0:pcp0:tp0:")}
-
-    def op_world_size(self, req: ControlRequest):
-        return {"world_size": self.engine.config.tensor_parallel_size}

@@ -10,7 +10,6 @@ a time, so the extra memory is one layer's projections.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
@@ -18,6 +17,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from common.dist_weight_transfer import weight_checksums
 from common.errors import BadRequest
 from worker.engine.models.cpu_gemm import onednn_linear, pack_weight
 
@@ -37,10 +37,6 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise BadRequest(f"unsupported weight dtype {name!r}: expected a floating dtype such as "
                          f"'bfloat16', 'float16' or 'float32'", "update_info")
     return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class ModelWeights:
@@ -179,7 +175,7 @@ class ModelWeights:
 
     def checksums(self, prefix: str = "") -> dict[str, str]:
         """sha256 of every weight's bytes (vLLM's compute_tensor_digests, checkpoint names)."""
-        return {prefix + name: tensor_digest(t) for name, t in self.read()}
+        return weight_checksums(self.read(), prefix)
 
     @torch.inference_mode()
     def zero(self) -> None:
@@ -189,11 +185,6 @@ class ModelWeights:
 def weight_spec(model) -> dict[str, WeightSpec]:
     """Checkpoint name -> shape and dtype of every weight ``model`` holds."""
     return ModelWeights.__new__(ModelWeights)._spec_of(model)
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data).hexdigest()
 
 
 def checkpoint_tensors(path: str, wanted: Optional[set[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:

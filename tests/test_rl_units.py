@@ -1,0 +1,192 @@
+"""Units of the RL control plane: tensor frames, the packed broadcast plan, init_info
+checks, weight spans, the prefix-cache reset, HF-named weight access (both CPU
+linears, Qwen3's per-head norms) and the broker's pause / stale hold-out with fake
+workers."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common import tensor_frames
+from common.client import Client, RequestError
+from common.dist_weight_transfer import DistInitInfo, bucket_plan, weight_checksums
+from common.errors import BadRequest
+from common.protocol import GenerateRequest, SamplingParams
+from tests.engine_helpers import make_engine, request
+from tests.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import EngineSequence, Request
+
+
+# ------------------------------------------------------------------ tensor frames
+def test_buckets_round_trip_with_tensors_cut_into_frames(monkeypatch):
+    monkeypatch.setattr(tensor_frames, "FRAME_BYTES", 100)
+    named = [("a", torch.arange(60, dtype=torch.float32).view(6, 10)),  # 240 bytes: 3 frames
+             ("b", torch.randn(5, dtype=torch.bfloat16)),
+             ("c", torch.empty(0, 4)),
+             ("d", torch.randn(3, 3, dtype=torch.float16).t())]  # not contiguous
+    got = []
+    for info, frames in tensor_frames.buckets(named, bucket_bytes=250):
+        entries = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(info["names"], info["dtype_names"],
+                                                                        info["shapes"])]
+        got.extend(tensor_frames.decode_frames(entries, [bytes(f) for f in frames]))
+    assert [n for n, _ in got] == ["a", "b", "c", "d"]
+    for (_, want), (_, have) in zip(named, got):
+        assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+def test_decode_frames_refuses_a_short_payload():
+    entries = [("w", torch.float32, (4,))]
+    with pytest.raises(ValueError, match="needs 16"):
+        tensor_frames.decode_frames(entries, [b"\0" * 12])
+    with pytest.raises(ValueError, match="frame"):
+        tensor_frames.decode_frames(entries, [])
+
+
+def test_packed_plan_closes_a_buffer_once_it_exceeds_the_size():
+    assert bucket_plan([10, 10, 10], packed=False, buffer_bytes=1) == [[0], [1], [2]]
+    # vLLM's packed layout: the crossing tensor joins the buffer it overflows.
+    assert bucket_plan([10, 10, 10, 5], packed=True, buffer_bytes=15) == [[0, 1], [2, 3]]
+    assert bucket_plan([40, 1], packed=True, buffer_bytes=15) == [[0], [1]]
+
+
+@pytest.mark.parametrize("info, needle", [
+    ({"master_port": 1, "world_size": 2}, "lacks 'master_address'"),
+    ({"master_address": "h", "master_port": "x", "world_size": 2}, "master_port must be an integer"),
+    ({"master_address": "h", "master_port": 5, "world_size": 1}, "world_size >= 2"),
+    ({"master_address": "h", "master_port": 5, "world_size": 2, "backend": "mpi"}, "backend"),
+    ({"master_address": "h", "master_port": 5, "world_size": 2, "bogus": 1}, "unknown init_info"),
+    ({"nccl_unique_id_b64": "AAAA", "world_size": 2}, "not supported"),
+])
+def test_init_info_is_checked(info, needle):
+    with pytest.raises(ValueError, match=needle):
+        DistInitInfo.from_dict(info)
+
+
+# ----------------------------------------------------------------- engine pieces
+def _seq(tokens):
+    req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], params=SamplingParams())
+    return EngineSequence(Request(req, arrival_seq=0, max_tokens=10, eos_token_ids=[], now=0.0), 0, [1, 2])
+
+
+def test_weight_version_spans_follow_the_version_of_each_token():
+    seq = _seq([1, 2])
+    for version in ("default", "default", "v1", "v1", "v1", "v2"):
+        seq.append_token(7)
+        seq.track_weight_version(version)
+    assert seq.weight_version_spans() == [("default", 0, 2), ("v1", 2, 5), ("v2", 5, 6)]
+    del seq.output_ids[-1]  # a stop string trimmed the last token
+    assert seq.weight_version_spans() == [("default", 0, 2), ("v1", 2, 5)]
+    assert _seq([1]).weight_version_spans() == []
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only():
+    bm = BlockManager(8, 4)
+    seq = _seq([])
+    seq.token_ids = list(range(12))
+    assert bm.allocate_slots(seq, 12)
+    seq.num_computed_tokens = 12
+    bm.register_computed_blocks(seq)
+    bm.free(seq)
+    probe = _seq([])
+    probe.token_ids = list(range(12)) + [99]
+    assert len(bm.find_cached_prefix(probe)) == 3
+    free = bm.num_free_blocks
+    assert bm.reset_prefix_cache() == 3
+    assert bm.num_free_blocks == free
+    probe2 = _seq([])
+    probe2.token_ids = list(range(12)) + [99]
+    assert bm.find_cached_prefix(probe2) == []
+
+
+@pytest.mark.parametrize("kind, linear", [("llama", "onednn"), ("llama", "torch"), ("qwen3", "torch")])
+def test_model_weights_by_checkpoint_name(tiny_model_root, kind, linear):
+    from tests.model_factory import tiny_model_dir
+
+    a, b = tiny_model_dir(kind, tiny_model_root, 0), tiny_model_dir(kind, tiny_model_root, 1)
+    engine = make_engine(a, cpu_linear=linear)
+    sd_a, sd_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert engine.weight_checksums("") == weight_checksums(sd_a.items())
+    with pytest.raises(BadRequest, match="has shape"):
+        engine.weights.check([("model.norm.weight", "float32", [1])])
+    with pytest.raises(BadRequest, match="unknown weight"):
+        engine.weights.check([("model.layers.99.mlp.up_proj.weight", "float32", [1])])
+    # Streamed in two halves with the CPU layers left unpacked in between, as an update does.
+    names = sorted(sd_b)
+    engine.write_weights({n: sd_b[n] for n in names[::2]}, more_to_come=True)
+    engine.write_weights({n: sd_b[n] for n in names[1::2]}, more_to_come=True)
+    engine.end_weight_writes()
+    assert engine.weight_checksums("") == weight_checksums(sd_b.items())
+    fresh = make_engine(b, cpu_linear=linear)
+    reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
+    assert engine.generate(reqs())["x"][0].token_ids == fresh.generate(reqs())["x"][0].token_ids
+
+
+# ---------------------------------------------------------- broker, fake workers
+@pytest.fixture(scope="module")
+def fake_pool(tmp_path_factory):
+    with ProcGroup(tmp_path_factory.mktemp("rl-fake")) as procs:
+        broker = procs.broker("--max-pending", "3")
+        for rank in (0, 1):
+            procs.fake_worker(broker, rank, "--step-delay", "0.01")
+        wait_for_workers(broker.frontend, 2)
+        with Client(broker.frontend) as client:
+            yield procs, broker, client
+
+
+def _gen(client, rid, rank=None):
+    req = GenerateRequest(request_id=rid, prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=3),
+                          data_parallel_rank=rank)
+    return [t for d in client.generate(req) for t in d.token_ids]
+
+
+def test_paused_broker_queues_up_to_its_bound(fake_pool):
+    procs, broker, client = fake_pool
+    client.pause("abort")
+    assert client.is_paused() and cluster_info(broker.frontend).paused
+    results, errors = {}, {}
+
+    def run(i):
+        try:
+            results[i] = _gen(client, f"p{i}")
+        except RequestError as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    wait_for(lambda: errors, 10, "the request past the queue bound to be refused")
+    assert list(errors.values())[0].status == 503 and "overloaded" in list(errors.values())[0].message
+    assert not results  # queued, not served
+    client.resume()
+    for t in threads:
+        t.join(10)
+    assert len(results) == 3 and all(len(r) == 3 for r in results.values())
+
+
+def test_restarted_worker_gets_the_pool_version_replayed(fake_pool):
+    procs, broker, client = fake_pool
+    client.control("update_weight_version", {"new_version": "v9"})
+    assert [r["weight_version"] for r in client.weight_info()["ranks"]] == ["v9", "v9"]
+    victim = next(p for p in procs.procs if p.name == "fake-worker1" and p.alive())
+    victim.kill9()
+    wait_for_workers(broker.frontend, 1, timeout=20)
+    procs.fake_worker(broker, 1, "--step-delay", "0.01")  # boots with "default"
+    wait_for(lambda: [(r["weight_version"], r["stale"]) for r in client.weight_info()["ranks"]] ==
+             [("v9", False), ("v9", False)], 20, "rank 1 brought to v9")
+    assert _gen(client, "after-replay", rank=1)[0] == 1000  # served by rank 1
+
+
+def test_control_errors_name_the_rank(fake_pool):
+    _, _, client = fake_pool
+    with pytest.raises(RequestError) as err:
+        client.control("no_such_command")
+    assert err.value.status == 400 and "rank 0: unknown control command" in err.value.message
+    with pytest.raises(RequestError) as err:
+        client.control("is_sleeping", rank=7)
+    assert err.value.status == 400 and "no live worker has rank 7" in err.value.message
