@@ -190,3 +190,15 @@ def test_control_errors_name_the_rank(fake_pool):
     with pytest.raises(RequestError) as err:
         client.control("is_sleeping", rank=7)
     assert err.value.status == 400 and "no live worker has rank 7" in err.value.message
+
+
+def test_level2_wake_reloads_a_whole_checkpoint_update(tiny_model_root):
+    from tests.model_factory import tiny_model_dir
+
+    a, b = tiny_model_dir("llama", tiny_model_root, 0), tiny_model_dir("llama", tiny_model_root, 1)
+    engine, fresh_b = make_engine(a), make_engine(b)
+    engine.write_weights(engine.read_checkpoint(str(b)), from_disk=str(b))
+    engine.sleep(2)
+    assert engine.wake_up(None) and engine.disk_lineage == [str(b)]
+    reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
+    assert engine.generate(reqs())["x"][0].token_ids == fresh_b.generate(reqs())["x"][0].token_ids

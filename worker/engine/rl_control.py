@@ -160,22 +160,21 @@ class RLControl:
         from worker.engine.model_setup import build_model
 
         lineage = self.disk_lineage
-        reproducible = lineage is not None
         if lineage is None:
-            lineage = [self.config.model]
             log.warning("weights of version %r came over the wire and were released: reloading %s; "
-                        "push the weights again", self.weight_version, lineage[0])
+                        "push the weights again", self.weight_version, self.config.model)
             self.weight_version = DEFAULT_WEIGHT_VERSION
-        # The model's own checkpoint first: a partial update from disk only has some tensors.
+            lineage = []
+        # The model's own checkpoint first, then every update from disk on top (the lineage
+        # may start at a whole checkpoint other than the model's).
         self.model, _, _ = build_model(self.config, self.model_config, self.device)
         self.model.use_attention_backend(self.attention_backend)
         self.runner.model = self.model
         self.asleep.discard("weights")
-        self.disk_lineage = [lineage[0]]
-        for path in lineage[1:]:
-            self.write_weights(self.read_checkpoint(path), from_disk=path)
-        if not reproducible:
-            self.disk_lineage = [lineage[0]]
+        self.disk_lineage = [self.config.model]
+        for path in lineage:
+            if path != self.config.model:
+                self.write_weights(self.read_checkpoint(path), from_disk=path)
 
     @property
     def is_asleep(self) -> bool:
