@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-only", action="store_true")
     p.add_argument("--enable-rl", action="store_true",
                    help="gateways serve the RL control routes (pause/resume, weight transfer, sleep/wake)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="workers record and gateways return routed_experts (mixture-of-experts models)")
+    p.add_argument("--return-sampling-mask", action="store_true",
+                   help="workers record and gateways return sampling_mask")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
@@ -158,6 +162,10 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
         worker_args += ["--threads", str(cpu_worker_threads(args.workers * tp))]  # per rank
     if tp > 1:
         worker_args += ["--tensor-parallel-size", str(tp)]
+    # Both sides: workers compute the records, gateways relay them.
+    replay_flags = [f for f, on in (("--enable-return-routed-experts", args.enable_return_routed_experts),
+                                    ("--return-sampling-mask", args.return_sampling_mask)) if on]
+    worker_args += replay_flags
     for rank in range(args.workers):
         # Each worker sees only its own GPUs, which it then calls cuda:0 .. cuda:N-1.
         gpus = ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))
@@ -175,6 +183,7 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
             argv.append("--reuse-port")
         if args.enable_rl:
             argv.append("--enable-rl")
+        argv += replay_flags
         if args.tokens_only:
             argv.append("--tokens-only")
         if args.served_model_name:

@@ -69,6 +69,7 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     spaces_between_special_tokens: bool = True
+    routed_experts_prompt_start: int = 0  # routed_experts skips this many leading prompt positions
 
 
 class GenerateRequest(msgspec.Struct, **_STRUCT):
@@ -131,6 +132,14 @@ class CompletionDelta(msgspec.Struct, **_STRUCT):
     # On the finishing delta of a choice only: [[version, start, end], ...] half-open
     # spans over its output-token indexes (vLLM's WeightVersionSpan list).
     weight_versions: Optional[list[tuple[str, int, int]]] = None
+    # Workers started with --return-sampling-mask: per new token, the ids that survived
+    # the sampler's filters (ascending).
+    sampling_mask: Optional[list[list[int]]] = None
+    # Workers started with --enable-return-routed-experts, on the finishing delta: the
+    # .npy bytes of the uint8/uint16 array [positions, moe layers, top_k] of every
+    # token the model ran (prompt from routed_experts_prompt_start, then the outputs
+    # but the last).
+    routed_experts: Optional[bytes] = None
 
 
 class Outputs(msgspec.Struct, **_STRUCT):

@@ -52,6 +52,9 @@ def validate_request(req: GenerateRequest, limits: ModelInfo, *, tokens_only: bo
               "or use stop_token_ids.", "stop")
     validate_sampling_params(p)
 
+    if not 0 <= p.routed_experts_prompt_start <= len(req.prompt_token_ids):
+        _fail(f"routed_experts_prompt_start must be between 0 and the prompt length "
+              f"({len(req.prompt_token_ids)}), inclusive.", "routed_experts_prompt_start")
     if req.output_text and not p.detokenize:
         _fail("output_mode='text' requires sampling_params.detokenize to be true", "output_mode")
     if p.n > limits.max_num_seqs:

@@ -195,8 +195,8 @@ class TokensChoice(msgspec.Struct):
     finish_reason: Optional[str]
     stop_reason: Union[int, str, None]
     token_ids: Optional[list[int]]
-    routed_experts: None = None
-    sampling_mask: None = None
+    routed_experts: Optional[str] = None  # base64 of the .npy array [positions, moe layers, top_k]
+    sampling_mask: Optional[list[list[int]]] = None
     weight_versions: Optional[list[WeightVersionSpan]] = None
     logprobs: Optional[Logprobs] = None
 
@@ -206,8 +206,8 @@ class TextChoice(msgspec.Struct):
     finish_reason: Optional[str]
     stop_reason: Union[int, str, None]
     token_ids: Optional[list[int]]
-    routed_experts: None = None
-    sampling_mask: None = None
+    routed_experts: Optional[str] = None  # base64 of the .npy array [positions, moe layers, top_k]
+    sampling_mask: Optional[list[list[int]]] = None
     weight_versions: Optional[list[WeightVersionSpan]] = None
     text: str = ""
     logprobs: Optional[Logprobs] = None

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-rl", action="store_true",
                    help="serve vLLM's RL control routes (pause/resume, weight transfer, sleep/wake, prefix cache "
                         "reset) across the worker pool; also on with VLLM_SERVER_DEV_MODE=1")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="relay routed_experts (workers started with the same flag compute them)")
+    p.add_argument("--return-sampling-mask", action="store_true",
+                   help="relay sampling_mask (workers started with the same flag compute it)")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -67,6 +71,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         curve_server_key=curve_server_key,
         curve_client_key_file=args.curve_client_key_file,
         enable_rl=args.enable_rl or os.environ.get("VLLM_SERVER_DEV_MODE", "") == "1",
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        return_sampling_mask=args.return_sampling_mask,
     )
 
 

@@ -6,7 +6,9 @@ where ``prompt_token_ids`` and ``usage`` appear, and how logprobs are shaped.
 """
 from __future__ import annotations
 
+import base64
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
@@ -28,6 +30,20 @@ from gateway.http_protocol import (
 from gateway.request_mapping import MappedRequest
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseOptions:
+    """Server-level switches that shape every response."""
+
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (prefix caching on)
+    routed_experts: bool = False  # --enable-return-routed-experts
+    sampling_mask: bool = False  # --return-sampling-mask
+
+
+def routed_experts_b64(delta: CompletionDelta) -> Optional[str]:
+    """vLLM's ``numpy2base64``: base64 of the ``.npy`` bytes the worker sent."""
+    return base64.b64encode(delta.routed_experts).decode("ascii") if delta.routed_experts is not None else None
 
 
 def sse_event(payload: bytes) -> bytes:
@@ -101,11 +117,14 @@ class _RequestFacts:
 class ResponseAccumulator:
     """Collects every delta of a non-stream request and renders the final JSON body."""
 
-    def __init__(self, mapped: MappedRequest, *, prompt_tokens_details: bool):
+    def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
         self.facts = _RequestFacts(mapped)
-        self.details = prompt_tokens_details
+        self.details = options.prompt_tokens_details
+        self.options = options
         n = mapped.wire.params.n
+        self.masks: list[Optional[list[list[int]]]] = [None] * n
+        self.routed: list[Optional[str]] = [None] * n
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
@@ -124,6 +143,10 @@ class ResponseAccumulator:
         lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode)
         if lp is not None:
             self.logprobs[i].extend(lp.content)
+        if delta.sampling_mask is not None and self.options.sampling_mask:
+            self.masks[i] = (self.masks[i] or []) + delta.sampling_mask
+        if self.options.routed_experts and delta.routed_experts is not None:
+            self.routed[i] = routed_experts_b64(delta)
         if delta.finish_reason is not None:
             self.finish[i], self.stop[i] = delta.finish_reason, delta.stop_reason
             self.versions[i] = weight_version_spans(delta, len(self.token_ids[i]))
@@ -138,6 +161,8 @@ class ResponseAccumulator:
                 finish_reason=self.finish[i] or "stop",
                 stop_reason=self.stop[i],
                 token_ids=ids,
+                routed_experts=self.routed[i],
+                sampling_mask=self.masks[i],
                 weight_versions=self.versions[i] if self.finish[i] else [],
                 logprobs=Logprobs(content=self.logprobs[i]) if want_lp else None,
             )
@@ -172,10 +197,11 @@ class ResponseAccumulator:
 class StreamChunker:
     """Turns each delta into at most one SSE event, vLLM's stream rules included."""
 
-    def __init__(self, mapped: MappedRequest, *, prompt_tokens_details: bool):
+    def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
         self.facts = _RequestFacts(mapped)
-        self.details = prompt_tokens_details
+        self.details = options.prompt_tokens_details
+        self.options = options
         self.generated = [0] * mapped.wire.params.n
         self._prompt_ids_pending = bool(mapped.http.return_token_ids)
 
@@ -193,6 +219,9 @@ class StreamChunker:
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
             token_ids=delta.token_ids,
+            # Assembled over the whole choice, on its final chunk (vLLM sends it when finished).
+            routed_experts=routed_experts_b64(delta) if self.options.routed_experts else None,
+            sampling_mask=delta.sampling_mask if self.options.sampling_mask else None,
             # Final chunk of the choice only, covering its whole output.
             weight_versions=(weight_version_spans(delta, self.generated[i] if 0 <= i < len(self.generated) else 0)
                              if delta.finish_reason is not None else None),

@@ -29,3 +29,7 @@ class GatewaySettings:
     curve_client_key_file: Optional[str] = None
     # vLLM's RL / dev routes (/pause, /update_weights, /sleep, ...): --enable-rl or VLLM_SERVER_DEV_MODE=1.
     enable_rl: bool = False
+    # RL replay fields the workers compute with the same flags: the gateway relays them
+    # only when told to, so a response never carries what the operator did not enable.
+    enable_return_routed_experts: bool = False
+    return_sampling_mask: bool = False

@@ -36,7 +36,6 @@ SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "skip_reading_prefix_cache": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
-    "routed_experts_prompt_start": (0,),
     "trace_decode_token_ids": (None,),
 }
 # Decoded (type-checked) and dropped: nothing a client can observe depends on them here.

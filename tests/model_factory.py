@@ -19,6 +19,10 @@ Kinds (``KINDS``):
   llama_sharded  same weights as ``llama`` (same seed) in several safetensors shards
   llama_tied     tie_word_embeddings=True (no lm_head.weight in the checkpoint)
   llama_rope_llama3 / llama_rope_linear / llama_rope_yarn   rope_scaling variants
+  mixtral        MixtralForCausalLM, 8 experts, top-2 (renormalised)
+  qwen2_moe      Qwen2MoeForCausalLM, 8 experts top-2 (not renormalised) + gated shared expert
+  qwen3_moe      Qwen3MoeForCausalLM, 3 layers, layer 1 dense (mlp_only_layers), 8 experts top-2,
+                 norm_topk_prob
 Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
 """
 from __future__ import annotations
@@ -46,7 +50,12 @@ _ROPE = {
 }
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
-         "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn")
+         "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
+         "qwen3_moe")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -83,6 +92,16 @@ def _hf_config(kind: str):
         return transformers.MistralConfig(**_COMMON, sliding_window=None)
     if kind == "mistral_swa":
         return transformers.MistralConfig(**_COMMON, sliding_window=8)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**_COMMON, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                           shared_expert_intermediate_size=96, norm_topk_prob=False,
+                                           decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": 3}, head_dim=32, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                                           decoder_sparse_step=1, mlp_only_layers=[1], use_sliding_window=False)
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}
@@ -110,8 +129,7 @@ def build_tiny_model(kind: str, out: Path, seed: int = 0) -> Path:
         raise ValueError(f"unknown tiny model kind {kind!r}; known: {KINDS}")
     _quiet_transformers()
     config = _hf_config(kind)
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[config.model_type]]
+    config.architectures = [_ARCH[config.model_type]]
     cls = getattr(transformers, config.architectures[0])
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()

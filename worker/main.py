@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="broker's CURVE public key (Z85 text or its .key file) to encrypt the link")
     p.add_argument("--curve-client-key-file", default=None,
                    help="this worker's CURVE certificate (.key_secret), for a broker that authenticates peers")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record the experts every token was routed to and return them per choice "
+                        "(routed_experts; mixture-of-experts models only)")
+    p.add_argument("--return-sampling-mask", action="store_true",
+                   help="return, per sampled token, the token ids that survived the sampler's filters "
+                        "(sampling_mask)")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -80,7 +86,9 @@ def engine_config_from_args(args):
                         cpu_attention=args.cpu_attention, attention_backend=args.attention_backend,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config)
+                        tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config,
+                        enable_return_routed_experts=args.enable_return_routed_experts,
+                        return_sampling_mask=args.return_sampling_mask)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from gateway.errors import bad_request_from_decode_error, serving_error_json
 from gateway.http_protocol import generate_request_decoder
 from gateway.metrics import RequestTracker
 from gateway.request_mapping import MappedRequest, map_request
-from gateway.response_builder import SSE_DONE, ResponseAccumulator, StreamChunker, sse_event
+from gateway.response_builder import SSE_DONE, ResponseAccumulator, ResponseOptions, StreamChunker, sse_event
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokserve.gateway")
@@ -67,7 +67,9 @@ class GenerateResource:
         request_id = mapped.wire.request_id
         watcher = DisconnectWatcher(req.scope.get(RECEIVE_SCOPE_KEY),
                                     lambda: self.state.client.abort([request_id]), s.disconnect_grace_s)
-        details = bool(cluster.model.enable_prefix_caching)
+        details = ResponseOptions(prompt_tokens_details=bool(cluster.model.enable_prefix_caching),
+                                  routed_experts=self.state.settings.enable_return_routed_experts,
+                                  sampling_mask=self.state.settings.return_sampling_mask)
         try:
             watcher.start()
             # Wait for the first delta before answering, so that a rejection by the
@@ -107,8 +109,9 @@ class GenerateResource:
             log.debug("closing the delta stream failed", exc_info=True)
 
     @staticmethod
-    async def _collect(mapped: MappedRequest, deltas, first, tracker: RequestTracker, details: bool) -> bytes:
-        acc = ResponseAccumulator(mapped, prompt_tokens_details=details)
+    async def _collect(mapped: MappedRequest, deltas, first, tracker: RequestTracker,
+                       details: ResponseOptions) -> bytes:
+        acc = ResponseAccumulator(mapped, details)
         if first is not _NOTHING:
             tracker.observe(first)
             acc.add(first)
@@ -118,8 +121,8 @@ class GenerateResource:
         return acc.build()
 
     async def _sse(self, mapped: MappedRequest, deltas, first, tracker: RequestTracker,
-                   watcher: DisconnectWatcher, details: bool) -> AsyncIterator[bytes]:
-        chunker = StreamChunker(mapped, prompt_tokens_details=details)
+                   watcher: DisconnectWatcher, details: ResponseOptions) -> AsyncIterator[bytes]:
+        chunker = StreamChunker(mapped, details)
         error_status = None
         watcher.start(asyncio.current_task())  # the relay now runs in the response task
         try:

@@ -49,6 +49,10 @@ class EngineConfig:
     kv_cache_memory_bytes: Optional[int] = None  # KV cache size, overrides gpu_memory_utilization's profiling
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
     tensor_parallel_size: int = 1  # ranks (devices) one worker owns; cuda:i..i+N-1 on CUDA
+    # RL replay records (vLLM's flags): every token's routed experts (MoE models only)
+    # and every sampled token's surviving vocabulary after the sampler's filters.
+    enable_return_routed_experts: bool = False
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

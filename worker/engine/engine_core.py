@@ -51,6 +51,9 @@ class EngineCore(RLControl):
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
+        if config.enable_return_routed_experts and mc.moe is None:
+            raise ValueError(f"--enable-return-routed-experts needs a mixture-of-experts model; {mc.architecture} "
+                             f"({config.model}) has no expert layers")
         self._build_model_and_cache(config, mc, device)
         self.vocab_size = mc.vocab_size
         # vLLM's generate endpoint takes only max_tokens from these (when the client omits
@@ -160,6 +163,7 @@ class EngineCore(RLControl):
         for seq in request.sequences:
             if not seq.is_finished():
                 seq.finish(FinishReason.ABORT)
+                self._capture_routing(seq)
                 self.scheduler.remove(seq)
                 held = seq.detokenizer.release_held() if seq.detokenizer is not None else None
                 outs.append(SequenceOutput(request, seq.index, seq, [], held))
@@ -214,12 +218,14 @@ class EngineCore(RLControl):
         else:
             sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
         meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size, self.device)
-        result = self.sampler(sample_logits, meta)
+        result = self.sampler(sample_logits, meta, self.config.return_sampling_mask)
         sampled = result.sampled.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
+        masks = result.masks
 
         now = time.time()
-        return [self._append_token(seq, sampled[i], lp_lists, i, now) for i, seq in enumerate(sample_seqs)]
+        return [self._append_token(seq, sampled[i], lp_lists, i, now, masks[i] if masks is not None else None)
+                for i, seq in enumerate(sample_seqs)]
 
     def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:
         """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
@@ -285,7 +291,18 @@ class EngineCore(RLControl):
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
 
-    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> SequenceOutput:
+    def _capture_routing(self, seq: EngineSequence) -> None:
+        """A finishing choice's routed experts, read from the store beside its KV
+        blocks before they are freed: every position the model ran (the last sampled
+        token never was), from the request's routed_experts_prompt_start."""
+        if self.runner.routing_store is None or seq.num_computed_tokens == 0:
+            return
+        end = min(seq.num_tokens - 1, seq.num_computed_tokens)
+        start = min(seq.request.params.routed_experts_prompt_start, seq.num_prompt_tokens, end)
+        seq.routed_experts = self.runner.routed_experts(seq.block_ids, end, start)
+
+    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float,
+                      mask: Optional[list[int]] = None) -> SequenceOutput:
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
@@ -297,6 +314,10 @@ class EngineCore(RLControl):
             if request.req.output_text and self.tokenizer is not None:
                 attach_token_texts(entry, self.tokenizer, seq.output_ids[-5:-1])  # split-char context
             seq.pending_logprobs = extend_token_logprobs(seq.pending_logprobs, entry)
+        if mask is not None:
+            if seq.pending_sampling_mask is None:
+                seq.pending_sampling_mask = []
+            seq.pending_sampling_mask.append(mask)
         new_tokens = [token]
         seq.check_token_stop(self.max_model_len)
         text: Optional[str] = None
@@ -309,9 +330,12 @@ class EngineCore(RLControl):
                 del seq.token_ids[-dropped:]
                 del seq.output_ids[-dropped:]
                 new_tokens = new_tokens[:-dropped]
+                if seq.pending_sampling_mask:
+                    del seq.pending_sampling_mask[-dropped:]
             if stop_str is not None:
                 seq.finish(FinishReason.STOP, stop_str)
         if seq.is_finished():
+            self._capture_routing(seq)
             self.scheduler.remove(seq)
             if request.is_finished():
                 self.requests.pop(request.request_id, None)

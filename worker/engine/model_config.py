@@ -19,11 +19,15 @@ log = logging.getLogger(__name__)
 # architecture -> per-family switches of the single Llama implementation.
 #   qkv_bias_default: Qwen2 always has q/k/v biases (and no o_proj bias), the others
 #   follow config.attention_bias;  qk_norm: Qwen3 RMS-normalises q and k per head.
-_ARCHITECTURES: dict[str, dict[str, bool]] = {
+#   moe: the sparse-MLP family (see ``_moe_config``), absent for dense models.
+_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
     "MistralForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias_default=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias_default=False, qk_norm=True),
+    "MixtralForCausalLM": dict(qkv_bias_default=False, qk_norm=False, moe="mixtral"),
+    "Qwen2MoeForCausalLM": dict(qkv_bias_default=True, qk_norm=False, moe="qwen2_moe"),
+    "Qwen3MoeForCausalLM": dict(qkv_bias_default=False, qk_norm=True, moe="qwen3_moe"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -59,6 +63,41 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts family, in HF's terms.
+
+    Routing is softmax over the router logits, then the top ``top_k`` experts, their
+    weights renormalised to sum 1 when ``norm_topk_prob`` (Mixtral always).  Layer i
+    is sparse when ``sparse_layers[i]``; the others keep a dense MLP of
+    ``intermediate_size``.
+    """
+
+    family: str  # mixtral | qwen2_moe | qwen3_moe
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate
+    # Checkpoint names: the block's attribute and the experts' gate / up / down projections.
+    block_name: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    @property
+    def moe_layer_index(self) -> tuple[int, ...]:
+        """Decoder layer -> its index among the sparse layers (-1 for a dense one)."""
+        out, n = [], 0
+        for sparse in self.sparse_layers:
+            out.append(n if sparse else -1)
+            n += sparse
+        return tuple(out)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: Path
     architecture: str
@@ -86,6 +125,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # the window of the layers that use one
     layer_sliding_windows: tuple[Optional[int], ...] = ()  # per layer: keys within the last w positions, None = full
     max_new_tokens: Optional[int] = None  # generation_config default, None = unbounded
+    moe: Optional[MoEConfig] = None  # mixture-of-experts MLPs; None = every layer dense
 
     @property
     def eos_token_id(self) -> Optional[int]:
@@ -174,6 +214,7 @@ class ModelConfig:
         sliding = next((w for w in layer_windows if w), None)
 
         max_new = gen.get("max_new_tokens")
+        moe = _moe_config(cfg, family.get("moe"), layers) if family.get("moe") else None
         return cls(
             path=Path(path),
             architecture=arch,
@@ -201,7 +242,47 @@ class ModelConfig:
             sliding_window=sliding,
             layer_sliding_windows=layer_windows,
             max_new_tokens=int(max_new) if max_new is not None else None,
+            moe=moe,
         )
+
+
+def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
+    """The sparse-MLP settings of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json, with
+    the variants this engine cannot serve refused by name."""
+    if family == "mixtral":
+        experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
+        inter = int(cfg["intermediate_size"])
+        sparse = (True,) * num_layers
+        return _checked_moe(MoEConfig(family, experts, top_k, inter, norm_topk_prob=True, sparse_layers=sparse,
+                                      block_name="block_sparse_moe", expert_names=("w1", "w3", "w2")))
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0))
+    try:
+        inter = int(cfg["moe_intermediate_size"])
+    except KeyError:
+        raise ValueError("config.json lacks required key 'moe_intermediate_size'") from None
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense_only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+    # transformers' rule: layer i is sparse unless listed in mlp_only_layers, and then
+    # only every decoder_sparse_step-th layer (1-based).
+    sparse = tuple(experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
+    shared = int(cfg.get("shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
+    if family == "qwen2_moe" and shared <= 0:
+        raise ValueError("Qwen2-MoE config has no shared_expert_intermediate_size; its checkpoints always carry a "
+                         "shared expert")
+    return _checked_moe(MoEConfig(family, experts, top_k, inter, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                                  sparse_layers=sparse, shared_expert_intermediate_size=shared))
+
+
+def _checked_moe(moe: MoEConfig) -> MoEConfig:
+    if moe.num_experts <= 0 or not any(moe.sparse_layers):
+        raise ValueError(f"{moe.family} config has no expert layers (num_experts={moe.num_experts})")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ValueError(f"num_experts_per_tok={moe.top_k} must be between 1 and the {moe.num_experts} experts")
+    if moe.num_experts > 65535:
+        raise ValueError(f"{moe.num_experts} experts: routed expert ids are stored as uint16, at most 65535 experts")
+    return moe
 
 
 def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optional[int], ...]:
@@ -226,7 +307,7 @@ def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optio
             return (None,) * num_layers
         first = int(cfg.get("max_window_layers", 28))
         return tuple(window if i >= first else None for i in range(num_layers))
-    if arch.startswith("Mistral"):
+    if arch.startswith(("Mistral", "Mixtral")):
         return (window,) * num_layers
     return (None,) * num_layers
 

@@ -105,6 +105,9 @@ class ModelRunner:
         self._copies_done: Optional[torch.cuda.Event] = None
         self._graphs: dict[int, "_DecodeGraph"] = {}
         self._graph_pool = None
+        # Routed experts of every KV slot ([slots, moe layers, top_k]), written by the
+        # MoE layers in the forward, read when a sequence finishes.
+        self.routing_store: Optional[torch.Tensor] = None
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -202,12 +205,36 @@ class ModelRunner:
                                     device=self.device)
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
+        if self.config.enable_return_routed_experts:
+            self._allocate_routing_store(num_blocks + extra)
+
+    def _allocate_routing_store(self, num_blocks: int) -> None:
+        """One row per KV slot: a prefix-cache hit reads the routing its block was
+        computed with, and recompute after preemption rewrites it."""
+        moe = self.model_config.moe
+        dtype = torch.uint8 if moe.num_experts <= 256 else torch.int32
+        self.routing_store = torch.zeros((num_blocks * self.block_size, moe.num_moe_layers, moe.top_k), dtype=dtype,
+                                         device=self.device)
+        self.model.set_routing_store(self.routing_store)
+
+    def routed_experts(self, block_ids: Sequence[int], num_positions: int, start: int = 0) -> np.ndarray:
+        """Routed experts of positions ``[start, num_positions)`` of a sequence with
+        these blocks: ``[n, moe layers, top_k]``, uint8 (<= 256 experts, as vLLM) or uint16."""
+        n = max(num_positions - start, 0)
+        positions = np.arange(start, start + n)
+        blocks = np.asarray(block_ids, dtype=np.int64)[positions // self.block_size]
+        slots = torch.from_numpy(blocks * self.block_size + positions % self.block_size).to(self.device)
+        rows = self.routing_store.index_select(0, slots).cpu().numpy()
+        return rows if rows.dtype == np.uint8 else rows.astype(np.uint16)
 
     def release_kv_cache(self) -> None:
         """Sleep: give the KV cache memory back (CUDA graphs hold its address: dropped too)."""
         self._graphs.clear()
         self._graph_pool = None
         self.kv_cache = None
+        if self.routing_store is not None:
+            self.model.set_routing_store(None)
+            self.routing_store = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

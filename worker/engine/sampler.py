@@ -10,6 +10,10 @@
    same on their k largest logits only (no full-vocab sort or noise).
 
 The logits tensor is modified in place.
+
+With ``return_mask`` (``--return-sampling-mask``) the sampler also reports each
+row's support: the ids whose logits are still finite after every filter (vLLM's
+``sampling_mask``, ascending ids), the argmax alone for a greedy row.
 """
 from __future__ import annotations
 
@@ -28,21 +32,23 @@ _NEG_INF = float("-inf")
 class SamplerOutput:
     sampled: torch.Tensor  # [R] long
     logprobs: Optional[LogprobsTensors]  # None when no row asked for logprobs
+    masks: Optional[list[list[int]]] = None  # per row: the ids that survived the filters
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        return self.forward(logits, meta)
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, return_mask: bool = False) -> SamplerOutput:
+        return self.forward(logits, meta, return_mask)
 
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata, return_mask: bool = False) -> SamplerOutput:
         raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
         logits = logits.to(torch.float32).contiguous()  # penalties index its flat view
         apply_logits_processors(logits, meta)
-        sampled = sample(logits, meta)
+        masks: Optional[list] = [None] * meta.num_rows if return_mask else None
+        sampled = sample(logits, meta, masks)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled)
-        return SamplerOutput(sampled=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled=sampled, logprobs=logprobs, masks=masks)
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -89,8 +95,27 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     flat.index_copy_(0, pen.flat_index, vals)
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def record_kept(masks: Optional[list], row_ids: list[int], keep: torch.Tensor,
+                ids: Optional[torch.Tensor] = None) -> None:
+    """``masks[row_ids[j]]`` = ascending ids where ``keep[j]`` (``ids[j]`` maps a
+    candidate column to its token id; None: the column is the id)."""
+    if masks is None:
+        return
+    counts = keep.sum(dim=1).tolist()
+    cols = keep.nonzero()[:, 1]  # row-major: each row's columns in order
+    kept = cols if ids is None else ids[keep]
+    start = 0
+    for j, c in enumerate(counts):
+        row = kept[start:start + c]
+        masks[row_ids[j]] = (row if ids is None else row.sort().values).tolist()
+        start += c
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata, masks: Optional[list] = None) -> torch.Tensor:
     greedy = None if meta.all_random else logits.argmax(dim=-1)
+    if masks is not None and greedy is not None:
+        # A greedy row's support is its argmax; random rows are overwritten by their group.
+        masks[:] = [[t] for t in greedy.tolist()]
     if meta.all_greedy:
         return greedy
     temp = meta.temperature
@@ -104,24 +129,25 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if group is None:
             continue
         if group.rows is None:  # the group is the whole batch
-            return sample_group(logits, group)
-        tokens = sample_group(logits.index_select(0, group.rows), group)
+            return sample_group(logits, group, masks)
+        tokens = sample_group(logits.index_select(0, group.rows), group, masks)
         if sampled is None:
             sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
         sampled.index_copy_(0, group.rows, tokens)
     return sampled
 
 
-def sample_full_vocab(logits: torch.Tensor, group: RandomGroup) -> torch.Tensor:
+def sample_full_vocab(logits: torch.Tensor, group: RandomGroup, masks: Optional[list] = None) -> torch.Tensor:
     """min_p -> top-k/top-p masks over the whole vocabulary -> exponential trick."""
     if group.min_p is not None:
         apply_min_p(logits, group.min_p)
     apply_top_k_top_p(logits, group.top_k, group.top_k_max, group.top_p)
+    record_kept(masks, group.row_ids, logits > _NEG_INF)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
     return exponential_sample(probs, group.generators)
 
 
-def sample_top_k_candidates(logits: torch.Tensor, group: RandomGroup) -> torch.Tensor:
+def sample_top_k_candidates(logits: torch.Tensor, group: RandomGroup, masks: Optional[list] = None) -> torch.Tensor:
     """Rows whose small top_k bounds the candidates: the same filters and sampling as
     ``sample_full_vocab`` evaluated on each row's k largest logits only, with no
     full-vocab sort, softmax or noise.  (A tie with the k-th logit is cut by
@@ -138,7 +164,10 @@ def sample_top_k_candidates(logits: torch.Tensor, group: RandomGroup) -> torch.T
         # top_p == 1 must drop nothing, even where rounding makes the mass reach 1.
         limit = group.top_p.masked_fill(group.top_p >= 1.0, float("inf"))
         mass_above = probs.cumsum(dim=-1) - probs
-        probs.masked_fill_(mass_above >= limit.unsqueeze(1), 0.0)
+        dropped = mass_above >= limit.unsqueeze(1)
+        probs.masked_fill_(dropped, 0.0)
+        vals.masked_fill_(dropped, _NEG_INF)
+    record_kept(masks, group.row_ids, vals > _NEG_INF, idx)
     q = torch.empty_like(probs)
     if len(group.generators) != probs.shape[0]:
         q.exponential_()

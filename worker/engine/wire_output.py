@@ -6,6 +6,7 @@ scores (one float32 block) and kv_transfer_params.
 """
 from __future__ import annotations
 
+import io
 from typing import Optional
 
 import numpy as np
@@ -36,8 +37,11 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
+        sampling_mask=seq.pending_sampling_mask,
+        routed_experts=npy_bytes(seq.routed_experts) if seq.finish_reason is not None else None,
     )
     seq.pending_logprobs = None
+    seq.pending_sampling_mask = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True
         delta.kv_transfer_params = request.req.kv_transfer_params
@@ -63,11 +67,24 @@ def merge_delta(acc: Optional[CompletionDelta], d: CompletionDelta) -> Completio
     acc.stop_reason = d.stop_reason
     acc.num_cached_tokens = d.num_cached_tokens
     acc.weight_versions = d.weight_versions
+    if d.sampling_mask is not None:
+        acc.sampling_mask = (acc.sampling_mask or []) + d.sampling_mask
+    if d.routed_experts is not None:
+        acc.routed_experts = d.routed_experts
     for f in ("prompt_logprobs", "prompt_token_id_scores", "prompt_token_id_shape", "kv_transfer_params",
               "first_scheduled_time", "first_token_time"):
         if getattr(acc, f) is None:
             setattr(acc, f, getattr(d, f))
     return acc
+
+
+def npy_bytes(array: Optional[np.ndarray]) -> Optional[bytes]:
+    """The ``.npy`` serialisation vLLM base64-encodes into ``routed_experts``."""
+    if array is None:
+        return None
+    with io.BytesIO() as buf:
+        np.save(buf, array, allow_pickle=False)
+        return buf.getvalue()
 
 
 def _stack_padded(parts: list[np.ndarray]) -> np.ndarray:

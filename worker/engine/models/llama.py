@@ -1,5 +1,7 @@
 """One Llama-family decoder serving Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm), reading HF checkpoints by their tensor names.
+(per-head q/k RMSNorm), and their mixture-of-experts siblings Mixtral, Qwen2-MoE
+and Qwen3-MoE (a sparse MLP per layer, models/moe.py), reading HF checkpoints by
+their tensor names.
 
 q/k/v and gate/up projections are fused into single matmuls: the loader writes
 each HF tensor into its row range of the fused weight (``weight_targets``).
@@ -18,6 +20,7 @@ from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.cpu_gemm import LinearFn, onednn_linear, pack_weight
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
+from worker.engine.models.moe import SparseMoeBlock
 from worker.engine.parallel.sharding import head_shard, split, vocab_shard
 from worker.engine.parallel.state import get_tp
 from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
@@ -43,7 +46,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class LlamaDecoderLayer(nn.Module):
     MLP_ROWS = 512  # row block of the MLP on large steps: best of 128-1024 on the small and ~125M presets
 
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, device, sliding_window: Optional[int] = None):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device, sliding_window: Optional[int] = None,
+                 layer_idx: int = 0):
         super().__init__()
         self.tp = tp = get_tp()
         self.shard = shard = head_shard(c.num_attention_heads, c.num_key_value_heads, tp.rank, tp.world)
@@ -62,15 +66,24 @@ class LlamaDecoderLayer(nn.Module):
         self.qk_norm_weight = (empty_param(self.num_heads + self.num_kv_heads, c.head_dim,
                                            dtype=dtype, device=device) if c.qk_norm else None)
         self.qk_norm_eps = c.rms_norm_eps
-        self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
-        self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
-        self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
-        self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
+        # A sparse layer's MLP is the expert block; its index among the sparse layers
+        # is its column of the routed-experts record.
+        sparse = c.moe is not None and c.moe.sparse_layers[layer_idx]
+        self.moe = SparseMoeBlock(c, dtype, device) if sparse else None
+        self.moe_index = c.moe.moe_layer_index[layer_idx] if sparse else -1
+        self.routing_store: Optional[torch.Tensor] = None  # [slots, moe layers, top_k], see set_routing_store
+        self._LINEAR_WEIGHTS = self._ATTENTION_WEIGHTS if sparse else self._ATTENTION_WEIGHTS + self._MLP_WEIGHTS
+        if not sparse:
+            self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
+            self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
+            self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
+            self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window)
         self.linear: LinearFn = F.linear
         self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
 
-    _LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    _ATTENTION_WEIGHTS = ("qkv_weight", "o_weight")
+    _MLP_WEIGHTS = ("gate_up_weight", "down_weight")
 
     def pack_linears(self) -> None:
         """Swap the projection weights for oneDNN-packed copies (see cpu_gemm); the
@@ -87,6 +100,8 @@ class LlamaDecoderLayer(nn.Module):
         if not self.tp.active:
             return {}
         sh, d = self.shard, self.head_dim
+        if self.moe is not None:
+            raise NotImplementedError("mixture-of-experts layers are not sharded")  # check_shardable refuses first
         inter = self.gate_up_weight.shape[0] // 2
         a, m = prefix + "self_attn.", prefix + "mlp."
         q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
@@ -102,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
-        q, kv, inter = self.q_size, self.kv_size, self.gate_up_weight.shape[0] // 2
+        q, kv = self.q_size, self.kv_size
         a, m = prefix + "self_attn.", prefix + "mlp."
         t = {
             prefix + "input_layernorm.weight": self.input_layernorm.weight.data,
@@ -111,17 +126,21 @@ class LlamaDecoderLayer(nn.Module):
             a + "k_proj.weight": self.qkv_weight.data[q:q + kv],
             a + "v_proj.weight": self.qkv_weight.data[q + kv:],
             a + "o_proj.weight": self.o_weight.data,
-            m + "gate_proj.weight": self.gate_up_weight.data[:inter],
-            m + "up_proj.weight": self.gate_up_weight.data[inter:],
-            m + "down_proj.weight": self.down_weight.data,
         }
+        if self.moe is not None:
+            t.update(self.moe.weight_targets(prefix))
+        else:
+            inter = self.gate_up_weight.shape[0] // 2
+            t[m + "gate_proj.weight"] = self.gate_up_weight.data[:inter]
+            t[m + "up_proj.weight"] = self.gate_up_weight.data[inter:]
+            t[m + "down_proj.weight"] = self.down_weight.data
         if self.qkv_bias is not None:
             t[a + "q_proj.bias"] = self.qkv_bias.data[:q]
             t[a + "k_proj.bias"] = self.qkv_bias.data[q:q + kv]
             t[a + "v_proj.bias"] = self.qkv_bias.data[q + kv:]
         if self.o_bias is not None:
             t[a + "o_proj.bias"] = self.o_bias.data
-        if self.gate_up_bias is not None:
+        if self.moe is None and self.gate_up_bias is not None:
             t[m + "gate_proj.bias"] = self.gate_up_bias.data[:inter]
             t[m + "up_proj.bias"] = self.gate_up_bias.data[inter:]
             t[m + "down_proj.bias"] = self.down_bias.data
@@ -154,6 +173,12 @@ class LlamaDecoderLayer(nn.Module):
         o = self.attn(q, k, v, kv_layer, attn)
         h = self._row_parallel(o, self.o_weight, self.o_bias)
         h, residual = self.post_attention_layernorm(h, residual)
+        if self.moe is not None:
+            h, expert_ids = self.moe(h)
+            if self.routing_store is not None:
+                # Beside the K/V of the same slots: cached prefix blocks keep their routing.
+                self.routing_store[attn.slot_mapping, self.moe_index] = expert_ids.to(self.routing_store.dtype)
+            return h, residual
         if t <= self.MLP_ROWS:
             return self._mlp(h), residual
         # Large (prefill) steps: the [rows, 2 * intermediate] activation of a whole
@@ -192,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         if shard_rows != self.vocab_held:
             self.embed_tokens.data[self.vocab_held:].zero_()
         windows = config.layer_sliding_windows or (None,) * config.num_hidden_layers
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, windows[i])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, windows[i], i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
@@ -222,8 +247,16 @@ class LlamaForCausalLM(nn.Module):
         self.norm.ops = ops
         for layer in self.layers:
             layer.ops = ops
+            if layer.moe is not None:
+                layer.moe.ops = ops
             layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
             layer.attn.set_backend(backend)
+
+    def set_routing_store(self, store: Optional[torch.Tensor]) -> None:
+        """Record every token's routed experts into ``store[slot, moe_layer]`` during
+        forwards (None: stop recording)."""
+        for layer in self.layers:
+            layer.routing_store = store if layer.moe is not None else None
 
     @property
     def max_positions(self) -> int:

@@ -1,6 +1,6 @@
 """Triton kernels of the CUDA engine path: paged attention over the block table
 (prefill chunks with cached context and decode rows in one launch), the KV-cache
-write, RMSNorm (+ residual), rotary and SwiGLU.
+write, RMSNorm (+ residual), rotary, SwiGLU and the fused mixture-of-experts GEMM.
 
 Importing this package does not import triton (CPU installs may lack it); ``ops()``
 loads the kernels.  They also run on CPU tensors under Triton's interpreter
@@ -23,16 +23,18 @@ def triton_available() -> bool:
 
 def ops() -> Any:
     """Namespace of ``unified_attention``, ``reshape_and_cache``, ``rms_norm``,
-    ``rotary_`` and ``silu_and_mul`` (the element-wise three with the call semantics
+    ``rotary_``, ``silu_and_mul`` and ``fused_experts`` (the element-wise three with the call semantics
     of the compiled CPU module, so a model uses either interchangeably)."""
     global _ops
     if _ops is None:
         from worker.engine.kernels.triton.attention import unified_attention
         from worker.engine.kernels.triton.cache import reshape_and_cache
         from worker.engine.kernels.triton.elementwise import rms_norm, rotary_, silu_and_mul
+        from worker.engine.kernels.triton.fused_moe import fused_experts
 
         _ops = SimpleNamespace(unified_attention=unified_attention, reshape_and_cache=reshape_and_cache,
-                               rms_norm=rms_norm, rotary_=rotary_, silu_and_mul=silu_and_mul)
+                               rms_norm=rms_norm, rotary_=rotary_, silu_and_mul=silu_and_mul,
+                               fused_experts=fused_experts)
     return _ops
 
 
@@ -41,5 +43,6 @@ def compile_specs() -> list[tuple[str, Any, dict, dict]]:
     from worker.engine.kernels.triton.attention import compile_specs as attention_specs
     from worker.engine.kernels.triton.cache import compile_specs as cache_specs
     from worker.engine.kernels.triton.elementwise import compile_specs as elementwise_specs
+    from worker.engine.kernels.triton.fused_moe import compile_specs as moe_specs
 
-    return attention_specs() + cache_specs() + elementwise_specs()
+    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs()

@@ -1,0 +1,139 @@
+"""Fused mixture-of-experts for the CUDA path: one grouped GEMM launch per projection.
+
+The (token, k) pairs of a step are sorted by expert and each expert's run is padded
+to a multiple of ``BLOCK_M`` (``align_by_expert``, torch ops with no host sync, so
+decode steps stay CUDA-graph capturable).  Every program of ``_grouped_gemm_kernel``
+then owns one ``BLOCK_M`` slice of one expert's rows and one ``BLOCK_N`` slice of
+the output, gathers its input rows by index and multiplies by that expert's weight
+(vLLM's fused_moe_kernel, without quantization).  The MLP is
+
+    gate_up = grouped(x[pair // top_k], w13[e])       [pairs, 2I]
+    act     = silu(gate) * up                         [pairs, I]
+    down    = grouped(act[pair], w2[e]) * weight[pair] [pairs, H]
+    out     = down.view(T, top_k, H).sum(1)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                         N, K, num_pairs, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # grid is sized for the worst case
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # padding slots hold num_pairs
+    row_ok = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    a_row = (pair // A_ROW_DIV).to(tl.int64)  # first GEMM reads the token's row, the second the pair's
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [K, N] tile
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted pair ids padded per expert to ``block_m``, expert of each block, number
+    of padded slots in use), the grid sized for the worst case ``pairs + E * (block_m - 1)``.
+
+    Pairs are flat indexes ``token * top_k + k``; padding slots hold ``pairs``
+    (out of range, so masked).  Unused trailing blocks get expert 0 and are skipped
+    by the kernel's ``num_padded`` check."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(pairs, device=dev) - start[sorted_experts]
+    capacity = pairs + num_experts * (block_m - 1)
+    capacity = -(-capacity // block_m) * block_m
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, padded_start[sorted_experts] + rank, order.to(torch.int32))
+    block_start = torch.arange(0, capacity, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+def _tiles(n: int, k: int) -> tuple[int, int, int]:
+    # 16 rows: tl.dot's minimum, and decode steps route few rows to each expert.
+    return 16, min(64, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(k)))
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[pair] = a[pair // a_row_div] @ w[expert(pair)].T`` (times ``weights[pair]``)."""
+    _, n, k = w.shape
+    block_m, block_n, block_k = _tiles(n, k)
+    grid = (sorted_ids.numel() // block_m * triton.cdiv(n, block_n),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, weights if weights is not None else out, sorted_ids, block_expert, num_padded, n, k, num_pairs,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` for ``x [T, H]``; ``w13 [E, 2I, H]`` is
+    gate | up stacked, ``w2 [E, H, I]``; ``silu_and_mul`` the backend's SwiGLU."""
+    t, top_k = topk_ids.shape
+    num_pairs = t * top_k
+    out = x.new_empty((t, x.shape[1]))
+    if t == 0:
+        return out
+    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
+    gate_up = x.new_empty((num_pairs, w13.shape[1]))
+    grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, num_padded, num_pairs, top_k)
+    act = silu_and_mul(gate_up)
+    down = x.new_empty((num_pairs, w2.shape[1]))
+    grouped_gemm(act, w2, down, sorted_ids, block_expert, num_padded, num_pairs, 1,
+                 weights=topk_weights.reshape(-1).to(torch.float32).contiguous())
+    return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
+
+
+def compile_specs() -> list:
+    specs = []
+    for dtype, ieee, mul in (("bf16", False, False), ("bf16", False, True), ("fp16", False, True),
+                             ("fp32", True, True)):
+        specs.append((f"fused_moe_gemm[{dtype}{',weighted' if mul else ''}]", _grouped_gemm_kernel,
+                      {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "weights_ptr": "*fp32",
+                       "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+                       "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i64", "stride_ak": "i64",
+                       "stride_be": "i64", "stride_bn": "i64", "stride_bk": "i64", "stride_cm": "i64",
+                       "stride_cn": "i64"},
+                      dict(A_ROW_DIV=1 if mul else 2, MUL_WEIGHT=mul, IEEE=ieee, BLOCK_M=16, BLOCK_N=64,
+                           BLOCK_K=64)))
+    return specs

@@ -1,0 +1,120 @@
+"""The sparse (mixture-of-experts) MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Experts are stacked at load time into ``w13 [E, 2I, H]`` (gate | up) and
+``w2 [E, H, I]``; the loader writes each HF per-expert tensor into its slice.  A
+step routes every token (softmax over the router logits, top-k, optional
+renormalisation, as transformers does), groups the (token, expert) pairs by expert
+and runs one grouped GEMM per projection: ``torch._grouped_mm`` over the contiguous
+expert groups on CPU, the Triton fused-MoE kernel on CUDA (kernels/triton/fused_moe).
+Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.model_config import ModelConfig, MoEConfig
+from worker.engine.models.layers import empty_param, silu_and_mul
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 ``[T, k]``, expert ids ``[T, k]``): softmax in fp32, then top-k."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts[e]`` consecutive rows each) times
+    ``w[e].T`` per group."""
+    if _HAS_GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    out = x.new_empty((x.shape[0], w.shape[1]))
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(x[start:start + c], w[e].t(), out=out[start:start + c])
+            start += c
+    return out
+
+
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
+    """The routed experts' weighted sum ``[T, H]``: pairs sorted by expert, one
+    grouped GEMM per projection, one scatter-add back to the tokens."""
+    t, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts_t = torch.bincount(flat, minlength=w13.shape[0])
+    counts = counts_t.tolist()
+    token_of = order // top_k
+    xs = x.index_select(0, token_of)
+    offsets = counts_t.cumsum(0).to(torch.int32)
+    h = act(_grouped_linear(xs, w13, counts, offsets))
+    y = _grouped_linear(h, w2, counts, offsets)
+    y.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype))
+    return x.new_zeros(x.shape).index_add_(0, token_of, y)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + stacked experts (+ Qwen2-MoE's gated shared expert)."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        moe: MoEConfig = c.moe
+        self.moe = moe
+        e, i, h = moe.num_experts, moe.intermediate_size, c.hidden_size
+        self.top_k = moe.top_k
+        self.gate_weight = empty_param(e, h, dtype=dtype, device=device)
+        self.w13 = empty_param(e, 2 * i, h, dtype=dtype, device=device)
+        self.w2 = empty_param(e, h, i, dtype=dtype, device=device)
+        s = moe.shared_expert_intermediate_size
+        self.shared_gate_up = empty_param(2 * s, h, dtype=dtype, device=device) if s else None
+        self.shared_down = empty_param(h, s, dtype=dtype, device=device) if s else None
+        self.shared_expert_gate = empty_param(1, h, dtype=dtype, device=device) if s else None
+        self.ops: Optional[Any] = None  # the attention backend's fused kernels (fused_experts on CUDA)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """HF names (``{prefix}{block}.experts.{e}.{proj}.weight`` ...) -> their slices."""
+        moe = self.moe
+        b = f"{prefix}{moe.block_name}."
+        gate, up, down = moe.expert_names
+        i = moe.intermediate_size
+        t = {b + "gate.weight": self.gate_weight.data}
+        for e in range(moe.num_experts):
+            x = f"{b}experts.{e}."
+            t[x + f"{gate}.weight"] = self.w13.data[e, :i]
+            t[x + f"{up}.weight"] = self.w13.data[e, i:]
+            t[x + f"{down}.weight"] = self.w2.data[e]
+        if self.shared_gate_up is not None:
+            s = moe.shared_expert_intermediate_size
+            t[b + "shared_expert.gate_proj.weight"] = self.shared_gate_up.data[:s]
+            t[b + "shared_expert.up_proj.weight"] = self.shared_gate_up.data[s:]
+            t[b + "shared_expert.down_proj.weight"] = self.shared_down.data
+            t[b + "shared_expert_gate.weight"] = self.shared_expert_gate.data
+        return t
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output ``[T, H]``, routed expert ids ``[T, top_k]``)."""
+        weights, ids = select_experts(F.linear(h, self.gate_weight), self.top_k, self.moe.norm_topk_prob)
+        # transformers rounds the routing weights to the model dtype (Mixtral keeps fp32).
+        if self.moe.family != "mixtral":
+            weights = weights.to(h.dtype)
+        ops = self.ops
+        act = silu_and_mul if ops is None else ops.silu_and_mul
+        fused = getattr(ops, "fused_experts", None)
+        if fused is not None and h.is_cuda:
+            out = fused(h, self.w13, self.w2, weights, ids, act)
+        else:
+            out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act)
+        if self.shared_gate_up is not None:
+            shared = F.linear(act(F.linear(h, self.shared_gate_up)), self.shared_down)
+            out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * shared
+        return out, ids
