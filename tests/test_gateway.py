@@ -279,7 +279,6 @@ UNSERVED_SAMPLING_VALUES = {
     "skip_reading_prefix_cache": True,
     "thinking_token_budget": 8,
     "repetition_detection": {"max_pattern_size": 4},
-    "routed_experts_prompt_start": 5,
     "trace_decode_token_ids": [5, 6],
 }
 # vLLM 0.32 SamplingParams' public fields (vllm/sampling_params.py), every one decoded here.

@@ -29,11 +29,11 @@ def _triton_model(path):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa", "qwen2_moe", "qwen3_moe"])
 def test_mixed_steps_match_hf(tiny_model, kind):
     """Fresh prefill, a chunk after cached context beside decode rows, decode-only
     steps: one kernel launch per layer for every row kind, and the Triton RMSNorm,
-    rotary, SwiGLU and cache write."""
+    rotary, SwiGLU and cache write (and the fused-MoE GEMMs of the expert layers)."""
     path = tiny_model(kind)
     hf, model = load_hf_model(path), _triton_model(path)
     a, b = _tokens(30, seed=11), _tokens(14, seed=12)

@@ -31,14 +31,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts[e]`` consecutive rows each) times
     ``w[e].T`` per group."""
-    if _HAS_GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16):
+    if _HAS_GROUPED_MM and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(counts.tolist()):
         if c:
             torch.mm(x[start:start + c], w[e].t(), out=out[start:start + c])
             start += c
@@ -52,11 +52,10 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     t, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)
-    counts_t = torch.bincount(flat, minlength=w13.shape[0])
-    counts = counts_t.tolist()
+    counts = torch.bincount(flat, minlength=w13.shape[0])
     token_of = order // top_k
     xs = x.index_select(0, token_of)
-    offsets = counts_t.cumsum(0).to(torch.int32)
+    offsets = counts.cumsum(0).to(torch.int32)
     h = act(_grouped_linear(xs, w13, counts, offsets))
     y = _grouped_linear(h, w2, counts, offsets)
     y.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype))
@@ -109,8 +108,14 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(h.dtype)
         ops = self.ops
         act = silu_and_mul if ops is None else ops.silu_and_mul
+        # The Triton kernel: on CUDA whatever the attention backend, on CPU tensors only
+        # when the Triton backend is chosen (under its interpreter, in tests).
         fused = getattr(ops, "fused_experts", None)
-        if fused is not None and h.is_cuda:
+        if fused is None and h.is_cuda:
+            from worker.engine.kernels.triton import ops as triton_ops
+
+            fused = triton_ops().fused_experts
+        if fused is not None:
             out = fused(h, self.w13, self.w2, weights, ids, act)
         else:
             out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act)

@@ -14,9 +14,16 @@ the output, gathers its input rows by index and multiplies by that expert's weig
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+# Triton's interpreter multiplies bf16 dot operands wrongly (numpy has no bf16): under
+# it the dots run on fp32 copies, as in attention.py; compiled kernels keep bf16 dots.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -100,7 +107,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids
     _grouped_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, sorted_ids, block_expert, num_padded, n, k, num_pairs,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32 or _INTERPRETING,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
