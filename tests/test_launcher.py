@@ -162,6 +162,16 @@ def test_launcher_gives_each_tensor_parallel_worker_its_gpus():
     assert workers[0].argv[workers[0].argv.index("--threads") + 1] == str(cpu_worker_threads(2))  # per rank
 
 
+def test_replay_flags_reach_workers_and_gateways():
+    from common.launcher import build_parser, plan_children
+
+    flags = ["--enable-return-routed-experts", "--return-sampling-mask"]
+    _, workers, gateways = plan_children(build_parser().parse_args(["--gateways", "2", *flags]), "/m")
+    assert all(set(flags) <= set(c.argv) for c in workers + gateways)
+    _, workers, gateways = plan_children(build_parser().parse_args([]), "/m")
+    assert not any(f in c.argv for c in workers + gateways for f in flags)
+
+
 def test_common_imports_no_other_package_of_ours():
     """Layering: common/ is what every process shares; it must not pull in the worker,
     the broker or the gateway (the launcher asks `tokserve demo-model` for the demo model)."""

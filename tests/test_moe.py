@@ -161,3 +161,11 @@ def test_routed_experts_flag_needs_a_moe_model(llama_dir):
     with pytest.raises(ValueError, match="--enable-return-routed-experts needs a mixture-of-experts model; "
                                          "LlamaForCausalLM"):
         make_engine(llama_dir, enable_return_routed_experts=True)
+
+
+def test_expert_parallel_flag_is_refused_by_name():
+    from worker.main import main
+
+    with pytest.raises(SystemExit, match="--enable-expert-parallel is not supported: expert parallelism is not "
+                                         "implemented"):
+        main(["--enable-expert-parallel"])

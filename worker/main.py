@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-sampling-mask", action="store_true",
                    help="return, per sampled token, the token ids that survived the sampler's filters "
                         "(sampling_mask)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="refused: expert parallelism is not implemented (one worker serves every expert)")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--rank must be >= 0")
     if args.heartbeat_interval <= 0 or args.liveness < 1:
         raise SystemExit("--heartbeat-interval must be > 0 and --liveness >= 1")
+    if args.enable_expert_parallel:
+        raise SystemExit("--enable-expert-parallel is not supported: expert parallelism is not implemented; each "
+                         "worker holds every expert (scale out with more workers behind the broker)")
     try:
         cfg = engine_config_from_args(args)
     except ValueError as exc:
