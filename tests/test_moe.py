@@ -6,13 +6,13 @@ refused at load."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request
 from tests.model_factory import MOE_KINDS, load_hf_model
+from tests.test_quantized_checkpoints import _with_config as _edited
 from tests.test_model import PagedSeqs, _tokens, hf_logits
 from worker.engine.loader import load_model
 from worker.engine.model_config import ModelConfig
@@ -131,14 +131,6 @@ def test_hf_named_weights_of_experts_update_in_place(tiny_model):
     (got,) = PagedSeqs(model).step([("a", ids)])
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
     assert dict(weights.read())[name].equal(new)
-
-
-def _edited(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def test_unsupported_variants_are_refused_at_load(tiny_model, tmp_path):
