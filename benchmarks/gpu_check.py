@@ -9,8 +9,9 @@ Rows (in this order):
 1. ``cuda tests``: ``pytest -m cuda -q`` in a subprocess over the test files that carry
    ``cuda`` marks (so files importing zmq/falcon are not even collected), capped at
    ``--tests-timeout`` s; passed / failed / skipped counts and the failed tests' names.
-2. ``HF parity`` on a random ~1B Llama (TinyLlama-1.1B's shape) and a random ~1B Qwen3
-   (q/k norm, GQA), built here with transformers' config classes, HF's own init
+2. ``HF parity`` on a random ~1B Llama (TinyLlama-1.1B's shape), a random ~1B Qwen3
+   (q/k norm, GQA) and a random ~1.1B Qwen3-MoE (32 experts, top-4; last, so the time
+   budget skips it first), built here with transformers' config classes, HF's own init
    (std 0.02, seed 0) and saved as bf16 safetensors (nothing is downloaded).  One
    sequence = a 32-token prompt + HF bf16 greedy continuation (``--parity-tokens``):
 
@@ -89,6 +90,12 @@ PRESETS = {
     # q/k norm, GQA 16/8, head_dim 128: 0.94B parameters
     "qwen3": dict(arch="Qwen3ForCausalLM", hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000),
+    # Qwen3-30B-A3B's expert shape (768-wide experts, norm_topk_prob) at 32 experts, top-4:
+    # 1.11B parameters, ~0.23B active; the fused-MoE Triton kernel on every layer
+    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                      num_experts=32, num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
 }
 QUICK_LAYERS = 4  # --quick: the same layer shapes, fewer layers
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -111,7 +118,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="llama,qwen3", help="comma-separated presets: " + ",".join(PRESETS))
+    p.add_argument("--models", default="llama,qwen3,qwen3_moe",
+                   help="comma-separated presets: " + ",".join(PRESETS))
     p.add_argument("--batches", default="1,32,128", help="throughput batch sizes (default 1,32,128)")
     p.add_argument("--prompt-len", type=int, default=128, help="throughput prompt length (default 128)")
     p.add_argument("--output-len", type=int, default=128, help="throughput output length (default 128)")
@@ -167,6 +175,8 @@ def hf_config_dict(preset: str, size: Any = "full") -> dict:
         cfg.update(TINY)
         if "head_dim" in cfg:
             cfg["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
+        if "num_experts" in cfg:
+            cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     elif size == "quick":
         cfg["num_hidden_layers"] = QUICK_LAYERS
     cfg.update(max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
@@ -179,7 +189,9 @@ def param_count(cfg: dict) -> int:
     h, inter, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    experts = cfg.get("num_experts", 0)
+    mlp = experts * (3 * h * cfg["moe_intermediate_size"] + h) if experts else 3 * h * inter  # + the router
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
     if cfg["arch"].startswith("Qwen3"):
         per_layer += 2 * d  # q_norm, k_norm
     embeddings = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
@@ -582,12 +594,14 @@ def throughput(hf, ours: EngineRunner, name: str, vocab: int, device: str, batch
 
 def decode_bytes_per_token(hf, kv_bytes_per_token: int, context: float) -> tuple[int, float]:
     """Bytes one batch-1 decode step reads: every weight but the input embedding
-    table (one row of it; tied weights are read as the LM head), plus the KV of
-    ``context`` tokens."""
+    table (one row of it; tied weights are read as the LM head), of the experts only
+    the top-k routed ones, plus the KV of ``context`` tokens."""
     tied = bool(getattr(hf.config, "tie_word_embeddings", False))
-    weights = sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
-                  if tied or "embed_tokens" not in n)
-    return weights, weights + kv_bytes_per_token * context
+    experts = getattr(hf.config, "num_experts", 0) or 0
+    routed = experts and hf.config.num_experts_per_tok / experts
+    weights = sum(p.numel() * p.element_size() * (routed if experts and ".mlp.experts." in n else 1)
+                  for n, p in hf.named_parameters() if tied or "embed_tokens" not in n)
+    return int(weights), int(weights) + kv_bytes_per_token * context
 
 
 def roofline(ours: EngineRunner, name: str, vocab: int, p_len: int, out_len: int, peak_gbps: float, hf,

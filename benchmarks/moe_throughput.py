@@ -42,7 +42,7 @@ def build_model(out: Path, experts: int, seed: int = 0) -> Path:
     config.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
-    with torch.no_grad():  # HF's init leaves the stacked experts at zero-ish: give every weight noise
+    with torch.no_grad():  # seeded noise on every weight, norms included (not HF's ones)
         gen = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

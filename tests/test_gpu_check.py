@@ -25,7 +25,7 @@ def _script(*args, timeout=120):
 
 def test_options():
     a = gpu_check.parse_args([])
-    assert a.model_list == ["llama", "qwen3"] and a.batch_list == [1, 32, 128] and a.peak_gbps == 4800
+    assert a.model_list == ["llama", "qwen3", "qwen3_moe"] and a.batch_list == [1, 32, 128] and a.peak_gbps == 4800
     assert (a.prompt_len, a.output_len, a.size, a.device) == (128, 128, "full", "cuda")
     assert not a.skip_tests and a.out is None and a.deadline_s < 480
     q = gpu_check.parse_args(["--quick", "--batches", "1,32,128"])
@@ -60,10 +60,26 @@ def test_presets_are_about_one_billion_parameters(preset):
         assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]  # GQA
 
 
+def test_moe_preset_counts_its_experts():
+    import transformers
+
+    cfg = gpu_check.hf_config_dict("qwen3_moe")
+    n = gpu_check.param_count(cfg)
+    assert 1.0e9 < n < 1.2e9, n
+    arch = cfg.pop("arch")
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(transformers.Qwen3MoeConfig(**cfg))
+    assert sum(p.numel() for p in model.parameters()) == n
+    weights, _ = gpu_check.decode_bytes_per_token(model, 0, 0)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    embed = model.model.embed_tokens.weight.numel()
+    assert weights == (n - embed - experts + experts * 4 // 32) * 4  # only the top-4 of 32 experts are read
+
+
 def test_param_count_matches_transformers_on_a_tiny_model():
     import transformers
 
-    for preset in ("llama", "qwen3"):
+    for preset in ("llama", "qwen3", "qwen3_moe"):
         cfg = gpu_check.hf_config_dict(preset, "tiny")
         arch = cfg.pop("arch")
         model = getattr(transformers, arch)(getattr(transformers, arch.replace("ForCausalLM", "Config"))(**cfg))
@@ -150,9 +166,9 @@ def test_dry_run_end_to_end(tmp_path):
     assert text.startswith("GPU check on CPU dry run")
     for check in ("HF parity: logits", "HF parity: top-1 (teacher-forced)", "HF parity: greedy",
                   "CUDA graphs vs eager", "throughput bs=1", "throughput bs=32", "roofline bs=1"):
-        assert text.count(f"| {check} |") == 2, check  # one row per model
-    assert "FAIL" not in text and text.count("| pass |") == 6  # fp32 parity holds for both models
-    assert "llama (" in text and "qwen3 (" in text and "[gpu_check" in proc.stderr
+        assert text.count(f"| {check} |") == 3, check  # one row per model
+    assert "FAIL" not in text and text.count("| pass |") == 9  # fp32 parity holds for every model
+    assert "llama (" in text and "qwen3 (" in text and "qwen3_moe (" in text and "[gpu_check" in proc.stderr
 
 
 def test_watchdog_writes_the_partial_table_and_exits_3(tmp_path):
