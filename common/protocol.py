@@ -84,6 +84,8 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     kv_transfer_params: Optional[Any] = None  # passed through untouched
     arrival_time: float = 0.0  # client wall clock (time.time()); 0 = unknown
     trace_headers: Optional[dict[str, str]] = None
+    # A LoRA adapter the worker serves (the gateway maps the request's `model` to it).
+    lora_name: Optional[str] = None
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -179,6 +181,8 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     # The broker subtracts it from what it has sent to count requests in flight on
     # the wire, so dispatch between load reports does not pile onto one worker.
     num_received: int = 0
+    # LoRA adapters now in the worker's device slots (adapter-aware dispatch prefers them).
+    resident_loras: list[str] = msgspec.field(default_factory=list)
 
 
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one

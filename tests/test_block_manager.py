@@ -395,14 +395,14 @@ def test_a_fully_cached_pool_holds_no_python_object_per_free_block():
 def test_adapter_name_on_the_request_isolates_sharing():
     bm = BlockManager(16, BS)
     a = make_seq(range(12))
-    a.request.lora_name = "adapter-a"  # read when the request carries one (no LoRA serving yet)
+    a.request.lora_key = "adapter-a"  # read when the request carries one (no LoRA serving yet)
     run_prefill(bm, a)
     assert bm.find_cached_prefix(make_seq(range(12))) == []
     b = make_seq(range(12))
-    b.request.lora_name = "adapter-b"
+    b.request.lora_key = "adapter-b"
     assert bm.find_cached_prefix(b) == []
     c = make_seq(range(12))
-    c.request.lora_name = "adapter-a"
+    c.request.lora_key = "adapter-a"
     assert bm.find_cached_prefix(c) == a.block_ids[:2]
 
 

@@ -142,7 +142,7 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         tokens = seq.token_ids
-        adapter = getattr(seq.request, "lora_name", None)
+        adapter = getattr(seq.request, "lora_key", None)
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else None
             extra = seq.request.cache_salt if i == 0 else None

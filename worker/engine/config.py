@@ -53,6 +53,13 @@ class EngineConfig:
     # and every sampled token's surviving vocabulary after the sampler's filters.
     enable_return_routed_experts: bool = False
     return_sampling_mask: bool = False
+    # Multi-LoRA serving (vLLM's flags): adapters by name -> PEFT folder at start,
+    # device slots, the largest rank a slot holds, adapters kept in host memory.
+    enable_lora: bool = False
+    lora_modules: Optional[dict[str, str]] = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -79,6 +86,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")
         self.torch_device  # validates the device string
         self.dtype_for(self.torch_device)  # validates the dtype string
 

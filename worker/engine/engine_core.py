@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from common.errors import BadRequest
+from common.errors import BadRequest, NotFound
 from common.protocol import GenerateRequest, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
@@ -95,6 +95,8 @@ class EngineCore(RLControl):
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
         self.runner.tp_leader = self.tp_leader
+        self.lora = self._start_lora(config, device)
+        self.runner.lora = self.lora
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
             # One sequence must always fit, or recompute preemption could never finish it.
@@ -108,15 +110,49 @@ class EngineCore(RLControl):
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    token_budget=config.step_token_budget(max_model_len),
                                    max_model_len=max_model_len,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   max_loras=config.max_loras if self.lora is not None else None)
         self.sampler = Sampler()
         self.runner.capture_cuda_graphs()
+
+    def _start_lora(self, config: EngineConfig, device: torch.device):
+        if not config.enable_lora:
+            return None
+        from worker.engine.lora.manager import LoRAManager
+
+        manager = LoRAManager(self.model, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                              max_cpu_loras=config.max_cpu_loras, device=device, dtype=config.torch_dtype,
+                              use_triton=device.type == "cuda" or self.attention_backend.name == "triton")
+        for name, path in (config.lora_modules or {}).items():
+            manager.register(name, path)
+        return manager
+
+    # --- LoRA adapters ------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register (read and validate) a PEFT adapter; LoRAError (400) when refused."""
+        if self.lora is None:
+            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
+        self.lora.register(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """New requests can no longer name it; running ones finish with it."""
+        if self.lora is None:
+            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
+        self.lora.unregister(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self.lora.paths) if self.lora is not None else {}
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
         if req.request_id in self.requests:
             raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
+        lora_key = None
+        if req.lora_name is not None:
+            if self.lora is None or req.lora_name not in self.lora.keys:
+                raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
+            lora_key = self.lora.keys[req.lora_name]
         p = req.params
         prompt_len = len(req.prompt_token_ids)
         room = self.max_model_len - prompt_len
@@ -127,6 +163,7 @@ class EngineCore(RLControl):
             max_tokens = min(max_tokens, self.default_max_tokens)
         request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
                           eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
+        request.lora_key = lora_key
         if p.bad_words and self.tokenizer is not None:
             try:
                 request.bad_words_ids = tokenize_bad_words(self.tokenizer, p.bad_words)
@@ -185,7 +222,8 @@ class EngineCore(RLControl):
         return WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                           free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
                           total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
-                          max_num_seqs=self.config.max_num_seqs)
+                          max_num_seqs=self.config.max_num_seqs,
+                          resident_loras=self.lora.resident if self.lora is not None else [])
 
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()

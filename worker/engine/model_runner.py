@@ -108,6 +108,7 @@ class ModelRunner:
         # Routed experts of every KV slot ([slots, moe layers, top_k]), written by the
         # MoE layers in the forward, read when a sequence finishes.
         self.routing_store: Optional[torch.Tensor] = None
+        self.lora: Optional[Any] = None  # LoRAManager when LoRA serving is enabled
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -300,7 +301,12 @@ class ModelRunner:
     def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Hidden states [T, H] of the step's tokens (the K/V are written to the cache);
         ``run_layout`` picks a CUDA graph for decode-only steps."""
-        return self.run_layout(self.layout(scheduled))
+        layout = self.layout(scheduled)
+        if self.lora is not None:
+            batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled], layout.query_lens)
+            if batch is not None:  # adapter rows run eagerly (the captured graphs are base-only)
+                return self.execute(self.to_inputs(layout), batch)
+        return self.run_layout(layout)
 
     def run_layout(self, layout: StepLayout) -> torch.Tensor:
         """Hidden states of a step given as host arrays (tensor-parallel followers
@@ -312,9 +318,11 @@ class ModelRunner:
             return graph.run(self, layout)
         return self.execute(self.to_inputs(layout))
 
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward pass of prepared inputs."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+    def execute(self, inputs: StepInputs, lora: Optional[Any] = None) -> torch.Tensor:
+        """The forward pass of prepared inputs (``lora``: the step's LoRABatch)."""
+        if lora is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
+        return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache, lora)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -47,6 +47,7 @@ class Request:
         self.arrival_seq = arrival_seq  # tie-breaker inside a priority level (FCFS)
         self.arrival_time = req.arrival_time or now
         self.cache_salt = req.cache_salt
+        self.lora_key: Optional[str] = None  # the adapter registration it runs with (lora/manager.py)
         self.prompt_token_ids = req.prompt_token_ids
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.n = req.params.n

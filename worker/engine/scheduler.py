@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import SeqStatus, EngineSequence
@@ -41,12 +42,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, token_budget: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+                 max_model_len: int, enable_chunked_prefill: bool = True, max_loras: Optional[int] = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # LoRA: at most this many distinct adapters run at once (every step's fit the slots).
+        self.max_loras = max_loras
         self._waiting: list[tuple[int, int, int, EngineSequence]] = []  # heap of (priority, arrival, seq_id, seq)
         self.running: list[EngineSequence] = []
         self.num_preemptions = 0
@@ -110,8 +113,17 @@ class Scheduler:
             # else: seq itself was preempted; running shrank so i is now past the end.
 
         # Admit waiting sequences, but not in a step that had to preempt (no room).
+        adapters = ({s.request.lora_key for s in self.running} - {None}) if self.max_loras is not None else None
+        skipped = []  # waiting behind an adapter that has no slot to run in this step
         while self._waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][3]
+            if adapters is not None:
+                key = seq.request.lora_key
+                if key is not None and key not in adapters:
+                    if len(adapters) >= self.max_loras:
+                        skipped.append(heapq.heappop(self._waiting))
+                        continue
+                    adapters.add(key)
             cached = self.bm.find_cached_prefix(seq)
             num_cached_tokens = len(cached) * self.bm.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens - num_cached_tokens
@@ -133,6 +145,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        for item in skipped:
+            heapq.heappush(self._waiting, item)
         return out
 
     def _preempt(self, seq: EngineSequence) -> None:

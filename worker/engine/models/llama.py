@@ -54,6 +54,7 @@ class LlamaDecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim
         self.inter_start, inter = split(c.intermediate_size, tp.rank, tp.world, "intermediate_size")
+        self.intermediate_size = inter
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         q_size, kv_size = self.q_size, self.kv_size
@@ -81,6 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window)
         self.linear: LinearFn = F.linear
         self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
+        self.lora: Optional[Any] = None  # LayerLoRA slots when LoRA serving is enabled (worker/engine/lora)
 
     _ATTENTION_WEIGHTS = ("qkv_weight", "o_weight")
     _MLP_WEIGHTS = ("gate_up_weight", "down_weight")
@@ -151,7 +153,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_layer: torch.Tensor, lora: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if lora is not None and self.lora is None:
+            lora = None
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
@@ -160,6 +164,8 @@ class LlamaDecoderLayer(nn.Module):
         t = h.shape[0]
         linear = self.linear
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            lora.apply(h, qkv, self.lora.qkv)
         n_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -172,6 +178,8 @@ class LlamaDecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv_layer, attn)
         h = self._row_parallel(o, self.o_weight, self.o_bias)
+        if lora is not None:
+            lora.apply(o.reshape(t, -1), h, self.lora.o)
         h, residual = self.post_attention_layernorm(h, residual)
         if self.moe is not None:
             h, expert_ids = self.moe(h)
@@ -179,8 +187,8 @@ class LlamaDecoderLayer(nn.Module):
                 # Beside the K/V of the same slots: cached prefix blocks keep their routing.
                 self.routing_store[attn.slot_mapping, self.moe_index] = expert_ids.to(self.routing_store.dtype)
             return h, residual
-        if t <= self.MLP_ROWS:
-            return self._mlp(h), residual
+        if t <= self.MLP_ROWS or lora is not None:
+            return self._mlp(h, lora), residual
         # Large (prefill) steps: the [rows, 2 * intermediate] activation of a whole
         # step falls out of cache between the two GEMMs; row blocks keep it in L2.
         # Each output row is computed exactly as in one call (tested bit-identical).
@@ -189,10 +197,15 @@ class LlamaDecoderLayer(nn.Module):
             out[s:s + self.MLP_ROWS] = self._mlp(h[s:s + self.MLP_ROWS])
         return out, residual
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, lora: Optional[Any] = None) -> torch.Tensor:
         gate_up = self.linear(h, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            lora.apply(h, gate_up, self.lora.gate_up)
         act = silu_and_mul(gate_up) if self.ops is None else self.ops.silu_and_mul(gate_up)
-        return self._row_parallel(act, self.down_weight, self.down_bias)
+        out = self._row_parallel(act, self.down_weight, self.down_bias)
+        if lora is not None:
+            lora.apply(act, out, self.lora.down)
+        return out
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """Output projection over this rank's input columns; the partial sums of all
@@ -286,8 +299,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm for the flat batch."""
+                kv_cache: torch.Tensor, lora: Optional[Any] = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm for the flat batch;
+        ``lora`` (a LoRABatch) adds each row's adapter to the projections."""
         h = self._embed(input_ids)
         if self.ops is not None:  # layers rotate in place from the table
             rope = (self.rope, positions)
@@ -295,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
             rope = rotary_factors(self.rope, positions, self.layers[0].num_heads + self.layers[0].num_kv_heads)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, attn, kv_cache[:, i])
+            h, residual = layer(h, residual, rope, attn, kv_cache[:, i], lora)
         h, _ = self.norm(h, residual)
         return h
 

@@ -1,0 +1,166 @@
+"""Multi-LoRA in the engine against transformers + peft: greedy ids and logprobs per
+target-module set, a mixed batch of adapters and base rows, slot eviction, the
+prefix cache keyed by adapter registration, and what is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.errors import NotFound
+from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request, run_to_completion, tokens_of
+from tests.lora_factory import ATTENTION, MLP, build_adapter, edit_adapter_config, peft_greedy
+from worker.engine.lora.manager import LoRAError
+
+pytest.importorskip("peft")
+
+TARGETS = {"qv": ["q_proj", "v_proj"], "attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP}
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    out = {name: build_adapter(llama_dir, root / name, t, rank=4 + 2 * i, alpha=8 + i, seed=i,
+                               use_rslora=name == "mlp")
+           for i, (name, t) in enumerate(TARGETS.items())}
+    return out
+
+
+def _lora_request(rid, prompt, adapter, **params):
+    r = request(rid, prompt, **params)
+    r.lora_name = adapter
+    return r
+
+
+def _run(engine, reqs, stagger=0):
+    """Adds the requests (``stagger`` steps apart) and steps until all finished."""
+    out: dict = {}
+    pending = list(reqs)
+    while pending or engine.has_unfinished():
+        if pending:
+            engine.add_request(pending.pop(0))
+        for _ in range(stagger if pending else 10_000):
+            if not engine.has_unfinished():
+                break
+            for d in engine.step():
+                out.setdefault(d.request_id, []).append(d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir, adapters):
+    return make_engine(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16,
+                       lora_modules={k: str(v) for k, v in adapters.items()})
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_greedy_ids_and_logprobs_equal_peft(engine, llama_dir, adapters, target):
+    prompt = random_prompts(1, 9, 14, seed=3)[0]
+    out = _run(engine, [_lora_request("r", prompt, target, max_tokens=8, logprobs=2)])
+    ids, rows = peft_greedy(llama_dir, adapters[target], prompt, 8)
+    assert tokens_of(out["r"]) == ids
+    got = [lp for d in out["r"] for lp in d.logprobs.logprobs]
+    want = [float(row[t]) for row, t in zip(rows, ids)]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert ids != hf_greedy(llama_dir, prompt, 8)[0]  # the adapter changes the output
+
+
+def test_mixed_batch_equals_each_alone(engine, llama_dir, adapters):
+    prompts = random_prompts(8, 5, 30, seed=7)
+    names = ["qv", "attention", "all", None] * 2
+    reqs = [_lora_request(f"m{i}", p, n, max_tokens=6) for i, (p, n) in enumerate(zip(prompts, names))]
+    together = _run(engine, reqs, stagger=1)
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        want = peft_greedy(llama_dir, adapters[n], p, 6)[0] if n else hf_greedy(llama_dir, p, 6)[0]
+        assert tokens_of(together[f"m{i}"]) == want, (i, n)
+
+
+def test_two_slots_four_adapters_in_rotation(llama_dir, adapters):
+    engine = make_engine(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
+                         lora_modules={k: str(v) for k, v in adapters.items()})
+    names = list(TARGETS) * 2
+    prompts = random_prompts(len(names), 5, 20, seed=11)
+    reqs = [_lora_request(f"e{i}", p, n, max_tokens=5) for i, (p, n) in enumerate(zip(prompts, names))]
+    out = _run(engine, reqs, stagger=1)
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        assert tokens_of(out[f"e{i}"]) == peft_greedy(llama_dir, adapters[n], p, 5)[0], (i, n)
+    assert len(engine.lora.resident) <= 2
+
+
+def test_prefix_cache_is_keyed_by_adapter(engine, llama_dir, adapters):
+    prompt = random_prompts(1, 40, 41, seed=5)[0]
+    first = _run(engine, [_lora_request("p1", prompt, "qv", max_tokens=3)])
+    same = _run(engine, [_lora_request("p2", prompt, "qv", max_tokens=3)])
+    other = _run(engine, [_lora_request("p3", prompt, "all", max_tokens=3)])
+    base = _run(engine, [request("p4", prompt, max_tokens=3)])
+    assert first["p1"][0].num_cached_tokens == 0
+    assert same["p2"][0].num_cached_tokens > 0
+    assert other["p3"][0].num_cached_tokens == 0 and base["p4"][0].num_cached_tokens == 0
+    assert tokens_of(other["p3"]) == peft_greedy(llama_dir, adapters["all"], prompt, 3)[0]
+    assert tokens_of(base["p4"]) == hf_greedy(llama_dir, prompt, 3)[0]
+
+
+def test_runtime_load_unload_and_reload_under_the_same_name(llama_dir, adapters):
+    engine = make_engine(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompt = random_prompts(1, 33, 34, seed=9)[0]
+    engine.load_lora_adapter("x", str(adapters["qv"]))
+    with pytest.raises(LoRAError, match="already been loaded"):
+        engine.load_lora_adapter("x", str(adapters["all"]))
+    engine.add_request(_lora_request("long", prompt, "x", max_tokens=12))
+    first = engine.step()
+    engine.unload_lora_adapter("x")  # the running request keeps its adapter
+    with pytest.raises(NotFound):
+        engine.add_request(_lora_request("late", prompt, "x", max_tokens=2))
+    out = run_to_completion(engine)
+    assert tokens_of(first + out[("long", 0)]) == peft_greedy(llama_dir, adapters["qv"], prompt, 12)[0]
+    with pytest.raises(LoRAError, match="cannot be found") as e:
+        engine.unload_lora_adapter("x")
+    assert e.value.status == 404
+    engine.load_lora_adapter("x", str(adapters["all"]))  # same name, other weights: no stale KV
+    out = _run(engine, [_lora_request("again", prompt, "x", max_tokens=4)])
+    assert out["again"][0].num_cached_tokens == 0
+    assert tokens_of(out["again"]) == peft_greedy(llama_dir, adapters["all"], prompt, 4)[0]
+
+
+def test_refusals_name_the_problem(llama_dir, adapters, tmp_path, tiny_model):
+    engine = make_engine(llama_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
+    src = adapters["qv"]
+    cases = {
+        "dora": ({"use_dora": True}, "DoRA"),
+        "unknown": ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
+        "bias": ({"bias": "all"}, "bias"),
+        "saved": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        "rank": ({"r": 64}, "max-lora-rank"),
+    }
+    for name, (changes, needle) in cases.items():
+        with pytest.raises(LoRAError, match=needle):
+            engine.load_lora_adapter(name, str(edit_adapter_config(src, tmp_path / name, **changes)))
+    with pytest.raises(LoRAError, match="adapter_config.json"):
+        engine.load_lora_adapter("missing", str(tmp_path / "nowhere"))
+    with pytest.raises(LoRAError, match="max-lora-rank"):  # rank 4 adapter is fine, rank 6 is not
+        engine.load_lora_adapter("big", str(adapters["attention"]))
+    engine.load_lora_adapter("ok", str(src))
+    assert engine.lora_adapters() == {"ok": str(src)}
+    no_lora = make_engine(llama_dir)
+    with pytest.raises(NotFound):
+        no_lora.add_request(_lora_request("n", [5, 6, 7], "ok", max_tokens=2))
+
+
+def test_moe_expert_lora_is_refused(tiny_model, tmp_path):
+    moe = tiny_model("mixtral")
+    ad = build_adapter(moe, tmp_path / "moe-attn", ["q_proj", "o_proj"], rank=4)
+    engine = make_engine(moe, enable_lora=True, max_lora_rank=8)
+    engine.load_lora_adapter("attn", str(ad))  # attention LoRA on a MoE model is served
+    prompt = [5, 9, 13, 21, 34]
+    out = _run(engine, [_lora_request("q", prompt, "attn", max_tokens=4)])
+    assert tokens_of(out["q"]) == peft_greedy(moe, ad, prompt, 4)[0]
+
+
+def test_lora_flags_are_checked():
+    from worker.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        EngineConfig(model="m", lora_modules={"a": "/x"})
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig(model="m", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)

@@ -1,0 +1,90 @@
+"""One step's token -> adapter-slot mapping and the batched LoRA products.
+
+``y += (x @ A[slot].T) @ B[slot].T`` per row, for rows of many adapters (and rows
+of none) in one forward, as punica's SGMV: rows are grouped by slot once per step
+and every projection reuses the grouping.
+
+CPU: one shrink matmul and one expand matmul per (slot, sub-module) on the slot's
+rows (a contiguous run when its sequences are adjacent, else gathered and
+scattered back).  CUDA (and Triton's interpreter): the segmented kernels of
+kernels/triton/lora.py, one shrink launch and one expand launch per sub-module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from worker.engine.lora.weights import LoRAGroup
+
+Rows = Union[slice, torch.Tensor]
+
+
+@dataclass
+class LoRABatch:
+    # CPU path: (slot, rows) per slot present
+    groups: list[tuple[int, Rows]]
+    num_tokens: int
+    # Triton path: token ids sorted by slot, and per active slot its start / count there
+    sorted_tokens: Optional[torch.Tensor] = None  # [T'] int32
+    slot_ids: Optional[torch.Tensor] = None  # [G] int32
+    seg_start: Optional[torch.Tensor] = None  # [G] int32
+    seg_len: Optional[torch.Tensor] = None  # [G] int32
+    max_seg_len: int = 0
+    use_triton: bool = False
+
+    @classmethod
+    def build(cls, token_slots: np.ndarray, device: torch.device, use_triton: bool) -> Optional["LoRABatch"]:
+        """From the slot of every token of the step (-1: base model); None when no
+        token uses an adapter."""
+        t = len(token_slots)
+        present = np.unique(token_slots)
+        present = present[present >= 0]
+        if not len(present):
+            return None
+        if use_triton:
+            order = np.argsort(token_slots, kind="stable")
+            sorted_slots = token_slots[order]
+            keep = sorted_slots >= 0
+            order, sorted_slots = order[keep], sorted_slots[keep]
+            starts = np.searchsorted(sorted_slots, present, side="left")
+            ends = np.searchsorted(sorted_slots, present, side="right")
+
+            def dev(a):
+                return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)
+
+            return cls([], t, dev(order), dev(present), dev(starts), dev(ends - starts),
+                       int((ends - starts).max()), True)
+        groups: list[tuple[int, Rows]] = []
+        for slot in present.tolist():
+            idx = np.flatnonzero(token_slots == slot)
+            if idx[-1] - idx[0] + 1 == len(idx):  # one contiguous run: views, no gather
+                groups.append((slot, slice(int(idx[0]), int(idx[-1]) + 1)))
+            else:
+                groups.append((slot, torch.from_numpy(idx).to(device)))
+        return cls(groups, t)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, group: LoRAGroup) -> None:
+        """``y[rows] += lora(x[rows])`` in place for every adapter row of the step."""
+        if self.use_triton:
+            from worker.engine.kernels.triton.lora import lora_shrink, lora_expand
+
+            shrunk = lora_shrink(x, group.a, self)
+            r = group.rank
+            for g, (lo, hi) in enumerate(group.out_ranges):
+                lora_expand(shrunk[:, g * r:(g + 1) * r], group.b[:, lo:hi], y[:, lo:hi], self)
+            return
+        r = group.rank
+        for slot, rows in self.groups:
+            xs = x[rows]
+            shrunk = xs @ group.a[slot].T  # [n, G * R]
+            if isinstance(rows, slice):
+                for g, (lo, hi) in enumerate(group.out_ranges):
+                    y[rows, lo:hi].addmm_(shrunk[:, g * r:(g + 1) * r], group.b[slot, lo:hi].T)
+            else:
+                delta = torch.empty((xs.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+                for g, (lo, hi) in enumerate(group.out_ranges):
+                    torch.mm(shrunk[:, g * r:(g + 1) * r], group.b[slot, lo:hi].T, out=delta[:, lo:hi])
+                y.index_add_(0, rows, delta)

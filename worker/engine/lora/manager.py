@@ -1,0 +1,138 @@
+"""Which adapters exist, which are in host memory and which sit in the device slots.
+
+- registry: every adapter a request may name (``--lora-modules`` and runtime loads),
+  with its path; a load reads and validates the adapter at once, so a bad one is
+  refused when it is loaded, not when a request first uses it.
+- host cache: up to ``--max-cpu-loras`` adapters' tensors, least recently used
+  dropped first (re-read from their path when needed again).
+- slots: ``--max-loras`` device slots.  The scheduler admits at most that many
+  distinct adapters into the running set, so every step's adapters fit; a step
+  puts a missing one into a slot no running sequence uses (least recently used).
+
+Each registration gets a fresh key ("name#n"): requests resolve their adapter's
+name to it when they arrive, and the prefix cache, host cache and slots work by
+key.  So KV computed under an adapter is never shared with another one, nor with a
+later adapter loaded under the same name, and an unloaded adapter keeps serving
+the requests that already run with it.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from worker.engine.lora.adapter import LoRAAdapter, load_adapter
+from worker.engine.lora.batch import LoRABatch
+from worker.engine.lora.weights import LayerLoRA
+
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+class LoRAError(ValueError):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class LoRAManager:
+    def __init__(self, model, *, max_loras: int, max_rank: int, max_cpu_loras: Optional[int],
+                 device: torch.device, dtype: torch.dtype, use_triton: bool):
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.model = model
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.device, self.use_triton = device, use_triton
+        self.layers = list(model.layers)
+        for layer in self.layers:
+            layer.lora = LayerLoRA(layer, max_loras, max_rank, dtype, device)
+        self.paths: dict[str, str] = {}  # registry: name -> path
+        self.keys: dict[str, str] = {}  # name -> key of its registration
+        self._sources: dict[str, tuple[str, str]] = {}  # key -> (name, path), unloaded ones included
+        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by key
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
+        self._free_slots = list(range(max_loras))
+        self._ids = itertools.count(1)
+
+    # --- registry ------------------------------------------------------------------
+    def register(self, name: str, path: str) -> None:
+        if name in self.paths:
+            raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
+        adapter = self._read(name, path)
+        key = f"{name}#{next(self._ids)}"
+        self.paths[name], self.keys[name], self._sources[key] = path, key, (name, path)
+        self._cache(key, adapter)
+
+    def unregister(self, name: str) -> None:
+        if name not in self.paths:
+            raise LoRAError(f"The lora adapter '{name}' cannot be found.", 404)
+        # Its slot and host copy go by LRU once no running request needs them.
+        del self.paths[name], self.keys[name]
+
+    def key_of(self, name: str) -> str:
+        key = self.keys.get(name)
+        if key is None:
+            raise LoRAError(f"The lora adapter '{name}' cannot be found.", 404)
+        return key
+
+    @property
+    def resident(self) -> list[str]:
+        """Names of the registered adapters now in a device slot."""
+        return [self._sources[k][0] for k in self._slot_of if self.keys.get(self._sources[k][0]) == k]
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        try:
+            adapter = load_adapter(name, path, self.max_rank, len(self.layers))
+        except (OSError, ValueError) as e:
+            raise LoRAError(str(e)) from None
+        for (layer, module) in adapter.weights:
+            if module in _MLP_MODULES and self.layers[layer].lora.gate_up is None:
+                raise LoRAError(f"LoRA adapter at {path}: layer {layer} is a mixture-of-experts layer; "
+                                f"LoRA on expert MLPs ({module}) is not supported")
+        return adapter
+
+    def _cache(self, key: str, adapter: LoRAAdapter) -> None:
+        self._host[key] = adapter
+        self._host.move_to_end(key)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def _host_copy(self, key: str) -> LoRAAdapter:
+        adapter = self._host.get(key)
+        if adapter is None:
+            adapter = self._read(*self._sources[key])
+            self._cache(key, adapter)
+        self._host.move_to_end(key)
+        return adapter
+
+    # --- slots ---------------------------------------------------------------------
+    def _slot(self, key: str, in_use: set[str]) -> int:
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._slot_of.move_to_end(key)
+            return slot
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = next((n for n in self._slot_of if n not in in_use), None)
+            if victim is None:  # the scheduler's admission bound makes this unreachable
+                raise RuntimeError(f"more than --max-loras {self.max_loras} adapters in one step")
+            slot = self._slot_of.pop(victim)
+        adapter = self._host_copy(key)
+        for i, layer in enumerate(self.layers):
+            layer.lora.write(slot, i, adapter)
+        self._slot_of[key] = slot
+        return slot
+
+    def step_batch(self, seq_adapters: Sequence[Optional[str]], query_lens: np.ndarray) -> Optional[LoRABatch]:
+        """The step's LoRABatch from each scheduled sequence's adapter key (None: base)."""
+        names = {n for n in seq_adapters if n is not None}
+        if not names:
+            return None
+        slots = {n: self._slot(n, names) for n in names}
+        per_seq = np.fromiter((-1 if n is None else slots[n] for n in seq_adapters), dtype=np.int64,
+                              count=len(seq_adapters))
+        return LoRABatch.build(np.repeat(per_seq, query_lens), self.device, self.use_triton)

@@ -1,0 +1,72 @@
+"""Adapter weights resident in a fixed number of slots, stacked per fused projection.
+
+The decoder fuses q/k/v and gate/up into single matmuls, so a LoRA group follows
+the fused projection: one shrink ``A [slots, G * R, in]`` for its G sub-modules
+(rows ``g*R .. g*R + r`` of sub-module g, zero beyond the adapter's rank r) and one
+expand ``B [slots, out, R]`` whose rows keep the fused output order, each row
+reading the shrink columns of its own sub-module.  Scaling is folded into B at
+load.  A slot an adapter does not target in some module stays zero there, so the
+product is exactly the base projection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.lora.adapter import LoRAAdapter
+
+
+@dataclass
+class LoRAGroup:
+    """One fused projection's LoRA slots."""
+
+    modules: tuple[str, ...]  # HF sub-module names, in fused output order
+    out_ranges: tuple[tuple[int, int], ...]  # each sub-module's rows of the fused output
+    a: torch.Tensor  # [slots, G * R, in]
+    b: torch.Tensor  # [slots, out, R]
+    rank: int  # R, --max-lora-rank
+
+    def write(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for g, (module, (lo, hi)) in enumerate(zip(self.modules, self.out_ranges)):
+            ab = adapter.weights.get((layer, module))
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            self.a[slot, g * self.rank:g * self.rank + r].copy_(a)
+            self.b[slot, lo:hi, :r].copy_(b)
+
+
+class LayerLoRA:
+    """The LoRA groups of one decoder layer: qkv, o and, on dense layers, gate_up and down."""
+
+    def __init__(self, layer, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device):
+        q, kv, hidden = layer.q_size, layer.kv_size, layer.input_layernorm.weight.shape[0]
+
+        def group(modules, out_sizes, in_features):
+            ranges, start = [], 0
+            for n in out_sizes:
+                ranges.append((start, start + n))
+                start += n
+            return LoRAGroup(tuple(modules), tuple(ranges),
+                             torch.zeros(num_slots, len(modules) * rank, in_features, dtype=dtype, device=device),
+                             torch.zeros(num_slots, start, rank, dtype=dtype, device=device), rank)
+
+        self.qkv = group(("q_proj", "k_proj", "v_proj"), (q, kv, kv), hidden)
+        self.o = group(("o_proj",), (hidden,), q)
+        self.gate_up = self.down = None
+        if layer.moe is None:
+            inter = layer.intermediate_size
+            self.gate_up = group(("gate_proj", "up_proj"), (inter, inter), hidden)
+            self.down = group(("down_proj",), (hidden,), inter)
+
+    @property
+    def groups(self) -> list[LoRAGroup]:
+        return [g for g in (self.qkv, self.o, self.gate_up, self.down) if g is not None]
+
+    def write(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
+        for g in self.groups:
+            g.write(slot, layer, adapter)
