@@ -1,6 +1,6 @@
 """Triton kernels of the CUDA engine path: paged attention over the block table
 (prefill chunks with cached context and decode rows in one launch), the KV-cache
-write, RMSNorm (+ residual), rotary, SwiGLU and the fused mixture-of-experts GEMM.
+write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM and the segmented LoRA matmuls.
 
 Importing this package does not import triton (CPU installs may lack it); ``ops()``
 loads the kernels.  They also run on CPU tensors under Triton's interpreter
@@ -44,5 +44,6 @@ def compile_specs() -> list[tuple[str, Any, dict, dict]]:
     from worker.engine.kernels.triton.cache import compile_specs as cache_specs
     from worker.engine.kernels.triton.elementwise import compile_specs as elementwise_specs
     from worker.engine.kernels.triton.fused_moe import compile_specs as moe_specs
+    from worker.engine.kernels.triton.lora import compile_specs as lora_specs
 
-    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs()
+    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs()
