@@ -38,6 +38,7 @@ class Entry:
     n: int
     rank: Optional[int]
     session_id: Optional[str]
+    lora_name: Optional[str] = None  # adapter-aware dispatch prefers workers holding it
     worker: Optional[Worker] = None  # None while pending
     started: bool = False  # a delta reached the client: cannot be retried elsewhere
     orphaned: bool = False  # client vanished; abort already sent
@@ -202,7 +203,7 @@ class Broker:
         live = sorted(self.workers.all(), key=lambda w: w.rank)
         return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model,
                            pending=self.pending_count, stats=self.stats, paused=self.control.paused,
-                           weight_version=self.control.pool_version)
+                           weight_version=self.control.pool_version, lora_adapters=self.control.lora_adapters)
 
     def _on_generate(self, client: bytes, body: bytes) -> None:
         req = framing.decode(body, GenerateRequest)
@@ -211,7 +212,8 @@ class Broker:
             self._error(client, rid, 400, f"request_id {rid!r} is already in flight", "BadRequestError",
                         "request_id")
             return
-        entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, req.session_id)
+        entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, req.session_id,
+                      req.lora_name)
         self.requests[rid] = entry
         self.by_client[client].add(rid)
         self._assign(entry)
@@ -244,7 +246,7 @@ class Broker:
             elif entry.session_id is not None:
                 worker = sticky_worker(entry.session_id, live)
             else:
-                worker = self.policy.pick([w for w in live if self.workers.has_capacity(w)])
+                worker = self.policy.pick([w for w in live if self.workers.has_capacity(w)], entry.lora_name)
                 if worker is None:
                     self._enqueue(entry)
                     return

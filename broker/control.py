@@ -53,6 +53,9 @@ class ControlPlane:
         self._update_restarts = False  # the update includes a whole checkpoint: lineage starts over
         self.fanouts: dict[int, Fanout] = {}
         self._nonces = itertools.count(1)
+        # LoRA adapters the pool serves (name -> path): the first worker's startup
+        # adapters, then every pool-wide load / unload that succeeded.
+        self.lora_adapters: Optional[dict[str, str]] = None
 
     # ------------------------------------------------------------ clients
     def on_client(self, client: bytes, rest: list) -> None:
@@ -115,6 +118,8 @@ class ControlPlane:
 
     def on_worker_ready(self, worker) -> None:
         """Hold a worker with other weights out of dispatch; bring it current when possible."""
+        if self.lora_adapters is None and worker.model.lora_adapters is not None:
+            self.lora_adapters = dict(worker.model.lora_adapters)
         if self.pool_version is None or worker.weight_version == self.pool_version:
             return
         worker.stale = True
@@ -197,6 +202,10 @@ class ControlPlane:
                 self.pool_version = args["weight_version"]
         elif op == "update_weight_version":
             self.pool_version = args.get("new_version")
+        elif op == "load_lora_adapter" and self.lora_adapters is not None:
+            self.lora_adapters[args["lora_name"]] = args["lora_path"]
+        elif op == "unload_lora_adapter" and self.lora_adapters is not None:
+            self.lora_adapters.pop(args["lora_name"], None)
         elif op == "weight_checker" and args.get("action") == "reset":
             self.lineage = None
         if op == "start_weight_update":

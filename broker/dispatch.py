@@ -1,7 +1,10 @@
 """Dispatch policy: which live worker gets a request.
 
 Order of precedence: an explicit ``data_parallel_rank`` pin, then ``session_id``
-stickiness, then least-loaded with ties rotated.
+stickiness, then least-loaded with ties rotated.  A request naming a LoRA adapter
+prefers the workers that have it in a device slot (no load before its first step,
+no eviction of another adapter) unless they are saturated; any other worker loads
+it on demand.
 """
 from __future__ import annotations
 
@@ -32,7 +35,11 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, workers: Sequence[Worker]) -> Optional[Worker]:
+    def pick(self, workers: Sequence[Worker], lora_name: Optional[str] = None) -> Optional[Worker]:
+        if lora_name is not None:
+            resident = [w for w in workers if lora_name in w.load.resident_loras and not w.saturated()]
+            if resident:
+                workers = resident
         n = len(workers)
         if not n:
             return None

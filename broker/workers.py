@@ -30,6 +30,11 @@ class Worker:
         unreported = self.sent - load.num_received
         return load.waiting * 4 + load.running + (unreported if unreported > 0 else 0)
 
+    def saturated(self) -> bool:
+        """Every sequence seat taken, or requests already queued behind them."""
+        load = self.load
+        return load.waiting > 0 or load.running + max(self.sent - load.num_received, 0) >= max(1, load.max_num_seqs)
+
     def status(self) -> WorkerStatus:
         return WorkerStatus(rank=self.rank, load=self.load, alive=True, weight_version=self.weight_version,
                             stale=self.stale, world_size=self.world_size)

@@ -299,6 +299,13 @@ class AsyncClient:
             out.update(r.result["checksums"])
         return out
 
+    async def load_lora(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Register a PEFT LoRA adapter on every worker (vLLM's /v1/load_lora_adapter)."""
+        await self.control("load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": load_inplace})
+
+    async def unload_lora(self, name: str) -> None:
+        await self.control("unload_lora_adapter", {"lora_name": name})
+
     async def reset_prefix_cache(self) -> bool:
         reply = await self.control("reset_prefix_cache")
         return all(r.result.get("success") for r in reply.ranks)
@@ -511,6 +518,12 @@ class Client:
 
     def reset_prefix_cache(self) -> bool:
         return self._call(self._client.reset_prefix_cache())
+
+    def load_lora(self, name: str, path: str, load_inplace: bool = False) -> None:
+        self._call(self._client.load_lora(name, path, load_inplace))
+
+    def unload_lora(self, name: str) -> None:
+        self._call(self._client.unload_lora(name))
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self._call(self._client.sleep(level, mode))

@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers record and gateways return routed_experts (mixture-of-experts models)")
     p.add_argument("--return-sampling-mask", action="store_true",
                    help="workers record and gateways return sampling_mask")
+    p.add_argument("--enable-lora", action="store_true", help="workers serve LoRA adapters")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="adapters served from the start")
+    p.add_argument("--max-loras", type=int, default=None, help="adapters resident at once per worker")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory per worker")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="gateways serve /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
@@ -166,6 +173,14 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
     replay_flags = [f for f, on in (("--enable-return-routed-experts", args.enable_return_routed_experts),
                                     ("--return-sampling-mask", args.return_sampling_mask)) if on]
     worker_args += replay_flags
+    if args.enable_lora or args.lora_modules:
+        worker_args.append("--enable-lora")
+        if args.lora_modules:
+            worker_args += ["--lora-modules", *args.lora_modules]
+        for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                            ("--max-cpu-loras", args.max_cpu_loras)):
+            if value is not None:
+                worker_args += [flag, str(value)]
     for rank in range(args.workers):
         # Each worker sees only its own GPUs, which it then calls cuda:0 .. cuda:N-1.
         gpus = ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))
@@ -184,6 +199,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
         if args.enable_rl:
             argv.append("--enable-rl")
         argv += replay_flags
+        if args.allow_runtime_lora:
+            argv.append("--allow-runtime-lora")
         if args.tokens_only:
             argv.append("--tokens-only")
         if args.served_model_name:

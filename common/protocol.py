@@ -169,6 +169,7 @@ class ModelInfo(msgspec.Struct, **_STRUCT):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     default_max_tokens: Optional[int] = None  # generation_config.json max_new_tokens
     enable_prefix_caching: bool = True
+    lora_adapters: Optional[dict[str, str]] = None  # LoRA serving: adapter name -> its path
 
 
 class WorkerLoad(msgspec.Struct, **_STRUCT):
@@ -224,6 +225,8 @@ class ClusterInfo(msgspec.Struct, **_STRUCT):
     stats: Optional[BrokerStats] = None
     paused: bool = False
     weight_version: Optional[str] = None  # the pool's version (None: no update finished yet)
+    # LoRA adapters the pool serves (name -> path): startup ones and runtime loads.
+    lora_adapters: Optional[dict[str, str]] = None
 
 
 class OutputsHeader(msgspec.Struct, **_STRUCT):

@@ -19,7 +19,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
-from gateway.resources import rl
+from gateway.resources import lora, rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -71,6 +71,8 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     app.add_route("/health", HealthResource(state))
     app.add_route("/metrics", MetricsResource(state))
     app.add_route("/v1/models", ModelsResource(state))
+    if settings.allow_runtime_lora:
+        lora.add_routes(app, state)
     app.add_route("/version", VersionResource())
     return app, state
 

@@ -51,6 +51,10 @@ class ClusterInfoCache:
         self._info, self._fetched_at = info, time.monotonic()
         return info
 
+    def invalidate(self) -> None:
+        """The next get() asks the broker (after a change made through this gateway)."""
+        self._fetched_at = -1e9
+
     async def model(self) -> ModelInfo:
         """Model limits; 503 while no worker has registered a model yet."""
         info = await self.get()

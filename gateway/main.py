@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relay routed_experts (workers started with the same flag compute them)")
     p.add_argument("--return-sampling-mask", action="store_true",
                    help="relay sampling_mask (workers started with the same flag compute it)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (workers need --enable-lora); "
+                        "also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -73,6 +76,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         enable_rl=args.enable_rl or os.environ.get("VLLM_SERVER_DEV_MODE", "") == "1",
         enable_return_routed_experts=args.enable_return_routed_experts,
         return_sampling_mask=args.return_sampling_mask,
+        allow_runtime_lora=args.allow_runtime_lora
+        or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )
 
 

@@ -41,12 +41,15 @@ def served_name(info: ModelInfo, served_model_names: list[str]) -> str:
     return served_model_names[0] if served_model_names else info.name
 
 
-def check_model(requested: Optional[str], info: ModelInfo, served_model_names: list[str]) -> None:
+def check_model(requested: Optional[str], info: ModelInfo, served_model_names: list[str],
+                lora_adapters: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The LoRA adapter ``requested`` names (None: the base model); 404 for an unknown name."""
     names = served_model_names or [info.name]
-    if requested and requested not in names:
-        raise NotFound(
-            f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model"
-        )
+    if not requested or requested in names:
+        return None
+    if lora_adapters and requested in lora_adapters:
+        return requested
+    raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model")
 
 
 def to_sampling_params(sp: HttpSamplingParams) -> SamplingParams:
@@ -82,7 +85,7 @@ def data_parallel_rank(headers: Mapping[str, str], cluster: ClusterInfo) -> Opti
 def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: ClusterInfo, info: ModelInfo,
                 *, served_model_names: list[str], arrival_time: Optional[float] = None) -> MappedRequest:
     """``headers`` must be a lower-case keyed mapping."""
-    check_model(http.model, info, served_model_names)
+    lora_name = check_model(http.model, info, served_model_names, cluster.lora_adapters)
     unserved_fields.refuse_unserved(http)
     params = to_sampling_params(http.sampling_params)
     base_id = headers.get("x-request-id") or http.request_id or uuid.uuid4().hex
@@ -99,13 +102,14 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         kv_transfer_params=http.kv_transfer_params,
         arrival_time=arrival_time if arrival_time is not None else time.time(),
         trace_headers=trace,
+        lora_name=lora_name,
     )
     opts = http.stream_options
     include_usage = bool(opts and opts.include_usage)
     return MappedRequest(
         wire=wire,
         http=http,
-        model_name=served_name(info, served_model_names),
+        model_name=lora_name or served_name(info, served_model_names),
         text_mode=http.output_mode == "text",
         stream=bool(http.stream),
         include_usage=include_usage,

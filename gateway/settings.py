@@ -33,3 +33,6 @@ class GatewaySettings:
     # only when told to, so a response never carries what the operator did not enable.
     enable_return_routed_experts: bool = False
     return_sampling_mask: bool = False
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter: --allow-runtime-lora or
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's switch).
+    allow_runtime_lora: bool = False

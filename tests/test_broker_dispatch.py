@@ -42,3 +42,18 @@ def test_sticky_is_stable_and_moves_only_departed_sessions():
     after = {s: sticky_worker(s, survivors).rank for s in sessions}
     moved = {s for s in sessions if before[s] != after[s]}
     assert moved == {s for s in sessions if before[s] == 2}
+
+
+def test_lora_requests_prefer_workers_with_the_adapter_resident():
+    workers = [_worker(0), _worker(1, running=2), _worker(2, running=1)]
+    for w in workers:
+        w.load.max_num_seqs = 8
+    workers[1].load.resident_loras = ["a"]
+    workers[2].load.resident_loras = ["a", "b"]
+    policy = LeastLoaded()
+    assert policy.pick(workers, "a").rank == 2  # least loaded among the holders, not the idle rank 0
+    assert policy.pick(workers, "b").rank == 2
+    assert policy.pick(workers, "c").rank == 0  # nobody holds it: least loaded loads it
+    workers[2].load.running = workers[2].load.max_num_seqs = 4  # saturated holder: load elsewhere
+    workers[1].load.running = workers[1].load.max_num_seqs = 2
+    assert policy.pick(workers, "a").rank == 0

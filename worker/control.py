@@ -288,6 +288,14 @@ class WorkerControl:
             self.engine.set_weight_version(version)
         return {"tensors": s.written + len(s.staged)}
 
+    def op_load_lora_adapter(self, req: ControlRequest):
+        a = req.args
+        self.engine.load_lora_adapter(a.get("lora_name") or "", a.get("lora_path") or "",
+                                      bool(a.get("load_inplace")))
+
+    def op_unload_lora_adapter(self, req: ControlRequest):
+        self.engine.unload_lora_adapter(req.args.get("lora_name") or "")
+
     def op_update_weight_version(self, req: ControlRequest):
         self.engine.set_weight_version(req.args.get("new_version"))
 

@@ -64,10 +64,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-sampling-mask", action="store_true",
                    help="return, per sampled token, the token ids that survived the sampler's filters "
                         "(sampling_mask)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) on the base model")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters served from the start: name=path, or vLLM's JSON {\"name\": ..., \"path\": ...}")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters resident at once (device slots)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank a slot holds")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras); others are re-read from disk")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="refused: expert parallelism is not implemented (one worker serves every expert)")
     p.add_argument("--log-level", default=None)
     return p
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """vLLM's --lora-modules forms: ``name=path`` or a JSON object with name and path."""
+    import json
+
+    out = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {item!r}: expected JSON with 'name' and 'path'") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {item!r}: expected name=path")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def engine_config_from_args(args):
@@ -90,7 +119,10 @@ def engine_config_from_args(args):
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config,
                         enable_return_routed_experts=args.enable_return_routed_experts,
-                        return_sampling_mask=args.return_sampling_mask)
+                        return_sampling_mask=args.return_sampling_mask,
+                        enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules) or None,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras)
 
 
 def main(argv: list[str] | None = None) -> int:

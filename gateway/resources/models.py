@@ -24,10 +24,14 @@ class ModelsResource:
         self.state = state
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        info = await self.state.cluster.get()
         model = await self.state.cluster.model()
         names = self.state.settings.served_model_names or [model.name]
         cards = [ModelCard(id=name, created=_STARTED, root=model.name, max_model_len=model.max_model_len)
                  for name in names]
+        # vLLM's LoRA cards: root = the adapter's path, parent = the base model.
+        cards += [ModelCard(id=name, created=_STARTED, root=path, parent=names[0])
+                  for name, path in (info.lora_adapters or {}).items()]
         resp.content_type = falcon.MEDIA_JSON
         resp.data = json_encoder.encode(ModelList(data=cards))
 

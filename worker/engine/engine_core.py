@@ -71,6 +71,7 @@ class EngineCore(RLControl):
             eos_token_ids=list(mc.eos_token_ids),
             default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            lora_adapters=self.lora_adapters(),
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -128,17 +129,21 @@ class EngineCore(RLControl):
         return manager
 
     # --- LoRA adapters ------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> None:
         """Register (read and validate) a PEFT adapter; LoRAError (400) when refused."""
         if self.lora is None:
             raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
-        self.lora.register(name, path)
+        if name == self.model_info.name:
+            raise BadRequest(f"The lora adapter '{name}' conflicts with a served base model.", "lora_name")
+        self.lora.register(name, path, inplace)
+        self.model_info.lora_adapters = self.lora_adapters()
 
     def unload_lora_adapter(self, name: str) -> None:
         """New requests can no longer name it; running ones finish with it."""
         if self.lora is None:
             raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
         self.lora.unregister(name)
+        self.model_info.lora_adapters = self.lora_adapters()
 
     def lora_adapters(self) -> dict[str, str]:
         return dict(self.lora.paths) if self.lora is not None else {}

@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from common.errors import ServingError
+
 from worker.engine.lora.adapter import LoRAAdapter, load_adapter
 from worker.engine.lora.batch import LoRABatch
 from worker.engine.lora.weights import LayerLoRA
@@ -31,10 +33,12 @@ from worker.engine.lora.weights import LayerLoRA
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
-class LoRAError(ValueError):
+class LoRAError(ServingError):
+    """A refused load/unload: 400 (vLLM's InvalidUserInput) or 404 (NotFoundError)."""
+
     def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, "lora_name", status=status,
+                         type="NotFoundError" if status == 404 else "BadRequestError")
 
 
 class LoRAManager:
@@ -58,15 +62,22 @@ class LoRAManager:
         self._ids = itertools.count(1)
 
     # --- registry ------------------------------------------------------------------
-    def register(self, name: str, path: str) -> None:
-        if name in self.paths:
-            raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
+    def register(self, name: str, path: str, inplace: bool = False) -> None:
+        """``inplace``: replace an adapter of that name (vLLM's load_inplace); its
+        requests already running finish with the old weights."""
+        if not name or not path:
+            raise LoRAError("Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.paths and not inplace:
+            raise LoRAError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                            f"in place, set 'load_inplace' to True.")
         adapter = self._read(name, path)
         key = f"{name}#{next(self._ids)}"
         self.paths[name], self.keys[name], self._sources[key] = path, key, (name, path)
         self._cache(key, adapter)
 
     def unregister(self, name: str) -> None:
+        if not name:
+            raise LoRAError("'lora_name' needs to be provided to unload a LoRA adapter.")
         if name not in self.paths:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", 404)
         # Its slot and host copy go by LRU once no running request needs them.

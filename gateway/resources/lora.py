@@ -1,0 +1,86 @@
+"""vLLM's runtime LoRA routes (``vllm/entrypoints/serve/lora/api_router.py``):
+``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}`` and
+``POST /v1/unload_lora_adapter {"lora_name"}``, served across the pool.
+
+Each is one CONTROL command the broker fans out to every live worker; a worker
+reads and validates the adapter before it answers, so a bad path or a refused
+adapter comes back as a 400 and an unknown name as a 404, in vLLM's error shape
+and words.  Success is vLLM's plain-text line.  Enabled by --allow-runtime-lora or
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as in vLLM.
+"""
+from __future__ import annotations
+
+import re
+
+import falcon
+
+from common.client import RequestError
+from common.errors import BadRequest
+from gateway.resources.rl import _json_body
+from gateway.state import GatewayState
+
+_RANK_PREFIX = re.compile(r"^rank \d+: ")
+
+
+def _worker_message(exc: RequestError) -> RequestError:
+    """The workers' own words: every refusing rank says the same, so drop the rank prefixes."""
+    parts = {_RANK_PREFIX.sub("", p) for p in exc.message.split("; ")}
+    if len(parts) == 1:
+        return RequestError(parts.pop(), exc.status, param="lora_name")
+    return exc
+
+
+def _string(body: dict, name: str) -> str:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"'{name}' must be a string", name)
+    return value or ""
+
+
+class _LoRARoute:
+    op = ""
+
+    def __init__(self, state: GatewayState):
+        self.state = state
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        body = await _json_body(req, self.state)
+        args, message = self.args(body)
+        try:
+            await self.state.client.control(self.op, args)
+        except RequestError as exc:
+            raise _worker_message(exc) from None
+        finally:
+            self.state.cluster.invalidate()  # /v1/models and `model` resolution see the change at once
+        resp.status = falcon.HTTP_200
+        resp.content_type = falcon.MEDIA_TEXT
+        resp.text = message
+
+
+class LoadLoRAAdapter(_LoRARoute):
+    op = "load_lora_adapter"
+
+    def args(self, body: dict):
+        name, path = _string(body, "lora_name"), _string(body, "lora_path")
+        if not name or not path:
+            raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+        inplace = body.get("load_inplace", False)
+        if not isinstance(inplace, bool):
+            raise BadRequest("'load_inplace' must be a boolean", "load_inplace")
+        return ({"lora_name": name, "lora_path": path, "load_inplace": inplace},
+                f"Success: LoRA adapter '{name}' added successfully.")
+
+
+class UnloadLoRAAdapter(_LoRARoute):
+    op = "unload_lora_adapter"
+
+    def args(self, body: dict):
+        name = _string(body, "lora_name")
+        if not name:
+            raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+        return {"lora_name": name}, f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def add_routes(app: falcon.asgi.App, state: GatewayState) -> None:
+    app.add_route("/v1/load_lora_adapter", LoadLoRAAdapter(state))
+    app.add_route("/v1/unload_lora_adapter", UnloadLoRAAdapter(state))
