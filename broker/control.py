@@ -12,7 +12,10 @@ state that outlives any one worker:
   disk updates since start (``lineage``), or None once weights came over the wire.
   A worker that registers with another version is held out of dispatch ("stale");
   the broker replays the lineage to it when it can, else reports it stale in
-  weight_info until a trainer brings it to the current version.
+  weight_info until a trainer brings it to the current version;
+* the LoRA adapters the pool serves (name -> path): a worker that registers
+  without some of them (restarted after a runtime load) is sent the loads, and
+  unloads of those the pool dropped since it started.
 """
 from __future__ import annotations
 
@@ -106,6 +109,8 @@ class ControlPlane:
         worker.weight_version = reply.weight_version
         fan = self.fanouts.get(reply.nonce)
         if fan is not None:
+            if reply.ok:
+                _track_lora(worker, fan.req)
             self._answered(fan, reply.nonce, worker.identity, reply)
         self.refresh_stale()
 
@@ -118,8 +123,10 @@ class ControlPlane:
 
     def on_worker_ready(self, worker) -> None:
         """Hold a worker with other weights out of dispatch; bring it current when possible."""
+        worker.lora_adapters = dict(worker.model.lora_adapters or {})
         if self.lora_adapters is None and worker.model.lora_adapters is not None:
             self.lora_adapters = dict(worker.model.lora_adapters)
+        self._sync_lora(worker)
         if self.pool_version is None or worker.weight_version == self.pool_version:
             return
         worker.stale = True
@@ -140,6 +147,24 @@ class ControlPlane:
                 log.error("replaying the weights to worker rank %d failed: %s", worker.rank, reply.message)
 
         self.fan_out(None, req, [], [worker], on_done=done)
+
+    def _sync_lora(self, worker) -> None:
+        """Send a joining worker the adapter loads / unloads it missed."""
+        if self.lora_adapters is None or worker.model.lora_adapters is None:
+            return  # the pool or this worker serves no LoRA
+        have, want = worker.lora_adapters, self.lora_adapters
+        ops = [("unload_lora_adapter", {"lora_name": n}) for n in have if n not in want]
+        ops += [("load_lora_adapter", {"lora_name": n, "lora_path": p, "load_inplace": True})
+                for n, p in want.items() if have.get(n) != p]
+        for op, args in ops:
+            log.info("worker rank %d: %s %s (pool's adapters)", worker.rank, op, args["lora_name"])
+
+            def done(fan: Fanout, reply: ControlReply) -> None:
+                if not reply.ok:
+                    log.error("worker rank %d: %s %s failed: %s", worker.rank, fan.req.op,
+                              fan.req.args["lora_name"], reply.message)
+
+            self.fan_out(None, ControlRequest(0, op, args, worker.rank), [], [worker], on_done=done)
 
     def refresh_stale(self) -> None:
         changed = False
@@ -166,6 +191,8 @@ class ControlPlane:
         if failed:
             out.status = max(r.status for r in failed)
             out.message = "; ".join(f"rank {r.rank}: {r.message}" for r in failed)
+            types = {r.error_type for r in failed if r.status == out.status}
+            out.error_type = types.pop() if len(types) == 1 else ""
         else:
             self._after(fan.req, replies)
         if fan.on_done is not None:
@@ -251,3 +278,11 @@ class ControlPlane:
         sizes = [w.world_size for w in workers]
         return ControlReply(req.nonce, result={"world_size": sum(sizes) if include_dp else max(sizes)})
 
+
+
+def _track_lora(worker, req: ControlRequest) -> None:
+    """A worker's registered adapters after it did ``req``."""
+    if req.op == "load_lora_adapter":
+        worker.lora_adapters[req.args["lora_name"]] = req.args["lora_path"]
+    elif req.op == "unload_lora_adapter":
+        worker.lora_adapters.pop(req.args["lora_name"], None)

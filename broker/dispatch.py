@@ -2,9 +2,9 @@
 
 Order of precedence: an explicit ``data_parallel_rank`` pin, then ``session_id``
 stickiness, then least-loaded with ties rotated.  A request naming a LoRA adapter
-prefers the workers that have it in a device slot (no load before its first step,
-no eviction of another adapter) unless they are saturated; any other worker loads
-it on demand.
+goes to a worker that has it registered, preferring those that have it in a device
+slot (no load before its first step, no eviction of another adapter) unless they are
+saturated; any other worker with it registered loads it on demand.
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class LeastLoaded:
 
     def pick(self, workers: Sequence[Worker], lora_name: Optional[str] = None) -> Optional[Worker]:
         if lora_name is not None:
+            # Nobody has it (a direct client naming an unknown adapter): any worker
+            # answers the 404 in vLLM's words.
+            workers = [w for w in workers if lora_name in w.lora_adapters] or workers
             resident = [w for w in workers if lora_name in w.load.resident_loras and not w.saturated()]
             if resident:
                 workers = resident

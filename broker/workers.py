@@ -23,6 +23,9 @@ class Worker:
     stale: bool = False  # weights differ from the pool's version: held out of dispatch
     replaying: bool = False  # the broker is bringing it to the pool's version
     world_size: int = 1  # devices it drives (tensor-parallel size)
+    # LoRA adapters registered on it (name -> path): from its READY, then each of its
+    # load / unload replies.  A request naming an adapter goes only where it is.
+    lora_adapters: dict = field(default_factory=dict)
 
     def score(self) -> int:
         """Least-loaded dispatch score (vLLM DP balancing: waiting weighs 4x running)."""

@@ -233,7 +233,7 @@ class AsyncClient:
         finally:
             self._info_waiters.pop(nonce, None)
         if not reply.ok:
-            raise RequestError(reply.message, reply.status)
+            raise RequestError(reply.message, reply.status, reply.error_type or None)
         return reply
 
     async def pause(self, mode: str = "abort", clear_cache: bool = True, **kw) -> None:

@@ -272,6 +272,7 @@ class RankReply(msgspec.Struct, **_STRUCT):
     message: str = ""
     result: Any = None
     weight_version: str = DEFAULT_WEIGHT_VERSION  # after the command
+    error_type: str = ""  # a refusal's vLLM error type (e.g. InvalidUserInput); "" = by status
 
 
 class ControlReply(msgspec.Struct, **_STRUCT):
@@ -284,3 +285,4 @@ class ControlReply(msgspec.Struct, **_STRUCT):
     message: str = ""
     result: Any = None
     ranks: list[RankReply] = msgspec.field(default_factory=list)
+    error_type: str = ""  # the refusing ranks' common error type; "" = by status

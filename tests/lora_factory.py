@@ -13,15 +13,16 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
 def build_adapter(base_dir: Path, out: Path, targets: list[str], *, rank: int = 8, alpha: int = 16,
-                  seed: int = 0, use_rslora: bool = False) -> Path:
-    """A PEFT adapter folder with non-zero A and B (peft initialises B to zero)."""
+                  seed: int = 0, use_rslora: bool = False, **config) -> Path:
+    """A PEFT adapter folder with non-zero A and B (peft initialises B to zero);
+    ``config``: more LoraConfig fields (rank_pattern, layers_to_transform, ...)."""
     from peft import LoraConfig, get_peft_model
 
     if (out / "adapter_config.json").is_file():
         return out
     model = load_hf_model(base_dir)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                  lora_dropout=0.0, use_rslora=use_rslora))
+                                                  lora_dropout=0.0, use_rslora=use_rslora, **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -31,13 +32,19 @@ def build_adapter(base_dir: Path, out: Path, targets: list[str], *, rank: int = 
     return out
 
 
-def edit_adapter_config(src: Path, dst: Path, **changes) -> Path:
-    """A copy of an adapter folder with adapter_config.json fields changed."""
+def edit_adapter_config(src: Path, dst: Path, tensors=None, **changes) -> Path:
+    """A copy of an adapter folder with adapter_config.json fields changed (and, with
+    ``tensors``, its tensors replaced by that dict)."""
+    from safetensors.torch import save_file
+
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "adapter_config.json").read_text())
     cfg.update(changes)
     (dst / "adapter_config.json").write_text(json.dumps(cfg))
-    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    if tensors is None:
+        (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    else:
+        save_file(tensors, str(dst / "adapter_model.safetensors"))
     return dst
 
 

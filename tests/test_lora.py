@@ -13,7 +13,12 @@ from worker.engine.lora.manager import LoRAError
 
 pytest.importorskip("peft")
 
-TARGETS = {"qv": ["q_proj", "v_proj"], "attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP}
+TARGETS = {"qv": ["q_proj", "v_proj"], "attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP,
+           "embed_head": ["embed_tokens", "lm_head", "q_proj"]}
+# Per-module ranks and alphas, and an adapter on one layer only.
+CONFIGS = {"patterns": {"rank_pattern": {"k_proj": 12, "model.layers.1.mlp.down_proj": 2},
+                        "alpha_pattern": {"o_proj": 3, "up_proj": 40}},
+           "layer0": {"layers_to_transform": [0]}}
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +27,8 @@ def adapters(llama_dir, tmp_path_factory):
     out = {name: build_adapter(llama_dir, root / name, t, rank=4 + 2 * i, alpha=8 + i, seed=i,
                                use_rslora=name == "mlp")
            for i, (name, t) in enumerate(TARGETS.items())}
+    for i, (name, config) in enumerate(CONFIGS.items()):
+        out[name] = build_adapter(llama_dir, root / name, ATTENTION + MLP, rank=6, alpha=9, seed=10 + i, **config)
     return out
 
 
@@ -52,7 +59,7 @@ def engine(llama_dir, adapters):
                        lora_modules={k: str(v) for k, v in adapters.items()})
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("target", list(TARGETS) + list(CONFIGS))
 def test_greedy_ids_and_logprobs_equal_peft(engine, llama_dir, adapters, target):
     prompt = random_prompts(1, 9, 14, seed=3)[0]
     out = _run(engine, [_lora_request("r", prompt, target, max_tokens=8, logprobs=2)])
@@ -66,7 +73,7 @@ def test_greedy_ids_and_logprobs_equal_peft(engine, llama_dir, adapters, target)
 
 def test_mixed_batch_equals_each_alone(engine, llama_dir, adapters):
     prompts = random_prompts(8, 5, 30, seed=7)
-    names = ["qv", "attention", "all", None] * 2
+    names = ["qv", "embed_head", "all", None, "patterns", "attention", None, "embed_head"]
     reqs = [_lora_request(f"m{i}", p, n, max_tokens=6) for i, (p, n) in enumerate(zip(prompts, names))]
     together = _run(engine, reqs, stagger=1)
     for i, (p, n) in enumerate(zip(prompts, names)):
@@ -124,18 +131,43 @@ def test_runtime_load_unload_and_reload_under_the_same_name(llama_dir, adapters)
 def test_refusals_name_the_problem(llama_dir, adapters, tmp_path, tiny_model):
     engine = make_engine(llama_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
     src = adapters["qv"]
+    a = torch.ones(4, 64)
     cases = {
         "dora": ({"use_dora": True}, "DoRA"),
-        "unknown": ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
         "bias": ({"bias": "all"}, "bias"),
+        "lora_bias": ({"lora_bias": True}, "lora_bias"),
         "saved": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         "rank": ({"r": 64}, "max-lora-rank"),
+        "pattern_rank": ({"rank_pattern": {"q_proj": 8}}, "rank 8 is greater than --max-lora-rank 4"),
+        "pissa": ({"init_lora_weights": "pissa"}, "pissa"),
+        "alora": ({"alora_invocation_tokens": [5, 6]}, "alora"),
+        "tokens": ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        "other_base": ({"tensors": {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 32),
+                                    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": a.T.contiguous()}},
+                       r"layer 0 q_proj has A \(4, 32\).*another base model"),
+        "classifier": ({"tensors": {"base_model.model.score.lora_A.weight": a,
+                                    "base_model.model.score.lora_B.weight": a.T.contiguous()}}, "score"),
+        "half": ({"tensors": {"base_model.model.model.layers.1.mlp.up_proj.lora_A.weight": a}}, "lacks lora_B"),
+        "deep": ({"tensors": {"base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight": a,
+                              "base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight": a.T.contiguous()}},
+                 "2 layers"),
+        "not_json": ({"tensors": {}}, "holds no LoRA weights"),
     }
     for name, (changes, needle) in cases.items():
-        with pytest.raises(LoRAError, match=needle):
+        with pytest.raises(LoRAError, match=needle) as e:
             engine.load_lora_adapter(name, str(edit_adapter_config(src, tmp_path / name, **changes)))
-    with pytest.raises(LoRAError, match="adapter_config.json"):
+        assert e.value.status == 400 and e.value.type == "BadRequestError", name
+    with pytest.raises(LoRAError, match="Loading lora missing failed: No adapter found for") as e:
         engine.load_lora_adapter("missing", str(tmp_path / "nowhere"))
+    assert e.value.status == 404
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoRAError, match="adapter_config.json"):
+        engine.load_lora_adapter("empty", str(tmp_path / "empty"))
+    with pytest.raises(LoRAError, match="already been loaded") as e:
+        engine.load_lora_adapter("ok", str(src))
+        engine.load_lora_adapter("ok", str(src))
+    assert e.value.type == "InvalidUserInput"
+    engine.unload_lora_adapter("ok")
     with pytest.raises(LoRAError, match="max-lora-rank"):  # rank 4 adapter is fine, rank 6 is not
         engine.load_lora_adapter("big", str(adapters["attention"]))
     engine.load_lora_adapter("ok", str(src))
@@ -149,6 +181,13 @@ def test_moe_expert_lora_is_refused(tiny_model, tmp_path):
     moe = tiny_model("mixtral")
     ad = build_adapter(moe, tmp_path / "moe-attn", ["q_proj", "o_proj"], rank=4)
     engine = make_engine(moe, enable_lora=True, max_lora_rank=8)
+    a = torch.ones(4, 64)
+    for name, module in (("experts", "mlp.experts.0.w1"), ("block", "block_sparse_moe.experts.1.w2"),
+                         ("router", "mlp.gate")):
+        tensors = {f"base_model.model.model.layers.0.{module}.lora_A.weight": a,
+                   f"base_model.model.model.layers.0.{module}.lora_B.weight": a.T.contiguous()}
+        with pytest.raises(LoRAError, match="not supported|not a LoRA weight of a module this server supports"):
+            engine.load_lora_adapter(name, str(edit_adapter_config(ad, tmp_path / name, tensors=tensors)))
     engine.load_lora_adapter("attn", str(ad))  # attention LoRA on a MoE model is served
     prompt = [5, 9, 13, 21, 34]
     out = _run(engine, [_lora_request("q", prompt, "attn", max_tokens=4)])

@@ -67,7 +67,8 @@ def test_lora_engine_on_triton_matches_peft(llama_dir, tmp_path):
     from tests.lora_factory import ATTENTION, MLP, build_adapter, peft_greedy
 
     ads = {"a": build_adapter(llama_dir, tmp_path / "a", ATTENTION + MLP, rank=4, seed=1),
-           "b": build_adapter(llama_dir, tmp_path / "b", ["q_proj", "v_proj", "down_proj"], rank=8, seed=2)}
+           "b": build_adapter(llama_dir, tmp_path / "b", ["q_proj", "v_proj", "down_proj", "embed_tokens", "lm_head"],
+                              rank=8, seed=2)}
     engine = make_engine(llama_dir, attention_backend="triton", max_num_batched_tokens=32, enable_lora=True,
                          max_loras=2, lora_modules={k: str(v) for k, v in ads.items()})
     assert engine.lora.use_triton

@@ -77,7 +77,7 @@ class WorkerControl:
         except ServingError as exc:
             if req.op == "update_weights" and self.session is not None:
                 self.session.failed = exc.message
-            return self.reply(req.nonce, ok=False, status=exc.status, message=exc.message)
+            return self.reply(req.nonce, ok=False, status=exc.status, message=exc.message, error_type=exc.type)
         except Exception as exc:
             log.exception("control command %s failed", req.op)
             return self.reply(req.nonce, ok=False, status=500, message=f"{req.op} failed: {exc}")
@@ -90,9 +90,9 @@ class WorkerControl:
         return self.reply(req.nonce, result=result)
 
     def reply(self, nonce: int, *, ok: bool = True, status: int = 200, message: str = "",
-              result: Any = None) -> RankReply:
+              result: Any = None, error_type: str = "") -> RankReply:
         return RankReply(nonce=nonce, rank=self.server.rank, ok=ok, status=status, message=message, result=result,
-                         weight_version=self.engine.weight_version)
+                         weight_version=self.engine.weight_version, error_type=error_type)
 
     def poll_deferred(self) -> list[RankReply]:
         """Replies whose wait is over (no request left on this worker)."""

@@ -26,8 +26,13 @@ def _worker_message(exc: RequestError) -> RequestError:
     """The workers' own words: every refusing rank says the same, so drop the rank prefixes."""
     parts = {_RANK_PREFIX.sub("", p) for p in exc.message.split("; ")}
     if len(parts) == 1:
-        return RequestError(parts.pop(), exc.status, param="lora_name")
+        return RequestError(parts.pop(), exc.status, exc.type)
     return exc
+
+
+def _invalid(message: str) -> BadRequest:
+    """vLLM's error for the request checks of these routes: 400 InvalidUserInput, no param."""
+    return BadRequest(message, type="InvalidUserInput")
 
 
 def _string(body: dict, name: str) -> str:
@@ -46,6 +51,7 @@ class _LoRARoute:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await _json_body(req, self.state)
         args, message = self.args(body)
+        await self.check(args)
         try:
             await self.state.client.control(self.op, args)
         except RequestError as exc:
@@ -57,16 +63,28 @@ class _LoRARoute:
         resp.text = message
 
 
+    async def check(self, args: dict) -> None:
+        pass
+
+
 class LoadLoRAAdapter(_LoRARoute):
     op = "load_lora_adapter"
+
+    async def check(self, args: dict) -> None:
+        model = await self.state.cluster.model()
+        if args["lora_name"] in (self.state.settings.served_model_names or [model.name]):
+            raise _invalid(f"The lora adapter '{args['lora_name']}' conflicts with a served base model.")
 
     def args(self, body: dict):
         name, path = _string(body, "lora_name"), _string(body, "lora_path")
         if not name or not path:
-            raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+            raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
         inplace = body.get("load_inplace", False)
         if not isinstance(inplace, bool):
             raise BadRequest("'load_inplace' must be a boolean", "load_inplace")
+        if body.get("is_3d_lora_weight"):
+            raise BadRequest("is_3d_lora_weight: LoRA on mixture-of-experts expert weights is not supported",
+                             "is_3d_lora_weight")
         return ({"lora_name": name, "lora_path": path, "load_inplace": inplace},
                 f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -77,7 +95,7 @@ class UnloadLoRAAdapter(_LoRARoute):
     def args(self, body: dict):
         name = _string(body, "lora_name")
         if not name:
-            raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+            raise _invalid("'lora_name' needs to be provided to unload a LoRA adapter.")
         return {"lora_name": name}, f"Success: LoRA adapter '{name}' removed successfully."
 
 

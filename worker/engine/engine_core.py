@@ -71,7 +71,7 @@ class EngineCore(RLControl):
             eos_token_ids=list(mc.eos_token_ids),
             default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
-            lora_adapters=self.lora_adapters(),
+            lora_adapters=self.lora_adapters() if config.enable_lora else None,
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -134,7 +134,8 @@ class EngineCore(RLControl):
         if self.lora is None:
             raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
         if name == self.model_info.name:
-            raise BadRequest(f"The lora adapter '{name}' conflicts with a served base model.", "lora_name")
+            raise BadRequest(f"The lora adapter '{name}' conflicts with a served base model.",
+                             type="InvalidUserInput")
         self.lora.register(name, path, inplace)
         self.model_info.lora_adapters = self.lora_adapters()
 

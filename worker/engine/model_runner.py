@@ -109,6 +109,7 @@ class ModelRunner:
         # MoE layers in the forward, read when a sequence finishes.
         self.routing_store: Optional[torch.Tensor] = None
         self.lora: Optional[Any] = None  # LoRAManager when LoRA serving is enabled
+        self._lora_batch: Optional[Any] = None  # the last forward's LoRABatch (its logits rows reuse it)
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -303,7 +304,8 @@ class ModelRunner:
         ``run_layout`` picks a CUDA graph for decode-only steps."""
         layout = self.layout(scheduled)
         if self.lora is not None:
-            batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled], layout.query_lens)
+            batch = self._lora_batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled],
+                                                            layout.query_lens)
             if batch is not None:  # adapter rows run eagerly (the captured graphs are base-only)
                 return self.execute(self.to_inputs(layout), batch)
         return self.run_layout(layout)
@@ -332,7 +334,10 @@ class ModelRunner:
         index = torch.tensor(rows, dtype=torch.long)
         if self.device.type != "cpu":
             index = index.to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        step_lora = self._lora_batch
+        lora = step_lora.rows(np.asarray(rows)) if step_lora is not None and step_lora.targets_any(("lm_head",)) \
+            else None
+        return self.model.compute_logits(hidden.index_select(0, index), lora)
 
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:

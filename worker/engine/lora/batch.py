@@ -11,13 +11,13 @@ kernels/triton/lora.py, one shrink launch and one expand launch per sub-module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
-from worker.engine.lora.weights import LoRAGroup
+from worker.engine.lora.weights import EmbeddingLoRA, LoRAGroup
 
 Rows = Union[slice, torch.Tensor]
 
@@ -34,11 +34,31 @@ class LoRABatch:
     seg_len: Optional[torch.Tensor] = None  # [G] int32
     max_seg_len: int = 0
     use_triton: bool = False
+    token_slots: Optional[np.ndarray] = None  # [T] slot of every token (-1: base), on the host
+    device: torch.device = torch.device("cpu")
+    # Modules any adapter of the step targets: a group none of them targets is skipped.
+    targets: frozenset = field(default_factory=frozenset)
 
     @classmethod
-    def build(cls, token_slots: np.ndarray, device: torch.device, use_triton: bool) -> Optional["LoRABatch"]:
+    def build(cls, token_slots: np.ndarray, device: torch.device, use_triton: bool,
+              targets: frozenset = frozenset()) -> Optional["LoRABatch"]:
         """From the slot of every token of the step (-1: base model); None when no
-        token uses an adapter."""
+        token uses an adapter.  ``targets``: the modules the present adapters target
+        (empty: assume every module)."""
+        batch = cls._build(token_slots, device, use_triton)
+        if batch is not None:
+            batch.token_slots, batch.targets, batch.device = token_slots, targets, device
+        return batch
+
+    def rows(self, rows: np.ndarray) -> Optional["LoRABatch"]:
+        """The batch of a subset of the step's rows (the logits rows, for lm_head)."""
+        return LoRABatch.build(self.token_slots[rows], self.device, self.use_triton, self.targets)
+
+    def targets_any(self, modules: tuple[str, ...]) -> bool:
+        return not self.targets or any(m in self.targets for m in modules)
+
+    @classmethod
+    def _build(cls, token_slots: np.ndarray, device: torch.device, use_triton: bool) -> Optional["LoRABatch"]:
         t = len(token_slots)
         present = np.unique(token_slots)
         present = present[present >= 0]
@@ -68,6 +88,8 @@ class LoRABatch:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, group: LoRAGroup) -> None:
         """``y[rows] += lora(x[rows])`` in place for every adapter row of the step."""
+        if not self.targets_any(group.modules):
+            return
         if self.use_triton:
             from worker.engine.kernels.triton.lora import lora_shrink, lora_expand
 
@@ -88,3 +110,22 @@ class LoRABatch:
                 for g, (lo, hi) in enumerate(group.out_ranges):
                     torch.mm(shrunk[:, g * r:(g + 1) * r], group.b[slot, lo:hi].T, out=delta[:, lo:hi])
                 y.index_add_(0, rows, delta)
+
+    def apply_embedding(self, ids: torch.Tensor, y: torch.Tensor, emb: EmbeddingLoRA) -> None:
+        """``y[rows] += A[slot][:, ids[rows]].T @ B[slot].T``: the input embedding's
+        LoRA, whose shrink is a row gather by token id."""
+        if not self.targets_any(emb.modules):
+            return
+        if self.use_triton:
+            from worker.engine.kernels.triton.lora import lora_expand
+
+            # Rows of no adapter gather slot 0's row; the expand never reads them.
+            slots = torch.from_numpy(np.maximum(self.token_slots, 0)).to(ids.device, non_blocking=True)
+            lora_expand(emb.a[slots, ids].float(), emb.b, y, self)
+            return
+        for slot, rows in self.groups:
+            shrunk = emb.a[slot].index_select(0, ids[rows])
+            if isinstance(rows, slice):
+                y[rows].addmm_(shrunk, emb.b[slot].T)
+            else:
+                y.index_add_(0, rows, shrunk @ emb.b[slot].T)

@@ -18,6 +18,7 @@ the requests that already run with it.
 from __future__ import annotations
 
 import itertools
+import os
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -26,19 +27,25 @@ import torch
 
 from common.errors import ServingError
 
-from worker.engine.lora.adapter import LoRAAdapter, load_adapter
+from worker.engine.lora.adapter import MODEL, LoRAAdapter, load_adapter
 from worker.engine.lora.batch import LoRABatch
-from worker.engine.lora.weights import LayerLoRA
+from worker.engine.lora.weights import LayerLoRA, ModelLoRA
 
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 class LoRAError(ServingError):
-    """A refused load/unload: 400 (vLLM's InvalidUserInput) or 404 (NotFoundError)."""
+    """A refused load/unload in vLLM's words, status and error type: 400 InvalidUserInput
+    for the request checks of its /v1/load_lora_adapter, 404 NotFoundError for an
+    unknown name or a path with no adapter, 400 BadRequestError for an adapter it
+    cannot serve (vLLM answers those with a 500; a bad adapter is the client's)."""
 
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message, "lora_name", status=status,
-                         type="NotFoundError" if status == 404 else "BadRequestError")
+    def __init__(self, message: str, status: int = 400, type: Optional[str] = None):
+        super().__init__(message, None, status=status,
+                         type=type or ("NotFoundError" if status == 404 else "BadRequestError"))
+
+
+_INVALID = "InvalidUserInput"
 
 
 class LoRAManager:
@@ -53,6 +60,9 @@ class LoRAManager:
         self.layers = list(model.layers)
         for layer in self.layers:
             layer.lora = LayerLoRA(layer, max_loras, max_rank, dtype, device)
+        model.lora = ModelLoRA(model.config.vocab_size, self.layers[0].input_layernorm.weight.shape[0],
+                               max_loras, max_rank, dtype, device)
+        self._slot_targets: dict[int, frozenset] = {}  # slot -> modules its adapter targets
         self.paths: dict[str, str] = {}  # registry: name -> path
         self.keys: dict[str, str] = {}  # name -> key of its registration
         self._sources: dict[str, tuple[str, str]] = {}  # key -> (name, path), unloaded ones included
@@ -66,10 +76,10 @@ class LoRAManager:
         """``inplace``: replace an adapter of that name (vLLM's load_inplace); its
         requests already running finish with the old weights."""
         if not name or not path:
-            raise LoRAError("Both 'lora_name' and 'lora_path' must be provided.")
+            raise LoRAError("Both 'lora_name' and 'lora_path' must be provided.", type=_INVALID)
         if name in self.paths and not inplace:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-                            f"in place, set 'load_inplace' to True.")
+                            f"in place, set 'load_inplace' to True.", type=_INVALID)
         adapter = self._read(name, path)
         key = f"{name}#{next(self._ids)}"
         self.paths[name], self.keys[name], self._sources[key] = path, key, (name, path)
@@ -77,7 +87,7 @@ class LoRAManager:
 
     def unregister(self, name: str) -> None:
         if not name:
-            raise LoRAError("'lora_name' needs to be provided to unload a LoRA adapter.")
+            raise LoRAError("'lora_name' needs to be provided to unload a LoRA adapter.", type=_INVALID)
         if name not in self.paths:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", 404)
         # Its slot and host copy go by LRU once no running request needs them.
@@ -95,14 +105,25 @@ class LoRAManager:
         return [self._sources[k][0] for k in self._slot_of if self.keys.get(self._sources[k][0]) == k]
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
+        if not os.path.isdir(path):
+            raise LoRAError(f"Loading lora {name} failed: No adapter found for {path}", 404)
         try:
             adapter = load_adapter(name, path, self.max_rank, len(self.layers))
         except (OSError, ValueError) as e:
             raise LoRAError(str(e)) from None
-        for (layer, module) in adapter.weights:
-            if module in _MLP_MODULES and self.layers[layer].lora.gate_up is None:
-                raise LoRAError(f"LoRA adapter at {path}: layer {layer} is a mixture-of-experts layer; "
-                                f"LoRA on expert MLPs ({module}) is not supported")
+        for (layer, module), (a, b) in adapter.weights.items():
+            if layer == MODEL:
+                shapes, where = self.model.lora.shapes(), module
+            else:
+                if module in _MLP_MODULES and self.layers[layer].lora.gate_up is None:
+                    raise LoRAError(f"LoRA adapter at {path}: layer {layer} is a mixture-of-experts layer; "
+                                    f"LoRA on expert MLPs ({module}) is not supported")
+                shapes, where = self.layers[layer].lora.shapes(), f"layer {layer} {module}"
+            fan_in, fan_out = shapes[module]
+            if a.shape[1] != fan_in or b.shape[0] != fan_out:
+                raise LoRAError(f"LoRA adapter at {path}: {where} has A {tuple(a.shape)} / B {tuple(b.shape)}, "
+                                f"this model needs A [r, {fan_in}] / B [{fan_out}, r] (an adapter of another "
+                                f"base model?)")
         return adapter
 
     def _cache(self, key: str, adapter: LoRAAdapter) -> None:
@@ -135,7 +156,9 @@ class LoRAManager:
         adapter = self._host_copy(key)
         for i, layer in enumerate(self.layers):
             layer.lora.write(slot, i, adapter)
+        self.model.lora.write(slot, adapter)
         self._slot_of[key] = slot
+        self._slot_targets[slot] = frozenset(adapter.target_modules)
         return slot
 
     def step_batch(self, seq_adapters: Sequence[Optional[str]], query_lens: np.ndarray) -> Optional[LoRABatch]:
@@ -146,4 +169,5 @@ class LoRAManager:
         slots = {n: self._slot(n, names) for n in names}
         per_seq = np.fromiter((-1 if n is None else slots[n] for n in seq_adapters), dtype=np.int64,
                               count=len(seq_adapters))
-        return LoRABatch.build(np.repeat(per_seq, query_lens), self.device, self.use_triton)
+        targets = frozenset().union(*(self._slot_targets[s] for s in slots.values()))
+        return LoRABatch.build(np.repeat(per_seq, query_lens), self.device, self.use_triton, targets)

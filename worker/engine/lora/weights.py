@@ -7,6 +7,10 @@ expand ``B [slots, out, R]`` whose rows keep the fused output order, each row
 reading the shrink columns of its own sub-module.  Scaling is folded into B at
 load.  A slot an adapter does not target in some module stays zero there, so the
 product is exactly the base projection.
+
+The model-level modules follow the same scheme: ``lm_head`` is one more group over
+the logits, and the input embedding keeps its A transposed (``[slots, vocab, R]``)
+so that its shrink is a row gather by token id.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.lora.adapter import LoRAAdapter
+from worker.engine.lora.adapter import MODEL, LoRAAdapter
 
 
 @dataclass
@@ -40,6 +44,56 @@ class LoRAGroup:
             self.b[slot, lo:hi, :r].copy_(b)
 
 
+def _group(modules, out_sizes, in_features, num_slots, rank, dtype, device) -> LoRAGroup:
+    ranges, start = [], 0
+    for n in out_sizes:
+        ranges.append((start, start + n))
+        start += n
+    return LoRAGroup(tuple(modules), tuple(ranges),
+                     torch.zeros(num_slots, len(modules) * rank, in_features, dtype=dtype, device=device),
+                     torch.zeros(num_slots, start, rank, dtype=dtype, device=device), rank)
+
+
+@dataclass
+class EmbeddingLoRA:
+    """The input embedding's slots: ``a [slots, vocab, R]`` (PEFT's lora_embedding_A,
+    transposed: a token's shrink is its row) and ``b [slots, hidden, R]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    rank: int
+    modules: tuple[str, ...] = ("embed_tokens",)
+
+    def write(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        ab = adapter.weights.get((MODEL, "embed_tokens"))
+        if ab is not None:
+            a, b = ab
+            self.a[slot, :, :a.shape[0]].copy_(a.T)
+            self.b[slot, :, :a.shape[0]].copy_(b)
+
+
+class ModelLoRA:
+    """The model-level slots: input embedding and output head."""
+
+    def __init__(self, vocab_size: int, hidden: int, num_slots: int, rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.embed = EmbeddingLoRA(torch.zeros(num_slots, vocab_size, rank, dtype=dtype, device=device),
+                                   torch.zeros(num_slots, hidden, rank, dtype=dtype, device=device), rank)
+        self.lm_head = _group(("lm_head",), (vocab_size,), hidden, num_slots, rank, dtype, device)
+
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.embed.write(slot, MODEL, adapter)
+        self.lm_head.write(slot, MODEL, adapter)
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each module as an adapter's A / B must have them (A's "in" of
+        the embedding is the vocabulary)."""
+        return {"embed_tokens": (self.embed.a.shape[1], self.embed.b.shape[1]),
+                "lm_head": (self.lm_head.a.shape[2], self.lm_head.b.shape[1])}
+
+
 class LayerLoRA:
     """The LoRA groups of one decoder layer: qkv, o and, on dense layers, gate_up and down."""
 
@@ -47,13 +101,7 @@ class LayerLoRA:
         q, kv, hidden = layer.q_size, layer.kv_size, layer.input_layernorm.weight.shape[0]
 
         def group(modules, out_sizes, in_features):
-            ranges, start = [], 0
-            for n in out_sizes:
-                ranges.append((start, start + n))
-                start += n
-            return LoRAGroup(tuple(modules), tuple(ranges),
-                             torch.zeros(num_slots, len(modules) * rank, in_features, dtype=dtype, device=device),
-                             torch.zeros(num_slots, start, rank, dtype=dtype, device=device), rank)
+            return _group(modules, out_sizes, in_features, num_slots, rank, dtype, device)
 
         self.qkv = group(("q_proj", "k_proj", "v_proj"), (q, kv, kv), hidden)
         self.o = group(("o_proj",), (hidden,), q)
@@ -70,3 +118,7 @@ class LayerLoRA:
     def write(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         for g in self.groups:
             g.write(slot, layer, adapter)
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each sub-module an adapter may target on this layer."""
+        return {m: (g.a.shape[2], hi - lo) for g in self.groups for m, (lo, hi) in zip(g.modules, g.out_ranges)}

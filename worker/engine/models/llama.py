@@ -237,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
                         else empty_param(shard_rows, config.hidden_size, dtype=dtype, device=device))
         if self.lm_head is not self.embed_tokens and shard_rows != self.vocab_held:
             self.lm_head.data[self.vocab_held:].zero_()
+        self.lora: Optional[Any] = None  # ModelLoRA (embedding, head) slots when LoRA serving is enabled
         # Cast like HF: cos/sin computed in float32, then rounded to the model dtype.
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
@@ -303,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm for the flat batch;
         ``lora`` (a LoRABatch) adds each row's adapter to the projections."""
         h = self._embed(input_ids)
+        if lora is not None and self.lora is not None:
+            lora.apply_embedding(input_ids, h, self.lora.embed)
         if self.ops is not None:  # layers rotate in place from the table
             rope = (self.rope, positions)
         else:  # per-step factors, shared by all layers
@@ -323,14 +326,18 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lora: Optional[Any] = None) -> torch.Tensor:
         """float32 ``[R, vocab]`` for the selected hidden rows (every rank calls it
-        under tensor parallelism: the vocabulary shards are gathered)."""
+        under tensor parallelism: the vocabulary shards are gathered); ``lora``: the
+        rows' LoRABatch, for adapters on the output head."""
         packed = self._lm_head_packed
         if packed is not None:
-            logits = onednn_linear(hidden, packed, None).float()
+            logits = onednn_linear(hidden, packed, None)
         else:
-            logits = F.linear(hidden, self.lm_head).float()
+            logits = F.linear(hidden, self.lm_head)
+        if lora is not None and self.lora is not None:
+            lora.apply(hidden, logits, self.lora.lm_head)
+        logits = logits.float()
         if self.tp.active:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits
