@@ -269,3 +269,36 @@ def test_moe_on_triton_with_graphs_matches_hf_and_returns_routing(tiny_model, ki
         routed = np.load(io.BytesIO(g.routed_experts))
         np.testing.assert_array_equal(routed, np.load(io.BytesIO(e.routed_experts)))
         np.testing.assert_array_equal(routed, hf_routing(path, p + g.token_ids[:-1]))
+
+
+def test_lora_decode_under_cuda_graphs_matches_eager_and_peft(llama_dir, tmp_path):
+    """Rows of three adapters (embedding and head included) and base rows, staggered
+    lengths so decode batches shrink through padded graphs: the LoRA graph set replays
+    the same ids as eager steps, and both equal peft / HF."""
+    pytest.importorskip("peft")
+    from tests.lora_factory import ATTENTION, MLP, build_adapter, peft_greedy
+
+    ads = {"a": build_adapter(llama_dir, tmp_path / "a", ATTENTION + MLP, rank=4, seed=1),
+           "b": build_adapter(llama_dir, tmp_path / "b", ["q_proj", "embed_tokens", "lm_head"], rank=8, seed=2),
+           "c": build_adapter(llama_dir, tmp_path / "c", MLP, rank=16, seed=3)}
+    kw = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              lora_modules={k: str(v) for k, v in ads.items()})
+    graphs, eager = make_engine(llama_dir, **kw), make_engine(llama_dir, enforce_eager=True, **kw)
+    assert graphs.runner._lora_graphs and graphs.runner._graphs
+    prompts = random_prompts(11, 4, 40, seed=8)
+    names = ["a", "b", None, "c", "a", None, "b", "c", "c", None, "a"]
+    lens = [3 + (i * 4) % 13 for i in range(len(prompts))]
+
+    def run(engine):
+        reqs = []
+        for i, (p, n, m) in enumerate(zip(prompts, names, lens)):
+            r = request(str(i), p, max_tokens=m, ignore_eos=True)
+            r.lora_name = n
+            reqs.append(r)
+        res = engine.generate(reqs)
+        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+
+    got = run(graphs)
+    assert got == run(eager)
+    for p, n, m, ids in zip(prompts, names, lens, got):
+        assert ids == (peft_greedy(llama_dir, ads[n], p, m)[0] if n else hf_greedy(llama_dir, p, m)[0])

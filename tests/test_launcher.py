@@ -12,6 +12,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests.gateway_helpers import GENERATE, gen_body
 from tests.procs import ProcGroup, free_port, wait_for
@@ -170,6 +171,25 @@ def test_replay_flags_reach_workers_and_gateways():
     assert all(set(flags) <= set(c.argv) for c in workers + gateways)
     _, workers, gateways = plan_children(build_parser().parse_args([]), "/m")
     assert not any(f in c.argv for c in workers + gateways for f in flags)
+
+
+def test_lora_flags_reach_workers_and_gateways():
+    from common.launcher import build_parser, plan_children
+    from worker.main import parse_lora_modules
+
+    args = ["--gateways", "2", "--lora-modules", "a=/ad/a", '{"name": "b", "path": "/ad/b"}', "--max-loras", "3",
+            "--max-lora-rank", "32", "--allow-runtime-lora"]
+    _, workers, gateways = plan_children(build_parser().parse_args(args), "/m")
+    for w in workers:
+        assert "--enable-lora" in w.argv and w.argv[w.argv.index("--max-loras") + 1] == "3"
+        i = w.argv.index("--lora-modules")
+        assert parse_lora_modules(w.argv[i + 1:i + 3]) == {"a": "/ad/a", "b": "/ad/b"}
+        assert w.argv[w.argv.index("--max-lora-rank") + 1] == "32" and "--max-cpu-loras" not in w.argv
+    assert all("--allow-runtime-lora" in g.argv for g in gateways)
+    _, workers, gateways = plan_children(build_parser().parse_args([]), "/m")
+    assert not any("lora" in a for c in workers + gateways for a in c.argv)
+    with pytest.raises(ValueError, match="expected name=path"):
+        parse_lora_modules(["nameonly"])
 
 
 def test_common_imports_no_other_package_of_ours():

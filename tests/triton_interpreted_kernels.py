@@ -249,3 +249,35 @@ def test_lora_sgmv_matches_torch(dtype):
     base_rows = token_slots < 0
     assert torch.equal(got[base_rows], y0[base_rows])
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+def test_lora_static_batch_for_graphs_matches_torch():
+    """The CUDA-graph batch (fixed buffers, a segment per slot, empty ones included,
+    padding rows) refilled for two different steps == the CPU grouped path, for a
+    projection group and the input embedding's gather."""
+    import numpy as np
+
+    from worker.engine.lora.batch import LoRABatch
+    from worker.engine.lora.weights import EmbeddingLoRA, LoRAGroup
+
+    g = torch.Generator().manual_seed(1)
+    slots, rank, k, vocab, bs = 4, 8, 32, 50, 12
+    group = LoRAGroup(("gate_proj", "up_proj"), ((0, 20), (20, 40)), 0.3 * torch.randn(slots, 2 * rank, k, generator=g),
+                      0.3 * torch.randn(slots, 40, rank, generator=g), rank)
+    emb = EmbeddingLoRA(0.3 * torch.randn(slots, vocab, rank, generator=g), 0.3 * torch.randn(slots, k, rank, generator=g),
+                        rank)
+    static = LoRABatch.static(bs, slots, torch.device("cpu"))
+    for step in (np.array([3, -1, 0, 3, 3, -1, 0], dtype=np.int64), np.array([1] * 9 + [-1, 2], dtype=np.int64)):
+        x = torch.randn(bs, k, generator=g)
+        ids = torch.randint(0, vocab, (bs,), generator=g)
+        want_y, want_h = torch.randn(bs, 40, generator=g), torch.randn(bs, k, generator=g)
+        got_y, got_h = want_y.clone(), want_h.clone()
+        n = len(step)
+        eager = LoRABatch.build(step, torch.device("cpu"), use_triton=False)
+        eager.apply(x[:n], want_y[:n], group)
+        eager.apply_embedding(ids[:n], want_h[:n], emb)
+        static.fill(step)
+        static.apply(x, got_y, group)
+        static.apply_embedding(ids, got_h, emb)
+        torch.testing.assert_close(got_y, want_y, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)

@@ -104,6 +104,7 @@ class ModelRunner:
         self._pinned: dict[str, torch.Tensor] = {}  # CUDA: host staging buffers
         self._copies_done: Optional[torch.cuda.Event] = None
         self._graphs: dict[int, "_DecodeGraph"] = {}
+        self._lora_graphs: dict[int, "_DecodeGraph"] = {}  # with LoRA serving: decode steps with adapter rows
         self._graph_pool = None
         # Routed experts of every KV slot ([slots, moe layers, top_k]), written by the
         # MoE layers in the forward, read when a sequence finishes.
@@ -232,6 +233,7 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         """Sleep: give the KV cache memory back (CUDA graphs hold its address: dropped too)."""
         self._graphs.clear()
+        self._lora_graphs.clear()
         self._graph_pool = None
         self.kv_cache = None
         if self.routing_store is not None:
@@ -306,7 +308,10 @@ class ModelRunner:
         if self.lora is not None:
             batch = self._lora_batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled],
                                                             layout.query_lens)
-            if batch is not None:  # adapter rows run eagerly (the captured graphs are base-only)
+            if batch is not None:
+                graph = self._graph_for(layout, self._lora_graphs)
+                if graph is not None:
+                    return graph.run(self, layout, batch)
                 return self.execute(self.to_inputs(layout), batch)
         return self.run_layout(layout)
 
@@ -385,20 +390,27 @@ class ModelRunner:
         try:
             for bs in reversed(sizes):  # largest first: smaller graphs reuse its pool memory
                 self._graphs[bs] = _DecodeGraph.capture(self, bs, self._graph_pool)
+                # With LoRA serving, a second set for steps with adapter rows (vLLM's
+                # cudagraph_specialize_lora): base-only steps skip the LoRA launches.
+                if self.lora is not None:
+                    self._lora_graphs[bs] = _DecodeGraph.capture(self, bs, self._graph_pool, lora=True)
         except Exception as e:  # a model whose attention can't be captured falls back to eager
             log.warning("CUDA graph capture failed (%s); running decode eagerly", e)
             self._graphs.clear()
+            self._lora_graphs.clear()
         torch.cuda.synchronize(self.device)
         if self._graphs:
-            log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.monotonic() - started)
+            log.info("captured %d CUDA graphs in %.1f s", len(self._graphs) + len(self._lora_graphs),
+                     time.monotonic() - started)
 
-    def _graph_for(self, layout: StepLayout) -> Optional["_DecodeGraph"]:
-        if not self._graphs or layout.num_tokens != len(layout.query_lens):  # decode-only steps only
+    def _graph_for(self, layout: StepLayout, graphs: Optional[dict] = None) -> Optional["_DecodeGraph"]:
+        graphs = self._graphs if graphs is None else graphs
+        if not graphs or layout.num_tokens != len(layout.query_lens):  # decode-only steps only
             return None
         n = len(layout.query_lens)
-        for size in sorted(self._graphs):
+        for size in sorted(graphs):
             if size >= n:
-                return self._graphs[size]
+                return graphs[size]
         return None
 
 
@@ -414,7 +426,8 @@ class _DecodeGraph:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner: ModelRunner, batch_size: int, pool: Any) -> "_DecodeGraph":
+    def capture(cls, runner: ModelRunner, batch_size: int, pool: Any, lora: bool = False) -> "_DecodeGraph":
+        """``lora``: the step applies each row's adapter from a static LoRABatch."""
         self = cls(batch_size)
         dev = runner.device
         width = runner.max_blocks_per_seq
@@ -433,20 +446,28 @@ class _DecodeGraph:
             max_query_len=1, max_seq_len=runner.max_model_len,
             context_lens_cpu=[runner.max_model_len - 1] * batch_size, positions=self.positions)
         model, kv, backend = runner.model, runner.kv_cache, runner.backend
+        self.lora = None
+        if lora:
+            from worker.engine.lora.batch import LoRABatch
+
+            self.lora = LoRABatch.static(batch_size, runner.lora.max_loras, dev)
         # Warm up outside the graph (lazy initialisations, kernel compilation), then capture.
         self.attn.plan = backend.plan(self.attn, runner.block_size)
-        model(self.input_ids, self.positions, self.attn, kv)
+        model(self.input_ids, self.positions, self.attn, kv, self.lora)
         torch.cuda.synchronize(dev)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             # The plan is the backend's own, built from the static buffers inside the
             # capture: replays read each row's real length from ``seq_lens``.
             self.attn.plan = backend.plan(self.attn, runner.block_size)
-            self.output = model(self.input_ids, self.positions, self.attn, kv)
+            self.output = model(self.input_ids, self.positions, self.attn, kv, self.lora)
         return self
 
-    def run(self, runner: ModelRunner, layout: StepLayout) -> torch.Tensor:
+    def run(self, runner: ModelRunner, layout: StepLayout, lora: Optional[Any] = None) -> torch.Tensor:
+        """``lora``: the step's LoRABatch (graphs captured with ``lora=True``)."""
         n = len(layout.query_lens)
+        if self.lora is not None:
+            self.lora.fill(lora.token_slots)
         if layout.block_tables.shape[1] != runner.max_blocks_per_seq:  # the graph's static table width
             table = np.zeros((n, runner.max_blocks_per_seq), dtype=np.int32)
             table[:, :layout.block_tables.shape[1]] = layout.block_tables

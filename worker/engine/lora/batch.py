@@ -8,6 +8,10 @@ CPU: one shrink matmul and one expand matmul per (slot, sub-module) on the slot'
 rows (a contiguous run when its sequences are adjacent, else gathered and
 scattered back).  CUDA (and Triton's interpreter): the segmented kernels of
 kernels/triton/lora.py, one shrink launch and one expand launch per sub-module.
+
+A CUDA-graph decode step uses a static batch (``LoRABatch.static``): fixed-shape
+device buffers, one segment per slot (empty for slots the step does not use) and a
+grid sized for the whole padded batch, refilled by ``fill`` before each replay.
 """
 from __future__ import annotations
 
@@ -38,6 +42,35 @@ class LoRABatch:
     device: torch.device = torch.device("cpu")
     # Modules any adapter of the step targets: a group none of them targets is skipped.
     targets: frozenset = field(default_factory=frozenset)
+    token_slot_dev: Optional[torch.Tensor] = None  # static batches: [T] slot per token, >= 0 (int32)
+    _packed: Optional[torch.Tensor] = None  # static batches: the buffer the device tensors view
+
+    @classmethod
+    def static(cls, batch_size: int, num_slots: int, device: torch.device) -> "LoRABatch":
+        """A graph-mode batch for ``batch_size`` decode rows: nothing but device
+        buffers of fixed shape, so a captured step replays whatever the adapters."""
+        packed = torch.zeros(2 * batch_size + 2 * num_slots, dtype=torch.int32, device=device)
+        sorted_tokens, token_slot = packed[:batch_size], packed[batch_size:2 * batch_size]
+        seg_start, seg_len = packed[2 * batch_size:2 * batch_size + num_slots], packed[2 * batch_size + num_slots:]
+        batch = cls([], batch_size, sorted_tokens, torch.arange(num_slots, dtype=torch.int32, device=device),
+                    seg_start, seg_len, batch_size, True, token_slots=np.full(batch_size, -1, dtype=np.int64),
+                    device=device, token_slot_dev=token_slot, _packed=packed)
+        return batch
+
+    def fill(self, token_slots: np.ndarray) -> None:
+        """Load a step's token -> slot map (its first ``len(token_slots)`` rows; the
+        rest are padding of no adapter) into a static batch's buffers, one copy."""
+        t, num_slots = self.num_tokens, self.slot_ids.numel()
+        padded = np.full(t, -1, dtype=np.int64)
+        padded[:len(token_slots)] = token_slots
+        order = np.argsort(padded, kind="stable")
+        sorted_slots = padded[order]
+        slots = np.arange(num_slots)
+        starts = np.searchsorted(sorted_slots, slots, side="left")
+        ends = np.searchsorted(sorted_slots, slots, side="right")
+        host = np.concatenate([order, np.maximum(padded, 0), starts, ends - starts]).astype(np.int32)
+        self._packed.copy_(torch.from_numpy(host), non_blocking=False)
+        self.token_slots = padded
 
     @classmethod
     def build(cls, token_slots: np.ndarray, device: torch.device, use_triton: bool,
@@ -120,7 +153,10 @@ class LoRABatch:
             from worker.engine.kernels.triton.lora import lora_expand
 
             # Rows of no adapter gather slot 0's row; the expand never reads them.
-            slots = torch.from_numpy(np.maximum(self.token_slots, 0)).to(ids.device, non_blocking=True)
+            if self.token_slot_dev is not None:
+                slots = self.token_slot_dev.long()
+            else:
+                slots = torch.from_numpy(np.maximum(self.token_slots, 0)).to(ids.device, non_blocking=True)
             lora_expand(emb.a[slots, ids].float(), emb.b, y, self)
             return
         for slot, rows in self.groups:
