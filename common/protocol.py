@@ -184,6 +184,10 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     num_received: int = 0
     # LoRA adapters now in the worker's device slots (adapter-aware dispatch prefers them).
     resident_loras: list[str] = msgspec.field(default_factory=list)
+    # LoRA serving (vllm:lora_requests_info): adapters of running / waiting requests, slots.
+    running_loras: list[str] = msgspec.field(default_factory=list)
+    waiting_loras: list[str] = msgspec.field(default_factory=list)
+    max_loras: int = 0
 
 
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one

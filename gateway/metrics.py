@@ -42,6 +42,7 @@ class BrokerCollector:
 
     def __init__(self) -> None:
         self.info: Optional[ClusterInfo] = None
+        self.fetched_at = 0.0  # wall clock of ``info``
 
     def describe(self):
         return []  # values only exist once the broker answered
@@ -62,6 +63,14 @@ class BrokerCollector:
         for w in info.workers:
             received.add_metric([str(w.rank)], w.load.num_received)
         yield received
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"])
+        for w in info.workers:
+            if w.load.max_loras:  # a worker serving LoRA; the value is when it was reported, as in vLLM
+                lora.add_metric([str(w.load.max_loras), ",".join(w.load.waiting_loras),
+                                 ",".join(w.load.running_loras), str(w.rank)], self.fetched_at)
+        if lora.samples:
+            yield lora
         stats = info.stats
         if stats is not None:
             for field, name, doc in self._COUNTERS:
@@ -109,7 +118,7 @@ class GatewayMetrics:
         r.register(self.broker)
 
     def update_cluster(self, info: Optional[ClusterInfo], model_name: str) -> None:
-        self.broker.info = info
+        self.broker.info, self.broker.fetched_at = info, time.time()
         for w in info.workers if info is not None else ():
             labels = (model_name, str(w.rank))
             self.running.labels(*labels).set(w.load.running if w.alive else 0)

@@ -120,3 +120,18 @@ def test_cluster_info_cache_keeps_answers_but_not_the_absence_of_a_model():
         assert Broker.calls == 2  # a model answer is kept for ttl
 
     asyncio.run(run())
+
+
+def test_lora_requests_info_metric_per_lora_worker():
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    lora = WorkerLoad(max_loras=2, running_loras=["a", "b"], waiting_loras=["c"])
+    m.update_cluster(ClusterInfo(workers=[WorkerStatus(rank=0, load=lora), WorkerStatus(rank=1, load=WorkerLoad())],
+                                 model=MODEL), "m")
+    text = m.render()[0].decode()
+    lines = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1  # rank 1 serves no LoRA
+    for label in ('engine="0"', 'max_lora="2"', 'running_lora_adapters="a,b"', 'waiting_lora_adapters="c"'):
+        assert label in lines[0]
+    assert float(lines[0].rsplit(" ", 1)[1]) > 1.6e9  # when it was reported, as vLLM's set_to_current_time

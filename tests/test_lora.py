@@ -81,6 +81,20 @@ def test_mixed_batch_equals_each_alone(engine, llama_dir, adapters):
         assert tokens_of(together[f"m{i}"]) == want, (i, n)
 
 
+def test_load_reports_adapters_of_running_and_waiting_requests(llama_dir, adapters):
+    engine = make_engine(llama_dir, enable_lora=True, max_loras=1, max_lora_rank=16,
+                         lora_modules={k: str(adapters[k]) for k in ("qv", "mlp")})
+    prompt = random_prompts(1, 5, 6, seed=2)[0]
+    for i, name in enumerate(["qv", "mlp", None]):
+        engine.add_request(_lora_request(f"w{i}", prompt, name, max_tokens=4))
+    engine.step()  # one slot: mlp waits until qv's request is done
+    load = engine.load()
+    assert (load.running_loras, load.waiting_loras, load.max_loras) == (["qv"], ["mlp"], 1)
+    assert load.resident_loras == ["qv"]
+    run_to_completion(engine)
+    assert engine.load().running_loras == engine.load().waiting_loras == []
+
+
 def test_two_slots_four_adapters_in_rotation(llama_dir, adapters):
     engine = make_engine(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
                          lora_modules={k: str(v) for k, v in adapters.items()})

@@ -225,11 +225,15 @@ class EngineCore(RLControl):
 
     def load(self) -> WorkerLoad:
         kv_released = "kv_cache" in self.asleep
-        return WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+        load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                           free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
                           total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
-                          max_num_seqs=self.config.max_num_seqs,
-                          resident_loras=self.lora.resident if self.lora is not None else [])
+                          max_num_seqs=self.config.max_num_seqs)
+        if self.lora is not None:
+            running, waiting = self.scheduler.adapters()
+            load.resident_loras, load.max_loras = self.lora.resident, self.lora.max_loras
+            load.running_loras, load.waiting_loras = self.lora.names(running), self.lora.names(waiting)
+        return load
 
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -72,6 +72,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def adapters(self) -> tuple[list[str], list[str]]:
+        """Adapter registrations (LoRA keys) of the running and of the waiting sequences."""
+        running = {s.request.lora_key for s in self.running}
+        waiting = {entry[-1].request.lora_key for entry in self._waiting}
+        return sorted(running - {None}), sorted(waiting - {None})
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
 

@@ -99,6 +99,10 @@ class LoRAManager:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", 404)
         return key
 
+    def names(self, keys) -> list[str]:
+        """The adapter names of registration keys (an unloaded one keeps its name)."""
+        return sorted({self._sources[k][0] for k in keys})
+
     @property
     def resident(self) -> list[str]:
         """Names of the registered adapters now in a device slot."""
