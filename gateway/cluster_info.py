@@ -51,6 +51,12 @@ class ClusterInfoCache:
         self._info, self._fetched_at = info, time.monotonic()
         return info
 
+    async def fresh(self, max_age: float = 0.05) -> ClusterInfo:
+        """An answer at most ``max_age`` seconds old (shared with concurrent askers)."""
+        if time.monotonic() - self._fetched_at > max_age:
+            self.invalidate()
+        return await self.get()
+
     def invalidate(self) -> None:
         """The next get() asks the broker (after a change made through this gateway)."""
         self._fetched_at = -1e9

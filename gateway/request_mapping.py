@@ -41,6 +41,12 @@ def served_name(info: ModelInfo, served_model_names: list[str]) -> str:
     return served_model_names[0] if served_model_names else info.name
 
 
+def knows_model(requested: str, cluster: ClusterInfo, served_model_names: list[str]) -> bool:
+    """``requested`` is a served name of the base model or a LoRA adapter of the pool."""
+    names = served_model_names or ([cluster.model.name] if cluster.model is not None else [])
+    return requested in names or requested in (cluster.lora_adapters or {})
+
+
 def check_model(requested: Optional[str], info: ModelInfo, served_model_names: list[str],
                 lora_adapters: Optional[dict[str, str]] = None) -> Optional[str]:
     """The LoRA adapter ``requested`` names (None: the base model); 404 for an unknown name."""

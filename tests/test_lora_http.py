@@ -224,3 +224,15 @@ def test_direct_client_names_the_adapter(stack, llama_dir, adapters):
         assert [t for d in client.generate(req) for t in d.token_ids] == \
             peft_greedy(llama_dir, adapters["all"], PROMPT, 6)[0]
         client.unload_lora("direct")
+
+
+def test_adapter_loaded_through_another_gateway_is_served_at_once(stack, llama_dir, adapters):
+    procs, broker, http, _ = stack
+    other = start_gateway(procs, broker.frontend, "--info-ttl", "60")  # its cluster view would stay stale
+    with httpx.Client(base_url=other.url, timeout=60) as http2:
+        assert _tokens(_generate(http2, "qv", max_tokens=2))  # caches the cluster view
+        assert _load(http, "elsewhere", adapters["mlp"]).status_code == 200
+        assert _tokens(_generate(http2, "elsewhere", max_tokens=4)) == \
+            peft_greedy(llama_dir, adapters["mlp"], PROMPT, 4)[0]
+        assert _unload(http, "elsewhere").status_code == 200
+    other.proc.stop()

@@ -17,7 +17,7 @@ from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
 from gateway.errors import bad_request_from_decode_error, serving_error_json
 from gateway.http_protocol import generate_request_decoder
 from gateway.metrics import RequestTracker
-from gateway.request_mapping import MappedRequest, map_request
+from gateway.request_mapping import MappedRequest, knows_model, map_request
 from gateway.response_builder import SSE_DONE, ResponseAccumulator, ResponseOptions, StreamChunker, sse_event
 from gateway.state import GatewayState
 
@@ -52,6 +52,10 @@ class GenerateResource:
         cluster = await self.state.cluster.get()
         if cluster.model is None:
             raise Overloaded("No inference worker is available yet.")
+        if http.model and not knows_model(http.model, cluster, s.served_model_names):
+            # An adapter loaded through another gateway a moment ago: ask the broker
+            # before answering 404.
+            cluster = await self.state.cluster.fresh()
         mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                              arrival_time=arrival)
         validate_request(mapped.wire, cluster.model, tokens_only=s.tokens_only, stream=mapped.stream)
