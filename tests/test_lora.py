@@ -217,3 +217,23 @@ def test_lora_flags_are_checked():
         EngineConfig(model="m", enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError, match="tensor-parallel"):
         EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+
+
+def test_level_two_sleep_releases_the_model_and_wake_up_keeps_the_adapters(llama_dir, adapters):
+    import gc
+    import weakref
+
+    engine = make_engine(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=16,
+                         lora_modules={"all": str(adapters["all"]), "embed_head": str(adapters["embed_head"])})
+    prompt = random_prompts(1, 6, 7, seed=12)[0]
+    before = _run(engine, [_lora_request("s1", prompt, "embed_head", max_tokens=4, ignore_eos=True)])
+    old = weakref.ref(engine.model)
+    engine.sleep(2)
+    gc.collect()
+    assert old() is None  # the LoRA slots do not keep the released weights alive
+    assert engine.wake_up()
+    after = _run(engine, [_lora_request("s2", prompt, "embed_head", max_tokens=4, ignore_eos=True),
+                          _lora_request("s3", prompt, "all", max_tokens=4, ignore_eos=True)])
+    assert tokens_of(after["s2"]) == tokens_of(before["s1"]) == \
+        peft_greedy(llama_dir, adapters["embed_head"], prompt, 4)[0]
+    assert tokens_of(after["s3"]) == peft_greedy(llama_dir, adapters["all"], prompt, 4)[0]

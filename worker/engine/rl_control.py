@@ -169,6 +169,8 @@ class RLControl:
         # may start at a whole checkpoint other than the model's).
         self.model, _, _ = build_model(self.config, self.model_config, self.device)
         self.model.use_attention_backend(self.attention_backend)
+        if self.lora is not None:
+            self.lora.attach(self.model)
         self.runner.model = self.model
         self.asleep.discard("weights")
         self.disk_lineage = [self.config.model]

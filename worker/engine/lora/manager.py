@@ -53,15 +53,15 @@ class LoRAManager:
                  device: torch.device, dtype: torch.dtype, use_triton: bool):
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.device, self.use_triton = device, use_triton
-        self.layers = list(model.layers)
-        for layer in self.layers:
-            layer.lora = LayerLoRA(layer, max_loras, max_rank, dtype, device)
-        model.lora = ModelLoRA(model.config.vocab_size, self.layers[0].input_layernorm.weight.shape[0],
-                               max_loras, max_rank, dtype, device)
+        # The slots belong to the manager, not the model: a model rebuilt after a level-2
+        # sleep gets the same slots (and their adapters) attached again.
+        self.layer_loras = [LayerLoRA(layer, max_loras, max_rank, dtype, device) for layer in model.layers]
+        self.model_lora = ModelLoRA(model.config.vocab_size, model.layers[0].input_layernorm.weight.shape[0],
+                                    max_loras, max_rank, dtype, device)
+        self.attach(model)
         self._slot_targets: dict[int, frozenset] = {}  # slot -> modules its adapter targets
         self.paths: dict[str, str] = {}  # registry: name -> path
         self.keys: dict[str, str] = {}  # name -> key of its registration
@@ -70,6 +70,12 @@ class LoRAManager:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
         self._free_slots = list(range(max_loras))
         self._ids = itertools.count(1)
+
+    def attach(self, model) -> None:
+        """Give ``model`` (the served one, or its rebuild after a sleep) the slots."""
+        for layer, slots in zip(model.layers, self.layer_loras):
+            layer.lora = slots
+        model.lora = self.model_lora
 
     # --- registry ------------------------------------------------------------------
     def register(self, name: str, path: str, inplace: bool = False) -> None:
@@ -112,17 +118,17 @@ class LoRAManager:
         if not os.path.isdir(path):
             raise LoRAError(f"Loading lora {name} failed: No adapter found for {path}", 404)
         try:
-            adapter = load_adapter(name, path, self.max_rank, len(self.layers))
+            adapter = load_adapter(name, path, self.max_rank, len(self.layer_loras))
         except (OSError, ValueError) as e:
             raise LoRAError(str(e)) from None
         for (layer, module), (a, b) in adapter.weights.items():
             if layer == MODEL:
-                shapes, where = self.model.lora.shapes(), module
+                shapes, where = self.model_lora.shapes(), module
             else:
-                if module in _MLP_MODULES and self.layers[layer].lora.gate_up is None:
+                if module in _MLP_MODULES and self.layer_loras[layer].gate_up is None:
                     raise LoRAError(f"LoRA adapter at {path}: layer {layer} is a mixture-of-experts layer; "
                                     f"LoRA on expert MLPs ({module}) is not supported")
-                shapes, where = self.layers[layer].lora.shapes(), f"layer {layer} {module}"
+                shapes, where = self.layer_loras[layer].shapes(), f"layer {layer} {module}"
             fan_in, fan_out = shapes[module]
             if a.shape[1] != fan_in or b.shape[0] != fan_out:
                 raise LoRAError(f"LoRA adapter at {path}: {where} has A {tuple(a.shape)} / B {tuple(b.shape)}, "
@@ -158,9 +164,9 @@ class LoRAManager:
                 raise RuntimeError(f"more than --max-loras {self.max_loras} adapters in one step")
             slot = self._slot_of.pop(victim)
         adapter = self._host_copy(key)
-        for i, layer in enumerate(self.layers):
-            layer.lora.write(slot, i, adapter)
-        self.model.lora.write(slot, adapter)
+        for i, slots in enumerate(self.layer_loras):
+            slots.write(slot, i, adapter)
+        self.model_lora.write(slot, adapter)
         self._slot_of[key] = slot
         self._slot_targets[slot] = frozenset(adapter.target_modules)
         return slot
