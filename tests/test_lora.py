@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.errors import NotFound
-from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request, run_to_completion, tokens_of
+from tests.engine_helpers import hf_greedy, hf_prompt_logprobs, make_engine, random_prompts, request, run_to_completion, tokens_of
 from tests.lora_factory import ATTENTION, MLP, build_adapter, edit_adapter_config, peft_greedy
 from worker.engine.lora.manager import LoRAError
 
@@ -237,3 +237,21 @@ def test_level_two_sleep_releases_the_model_and_wake_up_keeps_the_adapters(llama
     assert tokens_of(after["s2"]) == tokens_of(before["s1"]) == \
         peft_greedy(llama_dir, adapters["embed_head"], prompt, 4)[0]
     assert tokens_of(after["s3"]) == peft_greedy(llama_dir, adapters["all"], prompt, 4)[0]
+
+
+def test_prompt_logprobs_of_adapter_rows_equal_peft(engine, llama_dir, adapters):
+    """Prompt positions scored over chunks beside a base row: the head's LoRA is applied
+    to exactly the adapter request's logits rows."""
+    from tests.lora_factory import peft_model
+
+    prompt = random_prompts(1, 90, 91, seed=14)[0]
+    out = _run(engine, [_lora_request("lp", prompt, "embed_head", max_tokens=2, prompt_logprobs=1),
+                        request("base", prompt[:30], max_tokens=2, prompt_logprobs=1)])
+    with torch.inference_mode():
+        logits = peft_model(llama_dir, adapters["embed_head"])(input_ids=torch.tensor([prompt])).logits[0, :-1]
+    ref = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    got = [lp for d in out["lp"] if d.prompt_logprobs is not None for lp in d.prompt_logprobs.logprobs]
+    assert got == pytest.approx(ref.tolist(), abs=1e-4)
+    base_ref = hf_prompt_logprobs(llama_dir, prompt[:30]).gather(1, torch.tensor(prompt[1:30])[:, None])[:, 0]
+    base = [lp for d in out["base"] if d.prompt_logprobs is not None for lp in d.prompt_logprobs.logprobs]
+    assert base == pytest.approx(base_ref.tolist(), abs=1e-4)
