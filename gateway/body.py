@@ -1,6 +1,9 @@
 """Read a request body with a size cap (413 instead of buffering an unbounded upload)."""
 from __future__ import annotations
 
+import msgspec
+
+from common.errors import BadRequest
 from gateway.errors import PayloadTooLarge
 
 
@@ -19,3 +22,17 @@ async def read_body(req, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def json_object_body(req, limit: int) -> dict:
+    """A JSON object body (an empty body is ``{}``); 400 for anything else."""
+    body = await read_body(req, limit)
+    if not body.strip():
+        return {}
+    try:
+        parsed = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        raise BadRequest("Invalid JSON format") from None
+    if not isinstance(parsed, dict):
+        raise BadRequest("Request body must be a JSON object")
+    return parsed

@@ -29,6 +29,7 @@ class ClusterInfoCache:
         self._info: Optional[ClusterInfo] = None
         self._fetched_at = -1e9
         self._inflight: Optional[asyncio.Future] = None
+        self._inflight_started = -1e9
 
     async def get(self) -> ClusterInfo:
         """The cached ClusterInfo; raises Overloaded (503) when the broker does not answer."""
@@ -36,10 +37,14 @@ class ClusterInfoCache:
         if info is not None and info.model is not None and time.monotonic() - self._fetched_at < self._ttl:
             return info
         if self._inflight is None or self._inflight.done():  # a failed refresh is retried
-            self._inflight = asyncio.ensure_future(self._refresh())
-            self._inflight.add_done_callback(_consume_exception)
+            self._start_refresh()
         # shield: a waiter that gets cancelled must not cancel the query the others share.
         return await asyncio.shield(self._inflight)
+
+    def _start_refresh(self) -> None:
+        self._inflight = asyncio.ensure_future(self._refresh())
+        self._inflight.add_done_callback(_consume_exception)
+        self._inflight_started = time.monotonic()
 
     async def _refresh(self) -> ClusterInfo:
         try:
@@ -51,11 +56,13 @@ class ClusterInfoCache:
         self._info, self._fetched_at = info, time.monotonic()
         return info
 
-    async def fresh(self, max_age: float = 0.05) -> ClusterInfo:
-        """An answer at most ``max_age`` seconds old (shared with concurrent askers)."""
-        if time.monotonic() - self._fetched_at > max_age:
-            self.invalidate()
-        return await self.get()
+    async def fresh(self) -> ClusterInfo:
+        """An answer the broker gave after this call began: callers that arrive while
+        such a query is in flight share it."""
+        asked = time.monotonic()
+        if self._inflight is None or self._inflight.done() or self._inflight_started < asked:
+            self._start_refresh()
+        return await asyncio.shield(self._inflight)
 
     def invalidate(self) -> None:
         """The next get() asks the broker (after a change made through this gateway)."""

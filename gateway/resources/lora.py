@@ -16,7 +16,7 @@ import falcon
 
 from common.client import RequestError
 from common.errors import BadRequest
-from gateway.resources.rl import _json_body
+from gateway.body import json_object_body
 from gateway.state import GatewayState
 
 _RANK_PREFIX = re.compile(r"^rank \d+: ")
@@ -49,7 +49,7 @@ class _LoRARoute:
         self.state = state
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         args, message = self.args(body)
         await self.check(args)
         try:

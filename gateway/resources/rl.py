@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import falcon
-import msgspec
 
 from common.errors import BadRequest
-from gateway.body import read_body
+from gateway.body import json_object_body
 from gateway.http_protocol import json_encoder
 from gateway.state import GatewayState
 
@@ -48,19 +47,6 @@ def _mode(req) -> str:
     if mode not in PAUSE_MODES:
         raise BadRequest(f"unknown pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}", "mode")
     return mode
-
-
-async def _json_body(req, state: GatewayState) -> dict:
-    body = await read_body(req, state.settings.max_body_bytes)
-    if not body.strip():
-        return {}
-    try:
-        parsed = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        raise BadRequest("Invalid JSON format") from None
-    if not isinstance(parsed, dict):
-        raise BadRequest("Request body must be a JSON object")
-    return parsed
 
 
 def _respond(resp, content: Any) -> None:
@@ -100,7 +86,7 @@ class AbortAll(_Route):
     async def on_post(self, req, resp):
         from gateway.resources.abort import ids_to_abort
 
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         ids = body.get("request_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
             raise BadRequest("request_ids must be a list of strings", "request_ids")
@@ -111,7 +97,7 @@ class AbortAll(_Route):
 
 class InitWeightTransfer(_Route):
     async def on_post(self, req, resp):
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         if not isinstance(body.get("init_info"), dict):
             raise BadRequest("body needs an 'init_info' object", "init_info")
         await self.control(req, "init_weight_transfer_engine", {"init_info": body["init_info"]})
@@ -132,7 +118,7 @@ class StartWeightUpdate(_Route):
 
 class UpdateWeights(_Route):
     async def on_post(self, req, resp):
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         info = body.get("update_info")
         if not isinstance(info, (dict, list)):
             raise BadRequest("body needs an 'update_info' object", "update_info")
@@ -142,7 +128,7 @@ class UpdateWeights(_Route):
 
 class FinishWeightUpdate(_Route):
     async def on_post(self, req, resp):
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise BadRequest("weight_version must be a string", "weight_version")
@@ -152,7 +138,7 @@ class FinishWeightUpdate(_Route):
 
 class UpdateWeightVersion(_Route):
     async def on_post(self, req, resp):
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         version = body.get("new_version")
         if not isinstance(version, str) or not version:
             raise BadRequest("body needs a non-empty 'new_version' string", "new_version")
@@ -167,7 +153,7 @@ class WeightInfo(_Route):
 
 class WeightChecker(_Route):
     async def on_post(self, req, resp):
-        body = await _json_body(req, self.state)
+        body = await json_object_body(req, self.state.settings.max_body_bytes)
         action, baseline = body.get("action"), body.get("baseline")
         if action not in ("checksum", "reset", "compare"):
             raise BadRequest(f"unknown action {action!r}: expected checksum, reset or compare", "action")
