@@ -255,3 +255,26 @@ def test_prompt_logprobs_of_adapter_rows_equal_peft(engine, llama_dir, adapters)
     base_ref = hf_prompt_logprobs(llama_dir, prompt[:30]).gather(1, torch.tensor(prompt[1:30])[:, None])[:, 0]
     base = [lp for d in out["base"] if d.prompt_logprobs is not None for lp in d.prompt_logprobs.logprobs]
     assert base == pytest.approx(base_ref.tolist(), abs=1e-4)
+
+
+def test_vanished_adapter_files_fail_only_new_requests(llama_dir, adapters, tmp_path):
+    """Host copies beyond --max-cpu-loras are re-read when a request arrives (and kept
+    while it runs): deleted files fail that request at once with vLLM's 404, never a
+    step, and a running request's adapter is never re-read."""
+    import shutil
+
+    copies = {n: shutil.copytree(adapters[n], tmp_path / n) for n in ("qv", "mlp", "all")}
+    engine = make_engine(llama_dir, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16,
+                         lora_modules={n: str(p) for n, p in copies.items()})  # host cache: "all" only
+    prompt = random_prompts(1, 6, 7, seed=15)[0]
+    engine.add_request(_lora_request("keep", prompt, "mlp", max_tokens=6, ignore_eos=True))  # read, pinned
+    shutil.rmtree(copies["mlp"])
+    shutil.rmtree(copies["qv"])
+    with pytest.raises(LoRAError, match="Loading lora qv failed: No adapter found") as e:
+        engine.add_request(_lora_request("gone", prompt, "qv", max_tokens=2))
+    assert e.value.status == 404 and "gone" not in engine.requests
+    engine.add_request(_lora_request("other", prompt, "all", max_tokens=6, ignore_eos=True))
+    out = run_to_completion(engine)
+    assert tokens_of(out[("keep", 0)]) == peft_greedy(llama_dir, adapters["mlp"], prompt, 6)[0]
+    assert tokens_of(out[("other", 0)]) == peft_greedy(llama_dir, adapters["all"], prompt, 6)[0]
+    assert not engine.lora._pins and len(engine.lora._host) == 1  # unpinned, trimmed back to --max-cpu-loras

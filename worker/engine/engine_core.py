@@ -176,8 +176,15 @@ class EngineCore(RLControl):
             except ValueError as e:
                 raise BadRequest(str(e), "bad_words") from None
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
+        if lora_key is not None:  # last check: a refusal here leaves nothing to undo
+            self.lora.acquire(lora_key)
         self.requests[req.request_id] = request
         self.scheduler.add(seq)
+
+    def _forget(self, request: Request) -> None:
+        """The request is done (finished or aborted)."""
+        if self.requests.pop(request.request_id, None) is not None and request.lora_key is not None:
+            self.lora.release(request.lora_key)
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> EngineSequence:
         seq = EngineSequence(request, index, token_ids)
@@ -199,9 +206,10 @@ class EngineCore(RLControl):
         return seq
 
     def abort(self, request_id: str) -> list[SequenceOutput]:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return []
+        self._forget(request)
         outs: list[SequenceOutput] = []
         for seq in request.sequences:
             if not seq.is_finished():
@@ -386,5 +394,5 @@ class EngineCore(RLControl):
             self._capture_routing(seq)
             self.scheduler.remove(seq)
             if request.is_finished():
-                self.requests.pop(request.request_id, None)
+                self._forget(request)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)

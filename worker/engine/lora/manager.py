@@ -4,7 +4,9 @@
   with its path; a load reads and validates the adapter at once, so a bad one is
   refused when it is loaded, not when a request first uses it.
 - host cache: up to ``--max-cpu-loras`` adapters' tensors, least recently used
-  dropped first (re-read from their path when needed again).
+  dropped first (re-read from their path when needed again).  An adapter with
+  unfinished requests is pinned there: it is read (again) when a request arrives,
+  so a missing or broken file fails that request at once, never a later step.
 - slots: ``--max-loras`` device slots.  The scheduler admits at most that many
   distinct adapters into the running set, so every step's adapters fit; a step
   puts a missing one into a slot no running sequence uses (least recently used).
@@ -69,6 +71,7 @@ class LoRAManager:
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by key
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
         self._free_slots = list(range(max_loras))
+        self._pins: dict[str, int] = {}  # key -> unfinished requests using it (kept in host memory)
         self._ids = itertools.count(1)
 
     def attach(self, model) -> None:
@@ -136,11 +139,30 @@ class LoRAManager:
                                 f"base model?)")
         return adapter
 
+    def acquire(self, key: str) -> None:
+        """A request will run with ``key``: its tensors stay in host memory until release."""
+        self._host_copy(key)
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def release(self, key: str) -> None:
+        left = self._pins.get(key, 0) - 1
+        if left > 0:
+            self._pins[key] = left
+        else:
+            self._pins.pop(key, None)
+            self._trim()
+
     def _cache(self, key: str, adapter: LoRAAdapter) -> None:
         self._host[key] = adapter
         self._host.move_to_end(key)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        self._trim(keep=key)
+
+    def _trim(self, keep: Optional[str] = None) -> None:
+        """Drop least recently used unpinned host copies beyond --max-cpu-loras (never
+        ``keep``, the one just read)."""
+        excess = len(self._host) - self.max_cpu_loras
+        for key in [k for k in self._host if k not in self._pins and k != keep][:max(excess, 0)]:
+            del self._host[key]
 
     def _host_copy(self, key: str) -> LoRAAdapter:
         adapter = self._host.get(key)
