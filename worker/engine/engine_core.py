@@ -254,6 +254,10 @@ class EngineCore(RLControl):
                 # Cannot happen while one max_model_len sequence fits the KV cache; fail loudly, never spin.
                 raise RuntimeError("scheduler stalled: waiting requests but nothing can run")
             return []
+        if self.lora is not None:
+            # Each adapter's rows contiguous: the CPU path multiplies views instead of
+            # gathering and scattering rows (stable: priority order within an adapter).
+            out.scheduled.sort(key=_adapter_key)
         hidden = self.runner.forward(out.scheduled)
         self.scheduler.update_after_step(out.scheduled)
 
@@ -396,3 +400,7 @@ class EngineCore(RLControl):
             if request.is_finished():
                 self._forget(request)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)
+
+
+def _adapter_key(s) -> str:
+    return s.seq.request.lora_key or ""
