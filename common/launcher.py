@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory per worker")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="gateways serve /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
+                   help="workers' speculative decoding (vLLM's JSON, method ngram)")
+    p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
+                   help="gateways return metrics.speculative_decoding")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
@@ -181,6 +185,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                             ("--max-cpu-loras", args.max_cpu_loras)):
             if value is not None:
                 worker_args += [flag, str(value)]
+    if args.speculative_config:
+        worker_args += ["--speculative-config", args.speculative_config]
     for rank in range(args.workers):
         # Each worker sees only its own GPUs, which it then calls cuda:0 .. cuda:N-1.
         gpus = ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))
@@ -201,6 +207,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
         argv += replay_flags
         if args.allow_runtime_lora:
             argv.append("--allow-runtime-lora")
+        if args.per_request_spec_decode_metrics != "none":
+            argv += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
         if args.tokens_only:
             argv.append("--tokens-only")
         if args.served_model_name:

@@ -111,6 +111,16 @@ class TokenLogprobs(msgspec.Struct, **_STRUCT):
     top_texts: Optional[list[list[str]]] = None
 
 
+class SpecDecodeStats(msgspec.Struct, **_STRUCT):
+    """A request's speculative decoding counts (vLLM's RequestSpecDecodeMetrics)."""
+
+    num_spec_tokens: int  # the configured k
+    histogram: list[int]  # [k + 1]: verify steps that accepted exactly j drafts
+    num_draft_tokens: int = 0
+    per_step_accepted: list[int] = msgspec.field(default_factory=list)
+    per_step_drafted: list[int] = msgspec.field(default_factory=list)
+
+
 class CompletionDelta(msgspec.Struct, **_STRUCT):
     """What one engine step produced for one choice (request_id, index)."""
 
@@ -142,6 +152,8 @@ class CompletionDelta(msgspec.Struct, **_STRUCT):
     # token the model ran (prompt from routed_experts_prompt_start, then the outputs
     # but the last).
     routed_experts: Optional[bytes] = None
+    # Speculative decoding, on the delta that finishes the request: its counts.
+    spec_decode: Optional[SpecDecodeStats] = None
 
 
 class Outputs(msgspec.Struct, **_STRUCT):

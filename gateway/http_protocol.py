@@ -173,13 +173,27 @@ class PromptLogprob(msgspec.Struct):
     decoded_token: Optional[str] = None
 
 
+class SpeculativeDecodingMetrics(msgspec.Struct):
+    """vLLM's per-request speculative decoding acceptance (n == 1 only)."""
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]  # [k + 1]: verify steps that accepted exactly j drafts
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_accepted: Optional[list[int]] = None  # --per-request-spec-decode-metrics detailed
+    per_step_drafted: Optional[list[int]] = None
+
+
 class PerRequestMetrics(msgspec.Struct):
     time_to_first_token_ms: Optional[float] = None
     generation_time_ms: Optional[float] = None
     queue_time_ms: Optional[float] = None
     mean_itl_ms: Optional[float] = None
     tokens_per_second: Optional[float] = None
-    speculative_decoding: None = None
+    speculative_decoding: Optional[SpeculativeDecodingMetrics] = None
 
 
 class WeightVersionSpan(msgspec.Struct):

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (workers need --enable-lora); "
                         "also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
+                   help="return metrics.speculative_decoding (n == 1) from workers with --speculative-config")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -76,6 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         enable_rl=args.enable_rl or os.environ.get("VLLM_SERVER_DEV_MODE", "") == "1",
         enable_return_routed_experts=args.enable_return_routed_experts,
         return_sampling_mask=args.return_sampling_mask,
+        per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
         allow_runtime_lora=args.allow_runtime_lora
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )

@@ -114,6 +114,14 @@ class GatewayMetrics:
                                         req, buckets=_TOKEN_BUCKETS, registry=r)
         self.in_flight = Gauge("tokserve:gateway_requests_in_flight", "Requests this gateway is serving.",
                                registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", req,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", req,
+                                         registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", req,
+                                     registry=r)
+        self.spec_accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", req + ["position"], registry=r)
         self.broker = BrokerCollector()
         r.register(self.broker)
 
@@ -125,6 +133,15 @@ class GatewayMetrics:
             self.waiting.labels(*labels).set(w.load.waiting if w.alive else 0)
             total = w.load.total_kv_blocks
             self.kv_usage.labels(*labels).set(1.0 - w.load.free_kv_blocks / total if total else 0.0)
+
+    def observe_spec_decode(self, model_name: str, stats) -> None:
+        """A finished request's speculation counts (vLLM's SpecDecodingProm)."""
+        hist = stats.histogram
+        self.spec_drafts.labels(model_name).inc(sum(hist))
+        self.spec_draft_tokens.labels(model_name).inc(stats.num_draft_tokens)
+        self.spec_accepted.labels(model_name).inc(sum(j * c for j, c in enumerate(hist)))
+        for pos in range(stats.num_spec_tokens):  # steps that accepted more than pos drafts
+            self.spec_accepted_pos.labels(model_name, str(pos)).inc(sum(hist[pos + 1:]))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -164,6 +181,8 @@ class RequestTracker:
             self.generated += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.reason = delta.finish_reason
+        if delta.spec_decode is not None:
+            self.m.observe_spec_decode(self.model, delta.spec_decode)
 
     def finish(self, error_status: Optional[int] = None) -> None:
         """Record the outcome once: success with its finish reason, or an error status."""

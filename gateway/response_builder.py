@@ -13,13 +13,14 @@ from typing import Optional
 
 import msgspec
 
-from common.protocol import CompletionDelta
+from common.protocol import CompletionDelta, SpecDecodeStats
 from gateway import logprobs_format
 from gateway.http_protocol import (
     GenerateResponse,
     Logprobs,
     PerRequestMetrics,
     PromptTokensDetails,
+    SpeculativeDecodingMetrics,
     StreamChunk,
     TextChoice,
     TokensChoice,
@@ -39,6 +40,7 @@ class ResponseOptions:
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details (prefix caching on)
     routed_experts: bool = False  # --enable-return-routed-experts
     sampling_mask: bool = False  # --return-sampling-mask
+    spec_decode_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed
 
 
 def routed_experts_b64(delta: CompletionDelta) -> Optional[str]:
@@ -78,11 +80,27 @@ def request_metrics(arrival: float, first_scheduled: Optional[float], first_toke
     )
 
 
+def spec_decoding_metrics(stats: SpecDecodeStats, detailed: bool) -> SpeculativeDecodingMetrics:
+    """vLLM's RequestSpecDecodeMetrics.to_dict: the acceptance length counts the bonus token."""
+    steps = sum(stats.histogram)
+    accepted = sum(j * count for j, count in enumerate(stats.histogram))
+    detail = detailed and bool(stats.per_step_accepted)
+    return SpeculativeDecodingMetrics(
+        mean_acceptance_length=1.0 + accepted / steps if steps else 1.0,
+        draft_acceptance_rate=accepted / stats.num_draft_tokens if stats.num_draft_tokens else 0.0,
+        acceptance_histogram=list(stats.histogram), num_spec_steps=steps, num_accepted_draft_tokens=accepted,
+        num_draft_tokens=stats.num_draft_tokens, num_spec_tokens=stats.num_spec_tokens,
+        per_step_accepted=stats.per_step_accepted if detail else None,
+        per_step_drafted=stats.per_step_drafted if detail else None)
+
+
 class _RequestFacts:
     """What the first delta of a request carries once (prompt side, passthrough params)."""
 
-    def __init__(self, mapped: MappedRequest):
+    def __init__(self, mapped: MappedRequest, spec_level: str = "none"):
         self.mapped = mapped
+        self.spec_level = spec_level
+        self.spec_decode: Optional[SpecDecodeStats] = None
         self.num_prompt_tokens = len(mapped.wire.prompt_token_ids)
         self.num_cached_tokens: Optional[int] = None
         self.first_delta: Optional[CompletionDelta] = None
@@ -99,6 +117,8 @@ class _RequestFacts:
             self.first_scheduled_time = delta.first_scheduled_time
         if delta.first_token_time and self.first_token_time is None:
             self.first_token_time = delta.first_token_time
+        if delta.spec_decode is not None:
+            self.spec_decode = delta.spec_decode
 
     def prompt_details(self, enabled: bool, *, drop_none: bool):
         if not enabled or self.num_cached_tokens is None:
@@ -110,8 +130,11 @@ class _RequestFacts:
     def metrics(self, num_tokens: int) -> Optional[PerRequestMetrics]:
         if self.mapped.wire.params.n != 1 or self.first_token_time is None:
             return None
-        return request_metrics(self.mapped.wire.arrival_time, self.first_scheduled_time,
-                               self.first_token_time, time.time(), num_tokens)
+        metrics = request_metrics(self.mapped.wire.arrival_time, self.first_scheduled_time,
+                                  self.first_token_time, time.time(), num_tokens)
+        if self.spec_level != "none" and self.spec_decode is not None:
+            metrics.speculative_decoding = spec_decoding_metrics(self.spec_decode, self.spec_level == "detailed")
+        return metrics
 
 
 class ResponseAccumulator:
@@ -119,7 +142,7 @@ class ResponseAccumulator:
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
-        self.facts = _RequestFacts(mapped)
+        self.facts = _RequestFacts(mapped, options.spec_decode_metrics)
         self.details = options.prompt_tokens_details
         self.options = options
         n = mapped.wire.params.n
@@ -199,7 +222,7 @@ class StreamChunker:
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
-        self.facts = _RequestFacts(mapped)
+        self.facts = _RequestFacts(mapped, options.spec_decode_metrics)
         self.details = options.prompt_tokens_details
         self.options = options
         self.generated = [0] * mapped.wire.params.n

@@ -36,3 +36,6 @@ class GatewaySettings:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter: --allow-runtime-lora or
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's switch).
     allow_runtime_lora: bool = False
+    # vLLM's --per-request-spec-decode-metrics: metrics.speculative_decoding per n == 1
+    # response (workers with --speculative-config); "detailed" adds per-step counts.
+    per_request_spec_decode_metrics: str = "none"

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank a slot holds")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras); others are re-read from disk")
+    p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="refused: expert parallelism is not implemented (one worker serves every expert)")
     p.add_argument("--log-level", default=None)
@@ -122,7 +125,7 @@ def engine_config_from_args(args):
                         return_sampling_mask=args.return_sampling_mask,
                         enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules) or None,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras)
+                        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
 
 
 def main(argv: list[str] | None = None) -> int:

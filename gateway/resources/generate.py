@@ -73,7 +73,8 @@ class GenerateResource:
                                     lambda: self.state.client.abort([request_id]), s.disconnect_grace_s)
         details = ResponseOptions(prompt_tokens_details=bool(cluster.model.enable_prefix_caching),
                                   routed_experts=self.state.settings.enable_return_routed_experts,
-                                  sampling_mask=self.state.settings.return_sampling_mask)
+                                  sampling_mask=self.state.settings.return_sampling_mask,
+                                  spec_decode_metrics=self.state.settings.per_request_spec_decode_metrics)
         try:
             watcher.start()
             # Wait for the first delta before answering, so that a rejection by the

@@ -3,7 +3,7 @@ values that depend on the model and the device (dtype, max_model_len, KV blocks)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -60,6 +60,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    # Speculative decoding: vLLM's --speculative-config (JSON text or dict), e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}.
+    speculative_config: Optional[Union[str, dict]] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +97,10 @@ class EngineConfig:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")
+        from worker.engine.spec_decode.config import SpeculativeConfig
+
+        if SpeculativeConfig.parse(self.speculative_config) is not None and self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config with --tensor-parallel-size > 1 is not supported")
         self.torch_device  # validates the device string
         self.dtype_for(self.torch_device)  # validates the dtype string
 

@@ -32,6 +32,8 @@ from worker.engine.rl_control import RLControl
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
 from worker.engine.scheduler import ScheduledSeq, Scheduler
+from worker.engine.spec_decode.config import SpeculativeConfig
+from worker.engine.spec_decode.speculator import NgramSpeculator, accepted_prefix, draft_sampling_rows
 from worker.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,8 @@ class EngineCore(RLControl):
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_loras=config.max_loras if self.lora is not None else None)
         self.sampler = Sampler()
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.spec = NgramSpeculator(spec) if spec is not None else None
         self.runner.capture_cuda_graphs()
 
     def _start_lora(self, config: EngineConfig, device: torch.device):
@@ -178,6 +182,8 @@ class EngineCore(RLControl):
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
         if lora_key is not None:  # last check: a refusal here leaves nothing to undo
             self.lora.acquire(lora_key)
+        if self.spec is not None:
+            request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
         self.scheduler.add(seq)
 
@@ -248,6 +254,8 @@ class EngineCore(RLControl):
     def step(self) -> list[SequenceOutput]:
         if self.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
@@ -261,31 +269,66 @@ class EngineCore(RLControl):
         hidden = self.runner.forward(out.scheduled)
         self.scheduler.update_after_step(out.scheduled)
 
-        prompt_jobs, sample_seqs, rows = self._select_rows(out.scheduled)
+        prompt_jobs, sample_seqs, rows, specs = self._select_rows(out.scheduled)
         if not rows:
             return []
         logits = self.runner.compute_logits(hidden, rows)
-        num_prompt_rows = len(rows) - len(sample_seqs)
+        num_prompt_rows = len(rows) - len(sample_seqs) - sum(len(sp) for sp in specs)
         if prompt_jobs:
             self._score_prompts(prompt_jobs, logits[:num_prompt_rows])
         if not sample_seqs:
             return []
 
-        sample_rows = list(range(num_prompt_rows, len(rows)))
+        # Each sampling choice's first logits row; a choice verifying drafts owns the
+        # rows after it too (one per draft: the distribution after that draft).
+        sample_rows, at = [], num_prompt_rows
+        for sp in specs:
+            sample_rows.append(at)
+            at += 1 + len(sp)
         self._fork_choices(sample_seqs, sample_rows)
-        if len(sample_rows) == len(rows) - num_prompt_rows:  # no fork: the rows are a plain tail
+        specs += [()] * (len(sample_seqs) - len(specs))  # forked choices verify nothing
+        flat = [r + j for r, sp in zip(sample_rows, specs) for j in range(len(sp) + 1)]
+        if len(flat) == len(rows) - num_prompt_rows:  # no fork: the rows are a plain tail
             sample_logits = logits[num_prompt_rows:]
         else:
-            sample_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
-        meta = SamplingMetadata.build([s.sampling_row for s in sample_seqs], self.vocab_size, self.device)
+            sample_logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=logits.device))
+        sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
+        meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
         result = self.sampler(sample_logits, meta, self.config.return_sampling_mask)
         sampled = result.sampled.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
         masks = result.masks
 
         now = time.time()
-        return [self._append_token(seq, sampled[i], lp_lists, i, now, masks[i] if masks is not None else None)
-                for i, seq in enumerate(sample_seqs)]
+        outs, r = [], 0
+        for seq, sp in zip(sample_seqs, specs):
+            if not sp:
+                outs.append(self._append_token(seq, sampled[r], lp_lists, r, now,
+                                               masks[r] if masks is not None else None))
+                r += 1
+                continue
+            outs.append(self._append_verified(seq, sp, sampled, lp_lists, r, now, masks))
+            r += 1 + len(sp)
+        return outs
+
+    def _append_verified(self, seq: EngineSequence, spec: tuple, sampled: list[int], lp_lists: Any, r: int,
+                         now: float, masks: Optional[list]) -> SequenceOutput:
+        """Rows r.. of a choice that verified ``spec``: each row's token was sampled from
+        the target distribution after the drafts before it, so the tokens up to the first
+        that differs from its draft are exactly what decoding one by one would produce."""
+        accepted = accepted_prefix(sampled, r, spec)
+        self.spec.record(seq.request, len(spec), accepted)
+        tokens, texts = [], []
+        for j in range(accepted + 1):
+            out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now,
+                                     masks[r + j] if masks is not None else None)
+            tokens += out.new_token_ids
+            if out.text:
+                texts.append(out.text)
+            if seq.is_finished():
+                break
+        self.scheduler.accept_drafts(seq, accepted)
+        return SequenceOutput(seq.request, seq.index, seq, tokens, "".join(texts) if texts else None)
 
     def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:
         """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
@@ -306,14 +349,16 @@ class EngineCore(RLControl):
 
     def _select_rows(self, scheduled: list[ScheduledSeq]):
         """Logit rows this step needs: prompt positions to score, then one row per
-        sequence that reached its end (its next token is sampled)."""
+        sequence that reached its end (its next token is sampled), followed by one per
+        draft it verifies (``specs``: the drafts of each sampling sequence)."""
         prompt_jobs: list[tuple[Request, int, int]] = []  # (request, first position, count)
         prompt_rows: list[int] = []
         sample_seqs: list[EngineSequence] = []
         sample_rows: list[int] = []
+        specs: list[tuple] = []
         row = 0
         for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens
+            seq, n = s.seq, s.num_new_tokens - len(s.spec)
             start = seq.num_computed_tokens - n
             request = seq.request
             if request.wants_prompt_scores and seq.index == 0:
@@ -327,9 +372,10 @@ class EngineCore(RLControl):
                     request.num_prompt_scored = last
             if seq.num_computed_tokens == seq.num_tokens:
                 sample_seqs.append(seq)
-                sample_rows.append(row + n - 1)
-            row += n
-        return prompt_jobs, sample_seqs, prompt_rows + sample_rows
+                sample_rows.extend(range(row + n - 1, row + n + len(s.spec)))
+                specs.append(s.spec)
+            row += n + len(s.spec)
+        return prompt_jobs, sample_seqs, prompt_rows + sample_rows, specs
 
     def _score_prompts(self, jobs: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
         offset = 0

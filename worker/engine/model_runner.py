@@ -256,6 +256,9 @@ class ModelRunner:
             start = seq.num_computed_tokens
             if n == 1:
                 input_ids[t] = seq.token_ids[start]
+            elif s.spec:  # the last token, then the drafts to verify
+                input_ids[t] = seq.token_ids[start]
+                input_ids[t + 1:t + n] = s.spec
             else:
                 input_ids[t:t + n] = seq.token_ids[start:start + n]
             t += n

@@ -72,6 +72,7 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.num_cached_tokens = 0
+        self.spec_stats: Any = None  # SpecDecodeStats once a step verified drafts for it
 
     def is_finished(self) -> bool:
         return self.forked and all(s.status is SeqStatus.FINISHED for s in self.sequences)
@@ -104,6 +105,7 @@ class EngineSequence:
         self.routed_experts: Any = None  # numpy [positions, moe layers, top_k], set when the choice finishes
         # (weight version, first output index sampled with it), one entry per change.
         self.version_starts: list[tuple[str, int]] = []
+        self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
 
     # --- sizes -----------------------------------------------------------
     @property

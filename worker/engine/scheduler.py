@@ -25,6 +25,9 @@ from worker.engine.request import SeqStatus, EngineSequence
 class ScheduledSeq:
     seq: EngineSequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    # Speculative decoding: draft tokens verified this step, after the sequence's last
+    # token (counted in num_new_tokens; their KV counts only where they are accepted).
+    spec: tuple = ()
 
 
 @dataclass
@@ -106,6 +109,10 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = ()
+            if num_new == 1 and seq.spec_token_ids:  # a decode with drafts: verify them too
+                spec = tuple(seq.spec_token_ids[:budget - 1])
+                num_new += len(spec)
             while not self.bm.allocate_slots(seq, num_new):
                 victim = self.running[-1]  # worst (priority, arrival)
                 self._preempt(victim)
@@ -113,7 +120,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new, spec))
                 budget -= num_new
                 i += 1
             # else: seq itself was preempted; running shrank so i is now past the end.
@@ -184,7 +191,14 @@ class Scheduler:
         return bm.num_blocks_to_take(seq, num_new, cached) + growth <= bm.num_free_blocks
 
     def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
-        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        """Advance computed-token counts and publish newly full blocks to the prefix cache
+        (drafts are not counted: ``accept_drafts`` adds those that were accepted)."""
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
             self.bm.register_computed_blocks(s.seq)
+
+    def accept_drafts(self, seq: EngineSequence, num_accepted: int) -> None:
+        """``num_accepted`` verified drafts joined the sequence: their KV is valid."""
+        if num_accepted and not seq.is_finished():
+            seq.num_computed_tokens += num_accepted
+            self.bm.register_computed_blocks(seq)

@@ -39,6 +39,7 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
         sampling_mask=seq.pending_sampling_mask,
         routed_experts=npy_bytes(seq.routed_experts) if seq.finish_reason is not None else None,
+        spec_decode=request.spec_stats if request.is_finished() else None,
     )
     seq.pending_logprobs = None
     seq.pending_sampling_mask = None
@@ -71,6 +72,8 @@ def merge_delta(acc: Optional[CompletionDelta], d: CompletionDelta) -> Completio
         acc.sampling_mask = (acc.sampling_mask or []) + d.sampling_mask
     if d.routed_experts is not None:
         acc.routed_experts = d.routed_experts
+    if d.spec_decode is not None:
+        acc.spec_decode = d.spec_decode
     for f in ("prompt_logprobs", "prompt_token_id_scores", "prompt_token_id_shape", "kv_transfer_params",
               "first_scheduled_time", "first_token_time"):
         if getattr(acc, f) is None:

@@ -1,0 +1,192 @@
+"""Speculative decoding (n-gram drafts) in the engine: outputs identical to ordinary
+decoding (greedy ids, logprobs, stops, penalties, chunked prefill, prefix cache,
+preemption, mixed batches), sampled outputs distributed identically (chi-square at
+a fixed seed set), the proposer, per-request counts and the config's refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request
+from worker.engine.spec_decode.config import SpeculativeConfig
+from worker.engine.spec_decode.ngram import propose_ngram
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _repetitive(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a random phrase: the continuation often quotes them."""
+    out = []
+    for i, p in enumerate(random_prompts(n, 4, 12, seed=seed)):
+        out.append((p * 4)[: 8 + 5 * i % 40])
+    return out
+
+
+def _run(engine, prompts, **params):
+    res = engine.generate([request(str(i), p, **params) for i, p in enumerate(prompts)])
+    return [res[str(i)] for i in range(len(prompts))]
+
+
+def _spec_engine(model_dir, **kw):
+    return make_engine(model_dir, speculative_config=dict(NGRAM), **kw)
+
+
+def test_ngram_proposer_matches_vllms_choice():
+    t = np.array([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3])
+    assert propose_ngram(t, 3, 1, 3).tolist() == [9, 1, 2]  # longest suffix, earliest occurrence
+    assert propose_ngram(np.array([1, 1, 1, 1]), 3, 1, 3).tolist() == [1]  # what is left after it
+    assert propose_ngram(t, 3, 4, 5).tolist() == []  # the longest match (3) is below min
+    assert propose_ngram(np.array([4, 5, 6, 7]), 3, 1, 3).tolist() == []
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    return make_engine(llama_dir), _spec_engine(llama_dir)
+
+
+def test_greedy_ids_and_logprobs_equal_without_speculation(engines, llama_dir):
+    base, spec = engines
+    prompts = _repetitive(8, seed=1)
+    want = _run(base, prompts, max_tokens=40, ignore_eos=True, logprobs=2)
+    got = _run(spec, prompts, max_tokens=40, ignore_eos=True, logprobs=2)
+    for w, g in zip(want, got):
+        assert g[0].token_ids == w[0].token_ids
+        np.testing.assert_allclose(g[0].logprobs.logprobs, w[0].logprobs.logprobs, atol=1e-4)
+        assert g[0].logprobs.top_ids == w[0].logprobs.top_ids
+    assert got[0][0].token_ids == hf_greedy(llama_dir, prompts[0], 40)[0]
+    steps = [g[0].spec_decode for g in got]
+    assert sum(sum(s.histogram[1:]) for s in steps) > 0, "no draft was ever accepted: the test proves nothing"
+    for s, g in zip(steps, got):
+        accepted = sum(j * c for j, c in enumerate(s.histogram))
+        assert accepted <= s.num_draft_tokens == sum(s.per_step_drafted)
+        assert sum(s.histogram) == len(s.per_step_accepted) and accepted == sum(s.per_step_accepted)
+        # Each verify step emits its accepted drafts and one token of its own.
+        assert accepted + sum(s.histogram) <= len(g[0].token_ids)
+
+
+def test_stops_penalties_and_limits_are_exact(engines):
+    base, spec = engines
+    prompts = _repetitive(6, seed=2)
+    params = [dict(max_tokens=17, ignore_eos=True, repetition_penalty=1.3),
+              dict(max_tokens=30, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4),
+              dict(max_tokens=25, min_tokens=12),
+              dict(max_tokens=9, ignore_eos=True)]
+    for p in params:
+        want = [r[0].token_ids for r in _run(base, prompts, **p)]
+        got = [r[0].token_ids for r in _run(spec, prompts, **p)]
+        assert got == want, p
+    # A stop token inside an accepted run ends the output right there.
+    first = _run(base, prompts[:1], max_tokens=30, ignore_eos=True)[0][0].token_ids
+    stop = first[10]
+    want = _run(base, prompts[:1], max_tokens=30, ignore_eos=True, stop_token_ids=[stop])[0][0]
+    got = _run(spec, prompts[:1], max_tokens=30, ignore_eos=True, stop_token_ids=[stop])[0][0]
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == stop and got.stop_reason == stop
+
+
+def test_chunked_prefill_prefix_cache_preemption_and_mixed_batches(llama_dir):
+    prompts = _repetitive(10, seed=3) + random_prompts(4, 5, 60, seed=4)
+    kw = dict(max_num_batched_tokens=24, num_kv_blocks=10, block_size=16, max_model_len=160, max_num_seqs=8)
+    base = make_engine(llama_dir, **kw)
+    spec = _spec_engine(llama_dir, **kw)
+    lens = [10 + (7 * i) % 31 for i in range(len(prompts))]
+
+    def run(engine):
+        reqs = [request(str(i), p, max_tokens=m, ignore_eos=True) for i, (p, m) in enumerate(zip(prompts, lens))]
+        reqs.append(request("sampled", prompts[0], max_tokens=12, n=2, temperature=1.0, seed=7, ignore_eos=True))
+        res = engine.generate(reqs)
+        return {k: [d.token_ids for d in v] for k, v in res.items()}
+
+    want, got = run(base), run(spec)
+    # Seeded sampling draws one number per verified position, so its tokens differ from
+    # plain decoding's; they are reproducible run to run (the distribution is checked below).
+    sampled = got.pop("sampled")
+    del want["sampled"]
+    assert got == want
+    assert spec.scheduler.num_preemptions > 0, "the KV cache must be tight enough to preempt"
+    again = run(spec)  # prefix-cache hits this time
+    assert again.pop("sampled") == sampled
+    assert again == want
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+
+
+def _sampled(engine, prompt):
+    """Tokens of 300 seeded requests (top-2 at temperature 1: drafts are proposed at
+    almost every step and accepted about half the time)."""
+    seeds = range(300)
+    res = engine.generate([request(f"s{s}", prompt, seed=10_000 + s, max_tokens=10, ignore_eos=True,
+                                   temperature=1.0, top_k=2) for s in seeds])
+    return np.array([res[f"s{s}"][0].token_ids for s in seeds]), [res[f"s{s}"][0].spec_decode for s in seeds]
+
+
+def _min_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    """The smallest per-position chi-square homogeneity p-value of two samples."""
+    worst = 1.0
+    for pos in range(a.shape[1]):
+        vocab = sorted(set(a[:, pos]) | set(b[:, pos]))
+        table = np.array([[np.sum(col == v) for v in vocab] for col in (a[:, pos], b[:, pos])])
+        table = table[:, table.sum(0) >= 5]  # sparse cells make the test meaningless
+        if table.shape[1] > 1:
+            worst = min(worst, _chi2_homogeneity_p(table))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def plain_samples(llama_dir):
+    return _sampled(make_engine(llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])[0]
+
+
+def test_sampled_outputs_are_distributed_as_without_speculation(llama_dir, plain_samples):
+    """Per position, spec vs plain decoding over a fixed seed list (no flakiness): a
+    chi-square homogeneity test at a level where a false alarm is negligible."""
+    spec, stats = _sampled(_spec_engine(llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(j * c for s in stats for j, c in enumerate(s.histogram))
+    assert drafted > 500 and 0.1 < accepted / drafted < 0.9  # a real mix of accepts and rejects
+    assert _min_p_value(plain_samples, spec) > 1e-3
+
+
+def test_the_distribution_test_catches_a_biased_acceptance_rule(llama_dir, plain_samples, monkeypatch):
+    import worker.engine.engine_core as core
+
+    monkeypatch.setattr(core, "accepted_prefix", lambda sampled, r, spec: len(spec))  # keep every draft
+    spec, _ = _sampled(_spec_engine(llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])
+    assert _min_p_value(plain_samples, spec) < 1e-4
+
+
+def _chi2_homogeneity_p(table: np.ndarray) -> float:
+    """p-value of Pearson's chi-square test that the rows share one distribution."""
+    import torch
+
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    df = (table.shape[0] - 1) * (table.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chi2_helper_flags_a_biased_sample():
+    assert _chi2_homogeneity_p(np.array([[100, 100, 100], [98, 103, 99]])) > 0.5
+    assert _chi2_homogeneity_p(np.array([[100, 100, 100], [160, 70, 70]])) < 1e-4
+
+
+def test_config_is_vllms_and_refusals_name_the_problem():
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 2,
+                                    "prompt_lookup_max": 4}).prompt_lookup_min == 4
+    assert SpeculativeConfig.parse(None) is None
+    for bad, needle in [({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                        ({"method": "ngram"}, "num_speculative_tokens"),
+                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                          "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+                        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}, "draft_model"),
+                        ({"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
+                        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"},
+                         "acceptance_method"),
+                        ("{not json", "not valid JSON")]:
+        with pytest.raises(ValueError, match=needle):
+            SpeculativeConfig.parse(bad)
+    from worker.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        EngineConfig(model="m", tensor_parallel_size=2, speculative_config=dict(NGRAM))

@@ -1,0 +1,75 @@
+"""Drafts for the running decodes and the bookkeeping of their verification.
+
+Verification is exact for greedy and sampled rows alike: a drafting choice gets one
+logits row per position (after its last token, after each draft), each sampled with
+the ordinary sampler from the distribution it would have at that point (penalty and
+min_tokens histories include the drafts before it); the tokens up to and including
+the first one that differs from its draft are emitted.  With deterministic drafts
+(a point mass q) this is rejection sampling's rule: draft d is kept with probability
+p(d), and a rejected position's token is drawn from p without d.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from common.protocol import SpecDecodeStats
+from worker.engine.request import EngineSequence, Request
+from worker.engine.sampling_metadata import SamplingRow
+from worker.engine.spec_decode.config import SpeculativeConfig
+from worker.engine.spec_decode.ngram import propose_ngram
+
+
+class NgramSpeculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.k = config.num_speculative_tokens
+
+    def propose(self, running: Sequence[EngineSequence], max_model_len: int) -> None:
+        """Set ``spec_token_ids`` of every running decode (empty: nothing to verify)."""
+        cfg = self.config
+        off = cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size
+        for seq in running:
+            seq.spec_token_ids = []
+            if off or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            # Never draft past the context or past what the request may still emit
+            # (every step emits the accepted drafts plus one token).
+            k = min(self.k, max_model_len - seq.num_tokens, seq.request.max_tokens - seq.num_output_tokens - 1)
+            if k > 0:
+                tokens = np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens)
+                seq.spec_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+
+    def new_stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.k, [0] * (self.k + 1))
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """One verify step of ``request`` (vLLM's RequestSpecDecodeMetrics.observe)."""
+        stats = request.spec_stats
+        stats.histogram[num_accepted] += 1
+        stats.num_draft_tokens += num_drafts
+        stats.per_step_accepted.append(num_accepted)
+        stats.per_step_drafted.append(num_drafts)
+
+
+def draft_sampling_rows(seq: EngineSequence, spec: tuple) -> list[SamplingRow]:
+    """The choice's sampling row, then one per draft whose history ends with the drafts
+    before it (fresh rows: their penalty caches must not touch the live one)."""
+    row = seq.sampling_row
+    if not spec:
+        return [row]
+    out = [row]
+    for j in range(1, len(spec) + 1):
+        out.append(SamplingRow(params=row.params, prompt_token_ids=row.prompt_token_ids,
+                               output_token_ids=seq.output_ids + list(spec[:j]), generator=row.generator,
+                               stop_ids_for_min_tokens=row.stop_ids_for_min_tokens, bad_words_ids=row.bad_words_ids))
+    return out
+
+
+def accepted_prefix(sampled: list[int], r: int, spec: tuple) -> int:
+    """How many leading drafts equal the token sampled at their position."""
+    n = 0
+    while n < len(spec) and sampled[r + n] == spec[n]:
+        n += 1
+    return n
