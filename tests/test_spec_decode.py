@@ -28,7 +28,8 @@ def _run(engine, prompts, **params):
 
 
 def _spec_engine(model_dir, **kw):
-    return make_engine(model_dir, speculative_config=dict(NGRAM), **kw)
+    """Drafts for every decode (no per-step cap): exercises verification the most."""
+    return make_engine(model_dir, speculative_config=dict(NGRAM), spec_max_step_tokens=kw.pop("cap", 0), **kw)
 
 
 def test_ngram_proposer_matches_vllms_choice():
@@ -167,6 +168,49 @@ def _chi2_homogeneity_p(table: np.ndarray) -> float:
 def test_chi2_helper_flags_a_biased_sample():
     assert _chi2_homogeneity_p(np.array([[100, 100, 100], [98, 103, 99]])) > 0.5
     assert _chi2_homogeneity_p(np.array([[100, 100, 100], [160, 70, 70]])) < 1e-4
+
+
+def test_step_cap_and_backoff_limit_what_is_verified(llama_dir):
+    """A CPU step verifies drafts only up to its token cap, the drafts going to the
+    choices that accept most; a choice whose drafts keep failing stops drafting."""
+    from worker.engine.spec_decode.speculator import NgramSpeculator
+
+    engine = _spec_engine(llama_dir, cap=6)
+    seen = []
+    forward = engine.runner.forward
+
+    def spy(scheduled):
+        decodes = [s for s in scheduled if s.num_new_tokens - len(s.spec) == 1 and s.seq.num_output_tokens]
+        seen.append((len(decodes), sum(len(s.spec) for s in decodes)))
+        return forward(scheduled)
+
+    engine.runner.forward = spy
+    prompts = _repetitive(4, seed=6)
+    want = [r[0].token_ids for r in _run(make_engine(llama_dir), prompts, max_tokens=24, ignore_eos=True)]
+    assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=24, ignore_eos=True)] == want
+    assert all(rows + drafts <= 6 for rows, drafts in seen if drafts) and any(d for _, d in seen)
+
+    spec = NgramSpeculator(engine.spec.config)
+    seq = engine._new_sequence(_request_obj(engine), 0, [5, 6, 7, 5, 6])
+    seq.num_computed_tokens = seq.num_tokens - 1
+    spec.propose([seq], 256)
+    assert seq.spec_token_ids == [7, 5, 6]
+    for _ in range(3):
+        spec.record(seq, 3, 0)
+    spec.propose([seq], 256)
+    assert seq.spec_token_ids == []  # backed off after rejections; it retries later
+    for _ in range(40):
+        spec.propose([seq], 256)
+    assert seq.spec_token_ids == [7, 5, 6]
+
+
+def _request_obj(engine):
+    from worker.engine.request import Request
+
+    req = request("x", [5, 6, 7, 5, 6], max_tokens=20)
+    r = Request(req, arrival_seq=0, max_tokens=20, eos_token_ids=[257], now=0.0)
+    r.spec_stats = engine.spec.new_stats()
+    return r
 
 
 def test_config_is_vllms_and_refusals_name_the_problem():

@@ -63,6 +63,15 @@ class EngineConfig:
     # Speculative decoding: vLLM's --speculative-config (JSON text or dict), e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}.
     speculative_config: Optional[Union[str, dict]] = None
+    # Speculative decoding: decode rows plus drafts per step stay within this; None:
+    # 8 on CPU (compute binds past a few rows there), no cap on CUDA; 0: no cap.
+    spec_max_step_tokens: Optional[int] = None
+
+    def spec_step_token_cap(self, device) -> Optional[int]:
+        cap = self.spec_max_step_tokens
+        if cap is None:
+            return 8 if device.type == "cpu" else None
+        return cap or None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -117,7 +117,7 @@ class EngineCore(RLControl):
                                    max_loras=config.max_loras if self.lora is not None else None)
         self.sampler = Sampler()
         spec = SpeculativeConfig.parse(config.speculative_config)
-        self.spec = NgramSpeculator(spec) if spec is not None else None
+        self.spec = NgramSpeculator(spec, config.spec_step_token_cap(device)) if spec is not None else None
         self.runner.capture_cuda_graphs()
 
     def _start_lora(self, config: EngineConfig, device: torch.device):
@@ -317,7 +317,7 @@ class EngineCore(RLControl):
         the target distribution after the drafts before it, so the tokens up to the first
         that differs from its draft are exactly what decoding one by one would produce."""
         accepted = accepted_prefix(sampled, r, spec)
-        self.spec.record(seq.request, len(spec), accepted)
+        self.spec.record(seq, len(spec), accepted)
         tokens, texts = [], []
         for j in range(accepted + 1):
             out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now,

@@ -106,6 +106,7 @@ class EngineSequence:
         # (weight version, first output index sampled with it), one entry per change.
         self.version_starts: list[tuple[str, int]] = []
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
+        self.spec_acceptance = 1.0  # recent share of its drafts accepted (drafting backs off when low)
 
     # --- sizes -----------------------------------------------------------
     @property

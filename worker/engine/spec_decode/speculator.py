@@ -10,7 +10,7 @@ p(d), and a rejected position's token is drawn from p without d.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -21,32 +21,60 @@ from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.ngram import propose_ngram
 
 
+# Backoff: a choice whose recent drafts were mostly rejected stops drafting (verifying
+# them costs compute once a batch is not purely bandwidth-bound) and retries later.
+_ACCEPTANCE_DECAY = 0.5  # weight of the older history in the running acceptance share
+_MIN_ACCEPTANCE = 0.25  # below this share, no drafts...
+_RECOVERY = 0.05  # ...and each step without drafts moves the share back up by this much
+
+
 class NgramSpeculator:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, max_step_tokens: Optional[int] = None):
+        """``max_step_tokens``: a step's decode rows plus drafts stay within this (None:
+        no cap).  Verifying drafts is nearly free while a step is bound by reading the
+        weights; where compute binds (a CPU past a few rows) every verified draft costs
+        about what a decode row does, so the cap gives the room left to the choices
+        whose drafts were accepted most."""
         self.config = config
         self.k = config.num_speculative_tokens
+        self.max_step_tokens = max_step_tokens
 
     def propose(self, running: Sequence[EngineSequence], max_model_len: int) -> None:
         """Set ``spec_token_ids`` of every running decode (empty: nothing to verify)."""
         cfg = self.config
         off = cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size
+        decodes = []
         for seq in running:
             seq.spec_token_ids = []
             if off or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
+            if seq.spec_acceptance < _MIN_ACCEPTANCE:
+                seq.spec_acceptance += _RECOVERY
+                continue
+            decodes.append(seq)
+        budget = None if self.max_step_tokens is None else max(self.max_step_tokens - len(decodes), 0)
+        if budget is not None and len(decodes) * self.k > budget:
+            decodes.sort(key=lambda s: -s.spec_acceptance)
+        for seq in decodes:
             # Never draft past the context or past what the request may still emit
             # (every step emits the accepted drafts plus one token).
             k = min(self.k, max_model_len - seq.num_tokens, seq.request.max_tokens - seq.num_output_tokens - 1)
+            if budget is not None:
+                k = min(k, budget)
             if k > 0:
                 tokens = np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens)
                 seq.spec_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+                if budget is not None:
+                    budget -= len(seq.spec_token_ids)
 
     def new_stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.k, [0] * (self.k + 1))
 
-    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """One verify step of ``request`` (vLLM's RequestSpecDecodeMetrics.observe)."""
-        stats = request.spec_stats
+    def record(self, seq: EngineSequence, num_drafts: int, num_accepted: int) -> None:
+        """One verify step of ``seq`` (vLLM's RequestSpecDecodeMetrics.observe)."""
+        seq.spec_acceptance = (_ACCEPTANCE_DECAY * seq.spec_acceptance
+                               + (1 - _ACCEPTANCE_DECAY) * num_accepted / num_drafts)
+        stats = seq.request.spec_stats
         stats.histogram[num_accepted] += 1
         stats.num_draft_tokens += num_drafts
         stats.per_step_accepted.append(num_accepted)
