@@ -192,6 +192,16 @@ def test_lora_flags_reach_workers_and_gateways():
         parse_lora_modules(["nameonly"])
 
 
+def test_speculative_flags_reach_workers_and_gateways():
+    from common.launcher import build_parser, plan_children
+
+    cfg = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = ["--speculative-config", cfg, "--per-request-spec-decode-metrics", "summary", "--gateways", "2"]
+    _, workers, gateways = plan_children(build_parser().parse_args(args), "/m")
+    assert all(w.argv[w.argv.index("--speculative-config") + 1] == cfg for w in workers)
+    assert all(g.argv[g.argv.index("--per-request-spec-decode-metrics") + 1] == "summary" for g in gateways)
+
+
 def test_common_imports_no_other_package_of_ours():
     """Layering: common/ is what every process shares; it must not pull in the worker,
     the broker or the gateway (the launcher asks `tokserve demo-model` for the demo model)."""

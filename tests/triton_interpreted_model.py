@@ -82,3 +82,17 @@ def test_lora_engine_on_triton_matches_peft(llama_dir, tmp_path):
     for i, (p, name) in enumerate(zip(prompts, ["a", None, "b"])):
         want = peft_greedy(llama_dir, ads[name], p, 4)[0] if name else hf_greedy(llama_dir, p, 4)[0]
         assert [t for d in out[f"l{i}"] for t in d.token_ids] == want, (i, name)
+
+
+def test_speculative_decoding_on_triton_equals_plain(llama_dir):
+    """Verification rows (the last token plus drafts: a short prefill with context)
+    through the Triton attention backend: greedy ids equal plain decoding."""
+    prompts = [(p * 3)[:20] for p in random_prompts(2, 4, 8, seed=9)]
+    reqs = lambda: [request(str(i), p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]  # noqa: E731
+    plain = make_engine(llama_dir, attention_backend="triton").generate(reqs())
+    spec = make_engine(llama_dir, attention_backend="triton", spec_max_step_tokens=0,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                           "prompt_lookup_max": 3})
+    got = spec.generate(reqs())
+    assert [got[str(i)][0].token_ids for i in range(2)] == [plain[str(i)][0].token_ids for i in range(2)]
+    assert sum(sum(got[str(i)][0].spec_decode.histogram[1:]) for i in range(2)) > 0  # drafts were accepted

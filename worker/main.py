@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    p.add_argument("--spec-max-step-tokens", type=int, default=None,
+                   help="speculative decoding: decode rows plus drafts per step stay within this "
+                        "(default 8 on CPU, where compute binds past a few rows; no cap on CUDA; 0: no cap)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="refused: expert parallelism is not implemented (one worker serves every expert)")
     p.add_argument("--log-level", default=None)
@@ -125,7 +128,8 @@ def engine_config_from_args(args):
                         return_sampling_mask=args.return_sampling_mask,
                         enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules) or None,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
+                        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
+                        spec_max_step_tokens=args.spec_max_step_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
