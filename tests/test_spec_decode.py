@@ -223,7 +223,6 @@ def test_config_is_vllms_and_refusals_name_the_problem():
                         ({"method": "ngram"}, "num_speculative_tokens"),
                         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                           "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
-                        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}, "draft_model"),
                         ({"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
                         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"},
                          "acceptance_method"),
@@ -234,3 +233,103 @@ def test_config_is_vllms_and_refusals_name_the_problem():
 
     with pytest.raises(ValueError, match="tensor-parallel"):
         EngineConfig(model="m", tensor_parallel_size=2, speculative_config=dict(NGRAM))
+
+
+# --- draft-model proposer ---------------------------------------------------------
+
+def _noisy_copy(model_dir, out, scale: float, seed: int = 0):
+    """The checkpoint with seeded noise on every weight: a draft that agrees with its
+    target often, not always."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if not out.exists():
+        shutil.copytree(model_dir, out)
+        gen = torch.Generator().manual_seed(seed)
+        weights = load_file(str(out / "model.safetensors"))
+        save_file({k: v + scale * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()},
+                  str(out / "model.safetensors"))
+    return out
+
+
+def _draft_engine(model_dir, draft_dir, k=3, **kw):
+    return make_engine(model_dir, spec_max_step_tokens=kw.pop("cap", 0),
+                       speculative_config={"method": "draft_model", "model": str(draft_dir),
+                                           "num_speculative_tokens": k}, **kw)
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(llama_dir, tmp_path_factory):
+    return _noisy_copy(llama_dir, tmp_path_factory.mktemp("drafts") / "noisy", 0.3)
+
+
+def test_draft_model_greedy_equals_plain(engines, llama_dir, noisy_draft):
+    base, _ = engines
+    prompts = random_prompts(6, 5, 40, seed=21)
+    want = _run(base, prompts, max_tokens=30, ignore_eos=True, logprobs=1)
+    for draft, full in ((llama_dir, True), (noisy_draft, False)):
+        got = _run(_draft_engine(llama_dir, draft), prompts, max_tokens=30, ignore_eos=True, logprobs=1)
+        accepted = drafted = 0
+        for w, g in zip(want, got):
+            assert g[0].token_ids == w[0].token_ids
+            np.testing.assert_allclose(g[0].logprobs.logprobs, w[0].logprobs.logprobs, atol=1e-4)
+            s = g[0].spec_decode
+            accepted += sum(j * c for j, c in enumerate(s.histogram))
+            drafted += s.num_draft_tokens
+        if full:  # the target drafting for itself: every draft is accepted
+            assert drafted > 0 and accepted == drafted
+        else:
+            assert 0 < accepted < drafted
+
+
+def test_draft_model_with_chunked_prefill_prefix_cache_and_preemption(llama_dir, noisy_draft):
+    prompts = random_prompts(10, 5, 60, seed=22)
+    kw = dict(max_num_batched_tokens=24, num_kv_blocks=10, block_size=16, max_model_len=160, max_num_seqs=8)
+    lens = [10 + (7 * i) % 31 for i in range(len(prompts))]
+
+    def run(engine):
+        res = engine.generate([request(str(i), p, max_tokens=m, ignore_eos=True)
+                               for i, (p, m) in enumerate(zip(prompts, lens))])
+        return {k: [d.token_ids for d in v] for k, v in res.items()}
+
+    want = run(make_engine(llama_dir, **kw))
+    spec = _draft_engine(llama_dir, noisy_draft, **kw)
+    assert run(spec) == want
+    assert spec.scheduler.num_preemptions > 0
+    assert run(spec) == want  # prefix-cache hits: the draft's KV of cached blocks is reused too
+    assert spec.block_manager.num_free_blocks == spec.block_manager.num_blocks
+
+
+def test_draft_model_sampling_keeps_the_distribution(llama_dir, plain_samples):
+    """The target as its own greedy draft: each draft is the argmax, kept about half the
+    time under top-2 sampling."""
+    spec, stats = _sampled(_draft_engine(llama_dir, llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(j * c for s in stats for j, c in enumerate(s.histogram))
+    assert drafted > 500 and 0.1 < accepted / drafted < 0.95
+    assert _min_p_value(plain_samples, spec) > 1e-3
+
+
+def test_draft_model_refusals(llama_dir, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other-vocab"
+    other.mkdir()
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg["vocab_size"] = 300
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="same vocabulary size. Target model vocab_size=320. Draft model "
+                                         "vocab_size=300"):
+        _draft_engine(llama_dir, other)
+    with pytest.raises(ValueError, match="not a model folder"):
+        _draft_engine(llama_dir, tmp_path / "missing")
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2,
+                                 "draft_tensor_parallel_size": 2})
+    assert SpeculativeConfig.parse({"model": str(llama_dir), "num_speculative_tokens": 2}).method == "draft_model"
+    shutil.rmtree(other)

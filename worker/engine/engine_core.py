@@ -33,6 +33,7 @@ from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.spec_decode.config import SpeculativeConfig
+from worker.engine.spec_decode.draft_model import DraftModelSpeculator
 from worker.engine.spec_decode.speculator import NgramSpeculator, accepted_prefix, draft_sampling_rows
 from worker.engine.tokenizer import load_tokenizer
 
@@ -100,6 +101,7 @@ class EngineCore(RLControl):
         self.runner.tp_leader = self.tp_leader
         self.lora = self._start_lora(config, device)
         self.runner.lora = self.lora
+        self.spec = self._start_speculation(config, mc, device, max_model_len)
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
             # One sequence must always fit, or recompute preemption could never finish it.
@@ -116,9 +118,20 @@ class EngineCore(RLControl):
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_loras=config.max_loras if self.lora is not None else None)
         self.sampler = Sampler()
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        self.spec = NgramSpeculator(spec, config.spec_step_token_cap(device)) if spec is not None else None
+        if isinstance(self.spec, DraftModelSpeculator):
+            self.spec.allocate(num_blocks, max_model_len)
         self.runner.capture_cuda_graphs()
+
+    def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is None:
+            return None
+        cap = config.spec_step_token_cap(device)
+        if spec.method == "ngram":
+            return NgramSpeculator(spec, cap)
+        draft = DraftModelSpeculator(spec, config, mc, device, max_model_len, cap)
+        self.runner.extra_bytes_per_block = draft.bytes_per_block  # the KV cache is sized for both
+        return draft
 
     def _start_lora(self, config: EngineConfig, device: torch.device):
         if not config.enable_lora:
@@ -266,6 +279,8 @@ class EngineCore(RLControl):
             # Each adapter's rows contiguous: the CPU path multiplies views instead of
             # gathering and scattering rows (stable: priority order within an adapter).
             out.scheduled.sort(key=_adapter_key)
+        if self.spec is not None:
+            self.spec.fill(out.scheduled)
         hidden = self.runner.forward(out.scheduled)
         self.scheduler.update_after_step(out.scheduled)
 

@@ -111,6 +111,7 @@ class ModelRunner:
         self.routing_store: Optional[torch.Tensor] = None
         self.lora: Optional[Any] = None  # LoRAManager when LoRA serving is enabled
         self._lora_batch: Optional[Any] = None  # the last forward's LoRABatch (its logits rows reuse it)
+        self.extra_bytes_per_block = 0  # KV of another model per block (a draft model's): counted in sizing
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -132,7 +133,7 @@ class ModelRunner:
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype) + self.extra_bytes_per_block
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_cache_memory_bytes is not None:

@@ -5,17 +5,21 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-# Keys of vLLM's SpeculativeConfig that change nothing for the ngram method here.
-_INERT = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+# Keys of vLLM's SpeculativeConfig each method takes here.
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                   "disable_by_batch_size"},
+         "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
+                         "disable_by_batch_size"}}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
     disable_by_batch_size: Optional[int] = None  # vLLM: no drafts once this many requests run
+    model: Optional[str] = None  # draft_model: the draft checkpoint's folder
 
     @classmethod
     def parse(cls, value: Union[str, dict, None]) -> Optional["SpeculativeConfig"]:
@@ -31,18 +35,32 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config must be a JSON object")
         cfg: dict[str, Any] = dict(value)
         method = cfg.get("method")
+        if method is None and cfg.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+            method = "ngram"
+            del cfg["model"]
         if method in ("[ngram]",):
             method = "ngram"
-        if method == "draft_model" or (method is None and cfg.get("model")):
-            raise ValueError("--speculative-config: method 'draft_model' is not supported yet; use 'ngram'")
-        if method != "ngram":
-            raise ValueError(f"--speculative-config: method {method!r} is not supported; supported: 'ngram'")
-        unknown = sorted(set(cfg) - _INERT)
+        if method is None and cfg.get("model"):
+            method = "draft_model"
+        if method not in _KEYS:
+            raise ValueError(f"--speculative-config: method {method!r} is not supported; supported: "
+                             f"'ngram', 'draft_model'")
+        unknown = sorted(set(cfg) - _KEYS[method])
         if unknown:
-            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported with method 'ngram'")
+            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported with method {method!r}")
         k = cfg.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        disable = cfg.get("disable_by_batch_size")
+        if disable is not None and (not isinstance(disable, int) or disable < 2):
+            raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 2, got {disable!r}")
+        if method == "draft_model":
+            model = cfg.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("--speculative-config: method 'draft_model' needs 'model' (the draft checkpoint)")
+            if cfg.get("draft_tensor_parallel_size", 1) != 1:
+                raise ValueError("--speculative-config: draft_tensor_parallel_size must be 1")
+            return cls("draft_model", k, disable_by_batch_size=disable, model=model)
         lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -53,7 +71,4 @@ class SpeculativeConfig:
         hi = lo if hi is None else hi
         if lo > hi:
             raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
-        disable = cfg.get("disable_by_batch_size")
-        if disable is not None and (not isinstance(disable, int) or disable < 2):
-            raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 2, got {disable!r}")
         return cls("ngram", k, lo, hi, disable)

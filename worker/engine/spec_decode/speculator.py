@@ -28,7 +28,10 @@ _MIN_ACCEPTANCE = 0.25  # below this share, no drafts...
 _RECOVERY = 0.05  # ...and each step without drafts moves the share back up by this much
 
 
-class NgramSpeculator:
+class Speculator:
+    """What every proposer shares: which running decodes draft and how many tokens
+    (limits, backoff, the step cap), and the per-request counts."""
+
     def __init__(self, config: SpeculativeConfig, max_step_tokens: Optional[int] = None):
         """``max_step_tokens``: a step's decode rows plus drafts stay within this (None:
         no cap).  Verifying drafts is nearly free while a step is bound by reading the
@@ -62,10 +65,16 @@ class NgramSpeculator:
             if budget is not None:
                 k = min(k, budget)
             if k > 0:
-                tokens = np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens)
-                seq.spec_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+                seq.spec_token_ids = self.draft_tokens(seq, k)
                 if budget is not None:
                     budget -= len(seq.spec_token_ids)
+
+    def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
+        """Up to ``k`` drafts for ``seq`` before the step is scheduled."""
+        raise NotImplementedError
+
+    def fill(self, scheduled: list) -> None:
+        """After scheduling: give the scheduled draft slots their tokens (model proposers)."""
 
     def new_stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.k, [0] * (self.k + 1))
@@ -79,6 +88,13 @@ class NgramSpeculator:
         stats.num_draft_tokens += num_drafts
         stats.per_step_accepted.append(num_accepted)
         stats.per_step_drafted.append(num_drafts)
+
+
+class NgramSpeculator(Speculator):
+    def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
+        cfg = self.config
+        tokens = np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens)
+        return propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
 
 
 def draft_sampling_rows(seq: EngineSequence, spec: tuple) -> list[SamplingRow]:

@@ -1,0 +1,109 @@
+"""Draft-model proposer: a smaller model of the same vocabulary, in the same worker,
+drafts k tokens greedily for each running decode.
+
+Its KV cache is its own tensor indexed by the target's block ids, so blocks are
+allocated, shared through the prefix cache, preempted and freed with the target's.
+Every step it first runs over the step's own tokens (prompt chunks, each decode's
+last token): its KV then covers what the target's does, and the decode rows' logits
+give their first drafts; k - 1 one-token steps give the rest, written into the
+slots the scheduler reserved for the drafts.  Greedy drafts are point masses, so the
+shared verification (speculator.py) keeps outputs exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from worker.engine.model_config import ModelConfig
+from worker.engine.models.llama import kv_bytes_per_block
+from worker.engine.request import EngineSequence
+from worker.engine.scheduler import ScheduledSeq
+from worker.engine.spec_decode.config import SpeculativeConfig
+from worker.engine.spec_decode.speculator import Speculator
+
+log = logging.getLogger("tokserve.engine")
+
+
+class _DraftView:
+    """A sequence as one draft forward sees it (the runner reads only these)."""
+
+    __slots__ = ("token_ids", "num_computed_tokens", "block_ids", "request")
+
+    def __init__(self, seq: EngineSequence, token_ids: list[int], num_computed_tokens: int):
+        self.token_ids = token_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.block_ids = seq.block_ids
+        self.request = seq.request
+
+
+class DraftModelSpeculator(Speculator):
+    def __init__(self, config: SpeculativeConfig, engine_config, target_mc: ModelConfig, device: torch.device,
+                 max_model_len: int, max_step_tokens=None):
+        from worker.engine.model_runner import ModelRunner
+        from worker.engine.model_setup import build_model
+
+        super().__init__(config, max_step_tokens)
+        path = Path(config.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--speculative-config: draft model {config.model!r} is not a model folder "
+                             f"(no config.json)")
+        mc = ModelConfig.from_dir(path)
+        if mc.vocab_size != target_mc.vocab_size:
+            raise ValueError("Target and draft model should have the same vocabulary size. Target model vocab_size="
+                             f"{target_mc.vocab_size}. Draft model vocab_size={mc.vocab_size}. Using models with "
+                             "different tokenizers can cause out-of-bounds errors during speculative decoding.")
+        draft_config = dataclasses.replace(engine_config, model=str(path), speculative_config=None,
+                                           enable_lora=False, lora_modules=None, enable_return_routed_experts=False,
+                                           enforce_eager=True)
+        model, backend, _ = build_model(draft_config, mc, device)
+        self.model_config = mc
+        self.runner = ModelRunner(draft_config, mc, model, max_model_len, backend)
+        self.bytes_per_block = kv_bytes_per_block(mc, engine_config.block_size, engine_config.torch_dtype)
+        log.info("draft model %s (%s) proposes %d tokens per step", path, mc.architecture, self.k)
+
+    def allocate(self, num_blocks: int, max_model_len: int) -> None:
+        """Its KV cache, as many blocks as the target's."""
+        self.runner.set_max_model_len(max_model_len)
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
+        return [0] * k  # slots to schedule; fill() writes the tokens
+
+    @torch.inference_mode()
+    def fill(self, scheduled: list[ScheduledSeq]) -> None:
+        views, decodes, row, last_rows = [], [], 0, []
+        for s in scheduled:
+            seq = s.seq
+            # A choice whose drafts were all accepted left the last one uncomputed here.
+            lag = min(seq.draft_lag, seq.num_computed_tokens)
+            n = s.num_new_tokens - len(s.spec) + lag
+            views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, seq.num_computed_tokens - lag), n))
+            seq.draft_lag = 0
+            row += n
+            if s.spec:
+                decodes.append(s)
+                last_rows.append(row - 1)
+        hidden = self.runner.forward(views)
+        if not decodes:
+            return
+        drafts = [[t] for t in self._greedy(hidden, last_rows)]
+        for j in range(1, max(len(s.spec) for s in decodes)):
+            active = [i for i, s in enumerate(decodes) if len(s.spec) > j]
+            views = [ScheduledSeq(_DraftView(decodes[i].seq, decodes[i].seq.token_ids + drafts[i],
+                                             decodes[i].seq.num_computed_tokens + j), 1) for i in active]
+            hidden = self.runner.forward(views)
+            for i, t in zip(active, self._greedy(hidden, list(range(len(active))))):
+                drafts[i].append(t)
+        for s, d in zip(decodes, drafts):
+            s.spec = tuple(d[:len(s.spec)])
+
+    def _greedy(self, hidden: torch.Tensor, rows: list[int]) -> list[int]:
+        return self.runner.compute_logits(hidden, rows).argmax(dim=-1).tolist()
+
+    def record(self, seq: EngineSequence, num_drafts: int, num_accepted: int) -> None:
+        super().record(seq, num_drafts, num_accepted)
+        if num_accepted == num_drafts:  # its last draft is in the output but not in the draft's KV
+            seq.draft_lag = 1
