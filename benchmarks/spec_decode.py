@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram drafts) vs plain decoding, same engine config, same run.
+"""Speculative decoding (n-gram drafts; a draft model) vs plain decoding, same run.
 
 Two workloads on the random ~125M Llama of engine_throughput.py, greedy, EOS ignored:
 (a) repetitive: each prompt is S + G + S, where G is the plain engine's own greedy
@@ -8,7 +8,9 @@ Two workloads on the random ~125M Llama of engine_throughput.py, greedy, EOS ign
 For each workload and concurrency (requests in flight at once), output tok/s and the
 mean inter-token latency per request (time between a request's first and last token
 over its tokens after the first), with and without speculation; rounds alternate
-and the best of each is kept.  Outputs are checked identical.
+and the best of each is kept.  Outputs are checked identical.  The draft model is
+the target's first ``--draft-layers`` layers with its embedding, final norm and head
+(self-speculation by early exit: no trained small model can be downloaded here).
 
     python -m benchmarks.spec_decode                            # concurrency 1 and 8, k = 4
     python -m benchmarks.spec_decode --concurrency 1 --k 6 --output-len 128
@@ -32,13 +34,35 @@ from common.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
 
 
-def make_engine(model_dir: Path, args, spec: bool) -> Engine:
-    cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-           "prompt_lookup_max": args.lookup_max} if spec else None
+def make_engine(model_dir: Path, args, spec) -> Engine:
+    """``spec``: None (plain), "ngram", or a draft model's folder."""
+    if spec == "ngram":
+        cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+               "prompt_lookup_max": args.lookup_max}
+    elif spec is not None:
+        cfg = {"method": "draft_model", "model": str(spec), "num_speculative_tokens": args.k}
+    else:
+        cfg = None
     return Engine(EngineConfig(model=str(model_dir), tokens_only=True, max_num_seqs=max(args.concurrency),
                                max_num_batched_tokens=2048, enable_prefix_caching=False,
                                max_model_len=3 * args.prompt_len + 2 * args.output_len + 16,
                                num_threads=args.threads, speculative_config=cfg))
+
+
+def early_exit_draft(model_dir: Path, out: Path, layers: int) -> Path:
+    """The target's first ``layers`` layers with its embedding, norm and head."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "generation_config.json").write_text((model_dir / "generation_config.json").read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    keep = {k: v for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def run(engine: Engine, prompts, output_len: int) -> tuple[float, float, list[list[int]]]:
@@ -73,14 +97,20 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--draft-layers", type=int, default=2, help="layers of the early-exit draft model (0: none)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="tokserve-spec-bench-") as tmp:
-        model_dir = build_model(Path(tmp))
-        plain, spec = make_engine(model_dir, args, False), make_engine(model_dir, args, True)
+        (Path(tmp) / "target").mkdir()
+        model_dir = build_model(Path(tmp) / "target")
+        engines = {"plain": make_engine(model_dir, args, None), "ngram": make_engine(model_dir, args, "ngram")}
+        if args.draft_layers:
+            draft = early_exit_draft(model_dir, Path(tmp) / "draft", args.draft_layers)
+            engines[f"draft{args.draft_layers}L"] = make_engine(model_dir, args, draft)
+        plain = engines["plain"]
         print(f"~125M Llama, greedy, {args.output_len} output tokens; ngram k={args.k}, lookup "
               f"{args.lookup_min}..{args.lookup_max}; torch threads {torch.get_num_threads()} (pid {os.getpid()})")
         vocab = LLAMA_125M["vocab_size"]
@@ -91,27 +121,27 @@ def main(argv=None) -> int:
             workloads = {"repetitive": [s + g + s for s, g in zip(seeds, conts)],
                          "random": make_prompts(c, 3 * args.prompt_len, vocab, seed=100 + c)}
             for name, prompts in workloads.items():
-                best = {"plain": (0.0, 0.0), "ngram": (0.0, 0.0)}
-                same = True
+                best = {label: (0.0, 0.0) for label in engines}
+                outputs = {}
                 for _ in range(args.repeat):
-                    tps_p, itl_p, out_p = run(plain, prompts, args.output_len)
-                    tps_s, itl_s, out_s = run(spec, prompts, args.output_len)
-                    same &= out_p == out_s
-                    if tps_p > best["plain"][0]:
-                        best["plain"] = (tps_p, itl_p)
-                    if tps_s > best["ngram"][0]:
-                        best["ngram"] = (tps_s, itl_s)
-                (tp, ip), (ts, is_) = best["plain"], best["ngram"]
-                rows.append(dict(workload=name, concurrency=c, plain_tps=round(tp, 1), ngram_tps=round(ts, 1),
-                                 speedup=round(ts / tp, 2), plain_itl_ms=round(ip, 2), ngram_itl_ms=round(is_, 2),
-                                 identical=same))
-                print(json.dumps(rows[-1]), flush=True)
+                    for label, engine in engines.items():
+                        tps, itl, outputs[label] = run(engine, prompts, args.output_len)
+                        if tps > best[label][0]:
+                            best[label] = (tps, itl)
+                tp, ip = best["plain"]
+                for label in list(engines)[1:]:
+                    ts, is_ = best[label]
+                    rows.append(dict(workload=name, concurrency=c, proposer=label, plain_tps=round(tp, 1),
+                                     spec_tps=round(ts, 1), speedup=round(ts / tp, 2), plain_itl_ms=round(ip, 2),
+                                     spec_itl_ms=round(is_, 2), identical=outputs[label] == outputs["plain"]))
+                    print(json.dumps(rows[-1]), flush=True)
         print()
-        print("| workload | concurrency | plain tok/s | ngram tok/s | speedup | plain ITL ms | ngram ITL ms | identical |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| workload | concurrency | proposer | plain tok/s | spec tok/s | speedup | plain ITL ms | spec ITL ms "
+              "| identical |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['workload']} | {r['concurrency']} | {r['plain_tps']} | {r['ngram_tps']} | {r['speedup']}x | "
-                  f"{r['plain_itl_ms']} | {r['ngram_itl_ms']} | {r['identical']} |")
+            print(f"| {r['workload']} | {r['concurrency']} | {r['proposer']} | {r['plain_tps']} | {r['spec_tps']} | "
+                  f"{r['speedup']}x | {r['plain_itl_ms']} | {r['spec_itl_ms']} | {r['identical']} |")
     return 0
 
 

@@ -333,3 +333,15 @@ def test_draft_model_refusals(llama_dir, tmp_path):
                                  "draft_tensor_parallel_size": 2})
     assert SpeculativeConfig.parse({"model": str(llama_dir), "num_speculative_tokens": 2}).method == "draft_model"
     shutil.rmtree(other)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_verification_rows_on_each_cpu_attention_backend(llama_dir, backend):
+    """The last token plus drafts is a short prefill with context in every backend."""
+    prompts = _repetitive(4, seed=23)
+    want = _run(make_engine(llama_dir, attention_backend=backend), prompts, max_tokens=20, ignore_eos=True)
+    engine = _spec_engine(llama_dir, attention_backend=backend)
+    assert engine.attention_backend.name == backend
+    got = _run(engine, prompts, max_tokens=20, ignore_eos=True)
+    assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
+    assert sum(sum(g[0].spec_decode.histogram[1:]) for g in got) > 0

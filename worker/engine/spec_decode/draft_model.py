@@ -2,12 +2,14 @@
 drafts k tokens greedily for each running decode.
 
 Its KV cache is its own tensor indexed by the target's block ids, so blocks are
-allocated, shared through the prefix cache, preempted and freed with the target's.
-Every step it first runs over the step's own tokens (prompt chunks, each decode's
-last token): its KV then covers what the target's does, and the decode rows' logits
-give their first drafts; k - 1 one-token steps give the rest, written into the
-slots the scheduler reserved for the drafts.  Greedy drafts are point masses, so the
-shared verification (speculator.py) keeps outputs exact.
+allocated, preempted and freed with the target's.  The draft runs only for choices
+that draft this step: it first catches up on the positions the target computed
+since it last ran for that choice (the whole context the first time, and after a
+preemption, since cached blocks may hold target KV it never computed), whose last
+row gives the first draft; k - 1 one-token steps give the rest, written into the
+slots the scheduler reserved for the drafts.  Choices that do not draft (prefills,
+backed-off ones) cost the draft nothing.  Greedy drafts are point masses, so the
+shared verification (speculator.py) keeps outputs exact whatever the draft says.
 """
 from __future__ import annotations
 
@@ -77,18 +79,21 @@ class DraftModelSpeculator(Speculator):
         views, decodes, row, last_rows = [], [], 0, []
         for s in scheduled:
             seq = s.seq
-            # A choice whose drafts were all accepted left the last one uncomputed here.
+            if not s.spec:  # the target moves on without the draft
+                seq.draft_lag += s.num_new_tokens
+                continue
+            if seq.draft_synced != seq.num_preemptions:  # first draft, or recomputed since
+                seq.draft_lag, seq.draft_synced = seq.num_computed_tokens, seq.num_preemptions
             lag = min(seq.draft_lag, seq.num_computed_tokens)
-            n = s.num_new_tokens - len(s.spec) + lag
+            n = 1 + lag  # the positions it lacks, then the choice's last token
             views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, seq.num_computed_tokens - lag), n))
             seq.draft_lag = 0
             row += n
-            if s.spec:
-                decodes.append(s)
-                last_rows.append(row - 1)
-        hidden = self.runner.forward(views)
+            decodes.append(s)
+            last_rows.append(row - 1)
         if not decodes:
             return
+        hidden = self.runner.forward(views)
         drafts = [[t] for t in self._greedy(hidden, last_rows)]
         for j in range(1, max(len(s.spec) for s in decodes)):
             active = [i for i, s in enumerate(decodes) if len(s.spec) > j]
@@ -106,4 +111,4 @@ class DraftModelSpeculator(Speculator):
     def record(self, seq: EngineSequence, num_drafts: int, num_accepted: int) -> None:
         super().record(seq, num_drafts, num_accepted)
         if num_accepted == num_drafts:  # its last draft is in the output but not in the draft's KV
-            seq.draft_lag = 1
+            seq.draft_lag += 1
