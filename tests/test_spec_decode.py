@@ -345,3 +345,15 @@ def test_verification_rows_on_each_cpu_attention_backend(llama_dir, backend):
     got = _run(engine, prompts, max_tokens=20, ignore_eos=True)
     assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
     assert sum(sum(g[0].spec_decode.histogram[1:]) for g in got) > 0
+
+
+def test_draft_model_cache_sleeps_and_wakes_with_the_target(llama_dir, noisy_draft):
+    engine = _draft_engine(llama_dir, noisy_draft)
+    prompts = random_prompts(3, 5, 30, seed=24)
+    want = [r[0].token_ids for r in _run(make_engine(llama_dir), prompts, max_tokens=16, ignore_eos=True)]
+    assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
+    engine.sleep(1)
+    assert engine.spec.runner.kv_cache is None
+    assert engine.wake_up()
+    assert engine.spec.runner.kv_cache is not None
+    assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
