@@ -630,7 +630,9 @@ class Progress:
         self.test_row: Optional[Row] = None
         self.machine, self.torch_version = machine, torch_version
         self.stage = "start"
-        self.lock = threading.Lock()
+        # Reentrant: the watchdog holds it from its own write to the exit, so no stage's
+        # write can truncate the table file in between.
+        self.lock = threading.RLock()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -659,8 +661,8 @@ class Progress:
     def write(self, note: str = "") -> str:
         with self.lock:
             text = self.render(note)
-        if self.args.out:
-            Path(self.args.out).write_text(text + "\n", encoding="utf-8")
+            if self.args.out:
+                Path(self.args.out).write_text(text + "\n", encoding="utf-8")
         return text
 
 
@@ -761,6 +763,7 @@ def _failed(check: str, model: str, e: BaseException) -> Row:
 
 def _start_watchdog(progress: Progress) -> threading.Timer:
     def fire() -> None:
+        progress.lock.acquire()  # held until the exit: the partial table is the file's last word
         text = progress.write(f", TIMED OUT at --deadline-s {progress.args.deadline_s:.0f} during: "
                               f"{progress.stage}")
         print(text, flush=True)
