@@ -357,3 +357,17 @@ def test_draft_model_cache_sleeps_and_wakes_with_the_target(llama_dir, noisy_dra
     assert engine.wake_up()
     assert engine.spec.runner.kv_cache is not None
     assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
+
+
+def test_token_mirror_follows_appends_and_cuts(llama_dir):
+    from worker.engine.spec_decode.speculator import _token_array
+
+    engine = make_engine(llama_dir)
+    seq = engine._new_sequence(_request_obj(_spec_engine(llama_dir)), 0, list(range(5, 70)))
+    assert _token_array(seq).tolist() == seq.token_ids
+    for t in range(200):  # past the first buffer: grown in place
+        seq.append_token(t % 50)
+        assert _token_array(seq).tolist() == seq.token_ids
+    del seq.token_ids[-3:]  # a stop string cut the list
+    seq.token_ids.append(7)
+    assert _token_array(seq).tolist() == seq.token_ids

@@ -450,6 +450,7 @@ class EngineCore(RLControl):
                 dropped = seq.detokenizer.dropped_token_count
                 del seq.token_ids[-dropped:]
                 del seq.output_ids[-dropped:]
+                seq.token_buffer = None
                 new_tokens = new_tokens[:-dropped]
                 if seq.pending_sampling_mask:
                     del seq.pending_sampling_mask[-dropped:]

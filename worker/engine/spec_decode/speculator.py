@@ -93,8 +93,25 @@ class Speculator:
 class NgramSpeculator(Speculator):
     def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
         cfg = self.config
-        tokens = np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens)
-        return propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+        return propose_ngram(_token_array(seq), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+
+
+def _token_array(seq: EngineSequence) -> np.ndarray:
+    """``seq.token_ids`` as a numpy view, kept in a buffer grown by doubling that only
+    copies the tokens appended since the last call (a long context is not converted
+    again every step)."""
+    buf, filled = seq.token_buffer if seq.token_buffer is not None else (None, 0)
+    n = seq.num_tokens
+    if buf is None or filled > n or buf[filled - 1:filled].tolist() != seq.token_ids[filled - 1:filled]:
+        buf, filled = np.empty(max(2 * n, 64), dtype=np.int64), 0  # first use, or the list was cut
+    if n > len(buf):
+        grown = np.empty(2 * n, dtype=np.int64)
+        grown[:filled] = buf[:filled]
+        buf = grown
+    if n > filled:
+        buf[filled:n] = seq.token_ids[filled:n]
+    seq.token_buffer = (buf, n)
+    return buf[:n]
 
 
 def draft_sampling_rows(seq: EngineSequence, spec: tuple) -> list[SamplingRow]:
