@@ -302,3 +302,21 @@ def test_lora_decode_under_cuda_graphs_matches_eager_and_peft(llama_dir, tmp_pat
     assert got == run(eager)
     for p, n, m, ids in zip(prompts, names, lens, got):
         assert ids == (peft_greedy(llama_dir, ads[n], p, m)[0] if n else hf_greedy(llama_dir, p, m)[0])
+
+
+def test_speculative_decoding_on_cuda_matches_plain(llama_dir, tmp_path):
+    """Verification rows through the Triton backend on the GPU (eager steps beside the
+    graphed plain decodes), for both proposers: greedy ids and logprobs equal plain."""
+    from tests.test_spec_decode import _noisy_copy, _repetitive
+
+    prompts = _repetitive(6, seed=31)
+    plain = _run(make_engine(llama_dir, device="cuda", dtype="float32"), prompts, 24, logprobs=1)
+    draft = _noisy_copy(llama_dir, tmp_path / "noisy", 0.3)
+    for cfg in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}):
+        engine = make_engine(llama_dir, device="cuda", dtype="float32", speculative_config=cfg)
+        got = _run(engine, prompts, 24, logprobs=1)
+        assert [g.token_ids for g in got] == [p.token_ids for p in plain], cfg["method"]
+        for g, p in zip(got, plain):
+            assert max(abs(a - b) for a, b in zip(g.logprobs.logprobs, p.logprobs.logprobs)) < 1e-4
+        assert sum(sum(g.spec_decode.histogram[1:]) for g in got) > 0, cfg["method"]
