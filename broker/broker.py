@@ -246,7 +246,12 @@ class Broker:
             elif entry.session_id is not None:
                 worker = sticky_worker(entry.session_id, live)
             else:
-                worker = self.policy.pick([w for w in live if self.workers.has_capacity(w)], entry.lora_name)
+                candidates = [w for w in live if self.workers.has_capacity(w)]
+                if entry.lora_name is not None and any(entry.lora_name in w.lora_adapters for w in live) \
+                        and not any(entry.lora_name in w.lora_adapters for w in candidates):
+                    self._enqueue(entry)  # its adapter's workers are full: wait for one of them
+                    return
+                worker = self.policy.pick(candidates, entry.lora_name)
                 if worker is None:
                     self._enqueue(entry)
                     return

@@ -371,3 +371,56 @@ def test_token_mirror_follows_appends_and_cuts(llama_dir):
     del seq.token_ids[-3:]  # a stop string cut the list
     seq.token_ids.append(7)
     assert _token_array(seq).tolist() == seq.token_ids
+
+
+def test_draft_model_limits(llama_dir, tmp_path):
+    """A draft with a shorter context drafts only within it; a long catch-up is chunked
+    to the step's token budget; n > 1 stats reach the wire once."""
+    import json
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(llama_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(cfg))
+    prompts = [p * 2 for p in random_prompts(3, 30, 40, seed=25)]  # 60-80 tokens: past the draft's context
+    want = [r[0].token_ids for r in _run(make_engine(llama_dir), prompts, max_tokens=20, ignore_eos=True)]
+    assert [r[0].token_ids for r in _run(_draft_engine(llama_dir, short), prompts, max_tokens=20,
+                                         ignore_eos=True)] == want  # it used to crash its rotary table
+
+    engine = _draft_engine(llama_dir, llama_dir, max_num_batched_tokens=32)
+    forward = engine.spec.runner.forward
+    sizes = []
+    engine.spec.runner.forward = lambda views: sizes.append(sum(v.num_new_tokens for v in views)) or forward(views)
+    got = _run(engine, prompts, max_tokens=20, ignore_eos=True)
+    assert [r[0].token_ids for r in got] == want
+    assert sizes and max(sizes) <= 32  # an 80-token context caught up in budget-sized chunks
+    assert sum(sum(r[0].spec_decode.histogram[1:]) for r in got) > 0
+
+    multi = _run(_spec_engine(llama_dir), _repetitive(1, seed=26), max_tokens=12, n=3, temperature=1.0, seed=1,
+                 ignore_eos=True)[0]
+    assert sum(d.spec_decode is not None for d in multi) == 1
+
+
+def test_routed_experts_cover_accepted_drafts(tiny_model):
+    """A choice that finishes inside a run of accepted drafts reports the routing of
+    every position, as without speculation."""
+    import io
+
+    moe = tiny_model("mixtral")
+    base = _repetitive(4, seed=27)
+    prompts = [p for p in base for _ in range(8)]
+    lens = [6 + 3 * j for _ in base for j in range(8)]  # some finish right after accepting drafts
+
+    def routing(engine):
+        res = engine.generate([request(str(i), p, max_tokens=m, ignore_eos=True)
+                               for i, (p, m) in enumerate(zip(prompts, lens))])
+        return [(res[str(i)][0].token_ids, np.load(io.BytesIO(res[str(i)][0].routed_experts)))
+                for i in range(len(prompts))]
+
+    want = routing(make_engine(moe, enable_return_routed_experts=True))
+    got = routing(_spec_engine(moe, enable_return_routed_experts=True))
+    for (wt, wr), (gt, gr) in zip(want, got):
+        assert gt == wt
+        np.testing.assert_array_equal(gr, wr)

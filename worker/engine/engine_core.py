@@ -335,6 +335,8 @@ class EngineCore(RLControl):
         self.spec.record(seq, len(spec), accepted)
         tokens, texts = [], []
         for j in range(accepted + 1):
+            if j:  # the token before this one was the draft computed at its position
+                self.scheduler.accept_draft(seq)
             out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now,
                                      masks[r + j] if masks is not None else None)
             tokens += out.new_token_ids
@@ -342,7 +344,6 @@ class EngineCore(RLControl):
                 texts.append(out.text)
             if seq.is_finished():
                 break
-        self.scheduler.accept_drafts(seq, accepted)
         return SequenceOutput(seq.request, seq.index, seq, tokens, "".join(texts) if texts else None)
 
     def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:

@@ -114,6 +114,9 @@ class Scheduler:
                 spec = tuple(seq.spec_token_ids[:budget - 1])
                 num_new += len(spec)
             while not self.bm.allocate_slots(seq, num_new):
+                if spec:  # drafts are an option, never a reason to preempt: verify none
+                    num_new, spec = num_new - len(spec), ()
+                    continue
                 victim = self.running[-1]  # worst (priority, arrival)
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -192,13 +195,12 @@ class Scheduler:
 
     def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance computed-token counts and publish newly full blocks to the prefix cache
-        (drafts are not counted: ``accept_drafts`` adds those that were accepted)."""
+        (drafts are not counted: ``accept_draft`` adds each accepted one)."""
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
             self.bm.register_computed_blocks(s.seq)
 
-    def accept_drafts(self, seq: EngineSequence, num_accepted: int) -> None:
-        """``num_accepted`` verified drafts joined the sequence: their KV is valid."""
-        if num_accepted and not seq.is_finished():
-            seq.num_computed_tokens += num_accepted
-            self.bm.register_computed_blocks(seq)
+    def accept_draft(self, seq: EngineSequence) -> None:
+        """The next verified draft joined the sequence's tokens: its KV is valid."""
+        seq.num_computed_tokens += 1
+        self.bm.register_computed_blocks(seq)

@@ -39,8 +39,10 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
         sampling_mask=seq.pending_sampling_mask,
         routed_experts=npy_bytes(seq.routed_experts) if seq.finish_reason is not None else None,
-        spec_decode=request.spec_stats if request.is_finished() else None,
     )
+    if request.spec_stats is not None and request.is_finished() and not request.spec_stats_sent:
+        request.spec_stats_sent = True  # once per request, whichever choice finishes it
+        delta.spec_decode = request.spec_stats
     seq.pending_logprobs = None
     seq.pending_sampling_mask = None
     if not request.first_delta_sent and seq.index == 0:

@@ -62,7 +62,9 @@ class DraftModelSpeculator(Speculator):
                                            enforce_eager=True)
         model, backend, _ = build_model(draft_config, mc, device)
         self.model_config = mc
+        self.max_positions = mc.max_position_embeddings  # it drafts only within its own context
         self.runner = ModelRunner(draft_config, mc, model, max_model_len, backend)
+        self.token_budget = engine_config.step_token_budget(max_model_len)
         self.bytes_per_block = kv_bytes_per_block(mc, engine_config.block_size, engine_config.torch_dtype)
         log.info("draft model %s (%s) proposes %d tokens per step", path, mc.architecture, self.k)
 
@@ -71,12 +73,16 @@ class DraftModelSpeculator(Speculator):
         self.runner.set_max_model_len(max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
 
+    def propose(self, running, max_model_len: int) -> None:
+        super().propose(running, min(max_model_len, self.max_positions))
+
     def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
         return [0] * k  # slots to schedule; fill() writes the tokens
 
     @torch.inference_mode()
     def fill(self, scheduled: list[ScheduledSeq]) -> None:
         views, decodes, row, last_rows = [], [], 0, []
+        budget = self.token_budget  # the catch-up forward is chunked like a prefill
         for s in scheduled:
             seq = s.seq
             if not s.spec:  # the target moves on without the draft
@@ -86,14 +92,30 @@ class DraftModelSpeculator(Speculator):
                 seq.draft_lag, seq.draft_synced = seq.num_computed_tokens, seq.num_preemptions
             lag = min(seq.draft_lag, seq.num_computed_tokens)
             n = 1 + lag  # the positions it lacks, then the choice's last token
-            views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, seq.num_computed_tokens - lag), n))
+            start = seq.num_computed_tokens - lag
+            if n > budget:  # catch up part of the way; this step verifies no drafts for it
+                if budget > 0:
+                    views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, start), budget))
+                    seq.draft_lag = lag - budget
+                    row += budget
+                    budget = 0
+                else:
+                    seq.draft_lag = lag
+                seq.draft_lag += 1  # the target computes its last token without the draft
+                s.num_new_tokens -= len(s.spec)
+                s.spec = ()
+                continue
+            views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, start), n))
             seq.draft_lag = 0
+            budget -= n
             row += n
             decodes.append(s)
             last_rows.append(row - 1)
-        if not decodes:
+        if not views:
             return
         hidden = self.runner.forward(views)
+        if not decodes:
+            return
         drafts = [[t] for t in self._greedy(hidden, last_rows)]
         for j in range(1, max(len(s.spec) for s in decodes)):
             active = [i for i, s in enumerate(decodes) if len(s.spec) > j]
