@@ -37,20 +37,25 @@ class MappedRequest:
     continuous_usage: bool
 
 
+def base_model_names(info: ModelInfo, served_model_names: list[str]) -> list[str]:
+    """The names the base model answers to (--served-model-name, else its own)."""
+    return served_model_names or [info.name]
+
+
 def served_name(info: ModelInfo, served_model_names: list[str]) -> str:
-    return served_model_names[0] if served_model_names else info.name
+    return base_model_names(info, served_model_names)[0]
 
 
 def knows_model(requested: str, cluster: ClusterInfo, served_model_names: list[str]) -> bool:
     """``requested`` is a served name of the base model or a LoRA adapter of the pool."""
-    names = served_model_names or ([cluster.model.name] if cluster.model is not None else [])
-    return requested in names or requested in (cluster.lora_adapters or {})
+    return requested in base_model_names(cluster.model, served_model_names) or \
+        requested in (cluster.lora_adapters or {})
 
 
 def check_model(requested: Optional[str], info: ModelInfo, served_model_names: list[str],
                 lora_adapters: Optional[dict[str, str]] = None) -> Optional[str]:
     """The LoRA adapter ``requested`` names (None: the base model); 404 for an unknown name."""
-    names = served_model_names or [info.name]
+    names = base_model_names(info, served_model_names)
     if not requested or requested in names:
         return None
     if lora_adapters and requested in lora_adapters:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from common.errors import NotFound
-from tests.engine_helpers import hf_greedy, hf_prompt_logprobs, make_engine, random_prompts, request, run_to_completion, tokens_of
+from tests.engine_helpers import (hf_greedy, hf_prompt_logprobs, make_engine, random_prompts, request,
+                                  run_to_completion, tokens_of)
 from tests.lora_factory import ATTENTION, MLP, build_adapter, edit_adapter_config, peft_greedy
 from worker.engine.lora.manager import LoRAError
 
@@ -146,6 +147,7 @@ def test_refusals_name_the_problem(llama_dir, adapters, tmp_path, tiny_model):
     engine = make_engine(llama_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
     src = adapters["qv"]
     a = torch.ones(4, 64)
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
     cases = {
         "dora": ({"use_dora": True}, "DoRA"),
         "bias": ({"bias": "all"}, "bias"),
@@ -156,8 +158,8 @@ def test_refusals_name_the_problem(llama_dir, adapters, tmp_path, tiny_model):
         "pissa": ({"init_lora_weights": "pissa"}, "pissa"),
         "alora": ({"alora_invocation_tokens": [5, 6]}, "alora"),
         "tokens": ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
-        "other_base": ({"tensors": {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 32),
-                                    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": a.T.contiguous()}},
+        "other_base": ({"tensors": {f"{q_proj}.lora_A.weight": torch.ones(4, 32),
+                                    f"{q_proj}.lora_B.weight": a.T.contiguous()}},
                        r"layer 0 q_proj has A \(4, 32\).*another base model"),
         "classifier": ({"tensors": {"base_model.model.score.lora_A.weight": a,
                                     "base_model.model.score.lora_B.weight": a.T.contiguous()}}, "score"),

@@ -264,8 +264,8 @@ def test_lora_static_batch_for_graphs_matches_torch():
     slots, rank, k, vocab, bs = 4, 8, 32, 50, 12
     group = LoRAGroup(("gate_proj", "up_proj"), ((0, 20), (20, 40)), 0.3 * torch.randn(slots, 2 * rank, k, generator=g),
                       0.3 * torch.randn(slots, 40, rank, generator=g), rank)
-    emb = EmbeddingLoRA(0.3 * torch.randn(slots, vocab, rank, generator=g), 0.3 * torch.randn(slots, k, rank, generator=g),
-                        rank)
+    emb = EmbeddingLoRA(0.3 * torch.randn(slots, vocab, rank, generator=g),
+                        0.3 * torch.randn(slots, k, rank, generator=g), rank)
     static = LoRABatch.static(bs, slots, torch.device("cpu"))
     for step in (np.array([3, -1, 0, 3, 3, -1, 0], dtype=np.int64), np.array([1] * 9 + [-1, 2], dtype=np.int64)):
         x = torch.randn(bs, k, generator=g)

@@ -17,6 +17,7 @@ import falcon
 from common.client import RequestError
 from common.errors import BadRequest
 from gateway.body import json_object_body
+from gateway.request_mapping import base_model_names
 from gateway.state import GatewayState
 
 _RANK_PREFIX = re.compile(r"^rank \d+: ")
@@ -72,7 +73,7 @@ class LoadLoRAAdapter(_LoRARoute):
 
     async def check(self, args: dict) -> None:
         model = await self.state.cluster.model()
-        if args["lora_name"] in (self.state.settings.served_model_names or [model.name]):
+        if args["lora_name"] in base_model_names(model, self.state.settings.served_model_names):
             raise _invalid(f"The lora adapter '{args['lora_name']}' conflicts with a served base model.")
 
     def args(self, body: dict):

@@ -6,6 +6,7 @@ import time
 import falcon
 
 from gateway.http_protocol import ModelCard, ModelList, json_encoder
+from gateway.request_mapping import base_model_names
 from gateway.state import GatewayState
 
 _STARTED = int(time.time())
@@ -26,7 +27,7 @@ class ModelsResource:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         info = await self.state.cluster.get()
         model = await self.state.cluster.model()
-        names = self.state.settings.served_model_names or [model.name]
+        names = base_model_names(model, self.state.settings.served_model_names)
         cards = [ModelCard(id=name, created=_STARTED, root=model.name, max_model_len=model.max_model_len)
                  for name in names]
         # vLLM's LoRA cards: root = the adapter's path, parent = the base model.

@@ -118,7 +118,7 @@ class EngineCore(RLControl):
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    max_loras=config.max_loras if self.lora is not None else None)
         self.sampler = Sampler()
-        if isinstance(self.spec, DraftModelSpeculator):
+        if self.spec is not None:
             self.spec.allocate(num_blocks, max_model_len)
         self.runner.capture_cuda_graphs()
 

@@ -126,9 +126,8 @@ class RLControl:
         self.block_manager.reset_prefix_cache()
         if "kv_cache" not in self.asleep:
             self.runner.release_kv_cache()
-            draft = getattr(self.spec, "runner", None)  # a draft model's cache goes with the target's
-            if draft is not None:
-                draft.release_kv_cache()
+            if self.spec is not None:  # a draft model's cache goes with the target's
+                self.spec.release_cache()
             self.asleep.add("kv_cache")
         if level >= 2 and "weights" not in self.asleep:
             self._weights = None
@@ -154,9 +153,8 @@ class RLControl:
             self._reload_weights()
         if "kv_cache" in wanted and "kv_cache" in self.asleep:
             self.runner.allocate_kv_cache(self.block_manager.num_blocks)
-            draft = getattr(self.spec, "runner", None)
-            if draft is not None:
-                draft.allocate_kv_cache(self.block_manager.num_blocks)
+            if self.spec is not None:
+                self.spec.allocate(self.block_manager.num_blocks, self.max_model_len)
             self.asleep.discard("kv_cache")
         if not self.asleep and self.device.type == "cuda":
             self.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses

@@ -36,9 +36,8 @@ class SpeculativeConfig:
         cfg: dict[str, Any] = dict(value)
         method = cfg.get("method")
         if method is None and cfg.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
-            method = "ngram"
-            del cfg["model"]
-        if method in ("[ngram]",):
+            method = cfg.pop("model")
+        if method == "[ngram]":
             method = "ngram"
         if method is None and cfg.get("model"):
             method = "draft_model"

@@ -34,11 +34,25 @@ class _DraftView:
 
     __slots__ = ("token_ids", "num_computed_tokens", "block_ids", "request")
 
-    def __init__(self, seq: EngineSequence, token_ids: list[int], num_computed_tokens: int):
+    def __init__(self, seq: EngineSequence, token_ids, num_computed_tokens: int):
         self.token_ids = token_ids
         self.num_computed_tokens = num_computed_tokens
         self.block_ids = seq.block_ids
         self.request = seq.request
+
+
+class _WithDrafts:
+    """A sequence's tokens followed by its drafts so far, without copying the context:
+    a one-token draft step reads only the position it computes."""
+
+    __slots__ = ("base", "drafts")
+
+    def __init__(self, base: list[int], drafts: list[int]):
+        self.base, self.drafts = base, drafts
+
+    def __getitem__(self, i: int) -> int:
+        n = len(self.base)
+        return self.base[i] if i < n else self.drafts[i - n]
 
 
 class DraftModelSpeculator(Speculator):
@@ -72,6 +86,9 @@ class DraftModelSpeculator(Speculator):
         """Its KV cache, as many blocks as the target's."""
         self.runner.set_max_model_len(max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
+
+    def release_cache(self) -> None:
+        self.runner.release_kv_cache()
 
     def propose(self, running, max_model_len: int) -> None:
         super().propose(running, min(max_model_len, self.max_positions))
@@ -119,7 +136,7 @@ class DraftModelSpeculator(Speculator):
         drafts = [[t] for t in self._greedy(hidden, last_rows)]
         for j in range(1, max(len(s.spec) for s in decodes)):
             active = [i for i, s in enumerate(decodes) if len(s.spec) > j]
-            views = [ScheduledSeq(_DraftView(decodes[i].seq, decodes[i].seq.token_ids + drafts[i],
+            views = [ScheduledSeq(_DraftView(decodes[i].seq, _WithDrafts(decodes[i].seq.token_ids, drafts[i]),
                                              decodes[i].seq.num_computed_tokens + j), 1) for i in active]
             hidden = self.runner.forward(views)
             for i, t in zip(active, self._greedy(hidden, list(range(len(active))))):

@@ -1,8 +1,9 @@
 """N-gram (prompt lookup) drafts, as vLLM's ngram proposer: the tokens that followed
 the earliest occurrence of the sequence's longest suffix (at most ``max_n`` tokens)
 that occurred before; none when that suffix is shorter than ``min_n``.  The draft
-is what followed, up to ``k`` tokens.  Candidates are found with whole-array comparisons (one pass per suffix
-length over the positions still matching), never a per-token Python loop.
+is what followed, up to ``k`` tokens.  Candidates are found with whole-array
+comparisons (one pass per suffix length over the positions still matching), never a
+per-token Python loop.
 """
 from __future__ import annotations
 

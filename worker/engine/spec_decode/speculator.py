@@ -76,6 +76,12 @@ class Speculator:
     def fill(self, scheduled: list) -> None:
         """After scheduling: give the scheduled draft slots their tokens (model proposers)."""
 
+    def allocate(self, num_blocks: int, max_model_len: int) -> None:
+        """A KV cache of its own beside the target's (model proposers)."""
+
+    def release_cache(self) -> None:
+        """Sleep: give that cache back (``allocate`` restores it)."""
+
     def new_stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.k, [0] * (self.k + 1))
 
@@ -99,11 +105,11 @@ class NgramSpeculator(Speculator):
 def _token_array(seq: EngineSequence) -> np.ndarray:
     """``seq.token_ids`` as a numpy view, kept in a buffer grown by doubling that only
     copies the tokens appended since the last call (a long context is not converted
-    again every step)."""
+    again every step).  Whoever cuts ``token_ids`` drops the buffer (engine_core)."""
     buf, filled = seq.token_buffer if seq.token_buffer is not None else (None, 0)
     n = seq.num_tokens
-    if buf is None or filled > n or buf[filled - 1:filled].tolist() != seq.token_ids[filled - 1:filled]:
-        buf, filled = np.empty(max(2 * n, 64), dtype=np.int64), 0  # first use, or the list was cut
+    if buf is None or filled > n:
+        buf, filled = np.empty(max(2 * n, 64), dtype=np.int64), 0
     if n > len(buf):
         grown = np.empty(2 * n, dtype=np.int64)
         grown[:filled] = buf[:filled]
