@@ -39,8 +39,8 @@ def _body(prompt, stream=False, **params):
             "sampling_params": {"max_tokens": 32, "temperature": 0, "ignore_eos": True, **params}}
 
 
-def _check_counts(spec: dict, num_tokens: int) -> tuple[int, int, int]:
-    assert set(spec) == FIELDS and spec["num_spec_tokens"] == NGRAM["num_speculative_tokens"]
+def _check_counts(spec: dict, num_tokens: int, k: int = NGRAM["num_speculative_tokens"]) -> tuple[int, int, int]:
+    assert set(spec) == FIELDS and spec["num_spec_tokens"] == k
     hist = spec["acceptance_histogram"]
     steps, accepted = sum(hist), sum(j * c for j, c in enumerate(hist))
     assert len(hist) == spec["num_spec_tokens"] + 1 and spec["num_spec_steps"] == steps
@@ -110,3 +110,26 @@ def test_bad_config_stops_the_worker_at_start(stack, llama_dir):
     wait_for(lambda: not worker.alive(), 60, "the worker to exit")
     assert worker.popen.returncode != 0
     assert "num_speculative_tokens must be an integer >= 1, got 0" in worker.tail()
+
+
+def test_draft_model_worker_through_the_stack(stack, llama_dir):
+    """A worker started with a draft-model config (the target drafting for itself):
+    pinned requests equal plain decoding and every draft is accepted."""
+    procs, broker, http = stack
+    cfg = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}
+    worker = procs.worker(broker, 3, "--model", str(llama_dir), *WORKER_ARGS, "--speculative-config", json.dumps(cfg))
+    try:
+        wait_for_workers(broker.frontend, 2, timeout=120)
+        prompts = _repetitive(2, seed=14)
+        plain = make_engine(llama_dir).generate([request(str(i), p, max_tokens=32, ignore_eos=True)
+                                                 for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            r = http.post(GENERATE, json=_body(p), headers={"X-data-parallel-rank": "3"})
+            assert r.status_code == 200, r.text
+            tokens = r.json()["choices"][0]["token_ids"]
+            assert tokens == plain[str(i)][0].token_ids
+            spec = r.json()["metrics"]["speculative_decoding"]
+            _check_counts(spec, len(tokens), k=3)
+            assert spec["num_draft_tokens"] > 0 and spec["draft_acceptance_rate"] == 1.0
+    finally:
+        worker.stop()
