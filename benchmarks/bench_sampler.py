@@ -18,7 +18,7 @@ import time
 import torch
 
 from common.protocol import SamplingParams
-from worker.engine.detokenizer import IncrementalDetokenizer
+from common.detokenizer import IncrementalDetokenizer
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator
 

@@ -12,7 +12,7 @@ from tests.test_model import PagedSeqs, hf_logits
 from worker.engine import demo_model
 from worker.engine.loader import load_model
 from worker.engine.model_config import ModelConfig
-from worker.engine.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.protocol import SamplingParams, TokenLogprobs
-from worker.engine.detokenizer import (IncrementalDetokenizer, attach_token_texts,
+from common.detokenizer import (IncrementalDetokenizer, attach_token_texts,
                                        decode_token_texts, find_stop_string, needs_detokenizer,
                                        token_text_bytes)
 

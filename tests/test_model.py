@@ -18,7 +18,7 @@ from worker.engine.model_config import ModelConfig
 from worker.engine.models import kv_bytes_per_block, kv_cache_shape
 from worker.engine.models.cpu_gemm import (onednn_linear, onednn_supported, pack_weight, resolve_cpu_linear,
                                             row_bucket)
-from worker.engine.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 ATOL = 1e-4
 BLOCK = 4

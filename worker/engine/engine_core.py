@@ -19,7 +19,7 @@ from common.protocol import GenerateRequest, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
+from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig, generation_defaults
@@ -35,7 +35,7 @@ from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.draft_model import DraftModelSpeculator
 from worker.engine.spec_decode.speculator import NgramSpeculator, accepted_prefix, draft_sampling_rows
-from worker.engine.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
