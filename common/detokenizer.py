@@ -200,6 +200,18 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         self._prefix_text = self._decode(self._window[:self._read_offset])
 
+    # -- resumable window (the gateway's stateless streaming derender carries it) ----------
+
+    def window(self) -> tuple[list[int], int, int]:
+        """(ids from the prefix offset on, prefix offset, read offset): all later decoding reads."""
+        return list(self._window), self._prefix_offset, self._read_offset
+
+    def restore_window(self, ids: Sequence[int], prefix_offset: int, read_offset: int) -> None:
+        self._window = list(ids)
+        self._prefix_offset = prefix_offset
+        self._read_offset = read_offset
+        self._prefix_text = self._decode(self._window[prefix_offset:read_offset])
+
     # -- public API -----------------------------------------------------------------------
 
     def update(self, new_token_ids: Sequence[int], *, stop_terminated: bool = False,

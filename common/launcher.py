@@ -200,6 +200,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
     for i in range(args.gateways):
         argv = tokserve_cmd("gateway", "--host", args.host, "--port", str(args.port), "--broker", args.frontend,
                             *log_args, *shlex.split(args.gateway_args))
+        if not args.tokens_only:
+            argv += ["--tokenizer", model_dir]  # render, derender and the OpenAI routes
         if args.gateways > 1:
             argv.append("--reuse-port")
         if args.enable_rl:

@@ -19,7 +19,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
-from gateway.resources import lora, rl
+from gateway.resources import lora, openai, rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -46,13 +46,17 @@ def make_client(settings: GatewaySettings):
 
 
 def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.asgi.App, GatewayState]:
-    client = client if client is not None else make_client(settings)
+    if client is None:
+        client = None if settings.render_only else make_client(settings)
     state = GatewayState(
         settings=settings,
         client=client,
         cluster=ClusterInfoCache(client, ttl=settings.info_ttl_s, timeout=settings.info_timeout_s),
         metrics=GatewayMetrics(),
     )
+    renderer = make_renderer(settings)
+    if settings.render_only:
+        return render_only_app(settings, state, renderer), state
     middleware = [ClientLifecycle(client)]
     if settings.api_key:
         # vLLM leaves its RL routes open; here they need the key like everything else.
@@ -74,7 +78,41 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     if settings.allow_runtime_lora:
         lora.add_routes(app, state)
     app.add_route("/version", VersionResource())
+    if renderer is not None:
+        openai.add_routes(app, state, renderer)
     return app, state
+
+
+def make_renderer(settings: GatewaySettings):
+    """The text side (tokenizer, chat template, parsers), when the gateway has a model folder."""
+    if not settings.tokenizer:
+        return None
+    from gateway.openai_api.model_files import TextModel
+    from gateway.openai_api.render import RenderOptions, Renderer
+
+    model = TextModel.load(settings.tokenizer, settings.chat_template)
+    return Renderer(model, RenderOptions(
+        reasoning_parser=settings.reasoning_parser, tool_call_parser=settings.tool_call_parser,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        trust_request_chat_template=settings.trust_request_chat_template,
+        default_chat_template_kwargs=settings.default_chat_template_kwargs))
+
+
+class _Alive:
+    async def on_get(self, req, resp) -> None:
+        resp.data = b""
+
+
+def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) -> falcon.asgi.App:
+    """No broker: render, derender and tokenize, plus /health and /version."""
+    middleware = [ApiKeyMiddleware(settings.api_key, ())] if settings.api_key else []
+    app = falcon.asgi.App(middleware=middleware)
+    app.req_options.strip_url_path_trailing_slash = True
+    errors.install(app)
+    openai.add_routes(app, state, renderer)
+    app.add_route("/health", _Alive())
+    app.add_route("/version", VersionResource())
+    return app
 
 
 def create_app(settings: GatewaySettings, client=None):

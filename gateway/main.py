@@ -42,6 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="return metrics.speculative_decoding (n == 1) from workers with --speculative-config")
+    p.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
+                   help="model folder whose tokenizer and chat template serve render, derender, /tokenize and the "
+                        "OpenAI routes (/v1/chat/completions, /v1/completions)")
+    p.add_argument("--chat-template", default=None, help="chat template file (or the template text itself)")
+    p.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="chat template kwargs applied to every request, e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template given in the request")
+    p.add_argument("--reasoning-parser", default=None, help="split reasoning from content: deepseek_r1 | qwen3")
+    p.add_argument("--tool-call-parser", default=None, help="parse tool calls: hermes | llama3_json")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto': the model's tool calls are parsed (needs --tool-call-parser)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET /tokenizer_info")
+    p.add_argument("--render-only", action="store_true",
+                   help="serve render, derender and tokenize only, with no broker (vLLM's `vllm launch render`)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="--render-only: context length (default: the model's max_position_embeddings)")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -62,7 +79,37 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
             security.load_keypair(args.curve_client_key_file)  # fail at startup, not at first connect
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    import json
+
+    kwargs = {}
+    if args.default_chat_template_kwargs:
+        try:
+            kwargs = json.loads(args.default_chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise SystemExit("--default-chat-template-kwargs must be a JSON object")
+    if (args.render_only or args.reasoning_parser or args.tool_call_parser) and not args.tokenizer:
+        raise SystemExit("--render-only, --reasoning-parser and --tool-call-parser need --tokenizer MODEL_DIR")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
+    from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    for flag, value, choices in (("--reasoning-parser", args.reasoning_parser, REASONING_PARSERS),
+                                 ("--tool-call-parser", args.tool_call_parser, TOOL_CALL_PARSERS)):
+        if value is not None and value not in choices:
+            raise SystemExit(f"{flag} {value!r} is not one of: {', '.join(choices)}")
     return GatewaySettings(
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        default_chat_template_kwargs=kwargs,
+        trust_request_chat_template=args.trust_request_chat_template,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        render_only=args.render_only,
+        max_model_len=args.max_model_len,
         broker=args.broker,
         host=args.host,
         port=args.port,

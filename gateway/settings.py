@@ -39,3 +39,17 @@ class GatewaySettings:
     # vLLM's --per-request-spec-decode-metrics: metrics.speculative_decoding per n == 1
     # response (workers with --speculative-config); "detailed" adds per-step counts.
     per_request_spec_decode_metrics: str = "none"
+    # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
+    # tokenizer and chat template the gateway loads; None serves tokens only.
+    tokenizer: Optional[str] = None
+    tokenizer_name: Optional[str] = None  # the model name a --render-only gateway answers to
+    chat_template: Optional[str] = None  # --chat-template: a file or the template text
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+    enable_auto_tool_choice: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    # vLLM's `vllm launch render`: render, derender and tokenize only, no broker.
+    render_only: bool = False
+    max_model_len: Optional[int] = None  # render-only: the context length (default: config.json's)

@@ -30,7 +30,6 @@ SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprob_start": (None, 0),  # 0: the first row, vLLM's default
     "logprob_token_ids": (None,),
     "stream_interval": (None, 1),
-    "output_text_buffer_length": (0,),
     "structured_outputs": (None,),
     "extra_args": (None, {}),
     "skip_reading_prefix_cache": (None, False),
@@ -39,7 +38,9 @@ SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "trace_decode_token_ids": (None,),
 }
 # Decoded (type-checked) and dropped: nothing a client can observe depends on them here.
-INERT_SAMPLING_FIELDS = ("output_kind", "flat_logprobs", "skip_clone")
+# output_text_buffer_length: vLLM derives it from the stop strings (render emits it so); it only
+# holds streamed text back, which the workers do from the stop strings themselves.
+INERT_SAMPLING_FIELDS = ("output_kind", "flat_logprobs", "skip_clone", "output_text_buffer_length")
 
 
 def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:

@@ -273,7 +273,6 @@ UNSERVED_SAMPLING_VALUES = {
     "prompt_logprob_start": 2,
     "logprob_token_ids": [3, 4],
     "stream_interval": 4,
-    "output_text_buffer_length": 3,
     "structured_outputs": {"regex": "[ab]+"},
     "extra_args": {"x": 1},
     "skip_reading_prefix_cache": True,

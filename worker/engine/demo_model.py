@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-DEMO_VERSION = 1  # bump whenever the generated files change
+DEMO_VERSION = 2  # bump whenever the generated files change
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)
@@ -68,6 +68,15 @@ def build_byte_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> To
     return tok
 
 
+# Llama-3's turn layout with the headers spelled in text (the byte vocabulary has no header
+# tokens), so /v1/chat/completions works on the demo model.
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] | trim + eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 def tokenizer_config(bos: str = BOS_TOKEN, eos: str = EOS_TOKEN, model_max_length: int = 2048) -> dict:
     added = {str(BYTE_VOCAB + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                    "single_word": False, "special": True}
@@ -79,6 +88,7 @@ def tokenizer_config(bos: str = BOS_TOKEN, eos: str = EOS_TOKEN, model_max_lengt
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": added,
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
 
 

@@ -1,0 +1,158 @@
+"""``/v1/chat/completions`` responses from the workers' deltas: vLLM 0.32's
+``chat_completion_full_generator`` (one ChatCompletion) and ``chat_completion_stream_generator``
+(a role chunk per choice, then one chunk per delta, then the usage chunk)."""
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+import msgspec
+
+from common.protocol import CompletionDelta
+from gateway import logprobs_format
+from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
+from gateway.openai_api.facade import Generation, ResponseView, now
+from gateway.openai_api.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    json_encoder,
+)
+from gateway.openai_api.render import RenderedChat
+from gateway.response_builder import SSE_DONE, sse_event
+
+
+def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Optional[list]:
+    """Chat entries: the k most likely (the sampled token first, as vLLM orders them)."""
+    if top_logprobs is None or delta.logprobs is None:
+        return None
+    entries = logprobs_format.text_logprobs(delta.logprobs, top_logprobs)
+    if top_logprobs != -1:
+        for e in entries:
+            e.top_logprobs = e.top_logprobs[:top_logprobs]
+    return entries
+
+
+class ChatCollector:
+    """Non-stream: gathers every choice, then builds the ChatCompletion."""
+
+    def __init__(self, view: ResponseView, rendered: RenderedChat):
+        self.view, self.rendered = view, rendered
+        n = view.n
+        self.texts = [[] for _ in range(n)]
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finish: list[Optional[str]] = [None] * n
+        self.stop: list = [None] * n
+        self.num_prompt_tokens = len(rendered.token_ids)
+
+    def add(self, delta: CompletionDelta) -> None:
+        i = delta.index
+        if delta.num_prompt_tokens:
+            self.num_prompt_tokens = delta.num_prompt_tokens
+        self.ids[i].extend(delta.token_ids)
+        if delta.text:
+            self.texts[i].append(delta.text)
+        lp = chat_logprobs(delta, self.view.top_logprobs)
+        if lp:
+            self.logprobs[i].extend(lp)
+        if delta.finish_reason is not None:
+            self.finish[i], self.stop[i] = delta.finish_reason, delta.stop_reason
+
+    def build(self, model: str, metrics=None, kv_transfer_params=None) -> bytes:
+        choices = []
+        for i in range(self.view.n):
+            message = chat_message("".join(self.texts[i]), self.rendered.parsing)
+            if self.view.echo and self.rendered.last_message_text:
+                message.content = self.rendered.last_message_text + (message.content or "")
+            choices.append(ChatChoice(
+                index=i, message=message,
+                logprobs=ChatLogprobs(content=self.logprobs[i]) if self.view.top_logprobs is not None else None,
+                finish_reason=chat_finish_reason(self.finish[i], bool(message.tool_calls)),
+                stop_reason=self.stop[i],
+                token_ids=self.ids[i] if self.view.return_token_ids else None))
+        completion = sum(len(ids) for ids in self.ids)
+        body = ChatCompletionResponse(
+            id=self.rendered.generate["request_id"], created=now(), model=model, choices=choices,
+            usage=UsageInfo(prompt_tokens=self.num_prompt_tokens, total_tokens=self.num_prompt_tokens + completion,
+                            completion_tokens=completion),
+            prompt_token_ids=self.rendered.token_ids if self.view.return_token_ids else None,
+            prompt_text=self.rendered.prompt_text if self.view.return_prompt_text else None,
+            kv_transfer_params=kv_transfer_params, metrics=metrics)
+        return json_encoder.encode(body)
+
+
+async def collect_chat(run: Generation, view: ResponseView, rendered: RenderedChat, model: str) -> bytes:
+    collector = ChatCollector(view, rendered)
+    kv = None
+    async for delta in run:
+        if delta.kv_transfer_params is not None:
+            kv = delta.kv_transfer_params
+        collector.add(delta)
+    return collector.build(model, kv_transfer_params=kv)
+
+
+async def stream_chat(run: Generation, view: ResponseView, rendered: RenderedChat,
+                      model: str) -> AsyncIterator[bytes]:
+    request_id, created = rendered.generate["request_id"], now()
+    num_prompt = len(rendered.token_ids)
+    streams = [ChatChoiceStream(rendered.parsing) for _ in range(view.n)]
+    generated = [0] * view.n
+    finished = [False] * view.n
+
+    def chunk(choice: ChatStreamChoice, usage=msgspec.UNSET, **extra) -> bytes:
+        return sse_event(json_encoder.encode(ChatCompletionStreamResponse(
+            id=request_id, created=created, model=model, choices=[choice], usage=usage, **extra)))
+
+    def running_usage(i: int):
+        if not view.continuous_usage:
+            return msgspec.UNSET
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=generated[i],
+                         total_tokens=num_prompt + generated[i])
+
+    for i in range(view.n):
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None),
+                    usage=running_usage(i),
+                    prompt_token_ids=rendered.token_ids if view.return_token_ids else None,
+                    prompt_text=rendered.prompt_text if view.return_prompt_text else None)
+    if view.echo and rendered.last_message_text:
+        for i in range(view.n):
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=rendered.last_message_text)),
+                        usage=running_usage(i))
+    async for delta in run:
+        i = delta.index
+        if run.disconnected or finished[i]:
+            continue
+        if delta.num_prompt_tokens:
+            num_prompt = delta.num_prompt_tokens
+        generated[i] += len(delta.token_ids)
+        done = delta.finish_reason is not None
+        message = streams[i].delta(delta.text or "", done)
+        lp = chat_logprobs(delta, view.top_logprobs)
+        logprobs = ChatLogprobs(content=lp) if lp is not None else None
+        token_ids = delta.token_ids if view.return_token_ids else None
+        if message is None:
+            if not done and logprobs is None and not view.return_token_ids:
+                continue
+            message = DeltaMessage()
+        if not done:
+            choice = ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=None,
+                                      token_ids=token_ids)
+        else:
+            finished[i] = True
+            reason = chat_finish_reason(delta.finish_reason, streams[i].tools_streamed
+                                        and delta.finish_reason == "stop")
+            choice = ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=reason,
+                                      stop_reason=delta.stop_reason, token_ids=token_ids)
+        yield chunk(choice, usage=running_usage(i))
+    if view.include_usage and not run.disconnected:
+        completion = sum(generated)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion,
+                          total_tokens=num_prompt + completion, prompt_tokens_details=msgspec.UNSET,
+                          completion_tokens_details=msgspec.UNSET)
+        yield sse_event(json_encoder.encode(ChatCompletionStreamResponse(
+            id=request_id, created=created, model=model, choices=[], usage=usage)))
+    yield SSE_DONE

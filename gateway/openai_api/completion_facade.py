@@ -1,0 +1,166 @@
+"""``/v1/completions`` responses from the workers' deltas (vLLM 0.32's
+``completion_full_generator`` / ``completion_stream_generator``): one generation per
+prompt, choice ``index = prompt * n + choice``, ``echo`` prepending the prompt (and its
+logprobs), completion logprobs in OpenAI's parallel-list shape."""
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+import msgspec
+
+from common.protocol import CompletionDelta, TokenLogprobs
+from gateway import logprobs_format
+from gateway.openai_api.facade import Generation, ResponseView, merged, now
+from gateway.openai_api.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    json_encoder,
+)
+from gateway.openai_api.render import RenderedPrompt
+from gateway.response_builder import SSE_DONE, sse_event
+
+
+def completion_logprobs(entries: list, text_offset: int = 0) -> CompletionLogProbs:
+    """Chat-shaped entries (token, logprob, top_logprobs) -> OpenAI completion logprobs.
+    ``None`` entries are positions without a logprob (the first prompt token)."""
+    out = CompletionLogProbs()
+    for entry in entries:
+        out.text_offset.append(text_offset)
+        if isinstance(entry, str):  # a prompt token with no logprob: its text only
+            out.tokens.append(entry)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            text_offset += len(entry)
+            continue
+        out.tokens.append(entry.token)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({t.token: t.logprob for t in entry.top_logprobs} if entry.top_logprobs else None)
+        text_offset += len(entry.token)
+    return out
+
+
+def _num_entries(k: int) -> int:
+    """Completions report the top k + 1 candidates (OpenAI's definition, as vLLM)."""
+    return -1 if k == -1 else k + 1
+
+
+def output_entries(lp: Optional[TokenLogprobs], k: Optional[int]) -> list:
+    if k is None or lp is None:
+        return []
+    return logprobs_format.text_logprobs(lp, _num_entries(k))
+
+
+class _Prompt:
+    """One prompt's echo material: its text and, with logprobs, its logprob entries."""
+
+    def __init__(self, rendered: RenderedPrompt, tokenizer, view: ResponseView):
+        self.rendered = rendered
+        self.text = rendered.prompt_text if rendered.prompt_text is not None else tokenizer.decode(
+            rendered.token_ids)
+        self.entries: Optional[list] = None
+        self.tokenizer = tokenizer
+        self.view = view
+        self.num_tokens = len(rendered.token_ids)
+
+    def observe_first(self, delta: CompletionDelta) -> None:
+        if delta.num_prompt_tokens:
+            self.num_tokens = delta.num_prompt_tokens
+        if self.entries is None and self.view.echo and self.view.top_logprobs is not None:
+            first = self.tokenizer.decode(self.rendered.token_ids[:1], skip_special_tokens=False)
+            self.entries = [first] + output_entries(delta.prompt_logprobs, self.view.top_logprobs)
+
+
+async def collect_completion(runs: list[Generation], view: ResponseView, rendered: list[RenderedPrompt],
+                             tokenizer, model: str) -> bytes:
+    prompts = [_Prompt(r, tokenizer, view) for r in rendered]
+    n = view.n
+    total = len(runs) * n
+    texts = [[] for _ in range(total)]
+    ids: list[list[int]] = [[] for _ in range(total)]
+    entries: list[list] = [[] for _ in range(total)]
+    finish: list = [None] * total
+    stop: list = [None] * total
+    async for p, delta in merged(runs):
+        prompts[p].observe_first(delta)
+        i = p * n + delta.index
+        ids[i].extend(delta.token_ids)
+        if delta.text:
+            texts[i].append(delta.text)
+        entries[i].extend(output_entries(delta.logprobs, view.top_logprobs))
+        if delta.finish_reason is not None:
+            finish[i], stop[i] = delta.finish_reason, delta.stop_reason
+    choices = []
+    for i in range(total):
+        prompt = prompts[i // n]
+        text = "".join(texts[i])
+        lp_entries = entries[i]
+        if view.echo:
+            text = prompt.text + text
+            lp_entries = (prompt.entries or []) + lp_entries
+        choices.append(CompletionChoice(
+            index=i, text=text,
+            logprobs=completion_logprobs(lp_entries) if view.top_logprobs is not None else None,
+            finish_reason=finish[i] or "stop", stop_reason=stop[i],
+            token_ids=ids[i] if view.return_token_ids else None,
+            prompt_token_ids=prompt.rendered.token_ids if view.return_token_ids else None))
+    num_prompt = sum(p.num_tokens for p in prompts)
+    completion = sum(len(x) for x in ids)
+    body = CompletionResponse(
+        id=rendered[0].generate["request_id"], created=now(), model=model, choices=choices,
+        usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt + completion, completion_tokens=completion))
+    return json_encoder.encode(body)
+
+
+async def stream_completion(runs: list[Generation], view: ResponseView, rendered: list[RenderedPrompt],
+                            tokenizer, model: str) -> AsyncIterator[bytes]:
+    request_id, created = rendered[0].generate["request_id"], now()
+    prompts = [_Prompt(r, tokenizer, view) for r in rendered]
+    n = view.n
+    total = len(runs) * n
+    echoed = [False] * total
+    generated = [0] * total
+    offsets = [0] * total
+    async for p, delta in merged(runs):
+        if any(r.disconnected for r in runs):
+            continue
+        prompt = prompts[p]
+        prompt.observe_first(delta)
+        i = p * n + delta.index
+        text = delta.text or ""
+        out_entries = output_entries(delta.logprobs, view.top_logprobs)
+        prompt_ids = msgspec.UNSET
+        if not echoed[i] and (view.echo or view.return_token_ids):
+            echoed[i] = True
+            prompt_ids = prompt.rendered.token_ids if view.return_token_ids else msgspec.UNSET
+            if view.echo:
+                text = prompt.text + text
+                out_entries = (prompt.entries or []) + out_entries
+        elif not text and not delta.token_ids and delta.finish_reason is None:
+            continue
+        logprobs = None
+        if view.top_logprobs is not None:
+            logprobs = completion_logprobs(out_entries, offsets[i])
+            if logprobs.tokens:
+                offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        generated[i] += len(delta.token_ids)
+        usage = msgspec.UNSET
+        if view.continuous_usage:
+            usage = UsageInfo(prompt_tokens=prompt.num_tokens, completion_tokens=generated[i],
+                              total_tokens=prompt.num_tokens + generated[i])
+        choice = CompletionStreamChoice(
+            index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            prompt_token_ids=prompt_ids, token_ids=delta.token_ids if view.return_token_ids else msgspec.UNSET)
+        yield sse_event(json_encoder.encode(CompletionStreamResponse(
+            id=request_id, created=created, model=model, choices=[choice], usage=usage)))
+    if view.include_usage and not any(r.disconnected for r in runs):
+        num_prompt = sum(p.num_tokens for p in prompts)
+        completion = sum(generated)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion, total_tokens=num_prompt + completion,
+                          prompt_tokens_details=msgspec.UNSET, completion_tokens_details=msgspec.UNSET)
+        yield sse_event(json_encoder.encode(CompletionStreamResponse(
+            id=request_id, created=created, model=model, choices=[], usage=usage)))
+    yield SSE_DONE

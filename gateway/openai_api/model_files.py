@@ -1,0 +1,66 @@
+"""What the gateway reads from the model directory to render and derender text: the
+tokenizer, its chat template, generation_config.json's sampling defaults and, for a
+``--render-only`` gateway with no workers to ask, the context length.
+
+Only files are read (no weights): render/derender run on gateway processes, apart
+from the GPUs, as vLLM's ``vllm launch render`` does.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from common.tokenizer import Tokenizer, load_tokenizer
+from gateway.chat_template import ChatTemplate
+
+log = logging.getLogger("tokserve.gateway")
+
+# generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
+_GENERATION_DEFAULTS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
+                        "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass
+class TextModel:
+    """The model's text side, as the gateway needs it."""
+
+    path: Path
+    tokenizer: Tokenizer
+    tokenizer_config: dict
+    chat_template: Optional[ChatTemplate]
+    chat_template_text: Optional[str]
+    sampling_defaults: dict = field(default_factory=dict)
+    max_position_embeddings: Optional[int] = None
+
+    @classmethod
+    def load(cls, model_dir: str | Path, chat_template: Optional[str] = None) -> "TextModel":
+        path = Path(model_dir)
+        config = _read_json(path / "config.json")
+        eos = config.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        tokenizer = load_tokenizer(path, eos_ids)
+        if tokenizer is None:
+            raise ValueError(f"{path} has no tokenizer.json: render, derender and the OpenAI routes need one")
+        template = ChatTemplate.from_model_dir(path, chat_template)
+        generation = _read_json(path / "generation_config.json")
+        defaults = {ours: generation[key] for key, ours in _GENERATION_DEFAULTS.items() if key in generation}
+        if defaults:
+            log.info("default sampling parameters from generation_config.json: %s", defaults)
+        max_pos = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+        return cls(path=path, tokenizer=tokenizer, tokenizer_config=_read_json(path / "tokenizer_config.json"),
+                   chat_template=template, chat_template_text=template.template_for(None) if template else None,
+                   sampling_defaults=defaults, max_position_embeddings=max_pos)

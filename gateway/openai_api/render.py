@@ -1,0 +1,219 @@
+"""OpenAI request -> vLLM ``GenerateRequest`` JSON (``/v1/*/render``, and the facade's first step).
+
+Mirrors vLLM 0.32's ``ServingRender``: the chat template rendered and tokenized (chat
+prompts with ``add_special_tokens=False``, completion prompts with True, as vLLM), the
+prompt checked against the context length, ``max_tokens`` resolved as ``get_max_tokens``
+does, and the sampling parameters as ``to_sampling_params`` builds them.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from common.errors import BadRequest
+from gateway.chat_template import ChatTemplateError
+from gateway.openai_api import sampling
+from gateway.openai_api.chat_output import ChatParsing
+from gateway.openai_api.model_files import TextModel
+from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.parsers import OutputParser
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Server flags that shape rendering (vLLM's names)."""
+
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+    enable_auto_tool_choice: bool = False
+    trust_request_chat_template: bool = False
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RenderedPrompt:
+    generate: dict  # vLLM's GenerateRequest, as JSON
+    prompt_text: Optional[str]
+    token_ids: list[int]
+
+
+@dataclass
+class RenderedChat(RenderedPrompt):
+    parsing: ChatParsing = field(default_factory=ChatParsing)
+    last_message_text: str = ""  # echo: the content of a final assistant message
+
+
+def base_request_id(header_id: Optional[str], body_id: Optional[str]) -> str:
+    return header_id or body_id or uuid.uuid4().hex
+
+
+def _generate_request(request_id: str, token_ids: list[int], params: dict,
+                      request: Union[ChatCompletionRequest, CompletionRequest], *,
+                      reasoning_ended: Optional[bool] = None, reasoning_kwargs: Optional[dict] = None) -> dict:
+    """vLLM GenerateRequest.model_dump(): every field, in its order."""
+    stream_options = None
+    if request.stream and request.stream_options is not None:
+        stream_options = {"include_usage": request.stream_options.include_usage,
+                          "continuous_usage_stats": request.stream_options.continuous_usage_stats}
+    return {
+        "request_id": request_id, "token_ids": token_ids, "token_offsets": None, "features": None,
+        "content_parts": None, "sampling_params": params, "model": request.model,
+        "reasoning_ended": reasoning_ended,
+        "reasoning_parser_kwargs": {"chat_template_kwargs": reasoning_kwargs} if reasoning_kwargs is not None else None,
+        "return_token_ids": None, "output_mode": "tokens", "stream": bool(request.stream),
+        "stream_options": stream_options, "cache_salt": request.cache_salt, "priority": request.priority,
+        "kv_transfer_params": request.kv_transfer_params, "ec_transfer_params": None,
+    }
+
+
+def _truncate(ids: list[int], truncate_prompt_tokens: Optional[int], side: Optional[str],
+              max_model_len: int) -> list[int]:
+    if truncate_prompt_tokens is None:
+        return ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep:]
+
+
+class Renderer:
+    def __init__(self, model: TextModel, options: RenderOptions = RenderOptions()):
+        self.model = model
+        self.options = options
+        tok = model.tokenizer
+        specials = [t for t in tok.convert_ids_to_tokens(tok.all_special_ids) if t]
+        self.parser = (OutputParser(options.reasoning_parser, options.tool_call_parser, special_tokens=specials)
+                       if options.reasoning_parser or options.tool_call_parser else None)
+
+    # ------------------------------------------------------------------ chat
+    def chat_template_kwargs(self, request: ChatCompletionRequest) -> dict:
+        kwargs = dict(self.options.default_chat_template_kwargs)
+        if request.reasoning_effort is not None and "enable_thinking" not in (request.chat_template_kwargs or {}):
+            kwargs["enable_thinking"] = request.reasoning_effort != "none"
+        kwargs.update(request.chat_template_kwargs or {})
+        return kwargs
+
+    def _check_template_request(self, chat_template: Optional[str]) -> None:
+        if chat_template is not None and not self.options.trust_request_chat_template:
+            raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                             "Refused request with untrusted chat template.", "chat_template")
+
+    def render_messages(self, messages, *, tools=None, documents=None, add_generation_prompt=True,
+                        continue_final_message=False, chat_template_kwargs=None, chat_template=None) -> str:
+        template = self.model.chat_template
+        if chat_template is not None:
+            from gateway.chat_template import ChatTemplate
+            template = ChatTemplate(chat_template, template.special_tokens if template else {})
+        if template is None:
+            raise BadRequest("As of transformers v4.44, default chat template is no longer allowed, so you must "
+                             "provide a chat template if the tokenizer does not define one.")
+        try:
+            return template.render(messages, tools=tools, documents=documents,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def chat(self, request: ChatCompletionRequest, max_model_len: int, base_id: str) -> RenderedChat:
+        sampling.refuse_unserved(request)
+        sampling.check_chat(request)
+        tool_choice = request.tool_choice
+        if isinstance(tool_choice, dict) or tool_choice == "required":
+            raise BadRequest("tool_choice 'required' and named tool choice need structured outputs, which this "
+                             "server does not support; use tool_choice 'auto' with --tool-call-parser.",
+                             "tool_choice")
+        tools_enabled = bool(request.tools) and tool_choice == "auto"
+        if tools_enabled and not (self.options.enable_auto_tool_choice and self.options.tool_call_parser):
+            raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                             "tool_choice")
+        self._check_template_request(request.chat_template)
+        if not isinstance(request.messages, list) or not request.messages:
+            raise BadRequest("messages must be a non-empty list", "messages")
+        kwargs = self.chat_template_kwargs(request)
+        prompt = self.render_messages(request.messages, tools=request.tools, documents=request.documents,
+                                      add_generation_prompt=request.add_generation_prompt,
+                                      continue_final_message=request.continue_final_message,
+                                      chat_template_kwargs=kwargs, chat_template=request.chat_template)
+        ids = self.model.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
+        if not ids:
+            raise BadRequest("No token_ids rendered")
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        sampling.check_prompt_length(len(ids), max_model_len, requested)
+        max_tokens = sampling.max_tokens_for(max_model_len, requested, len(ids), self.model.sampling_defaults,
+                                             request.truncate_prompt_tokens)
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.top_logprobs
+        params = sampling.sampling_params_json(
+            request, max_tokens, self.model.sampling_defaults,
+            logprobs=request.top_logprobs if request.logprobs else None, prompt_logprobs=prompt_logprobs)
+        if self.parser is not None and self.parser.keeps_special_tokens(tools_enabled=tools_enabled):
+            params["skip_special_tokens"] = False  # the parser must see its markers (vLLM's adjust_request)
+        parsing = ChatParsing()
+        reasoning_ended = None if request.include_reasoning else True
+        reasoning_kwargs = None
+        if self.parser is not None:
+            reasoning_open = self.parser.reasoning_open_at_start(prompt, kwargs)
+            parsing = ChatParsing(self.parser, reasoning_open=reasoning_open, tools_enabled=tools_enabled,
+                                  include_reasoning=request.include_reasoning)
+            if self.options.reasoning_parser:
+                reasoning_kwargs = kwargs
+                if request.include_reasoning:
+                    reasoning_ended = not reasoning_open
+        generate = _generate_request(f"chatcmpl-{base_id}", ids, params, request, reasoning_ended=reasoning_ended,
+                                     reasoning_kwargs=reasoning_kwargs)
+        last = request.messages[-1] if isinstance(request.messages[-1], dict) else {}
+        last_text = ""
+        if last.get("role") == "assistant":
+            content = last.get("content") or ""
+            last_text = content if isinstance(content, str) else "\n".join(
+                p.get("text", "") for p in content if isinstance(p, dict))
+        return RenderedChat(generate=generate, prompt_text=prompt, token_ids=ids, parsing=parsing,
+                            last_message_text=last_text)
+
+    # ------------------------------------------------------------------ completions
+    def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], Optional[str]]]:
+        """Each prompt's (token ids, text); token prompts have no text until decoded."""
+        prompt = request.prompt
+        if prompt is None or prompt == []:
+            raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((self.model.tokenizer.encode(item, add_special_tokens=request.add_special_tokens), item))
+            else:
+                if any(t < 0 for t in item):
+                    raise BadRequest("token_ids must not contain negative values", "prompt")
+                out.append((list(item), None))
+        return out
+
+    def completion(self, request: CompletionRequest, max_model_len: int, base_id: str) -> list[RenderedPrompt]:
+        sampling.refuse_unserved(request)
+        sampling.check_completion(request)
+        prompts = self.completion_prompts(request)
+        rendered = []
+        for i, (ids, text) in enumerate(prompts):
+            ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
+            if not ids:
+                raise BadRequest("No token_ids rendered", "prompt")
+            sampling.check_prompt_length(len(ids), max_model_len, request.max_tokens)
+            max_tokens = sampling.max_tokens_for(max_model_len, request.max_tokens, len(ids),
+                                                 self.model.sampling_defaults, request.truncate_prompt_tokens)
+            prompt_logprobs = request.prompt_logprobs
+            if prompt_logprobs is None and request.echo:
+                prompt_logprobs = request.logprobs
+            params = sampling.sampling_params_json(request, max_tokens, self.model.sampling_defaults,
+                                                   logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
+            request_id = f"cmpl-{base_id}" if len(prompts) == 1 else f"cmpl-{base_id}-{i}"
+            rendered.append(RenderedPrompt(generate=_generate_request(request_id, ids, params, request),
+                                           prompt_text=text, token_ids=ids))
+        return rendered

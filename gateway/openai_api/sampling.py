@@ -1,0 +1,210 @@
+"""OpenAI request -> vLLM ``SamplingParams`` JSON, as vLLM's ``to_sampling_params`` builds it.
+
+The result is what vLLM's render endpoints put in ``GenerateRequest.sampling_params``:
+its SamplingParams serialised with ``omit_defaults`` (after ``__post_init__``, so
+``stop`` / ``stop_token_ids`` / ``bad_words`` appear as lists and greedy requests have
+their top-p/k/min-p reset).  The same dict feeds our own generate path for the facade.
+Request checks vLLM makes in its pydantic validators live here too (400 with vLLM's
+messages); value ranges are left to common.validation, shared with /generate.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from common.errors import BadRequest
+from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+
+# vLLM's RequestOutputKind values.
+OUTPUT_KIND_DELTA = 1
+OUTPUT_KIND_FINAL_ONLY = 2
+
+# vLLM SamplingParams field order and defaults (what omit_defaults compares against).
+_SAMPLING_DEFAULTS: tuple[tuple[str, Any], ...] = (
+    ("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+    ("temperature", 1.0), ("watermarking", None), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+    ("seed", None), ("stop", None), ("stop_token_ids", None), ("ignore_eos", False), ("max_tokens", 16),
+    ("min_tokens", 0), ("logprobs", None), ("prompt_logprobs", None), ("detokenize", True),
+    ("skip_special_tokens", True), ("spaces_between_special_tokens", True),
+    ("include_stop_str_in_output", False), ("output_kind", 0), ("stream_interval", None),
+    ("skip_clone", False), ("output_text_buffer_length", 0), ("logit_bias", None),
+    ("allowed_token_ids", None), ("bad_words", None), ("routed_experts_prompt_start", 0),
+)
+# OpenAI defaults under the server's generation_config defaults (vLLM's _DEFAULT_SAMPLING_PARAMS).
+_OPENAI_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+_SAMPLING_EPS = 1e-5
+
+# Request fields vLLM serves that this server does not: refused by name when set.
+_UNSERVED = ("watermarking", "structured_outputs", "logprob_token_ids", "vllm_xargs", "repetition_detection",
+             "thinking_token_budget", "ec_transfer_params", "mm_processor_kwargs", "media_io_kwargs")
+
+
+def refuse_unserved(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+    if request.use_beam_search:
+        raise BadRequest("Beam search is not supported by this server.", "use_beam_search")
+    for name in _UNSERVED:
+        value = getattr(request, name)
+        if value not in (None, False, {}):
+            raise BadRequest(f"`{name}` is not supported by this server.", name)
+    if request.stream_interval not in (None, 1):
+        raise BadRequest("`stream_interval` is not supported by this server.", "stream_interval")
+    fmt = request.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_schema" and fmt.get("json_schema") is None:
+            raise BadRequest("When response_format type is 'json_schema', the 'json_schema' field must be "
+                             "provided.", "response_format")
+        if kind != "text":
+            raise BadRequest(f"response_format of type {kind!r} (structured outputs) is not supported by this "
+                             "server; only 'text'.", "response_format")
+    if isinstance(request, CompletionRequest):
+        if request.suffix is not None:
+            raise BadRequest("suffix is not currently supported", "suffix")
+        if request.prompt_embeds is not None:
+            raise BadRequest("`prompt_embeds` is not supported by this server.", "prompt_embeds")
+
+
+def check_common(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+    """vLLM's model validators shared by both request kinds."""
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+    pl = request.prompt_logprobs
+    if pl is not None:
+        if request.stream and (pl > 0 or pl == -1):
+            raise BadRequest("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if pl < 0 and pl != -1:
+            raise BadRequest("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+
+
+def check_chat(request: ChatCompletionRequest) -> None:
+    """vLLM ChatCompletionRequest's model validators."""
+    check_common(request)
+    top = request.top_logprobs
+    if top is not None:
+        if top < 0 and top != -1:
+            raise BadRequest("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+        if (top == -1 or top > 0) and not request.logprobs:
+            raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if request.continue_final_message and request.add_generation_prompt:
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    check_tool_choice(request)
+
+
+def check_tool_choice(request: ChatCompletionRequest) -> None:
+    if request.tools == []:
+        raise BadRequest("`tools` must not be an empty array. Either provide at least one tool or omit the "
+                         "field entirely.", "tools")
+    if request.tool_choice is None and request.tools:
+        request.tool_choice = "auto"
+    choice = request.tool_choice
+    if choice is None or choice == "none":
+        return
+    if request.tools is None:
+        raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if not isinstance(choice, dict):
+        if choice not in ("auto", "required"):
+            raise BadRequest(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
+                             "or \"required\" are supported.", "tool_choice")
+        return
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise BadRequest(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                         "tool_choice.function")
+    if "name" not in function:
+        raise BadRequest(f"Expected field `name` in `function` in `tool_choice`! {usage}",
+                         "tool_choice.function.name")
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                         "tool_choice.function.name")
+    names = [(t.get("function") or {}).get("name") for t in request.tools if isinstance(t, dict)]
+    if name not in names:
+        raise BadRequest("The tool specified in `tool_choice` does not match any of the specified `tools`",
+                         "tool_choice")
+
+
+def check_completion(request: CompletionRequest) -> None:
+    check_common(request)
+    if request.logprobs is not None and request.logprobs < 0 and request.logprobs != -1:
+        raise BadRequest("`logprobs` must be a positive value or -1.", "logprobs")
+
+
+def max_tokens_for(max_model_len: int, requested: Optional[int], input_length: int, defaults: dict,
+                   truncate_prompt_tokens: Optional[int] = None) -> int:
+    """vLLM's ``get_max_tokens``: the room left in the context, capped by the request or the
+    generation_config default."""
+    if truncate_prompt_tokens is not None:
+        input_length = min(input_length, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens)
+    if max_model_len < input_length:
+        raise BadRequest(f"Input length ({input_length}) exceeds model's maximum context length ({max_model_len}).")
+    fallback = requested if requested is not None else defaults.get("max_tokens")
+    return min(v for v in (max_model_len - input_length, fallback) if v is not None)
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, requested_output: Optional[int]) -> None:
+    """vLLM's TokenizeParams length check: the prompt must leave room for the requested output."""
+    max_input = max_model_len - (requested_output or 0)
+    if num_tokens > max_input:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{num_tokens} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.", "input_tokens")
+
+
+def _logit_bias(raw: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    if raw is None:
+        return None
+    out, bad = {}, []
+    for key, bias in raw.items():
+        try:
+            out[int(key)] = min(100.0, max(-100.0, bias))
+        except (TypeError, ValueError):
+            bad.append(key)
+    if bad:
+        raise BadRequest(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+                         "logit_bias")
+    return out
+
+
+def sampling_params_json(request: Union[ChatCompletionRequest, CompletionRequest], max_tokens: int,
+                         defaults: dict, *, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> dict:
+    """vLLM ``SamplingParams.from_optional(...)`` dumped with omit_defaults."""
+    values: dict[str, Any] = {}
+    for name, openai_default in _OPENAI_DEFAULTS.items():
+        value = getattr(request, name)
+        values[name] = value if value is not None else defaults.get(name, openai_default)
+    stop = request.stop
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    stop_token_ids = list(dict.fromkeys(request.stop_token_ids or []))
+    values.update(
+        n=1 if request.n is None else request.n,
+        seed=None if request.seed == -1 else request.seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        output_kind=OUTPUT_KIND_DELTA if request.stream else OUTPUT_KIND_FINAL_ONLY,
+        skip_clone=True,
+        logit_bias=_logit_bias(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=list(dict.fromkeys(request.bad_words or [])),
+        routed_experts_prompt_start=request.routed_experts_prompt_start,
+    )
+    if stop and not request.include_stop_str_in_output:
+        values["output_text_buffer_length"] = max(len(s) for s in stop) - 1
+    if 0 <= values["temperature"] < _SAMPLING_EPS:  # greedy: vLLM resets the filters
+        values.update(top_p=1.0, top_k=0, min_p=0.0)
+    out = {}
+    for name, default in _SAMPLING_DEFAULTS:
+        if name in values:
+            value = values[name]
+            if not (value == default and isinstance(value, bool) == isinstance(default, bool)):
+                out[name] = value
+    return out

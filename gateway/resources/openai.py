@@ -1,0 +1,288 @@
+"""vLLM's OpenAI-compatible and scale-out text routes on the gateway:
+
+- ``/v1/chat/completions`` and ``/v1/completions``: render -> generate -> derender in
+  this process (the OpenAI facade);
+- ``/v1/chat/completions/render``, ``/v1/completions/render``: the GenerateRequest(s);
+- ``/v1/chat/completions/derender``, ``/v1/completions/derender``: generate output ->
+  OpenAI objects;
+- ``/tokenize``, ``/detokenize`` and (``--enable-tokenizer-info-endpoint``) ``/tokenizer_info``.
+
+Render, derender and tokenize need no worker: a ``--render-only`` gateway serves them
+with no broker at all, as ``vllm launch render`` does.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+import falcon
+import msgspec
+
+from common.errors import NotFound, ServingError
+from gateway.body import read_body
+from gateway.errors import bad_request_from_decode_error
+from gateway.openai_api import chat_facade, completion_facade
+from gateway.openai_api.derender import Derenderer
+from gateway.openai_api.facade import Generation, ResponseView, map_rendered, start_all
+from gateway.openai_api.protocol import (
+    DetokenizeResponse,
+    TokenizeResponse,
+    chat_request_decoder,
+    completion_request_decoder,
+    derender_request_decoder,
+    detokenize_request_decoder,
+    json_encoder,
+    tokenize_request_decoder,
+)
+from gateway.openai_api.render import Renderer, base_request_id
+from gateway.request_mapping import base_model_names
+from gateway.resources.generate import is_json
+from gateway.state import GatewayState
+
+
+class TextRoutes:
+    """What every text route shares: the renderer and where the model limits come from."""
+
+    def __init__(self, state: GatewayState, renderer: Renderer):
+        self.state = state
+        self.renderer = renderer
+
+    async def decode(self, req, decoder):
+        if not is_json(req.content_type):
+            raise ServingError("Unsupported Media Type: Only 'application/json' is allowed", status=400,
+                               type="BadRequestError")
+        body = await read_body(req, self.state.settings.max_body_bytes)
+        try:
+            return decoder.decode(body)
+        except msgspec.MsgspecError as exc:
+            raise bad_request_from_decode_error(exc) from None
+
+    def render_only(self) -> bool:
+        return self.state.settings.render_only
+
+    async def limits(self) -> tuple[int, int, list[str]]:
+        """(max_model_len, max_logprobs, served names): from the workers, or the model files."""
+        s = self.state.settings
+        if self.render_only():
+            names = s.served_model_names or [s.tokenizer_name or str(self.renderer.model.path)]
+            max_len = s.max_model_len or self.renderer.model.max_position_embeddings
+            if not max_len:
+                raise ServingError("--max-model-len is required: the model's config.json has no "
+                                   "max_position_embeddings", status=500)
+            return max_len, 20, names
+        cluster = await self.state.cluster.get()
+        if cluster.model is None:
+            from common.errors import Overloaded
+            raise Overloaded("No inference worker is available yet.")
+        return (cluster.model.max_model_len, cluster.model.max_logprobs,
+                base_model_names(cluster.model, s.served_model_names))
+
+    async def check_model(self, requested: Optional[str]) -> str:
+        """The name answers use; 404 for a model this server does not serve."""
+        _, _, names = await self.limits()
+        if not requested or requested in names:
+            return requested or names[0]
+        if not self.render_only():
+            cluster = await self.state.cluster.fresh()
+            if requested in (cluster.lora_adapters or {}):
+                return requested
+        raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model")
+
+
+class ChatCompletions(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        arrival = time.time()
+        request = await self.decode(req, chat_request_decoder)
+        model = await self.check_model(request.model)
+        max_len, _, _ = await self.limits()
+        rendered = self.renderer.chat(request, max_len, base_request_id(req.get_header("X-Request-Id"),
+                                                                        request.request_id))
+        mapped = await map_rendered(self.state, req, rendered.generate, arrival)
+        view = ResponseView.of(request, request.top_logprobs if request.logprobs else None)
+        (run,) = await start_all(self.state, req, [mapped])
+        await _respond(resp, [run], bool(request.stream),
+                       lambda: chat_facade.collect_chat(run, view, rendered, model),
+                       lambda: chat_facade.stream_chat(run, view, rendered, model))
+
+
+class Completions(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        arrival = time.time()
+        request = await self.decode(req, completion_request_decoder)
+        model = await self.check_model(request.model)
+        max_len, _, _ = await self.limits()
+        rendered = self.renderer.completion(request, max_len, base_request_id(req.get_header("X-Request-Id"),
+                                                                              request.request_id))
+        mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
+        view = ResponseView.of(request, request.logprobs)
+        runs = await start_all(self.state, req, mapped)
+        tok = self.renderer.model.tokenizer
+        await _respond(resp, runs, bool(request.stream),
+                       lambda: completion_facade.collect_completion(runs, view, rendered, tok, model),
+                       lambda: completion_facade.stream_completion(runs, view, rendered, tok, model))
+
+
+async def _respond(resp, runs: list[Generation], stream: bool, collect, sse) -> None:
+    if not stream:
+        status = None
+        try:
+            resp.content_type = falcon.MEDIA_JSON
+            resp.data = await collect()
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except BaseException as exc:
+            status = getattr(exc, "status", 500)
+            raise
+        finally:
+            for r in runs:
+                await r.close(status)
+        return
+
+    async def relay():
+        status = None
+        for r in runs:
+            r.relay_in_current_task()
+        try:
+            async for event in sse():
+                yield event
+        except asyncio.CancelledError:
+            status = 499
+            if not any(r.watcher.cancelled_relay for r in runs):
+                raise
+        except BaseException as exc:
+            status = getattr(exc, "status", 500)
+            from gateway.errors import serving_error_json
+            from gateway.response_builder import SSE_DONE, sse_event
+            err = exc if isinstance(exc, ServingError) else ServingError(f"Internal server error: {type(exc).__name__}")
+            yield sse_event(serving_error_json(err))
+            yield SSE_DONE
+        finally:
+            for r in runs:
+                await r.close(status)
+
+    resp.content_type = "text/event-stream"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.stream = relay()
+
+
+class ChatRender(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        request = await self.decode(req, chat_request_decoder)
+        await self.check_model(request.model)
+        max_len, _, _ = await self.limits()
+        rendered = self.renderer.chat(request, max_len, base_request_id(req.get_header("X-Request-Id"),
+                                                                        request.request_id))
+        resp.data = json_encoder.encode(rendered.generate)
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class CompletionRender(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        request = await self.decode(req, completion_request_decoder)
+        await self.check_model(request.model)
+        max_len, _, _ = await self.limits()
+        rendered = self.renderer.completion(request, max_len, base_request_id(req.get_header("X-Request-Id"),
+                                                                              request.request_id))
+        resp.data = json_encoder.encode([r.generate for r in rendered])
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class ChatDerender(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        body = await self.decode(req, derender_request_decoder)
+        model = await self.check_model(body.model)
+        max_len, max_logprobs, _ = await self.limits()
+        derenderer = Derenderer(self.renderer, max_len, max_logprobs)
+        resp.data = derenderer.chat_stream(body, model) if body.stream else derenderer.chat(body, model)
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class CompletionDerender(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        body = await self.decode(req, derender_request_decoder)
+        model = await self.check_model(body.model)
+        max_len, max_logprobs, _ = await self.limits()
+        derenderer = Derenderer(self.renderer, max_len, max_logprobs)
+        resp.data = derenderer.completion_stream(body, model) if body.stream else derenderer.completion(body, model)
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class Tokenize(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        request = await self.decode(req, tokenize_request_decoder)
+        await self.check_model(request.model)
+        max_len, _, _ = await self.limits()
+        tok = self.renderer.model.tokenizer
+        if request.messages is not None:
+            if request.continue_final_message and request.add_generation_prompt:
+                raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                   status=400, type="BadRequestError")
+            self.renderer._check_template_request(request.chat_template)
+            prompt = self.renderer.render_messages(
+                request.messages, tools=request.tools, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=dict(self.renderer.options.default_chat_template_kwargs,
+                                          **(request.chat_template_kwargs or {})),
+                chat_template=request.chat_template)
+            ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
+        elif request.prompt is not None:
+            add = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = tok.encode(request.prompt, add_special_tokens=add)
+        else:
+            raise ServingError("Either `prompt` or `messages` must be given.", status=400, type="BadRequestError")
+        strs = [t or "" for t in tok.convert_ids_to_tokens(ids)] if request.return_token_strs else None
+        resp.data = json_encoder.encode(TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids,
+                                                         token_strs=strs))
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class Detokenize(TextRoutes):
+    async def on_post(self, req, resp) -> None:
+        request = await self.decode(req, detokenize_request_decoder)
+        await self.check_model(request.model)
+        tok = self.renderer.model.tokenizer
+        if any(t >= tok.vocab_size for t in request.tokens):
+            bad = next(t for t in request.tokens if t >= tok.vocab_size)
+            raise ServingError(f"Token id {bad} is out of vocabulary", param="tokens", status=400,
+                               type="BadRequestError")
+        resp.data = json_encoder.encode(DetokenizeResponse(prompt=tok.decode(request.tokens, skip_special_tokens=False)))
+        resp.content_type = falcon.MEDIA_JSON
+
+
+class TokenizerInfo(TextRoutes):
+    async def on_get(self, req, resp) -> None:
+        config = {k: v for k, v in self.renderer.model.tokenizer_config.items()
+                  if k not in ("vocab_file", "merges_file")}
+        config = _plain(config)
+        config["tokenizer_class"] = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        if self.renderer.model.chat_template_text:
+            config["chat_template"] = self.renderer.model.chat_template_text
+        resp.data = json_encoder.encode(config)
+        resp.content_type = falcon.MEDIA_JSON
+
+
+def _plain(obj):
+    """AddedToken dicts -> their content, as vLLM's TokenizerInfo does."""
+    if isinstance(obj, dict):
+        if obj.get("__type") == "AddedToken" and "content" in obj:
+            return obj["content"]
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def add_routes(app, state: GatewayState, renderer: Renderer) -> None:
+    if not state.settings.render_only:
+        app.add_route("/v1/chat/completions", ChatCompletions(state, renderer))
+        app.add_route("/v1/completions", Completions(state, renderer))
+    app.add_route("/v1/chat/completions/render", ChatRender(state, renderer))
+    app.add_route("/v1/completions/render", CompletionRender(state, renderer))
+    app.add_route("/v1/chat/completions/derender", ChatDerender(state, renderer))
+    app.add_route("/v1/completions/derender", CompletionDerender(state, renderer))
+    app.add_route("/tokenize", Tokenize(state, renderer))
+    app.add_route("/detokenize", Detokenize(state, renderer))
+    if state.settings.enable_tokenizer_info_endpoint:
+        app.add_route("/tokenizer_info", TokenizerInfo(state, renderer))
