@@ -344,3 +344,47 @@ def test_render_only_gateway_needs_no_broker(tmp_path_factory, chat_model, hf_to
         assert httpx.post(gw.url + "/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 1024
         assert httpx.post(gw.url + "/v1/chat/completions", json={"messages": MESSAGES}).status_code == 404
         assert httpx.post(gw.url + GENERATE, json={"token_ids": [1], "sampling_params": {}}).status_code == 404
+
+
+def test_facade_reasoning_stream_equals_non_stream(stack):
+    """Qwen3 with thinking on starts inside reasoning: with no </think> in the output the
+    qwen3 parser puts everything in `reasoning`; with thinking off it is all content."""
+    _, _, parsed, _ = stack
+    client = _client(parsed)
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=10, extra_body=PRINTABLE)
+    full = client.chat.completions.create(**kw).choices[0].message
+    assert full.reasoning and full.content is None
+    streamed = ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed += getattr(c.delta, "reasoning", None) or ""
+            assert not c.delta.content
+    assert streamed == full.reasoning
+    off = dict(kw, extra_body=dict(PRINTABLE, chat_template_kwargs={"enable_thinking": False}))
+    plain = client.chat.completions.create(**off).choices[0].message
+    assert plain.content and getattr(plain, "reasoning", None) is None
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/v1/chat/completions/derender", {"generate_response": {"request_id": "x", "output_mode": "text", "choices": []},
+                                       "chat_request": {"messages": MESSAGES}}, "output_mode"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65])}, "chat_request is required"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]),
+                                       "chat_request": {"messages": MESSAGES}}, "prompt_token_ids is required"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65] * 1100),
+                                       "chat_request": {"messages": MESSAGES}}, "exceeds max_model_len"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", []), "chat_request": {"messages": MESSAGES}},
+     "empty or null token_ids"),
+    ("/v1/completions/derender", {"generate_responses": []}, "must not be empty"),
+    ("/v1/completions/derender", {"generate_responses": [_chunk("x", [65])], "prompt_tokens": [1, 2]},
+     "must equal generate_responses length"),
+    ("/v1/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]),
+                                  "stream_state": {"prev_tokens": ["not-a-piece"], "read_offset": 1,
+                                                   "role_sent": True}}, "invalid stream_state"),
+])
+def test_bad_derender_requests(stack, path, body, needle):
+    _, _, parsed, _ = stack
+    r = httpx.post(parsed.url + path, json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]

@@ -1,0 +1,103 @@
+"""Render units: completion prompts tokenized as transformers does (BOS from the
+tokenizer's post-processor with add_special_tokens, none without), sampling_params as
+vLLM's SamplingParams dumps them (defaults omitted), max_tokens as get_max_tokens
+resolves it, and the length / validation errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import processors
+
+from common.errors import BadRequest
+from gateway.openai_api.model_files import TextModel
+from gateway.openai_api.protocol import chat_request_decoder, completion_request_decoder
+from gateway.openai_api.render import Renderer
+from worker.engine.demo_model import BOS_TOKEN, EOS_TOKEN, build_byte_tokenizer, tokenizer_config
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory) -> Path:
+    """A byte tokenizer whose post-processor prepends BOS, as Llama's tokenizer.json does."""
+    out = tmp_path_factory.mktemp("bos-model")
+    tok = build_byte_tokenizer()
+    bos = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B",
+                                                       special_tokens=[(BOS_TOKEN, bos)])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 64, "eos_token_id": bos + 1}))
+    (out / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def renderer(bos_model) -> Renderer:
+    return Renderer(TextModel.load(bos_model))
+
+
+def _completion(**body):
+    return completion_request_decoder.decode(json.dumps(body))
+
+
+def _chat(**body):
+    return chat_request_decoder.decode(json.dumps(body))
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_completion_prompt_tokens_equal_transformers(bos_model, renderer, add_special_tokens):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(bos_model / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                 eos_token=EOS_TOKEN)
+    (gen,) = [r.generate for r in renderer.completion(
+        _completion(prompt="héllo", add_special_tokens=add_special_tokens), 64, "x")]
+    assert gen["token_ids"] == hf("héllo", add_special_tokens=add_special_tokens)["input_ids"]
+    assert gen["token_ids"][0] == (hf.bos_token_id if add_special_tokens else ord("h"))
+
+
+def test_sampling_params_as_vllm_dumps_them(renderer):
+    (r,) = renderer.completion(_completion(prompt=[1, 2, 3], max_tokens=5, stop="ab", seed=-1, n=2,
+                                           logprobs=2, stream=True), 64, "id")
+    sp = r.generate["sampling_params"]
+    # generation_config's defaults fill what the request left out; vLLM's defaults are omitted.
+    assert sp == {"n": 2, "temperature": 0.6, "top_p": 0.9, "stop": ["ab"], "stop_token_ids": [], "max_tokens": 5,
+                  "logprobs": 2, "output_kind": 1, "skip_clone": True, "output_text_buffer_length": 1,
+                  "bad_words": []}
+    assert r.generate["request_id"] == "cmpl-id" and r.generate["stream"] is True
+    (greedy,) = renderer.completion(_completion(prompt=[1], temperature=0, top_k=5, max_tokens=None), 64, "g")
+    gsp = greedy.generate["sampling_params"]
+    assert gsp["temperature"] == 0 and "top_k" not in gsp and "top_p" not in gsp  # greedy resets the filters
+    assert gsp["max_tokens"] == 63 and gsp["output_kind"] == 2  # the room left in the context
+
+
+def test_chat_max_tokens_and_echo_prompt_logprobs(renderer):
+    r = renderer.chat(_chat(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4, max_tokens=9,
+                            logprobs=True, top_logprobs=3, echo=True), 64, "c")
+    sp = r.generate["sampling_params"]
+    assert sp["max_tokens"] == 4 and sp["logprobs"] == 3 and sp["prompt_logprobs"] == 3
+    assert r.generate["request_id"] == "chatcmpl-c" and r.prompt_text.startswith(BOS_TOKEN + "<|user|>\nhi")
+
+
+@pytest.mark.parametrize("body, needle", [
+    (dict(prompt="x" * 70), "maximum context length is 64 tokens"),
+    (dict(prompt="x" * 20, max_tokens=50), "maximum context length"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[-1]), "negative"),
+    (dict(prompt="a", suffix="b"), "suffix"),
+    (dict(prompt="a", use_beam_search=True), "Beam search"),
+    (dict(prompt="a", logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(prompt="a", stream_options={"include_usage": True}), "Stream options"),
+    (dict(prompt="a", structured_outputs={"regex": "a+"}), "structured_outputs"),
+    (dict(prompt="a", prompt_logprobs=2, stream=True), "prompt_logprobs"),
+])
+def test_completion_errors(renderer, body, needle):
+    with pytest.raises(BadRequest, match=needle):
+        renderer.completion(_completion(**body), 64, "e")
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(renderer):
+    (r,) = renderer.completion(_completion(prompt=list(range(1, 101)), truncate_prompt_tokens=10, max_tokens=3),
+                               64, "t")
+    assert r.generate["token_ids"] == list(range(91, 101))
