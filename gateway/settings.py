@@ -42,7 +42,6 @@ class GatewaySettings:
     # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
     # tokenizer and chat template the gateway loads; None serves tokens only.
     tokenizer: Optional[str] = None
-    tokenizer_name: Optional[str] = None  # the model name a --render-only gateway answers to
     chat_template: Optional[str] = None  # --chat-template: a file or the template text
     default_chat_template_kwargs: dict = field(default_factory=dict)
     trust_request_chat_template: bool = False

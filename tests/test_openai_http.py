@@ -388,3 +388,21 @@ def test_bad_derender_requests(stack, path, body, needle):
     r = httpx.post(parsed.url + path, json=body)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parallel, want", [(True, ["get_weather", "get_weather"]), (False, ["get_weather"])])
+def test_derender_parallel_tool_calls(stack, hf_tokenizer, parallel, want):
+    _, _, parsed, _ = stack
+    chat = {"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": parallel,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat).json()["token_ids"]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    ids = hf_tokenizer.encode(call % "Oslo" + "\n" + call % "Rome", add_special_tokens=False)
+    full = {"request_id": "p", "output_mode": "tokens",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None}]}
+    r = httpx.post(parsed.url + "/v1/chat/completions/derender",
+                   json={"generate_response": full, "prompt_token_ids": prompt, "chat_request": chat})
+    msg = r.json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == want and msg["reasoning"] is None
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert len({c["id"] for c in msg["tool_calls"]}) == len(want)

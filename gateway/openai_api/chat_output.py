@@ -32,6 +32,7 @@ class ChatParsing:
     reasoning_open: bool = False  # the prompt left a reasoning block open
     tools_enabled: bool = False  # tools given, tool_choice not "none", auto tool choice on
     include_reasoning: bool = True
+    parallel_tool_calls: bool = True  # False: only the first call is returned (vLLM's filter)
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         assert self.parser is not None
@@ -39,6 +40,8 @@ class ChatParsing:
                                    final=final)
         if not self.include_reasoning and parsed.reasoning is not None:
             parsed = ParsedOutput(reasoning=None, content=parsed.content, tool_calls=parsed.tool_calls)
+        if not self.parallel_tool_calls and len(parsed.tool_calls) > 1:
+            parsed = ParsedOutput(reasoning=parsed.reasoning, content=parsed.content, tool_calls=parsed.tool_calls[:1])
         return parsed
 
 

@@ -152,7 +152,8 @@ class Derenderer:
         prompt_text = self.tokenizer.decode(prompt_ids or [], skip_special_tokens=False)
         kwargs = self.renderer.chat_template_kwargs(chat)
         return ChatParsing(parser, reasoning_open=parser.reasoning_open_at_start(prompt_text, kwargs),
-                           tools_enabled=tools_enabled, include_reasoning=chat.include_reasoning)
+                           tools_enabled=tools_enabled, include_reasoning=chat.include_reasoning,
+                           parallel_tool_calls=chat.parallel_tool_calls is not False)
 
     def _decode_params(self, request, parsed: bool) -> tuple[bool, bool]:
         skip = False if parsed else (request.skip_special_tokens if request is not None else True)

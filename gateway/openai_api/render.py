@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from common.errors import BadRequest
-from gateway.chat_template import ChatTemplateError
+from gateway.chat_template import ChatTemplate, ChatTemplateError
 from gateway.openai_api import sampling
 from gateway.openai_api.chat_output import ChatParsing
 from gateway.openai_api.model_files import TextModel
@@ -94,7 +94,7 @@ class Renderer:
         kwargs.update(request.chat_template_kwargs or {})
         return kwargs
 
-    def _check_template_request(self, chat_template: Optional[str]) -> None:
+    def check_request_template(self, chat_template: Optional[str]) -> None:
         if chat_template is not None and not self.options.trust_request_chat_template:
             raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
                              "Refused request with untrusted chat template.", "chat_template")
@@ -103,7 +103,6 @@ class Renderer:
                         continue_final_message=False, chat_template_kwargs=None, chat_template=None) -> str:
         template = self.model.chat_template
         if chat_template is not None:
-            from gateway.chat_template import ChatTemplate
             template = ChatTemplate(chat_template, template.special_tokens if template else {})
         if template is None:
             raise BadRequest("As of transformers v4.44, default chat template is no longer allowed, so you must "
@@ -128,7 +127,7 @@ class Renderer:
         if tools_enabled and not (self.options.enable_auto_tool_choice and self.options.tool_call_parser):
             raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                              "tool_choice")
-        self._check_template_request(request.chat_template)
+        self.check_request_template(request.chat_template)
         if not isinstance(request.messages, list) or not request.messages:
             raise BadRequest("messages must be a non-empty list", "messages")
         kwargs = self.chat_template_kwargs(request)
@@ -158,7 +157,8 @@ class Renderer:
         if self.parser is not None:
             reasoning_open = self.parser.reasoning_open_at_start(prompt, kwargs)
             parsing = ChatParsing(self.parser, reasoning_open=reasoning_open, tools_enabled=tools_enabled,
-                                  include_reasoning=request.include_reasoning)
+                                  include_reasoning=request.include_reasoning,
+                                  parallel_tool_calls=request.parallel_tool_calls is not False)
             if self.options.reasoning_parser:
                 reasoning_kwargs = kwargs
                 if request.include_reasoning:

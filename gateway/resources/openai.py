@@ -65,7 +65,7 @@ class TextRoutes:
         """(max_model_len, max_logprobs, served names): from the workers, or the model files."""
         s = self.state.settings
         if self.render_only():
-            names = s.served_model_names or [s.tokenizer_name or str(self.renderer.model.path)]
+            names = s.served_model_names or [str(self.renderer.model.path)]
             max_len = s.max_model_len or self.renderer.model.max_position_embeddings
             if not max_len:
                 raise ServingError("--max-model-len is required: the model's config.json has no "
@@ -219,7 +219,7 @@ class Tokenize(TextRoutes):
             if request.continue_final_message and request.add_generation_prompt:
                 raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                    status=400, type="BadRequestError")
-            self.renderer._check_template_request(request.chat_template)
+            self.renderer.check_request_template(request.chat_template)
             prompt = self.renderer.render_messages(
                 request.messages, tools=request.tools, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
