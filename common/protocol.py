@@ -30,6 +30,7 @@ class MsgType:
     DISCONNECT = b"\x07"  # worker -> broker on graceful exit / broker -> worker
     INFO = b"\x08"  # client -> broker (empty) / broker -> client: ClusterInfo
     CONTROL = b"\x09"  # control plane: ControlRequest out, ControlReply / RankReply back
+    KV_EVENTS = b"\x0a"  # worker -> broker: KvEvents (prefix-cache blocks stored / removed)
 
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
@@ -86,6 +87,10 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     trace_headers: Optional[dict[str, str]] = None
     # A LoRA adapter the worker serves (the gateway maps the request's `model` to it).
     lora_name: Optional[str] = None
+    # Routing keys of the prompt's full blocks (common/prefix_hash.prompt_routing_hashes),
+    # computed by the sender so the broker never hashes prompts: cache-aware dispatch
+    # matches them against workers' KV events.  A wrong key only costs a cache miss.
+    prefix_hashes: Optional[list[bytes]] = None
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -182,6 +187,7 @@ class ModelInfo(msgspec.Struct, **_STRUCT):
     default_max_tokens: Optional[int] = None  # generation_config.json max_new_tokens
     enable_prefix_caching: bool = True
     lora_adapters: Optional[dict[str, str]] = None  # LoRA serving: adapter name -> its path
+    kv_block_size: int = 16  # tokens per KV block: the unit of prefix_hashes
 
 
 class WorkerLoad(msgspec.Struct, **_STRUCT):
@@ -203,6 +209,15 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
 
 
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one
+
+
+class KvEvents(msgspec.Struct, **_STRUCT):
+    """Prefix-cache changes since the worker's last report (vLLM's KV events, routing keys
+    of base-model blocks; ``cleared``: everything before ``stored`` is gone)."""
+
+    stored: list[bytes] = msgspec.field(default_factory=list)
+    removed: list[bytes] = msgspec.field(default_factory=list)
+    cleared: bool = False
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):

@@ -18,35 +18,12 @@ costs O(blocks touched).
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from typing import Optional, Sequence as Seq
 
 import numpy as np
 
+from common.prefix_hash import BlockHash, hash_block
 from worker.engine.request import EngineSequence
-
-BlockHash = bytes  # 32-byte sha256 digest
-_ROOT_HASH: BlockHash = hashlib.sha256(b"tokserve-kv-root").digest()
-
-
-def _text_key(value: Optional[str]) -> bytes:
-    if value is None:
-        return b"\x00"
-    raw = value.encode("utf-8")
-    return b"\x01" + struct.pack("<Q", len(raw)) + raw  # length-prefixed: no two keys serialise alike
-
-
-def hash_block(parent_hash: Optional[BlockHash], token_ids: Seq[int], extra: Optional[str] = None,
-               adapter: Optional[str] = None) -> BlockHash:
-    """sha256 of the parent's hash, the block's token ids (int64 little-endian) and
-    its extra keys (vLLM's ``--prefix-caching-hash-algo sha256``)."""
-    h = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
-    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    h.update(_text_key(extra))
-    h.update(_text_key(adapter))
-    return h.digest()
-
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
 
