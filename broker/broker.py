@@ -14,13 +14,14 @@ from typing import Optional
 import zmq
 
 from broker.control import ControlPlane
-from broker.dispatch import LeastLoaded, sticky_worker
+from broker.dispatch import make_policy, sticky_worker
+from broker.prefix_index import PrefixIndex
 from broker.workers import Worker, WorkerRegistry
 from common import config, framing, security
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
 from common.protocol import (Abort, BrokerStats, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest,
-                             MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad, WorkerReady)
+                             KvEvents, MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad, WorkerReady)
 
 log = get_logger("tokserve.broker")
 
@@ -39,6 +40,7 @@ class Entry:
     rank: Optional[int]
     session_id: Optional[str]
     lora_name: Optional[str] = None  # adapter-aware dispatch prefers workers holding it
+    prefix_hashes: Optional[list] = None  # routing keys of the prompt's blocks (cache-aware dispatch)
     worker: Optional[Worker] = None  # None while pending
     started: bool = False  # a delta reached the client: cannot be retried elsewhere
     orphaned: bool = False  # client vanished; abort already sent
@@ -60,6 +62,7 @@ class BrokerConfig:
     curve_secret_key: Optional[bytes] = None  # enables CURVE server mode on both sockets
     curve_public_key: Optional[bytes] = None
     curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
+    routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
 
 
 class Broker:
@@ -78,7 +81,7 @@ class Broker:
         self.pending: collections.deque[Entry] = collections.deque()
         self.pending_count = 0
         self.stats = BrokerStats()
-        self.policy = LeastLoaded()
+        self.policy = make_policy(cfg.routing)
         self.control = ControlPlane(self)
         self._bad_frame = RateLimitedLog(log)
         self._unreachable = RateLimitedLog(log)
@@ -212,8 +215,9 @@ class Broker:
             self._error(client, rid, 400, f"request_id {rid!r} is already in flight", "BadRequestError",
                         "request_id")
             return
-        entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, req.session_id,
-                      req.lora_name)
+        session = req.session_id if self.cfg.routing != "least-loaded" else None
+        entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, session, req.lora_name,
+                      prefix_hashes=req.prefix_hashes if self.cfg.routing == "cache-aware" else None)
         self.requests[rid] = entry
         self.by_client[client].add(rid)
         self._assign(entry)
@@ -243,15 +247,15 @@ class Broker:
                                 f"data_parallel_rank {entry.rank} is out of range (live ranks: {ranks})",
                                 "BadRequestError", "data_parallel_rank")
                     return
-            elif entry.session_id is not None:
-                worker = sticky_worker(entry.session_id, live)
+            elif entry.session_id is not None and (sticky := self._session_worker(entry, live)) is not None:
+                worker = sticky
             else:
                 candidates = [w for w in live if self.workers.has_capacity(w)]
                 if entry.lora_name is not None and any(entry.lora_name in w.lora_adapters for w in live) \
                         and not any(entry.lora_name in w.lora_adapters for w in candidates):
                     self._enqueue(entry)  # its adapter's workers are full: wait for one of them
                     return
-                worker = self.policy.pick(candidates, entry.lora_name)
+                worker = self.policy.pick(candidates, entry.lora_name, entry.prefix_hashes)
                 if worker is None:
                     self._enqueue(entry)
                     return
@@ -259,9 +263,19 @@ class Broker:
                 return
             # The worker vanished under us (EHOSTUNREACH): it is unregistered now, try again.
 
+    def _session_worker(self, entry: Entry, live: list[Worker]) -> Optional[Worker]:
+        """The session's worker; cache-aware routing leaves it (None) while that worker is full."""
+        worker = sticky_worker(entry.session_id, live)
+        if self.cfg.routing == "cache-aware" and worker is not None and (
+                worker.saturated() or not self.workers.has_capacity(worker)):
+            return None
+        return worker
+
     def _send_generate(self, worker: Worker, entry: Entry) -> bool:
         if not self._to_worker(worker, framing.message(MsgType.GENERATE, entry.body, entry.client)):
             return False
+        if entry.prefix_hashes:
+            worker.prefix_index.expect(entry.prefix_hashes)
         entry.worker = worker
         worker.sent += 1
         worker.requests.add(entry.request_id)
@@ -402,6 +416,11 @@ class Broker:
                     self._to_client(entry.client, framing.message(MsgType.ERROR, rest[0]))
                 if self.pending:
                     self._dispatch_pending()
+        elif msg_type == MsgType.KV_EVENTS:
+            if worker is None:
+                return  # its snapshot follows its next READY
+            framing.expect_count(rest, 1, "KV_EVENTS")
+            worker.prefix_index.apply(framing.decode(rest[0], KvEvents))
         elif msg_type == MsgType.CONTROL:
             if worker is None:
                 self._reject_unknown(identity)
@@ -464,7 +483,9 @@ class Broker:
                       holder.pid)
             return
         worker = Worker(identity=identity, rank=ready.rank, model=ready.model, load=ready.load, pid=ready.pid,
-                        weight_version=ready.weight_version, world_size=ready.world_size)
+                        weight_version=ready.weight_version, world_size=ready.world_size,
+                        # A worker caches at most its KV blocks; the slack absorbs event lag.
+                        prefix_index=PrefixIndex(capacity=max(4096, 2 * ready.load.total_kv_blocks)))
         self.workers.add(worker)
         self.control.on_worker_ready(worker)
         log.info("worker rank %d registered (pid %d, model %s, max_num_seqs %d)", ready.rank, ready.pid,
@@ -518,6 +539,8 @@ class Broker:
         beat = framing.message(MsgType.HEARTBEAT)
         for worker in self.workers.all():
             self._to_worker(worker, beat)
+            worker.prefix_index.expire()
+        self.stats.prefix_routed = getattr(self.policy, "prefix_routed", 0)
 
     def _expire(self, now: float) -> None:
         for worker in self.workers.expired(now):

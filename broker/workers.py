@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from broker.prefix_index import PrefixIndex
 from common.protocol import DEFAULT_WEIGHT_VERSION, ModelInfo, WorkerLoad, WorkerStatus
 
 
@@ -26,6 +27,8 @@ class Worker:
     # LoRA adapters registered on it (name -> path): from its READY, then each of its
     # load / unload replies.  A request naming an adapter goes only where it is.
     lora_adapters: dict = field(default_factory=dict)
+    # Its prefix cache as its KV events describe it (cache-aware dispatch).
+    prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
 
     def score(self) -> int:
         """Least-loaded dispatch score (vLLM DP balancing: waiting weighs 4x running)."""

@@ -247,6 +247,7 @@ class BrokerStats(msgspec.Struct, **_STRUCT):
     failed_worker_death: int = 0  # started requests that ended with an error because their worker died
     rejected_overloaded: int = 0  # 503s: no worker, or the pending queue full
     workers_removed: int = 0  # workers dropped (missed heartbeats, disconnect)
+    prefix_routed: int = 0  # dispatches that chose a worker for the prompt prefix it caches
 
 
 class ClusterInfo(msgspec.Struct, **_STRUCT):

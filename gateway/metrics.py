@@ -38,6 +38,8 @@ class BrokerCollector:
         ("rejected_overloaded", "tokserve:broker_requests_rejected_overloaded",
          "Requests refused with 503: no worker, or the dispatch queue full."),
         ("workers_removed", "tokserve:broker_workers_removed", "Workers dropped (missed heartbeats, disconnects)."),
+        ("prefix_routed", "tokserve:broker_requests_prefix_routed",
+         "Requests sent to a worker for the prompt prefix it has cached (cache-aware routing)."),
     )
 
     def __init__(self) -> None:

@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 import msgspec
 
 from common.errors import BadRequest, NotFound
+from common.prefix_hash import prompt_routing_hashes
 from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingParams
 from gateway import unserved_fields
 from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
@@ -93,6 +94,17 @@ def data_parallel_rank(headers: Mapping[str, str], cluster: ClusterInfo) -> Opti
     return rank
 
 
+def routing_hashes(http: HttpGenerateRequest, cluster: ClusterInfo, info: ModelInfo,
+                   lora_name: Optional[str]) -> Optional[list[bytes]]:
+    """The prompt's block keys for the broker's cache-aware dispatch: only where a choice
+    between workers exists and their caches can match (base model, prefix caching on;
+    adapter blocks are keyed per worker)."""
+    if lora_name is not None or not info.enable_prefix_caching or \
+            sum(1 for w in cluster.workers if w.alive) < 2:
+        return None
+    return prompt_routing_hashes(http.token_ids, info.kv_block_size, http.cache_salt) or None
+
+
 def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: ClusterInfo, info: ModelInfo,
                 *, served_model_names: list[str], arrival_time: Optional[float] = None) -> MappedRequest:
     """``headers`` must be a lower-case keyed mapping."""
@@ -114,6 +126,7 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         arrival_time=arrival_time if arrival_time is not None else time.time(),
         trace_headers=trace,
         lora_name=lora_name,
+        prefix_hashes=routing_hashes(http, cluster, info, lora_name),
     )
     opts = http.stream_options
     include_usage = bool(opts and opts.include_usage)

@@ -57,3 +57,62 @@ def test_lora_requests_prefer_workers_with_the_adapter_resident():
     workers[2].load.running = workers[2].load.max_num_seqs = 4  # saturated holder: load elsewhere
     workers[1].load.running = workers[1].load.max_num_seqs = 2
     assert policy.pick(workers, "a").rank == 0
+
+
+# ---------------------------------------------------------------- cache-aware routing
+def _keys(*blocks: int) -> list[bytes]:
+    return [b"%08d" % b for b in blocks]
+
+
+def test_prefix_index_matches_leading_blocks_and_follows_events():
+    from broker.prefix_index import PrefixIndex
+    from common.protocol import KvEvents
+
+    index = PrefixIndex(capacity=4)
+    index.apply(KvEvents(stored=_keys(1, 2, 3)))
+    assert index.match(_keys(1, 2, 3, 4)) == 3 and index.match(_keys(1, 9, 3)) == 1  # a chain stops at the first miss
+    index.apply(KvEvents(removed=_keys(2)))
+    assert index.match(_keys(1, 2, 3)) == 1
+    index.apply(KvEvents(stored=_keys(5, 6, 7, 8)))
+    assert len(index) == 4 and index.match(_keys(1)) == 0  # bounded: the oldest key went first
+    index.apply(KvEvents(cleared=True, stored=_keys(9)))
+    assert len(index) == 1 and index.match(_keys(9)) == 1
+    index.expect(_keys(9, 10, 11), now=0.0)  # dispatched, not yet computed
+    assert index.match(_keys(9, 10, 11), now=1.0) == 3
+    assert index.match(_keys(9, 10, 11), now=1e6) == 1  # never confirmed: expired
+    index.expire(now=1e6)
+    assert index.match(_keys(9, 10), now=0.0) == 1
+
+
+def test_cache_aware_prefers_longest_prefix_within_the_load_guard():
+    from broker.dispatch import CacheAware
+    from common.protocol import KvEvents
+
+    workers = [_worker(r) for r in range(3)]
+    workers[1].prefix_index.apply(KvEvents(stored=_keys(1, 2)))
+    workers[2].prefix_index.apply(KvEvents(stored=_keys(1, 2, 3)))
+    policy = CacheAware(balance_rel=1.5, balance_abs=2)
+    assert policy.pick(workers, prefix_hashes=_keys(1, 2, 3, 4)).rank == 2
+    assert policy.pick(workers, prefix_hashes=_keys(7)).rank in (0, 1, 2)  # no match: least-loaded
+    # The holder is loaded beyond the guard (score 8 > 0 * 1.5 + 2): its cache no longer wins.
+    workers[2].load = WorkerLoad(running=8)
+    assert policy.pick(workers, prefix_hashes=_keys(1, 2, 3, 4)).rank == 1
+    workers[1].load = WorkerLoad(running=8)
+    assert policy.pick(workers, prefix_hashes=_keys(1, 2, 3, 4)).rank == 0
+    assert policy.prefix_routed == 2
+
+
+def test_cache_aware_spreads_a_hot_prefix_instead_of_piling_it_on_one_worker():
+    from broker.dispatch import CacheAware
+    from common.protocol import KvEvents
+
+    workers = [_worker(r) for r in range(2)]
+    workers[0].prefix_index.apply(KvEvents(stored=_keys(1)))
+    policy = CacheAware(balance_rel=1.5, balance_abs=2)
+    picks = Counter()
+    for _ in range(40):
+        w = policy.pick(workers, prefix_hashes=_keys(1))
+        picks[w.rank] += 1
+        w.load = WorkerLoad(running=w.load.running + 1)  # each request stays running
+        w.prefix_index.apply(KvEvents(stored=_keys(1)))
+    assert max(picks.values()) / min(picks.values()) <= 1.5, picks
