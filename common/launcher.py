@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="gateways return metrics.speculative_decoding")
     p.add_argument("--served-model-name", nargs="+", default=[])
+    p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
+                   help="the broker's dispatch policy across workers")
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
     p.add_argument("--worker-args", default="", help="extra arguments passed to every worker, e.g. '--max-num-seqs 64'")
@@ -164,7 +166,7 @@ def cpu_worker_threads(num_workers: int, cpus: Optional[int] = None) -> int:
 def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list[Child], list[Child]]:
     log_args = ["--log-level", args.log_level] if args.log_level else []
     broker = Child("broker", tokserve_cmd("broker", "--frontend", args.frontend, "--backend", args.backend,
-                                          *log_args, *shlex.split(args.broker_args)))
+                                          "--routing", args.routing, *log_args, *shlex.split(args.broker_args)))
     workers = []
     cuda = args.device.startswith("cuda")
     worker_args = shlex.split(args.worker_args)
