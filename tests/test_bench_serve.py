@@ -1,5 +1,6 @@
 """`tokserve bench serve` against a launched stack: open-loop Poisson load, vLLM's report
-fields, goodput equal to a recomputation from the per-request records, datasets."""
+fields, goodput equal to a recomputation from the per-request records, datasets; and
+`benchmarks.serve --api chat` (generate vs the OpenAI facades) on the same stack."""
 from __future__ import annotations
 
 import json
@@ -9,12 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_serve
+from benchmarks import bench_serve, serve
 from tests.gateway_helpers import start_gateway
 from tests.procs import ProcGroup, wait_for_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT = ROOT / "tests" / "data" / "sharegpt_small.json"
+# The demo model's template: the tiny llama's tokenizer has none.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + "
+                 "message['content'] | trim + eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +29,8 @@ def base_url(tmp_path_factory, llama_dir):
         procs.worker(broker, 0, "--model", str(llama_dir), "--threads", "1", "--num-kv-blocks", "256",
                      "--max-num-seqs", "16")
         wait_for_workers(broker.frontend, 1, timeout=120)
-        yield start_gateway(procs, broker.frontend).url
+        yield start_gateway(procs, broker.frontend, "--tokenizer", str(llama_dir),
+                            "--chat-template", CHAT_TEMPLATE).url
 
 
 def test_bench_serve_open_loop_report_and_goodput(base_url, tmp_path):
@@ -93,3 +99,21 @@ def test_plot_and_sweep_write_pngs(base_url, tmp_path):
     assert all(p["completed"] == 8 and p["output_throughput"] > 0 for pts in points.values() for p in pts)
     with Image.open(sweep_png) as img:
         assert img.size == (1200, 400)
+
+
+def test_serve_api_chat_runs_one_workload_through_generate_and_the_facades(base_url, capsys):
+    args = serve.parse_args(["--api", "chat", "--base-url", base_url, "--concurrency", "2", "--num-prompts", "4",
+                             "--input-len", "40", "--output-len", "5"])
+    rows = serve.bench_apis(base_url, args, 256, None)
+    assert set(rows) == set(serve.APIS) == {"generate", "completions", "chat"}
+    for api in serve.APIS:
+        (row,) = rows[api]
+        assert (row["requests"], row["failed"], row["concurrency"]) == (4, 0, 2), api
+        # every request produced exactly max_tokens (usage.completion_tokens on the facades)
+        assert row["out_tok_per_s"] * row["duration_s"] == pytest.approx(4 * 5), api
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] and row["first_chunk_p50_ms"] > 0, api
+    assert rows["completions"][0]["prompt_tokens_mean"] == 40  # the same token ids, per usage
+    assert abs(rows["chat"][0]["prompt_tokens_mean"] - 40) <= 2  # text sized with /tokenize
+    serve.print_api_table(rows)
+    out = capsys.readouterr().out
+    assert "tok/s ratio" in out and out.count("x / ") == 2
