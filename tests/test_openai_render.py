@@ -101,3 +101,9 @@ def test_truncate_prompt_tokens_keeps_the_tail(renderer):
     (r,) = renderer.completion(_completion(prompt=list(range(1, 101)), truncate_prompt_tokens=10, max_tokens=3),
                                64, "t")
     assert r.generate["token_ids"] == list(range(91, 101))
+
+
+def test_max_tokens_16_survives_the_round_trip(renderer):
+    """vLLM's omit_defaults would drop max_tokens=16, which /generate then reads as unset."""
+    (r,) = renderer.completion(_completion(prompt=[1, 2], max_tokens=16), 64, "m")
+    assert r.generate["sampling_params"]["max_tokens"] == 16

@@ -205,6 +205,8 @@ def sampling_params_json(request: Union[ChatCompletionRequest, CompletionRequest
     for name, default in _SAMPLING_DEFAULTS:
         if name in values:
             value = values[name]
-            if not (value == default and isinstance(value, bool) == isinstance(default, bool)):
+            # max_tokens is always sent, 16 included: omitted, /generate would read it as "not
+            # given" and fill the context (vLLM's render drops it there, a round-trip bug).
+            if name == "max_tokens" or not (value == default and isinstance(value, bool) == isinstance(default, bool)):
                 out[name] = value
     return out
