@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.protocol import GenerateRequest, SamplingParams
+from common.prefix_hash import routing_key
+from common.protocol import GenerateRequest, KvEvents, SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, EngineSequence
 
@@ -425,3 +426,210 @@ def test_block_hash_serialisation_is_pinned():
     assert first.hex() == PINNED_FIRST_BLOCK_HASH
     # Token ids beyond 32 bits keep their full width (no truncation collisions).
     assert hash_block(None, [2**32 + 1]) != hash_block(None, [1])
+
+
+# ----------------------------------------------------------------------------- KV events
+def _keys(seq):
+    return [routing_key(h) for h in seq.block_hashes]
+
+
+def test_kv_events_on_store_evict_and_reset():
+    bm = BlockManager(4, BS)
+    assert bm.drain_kv_events() is None
+    a = make_seq(range(9), rid="a")  # 2 full blocks + 1 token
+    run_prefill(bm, a)
+    ev = bm.drain_kv_events()
+    assert ev.stored == _keys(a) and len(ev.stored) == 2 and ev.removed == [] and not ev.cleared
+    assert bm.drain_kv_events() is None  # drained
+    # A hit publishes nothing new; freeing keeps the blocks cached (no event).
+    b = make_seq(range(9), rid="b")
+    assert run_prefill(bm, b) == a.block_ids[:2]
+    assert bm.drain_kv_events() is None
+    bm.free(a)
+    bm.free(b)
+    assert bm.drain_kv_events() is None
+    # Four fresh blocks: the uncached ones first, then both cached blocks are evicted.
+    c = make_seq(range(100, 116), rid="c")
+    assert bm.allocate_slots(c, 16)
+    ev = bm.drain_kv_events()
+    assert sorted(ev.removed) == sorted(_keys(a)) and ev.stored == [] and not ev.cleared
+    c.num_computed_tokens = 16
+    bm.register_computed_blocks(c)
+    stored_c = bm.drain_kv_events().stored
+    assert stored_c == _keys(c) and len(stored_c) == 4
+    assert bm.snapshot_kv_events() == KvEvents(stored=stored_c, cleared=True)
+    # Reset: cleared, and the changes not drained yet are dropped.
+    bm.free(c)
+    d = make_seq(range(200, 205), rid="d")
+    run_prefill(bm, d)  # evicts c's first block (removed) and stores d's block
+    bm.reset_prefix_cache()
+    assert bm.drain_kv_events() == KvEvents(cleared=True)
+    assert bm.drain_kv_events() is None
+    assert bm.snapshot_kv_events() == KvEvents(cleared=True)
+    # Blocks reset while cached (free or held) are not reported removed when reused later.
+    bm.free(d)
+    e = make_seq(range(300, 316), rid="e")
+    assert bm.allocate_slots(e, 16)
+    assert bm.drain_kv_events() is None
+
+
+def test_kv_events_stored_and_removed_are_netted_per_key():
+    """Between two drains a key that was stored then evicted is reported removed only,
+    and one evicted then stored again is reported stored only: the two lists never
+    share a key, so the broker may apply them in either order."""
+    bm = BlockManager(2, BS)
+    a = make_seq(range(5), rid="a")
+    run_prefill(bm, a)
+    bm.free(a)
+    b = make_seq(range(50, 58), rid="b")  # evicts a's cached block
+    assert bm.allocate_slots(b, 8)
+    ev = bm.drain_kv_events()
+    assert ev.stored == [] and ev.removed == _keys(a)
+    bm.free(b)
+    a2 = make_seq(range(5), rid="a2")
+    run_prefill(bm, a2)
+    bm.free(a2)
+    c = make_seq(range(70, 78), rid="c")
+    assert bm.allocate_slots(c, 8)  # stored and evicted in the same window
+    bm.free(c)
+    run_prefill(bm, make_seq(range(5), rid="a3"))  # ... and stored again
+    ev = bm.drain_kv_events()
+    assert ev.stored == _keys(a) and ev.removed == []
+
+
+def test_kv_events_skip_adapter_blocks():
+    bm = BlockManager(8, BS)
+    a = make_seq(range(9), rid="a")
+    a.request.lora_key = "adapter-a"
+    run_prefill(bm, a)
+    assert len(bm._cached) == 2 and bm.drain_kv_events() is None
+    assert bm.snapshot_kv_events() == KvEvents(cleared=True)
+    base = make_seq(range(9), rid="base")  # the same tokens on the base model: other hashes, published
+    run_prefill(bm, base)
+    assert bm.drain_kv_events().stored == _keys(base)
+    bm.free(a)
+    bm.free(base)
+    # Evicting every cached block reports only the base model's as removed.
+    c = make_seq(range(100, 132), rid="c")
+    assert bm.allocate_slots(c, 32)
+    assert sorted(bm.drain_kv_events().removed) == sorted(_keys(base))
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-7"])
+def test_kv_event_keys_equal_the_gateways_prompt_hashes(salt):
+    """What a gateway computes for a prompt (prompt_routing_hashes) is exactly what the
+    worker publishes once it has served that prompt: salted chains included."""
+    from common.prefix_hash import prompt_routing_hashes
+
+    bm = BlockManager(32, BS)
+    prompt = [(i * 37) % 101 for i in range(5 * BS + 3)]  # 5 full blocks + 3 tokens
+    seq = make_seq(prompt, salt=salt)
+    run_prefill(bm, seq)
+    ev = bm.drain_kv_events()
+    expect = prompt_routing_hashes(prompt, BS, salt)
+    assert len(expect) == 5 and ev.stored == expect
+    assert bm.snapshot_kv_events().stored == expect
+    if salt is not None:
+        assert set(expect).isdisjoint(prompt_routing_hashes(prompt, BS))
+
+
+def test_kv_events_are_bounded_by_a_snapshot():
+    bm = BlockManager(3, BS)
+    assert bm._kv_limit == 12
+    for i in range(20):  # 20 distinct blocks stored and evicted, nothing drained
+        seq = make_seq(range(i * 10, i * 10 + 5), rid=str(i))
+        run_prefill(bm, seq)
+        bm.free(seq)
+    assert len(bm._kv_pending) <= bm._kv_limit and bm._kv_overflow
+    ev = bm.drain_kv_events()  # the collapse: the whole current state
+    snapshot = ev.stored
+    assert ev.cleared and ev.removed == []
+    assert sorted(ev.stored) == sorted(routing_key(h) for h in bm._cached)
+    assert len(ev.stored) == len(bm._cached) == 2  # each request: 1 cached block + 1 partial one
+    assert bm.drain_kv_events() is None  # back to deltas
+    seq = make_seq(range(1000, 1005), rid="after")
+    run_prefill(bm, seq)
+    ev = bm.drain_kv_events()
+    assert not ev.cleared and ev.stored == _keys(seq) and ev.removed and set(ev.removed) <= set(snapshot)
+
+
+def test_kv_events_disabled_with_prefix_caching_off():
+    bm = BlockManager(4, BS, enable_prefix_caching=False)
+    seq = make_seq(range(9))
+    run_prefill(bm, seq)
+    bm.free(seq)
+    bm.reset_prefix_cache()
+    assert bm.drain_kv_events() is None
+    assert bm.snapshot_kv_events() == KvEvents(cleared=True)
+
+
+def test_kv_events_replayed_equal_the_cache_under_random_traffic():
+    """A broker applying every drained report (cleared, then removed, then stored, as
+    broker/prefix_index.py does, or stored first: the lists are disjoint) holds exactly
+    the base-model keys the pool caches, through admissions, decode growth, forks, frees,
+    evictions, adapter requests, resets and overflow collapses."""
+    import random
+
+    def published(bm):
+        return {routing_key(h) for h, b in bm._cached.items() if bm._published[b]}
+
+    overflows = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        num_blocks = rng.choice([5, 9, 17])
+        bm = BlockManager(num_blocks, BS)
+        # Even seeds: rare drains and many distinct blocks, so pending changes overflow.
+        drain_rate, vocab, resets = (0.3, 6, 0.03) if seed % 2 else (0.01, 1000, 0.0)
+        view, view2 = set(), set()
+        live = []
+        prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
+        for step in range(300):
+            op = rng.random()
+            if op < 0.35 or not live:
+                tokens = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+                seq = make_seq(tokens, salt=rng.choice([None, None, "alice"]), rid=f"{seed}-{step}")
+                seq.request.lora_key = rng.choice([None, None, None, "lora-1"])
+                hits = bm.find_cached_prefix(seq)
+                num_new = rng.randrange(1, seq.num_tokens - len(hits) * BS + 1)
+                if bm.allocate_slots(seq, num_new, hits):
+                    seq.num_computed_tokens += num_new
+                    bm.register_computed_blocks(seq)
+                    live.append(seq)
+            elif op < 0.7:
+                seq = rng.choice(live)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.token_ids.append(rng.randrange(vocab))
+                num_new = seq.num_tokens - seq.num_computed_tokens
+                if bm.allocate_slots(seq, num_new):
+                    seq.num_computed_tokens += num_new
+                    bm.register_computed_blocks(seq)
+            elif op < 0.76:
+                seq = rng.choice(live)
+                child = EngineSequence(seq.request, 1, list(seq.token_ids))
+                bm.fork(seq, child)
+                live.append(child)
+            elif op < 0.76 + resets:
+                bm.reset_prefix_cache()
+            else:
+                bm.free(live.pop(rng.randrange(len(live))))
+            if rng.random() < drain_rate:  # the worker reports after some steps, not all
+                overflows += bm._kv_overflow
+                ev = bm.drain_kv_events()
+                if ev is not None:
+                    assert not set(ev.stored) & set(ev.removed)
+                    if ev.cleared:
+                        view.clear()
+                        view2.clear()
+                    view.difference_update(ev.removed)  # removed first (the broker's order)
+                    view.update(ev.stored)
+                    view2.update(ev.stored)  # stored first: the same result
+                    view2.difference_update(ev.removed)
+                    assert view == view2 == published(bm), (seed, step)
+        ev = bm.drain_kv_events()
+        if ev is not None:
+            if ev.cleared:
+                view.clear()
+            view.difference_update(ev.removed)
+            view.update(ev.stored)
+        assert view == published(bm) == set(bm.snapshot_kv_events().stored)
+    assert overflows  # the collapse into a snapshot was exercised

@@ -7,11 +7,15 @@ import asyncio
 import random
 import time
 
+import msgspec
 import pytest
+import zmq
 
+from common import framing
 from common.client import AsyncClient, Client, RequestError
-from common.protocol import GenerateRequest, SamplingParams
-from tests.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
+from common.prefix_hash import prompt_routing_hashes
+from common.protocol import MAGIC, GenerateRequest, KvEvents, MsgType, OutputsHeader, SamplingParams, WorkerReady
+from tests.procs import ProcGroup, cluster_info, free_endpoint, wait_for, wait_for_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,6 +110,92 @@ def test_abort_frees_the_request_on_the_worker(real_cluster):
         return load.running == 0 and load.waiting == 0 and load.free_kv_blocks == load.total_kv_blocks
 
     wait_for(freed, 5, "worker 0 to free the aborted request's KV blocks")
+
+
+def test_worker_publishes_kv_events(llama_dir, tmp_path):
+    """A real worker, the test playing its broker (a ROUTER): READY is followed by a
+    snapshot of its prefix cache (empty at start); serving a prompt of >= 2 full blocks
+    sends, right after the OUTPUTS of the step that computed them, the blocks' routing
+    keys, equal to what a gateway computes for the prompt (prompt_routing_hashes, salted
+    too); a re-registration (the broker says DISCONNECT) is READY + a snapshot of every
+    cached key."""
+    bs = ENGINE_ARGS["block_size"]
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = free_endpoint()
+    router.bind(endpoint)
+
+    def next_msg(timeout: float = 30.0):
+        """The worker's next message other than a heartbeat: (identity, type, body frames)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not router.poll(int(left * 1000)):
+                raise TimeoutError("no message from the worker\n" + procs.tails())
+            frames = router.recv_multipart()
+            assert frames[1] == MAGIC
+            if frames[2] != MsgType.HEARTBEAT:
+                return frames[0], frames[2], frames[3:]
+
+    def kv_events(body: bytes) -> KvEvents:
+        return msgspec.msgpack.decode(body, type=KvEvents)
+
+    def serve(identity: bytes, req: GenerateRequest) -> list:
+        """Send GENERATE; the worker's messages until it finished, then any trailing ones."""
+        router.send_multipart([identity, MAGIC, MsgType.GENERATE, framing.encode(req), b"client-1"])
+        seen = []
+        while True:
+            _, kind, rest = next_msg()
+            seen.append((kind, rest))
+            if kind == MsgType.OUTPUTS and req.request_id in framing.decode(rest[0], OutputsHeader).finished:
+                break
+        while router.poll(300):  # the last step's KV_EVENTS, if it had changes
+            _, kind, rest = next_msg()
+            seen.append((kind, rest))
+        assert all(kind in (MsgType.OUTPUTS, MsgType.KV_EVENTS) for kind, _ in seen), seen
+        for i, (kind, _) in enumerate(seen):
+            if kind == MsgType.KV_EVENTS:  # one per step, after that step's OUTPUTS
+                assert i > 0 and seen[i - 1][0] == MsgType.OUTPUTS, [k for k, _ in seen]
+        return [kv_events(rest[0]) for kind, rest in seen if kind == MsgType.KV_EVENTS]
+
+    with ProcGroup(tmp_path) as procs:
+        try:
+            # Slow heartbeats: the test answers none and must not be declared gone.
+            procs.worker(endpoint, 0, "--model", str(llama_dir), "--threads", "1", "--heartbeat-interval", "30",
+                         *_cli(ENGINE_ARGS))
+            identity, kind, rest = next_msg(90)
+            assert kind == MsgType.READY
+            assert framing.decode(rest[0], WorkerReady).model.kv_block_size == bs
+            _, kind, rest = next_msg()
+            assert kind == MsgType.KV_EVENTS and kv_events(rest[0]) == KvEvents(cleared=True)
+
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            prompt = [(7 * i + 3) % 200 for i in range(2 * bs + 5)]  # 2 full blocks + 5 tokens
+            events = serve(identity, GenerateRequest(request_id="kv-1", prompt_token_ids=prompt, params=params))
+            keys = prompt_routing_hashes(prompt, bs)
+            assert len(keys) == 2
+            assert len(events) == 1 and events[0] == KvEvents(stored=keys), events
+
+            salted = [(11 * i + 5) % 200 for i in range(3 * bs + 1)]
+            events = serve(identity, GenerateRequest(request_id="kv-2", prompt_token_ids=salted, params=params,
+                                                     cache_salt="tenant-a"))
+            salted_keys = prompt_routing_hashes(salted, bs, "tenant-a")
+            assert len(salted_keys) == 3 and events == [KvEvents(stored=salted_keys)], events
+
+            # The same prompt again is a cache hit: nothing new to publish.
+            assert serve(identity, GenerateRequest(request_id="kv-3", prompt_token_ids=prompt, params=params)) == []
+
+            # Re-registration: READY, then the snapshot of everything cached.
+            router.send_multipart([identity, MAGIC, MsgType.DISCONNECT, b""])
+            _, kind, _ = next_msg()
+            assert kind == MsgType.READY
+            _, kind, rest = next_msg()
+            assert kind == MsgType.KV_EVENTS
+            snap = kv_events(rest[0])
+            assert snap.cleared and not snap.removed and sorted(snap.stored) == sorted(keys + salted_keys)
+        finally:
+            router.close(0)
+
 
 
 def test_kill9_worker_mid_stream_fails_its_streams(real_cluster):

@@ -9,7 +9,14 @@ Threads and sockets:
     inproc PAIR pipe.
   * Main thread (``WorkerServer``) owns the engine: drain everything that arrived,
     step once, ship one OUTPUTS frame set per step (deltas grouped per client;
-    layout in common/framing.py).  Idle: blocks on the pipe, no spinning.
+    layout in common/framing.py), then at most one KV_EVENTS message with the
+    prefix-cache changes of that step.  Idle: blocks on the pipe, no spinning.
+
+KV events: the broker's picture of this worker's prefix cache starts exact and stays
+so, since every message travels one ordered pipe -> DEALER path: READY is followed
+at once by a snapshot (``cleared`` + every cached key), at registration and at every
+re-registration; afterwards each loop iteration sends the changes it made (after its
+OUTPUTS), and a control command's cache changes go out before its reply.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
 from common.protocol import (MAGIC, Abort, CompletionDelta, ControlRequest, Disconnect, ErrorMsg, GenerateRequest,
-                             MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+                             KvEvents, MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
 from worker.control import WorkerControl
 
 log = get_logger("tokserve.worker")
@@ -119,6 +126,10 @@ class BrokerLink(threading.Thread):
                                 continue
                             if frames[1] == MsgType.READY:
                                 self.registered = True
+                            elif frames[1] == MsgType.KV_EVENTS and not self.registered:
+                                # Changes made before a re-registration the engine loop has
+                                # not sent yet: the snapshot after its READY supersedes them.
+                                continue
                             _send(dealer, frames)
         finally:
             dealer.close()
@@ -190,6 +201,19 @@ class WorkerServer:
                             weight_version=self.engine.weight_version,
                             world_size=self.engine.config.tensor_parallel_size)
         self._send(framing.message(MsgType.READY, ready))
+        snapshot = getattr(self.engine, "snapshot_kv_events", None)
+        if snapshot is not None:  # the broker's view of our cache starts exact (cleared + all keys)
+            self._send_kv_events(snapshot())
+
+    def _send_kv_events(self, events: Optional[KvEvents]) -> None:
+        if events is not None:
+            self._send(framing.message(MsgType.KV_EVENTS, events))
+
+    def _ship_kv_events(self) -> None:
+        """The prefix-cache changes since the last report, if any (one message)."""
+        drain = getattr(self.engine, "drain_kv_events", None)
+        if drain is not None:
+            self._send_kv_events(drain())
 
     def _refresh_load(self) -> WorkerLoad:
         load = self.engine.load()
@@ -225,6 +249,7 @@ class WorkerServer:
                     deltas.extend(self._step())
                 if deltas:
                     self._ship(deltas)
+                self._ship_kv_events()  # after the step's OUTPUTS: at most one message per step
                 self._send_deferred_replies()
         finally:
             self._send(framing.message(MsgType.DISCONNECT, Disconnect(drain=False)))
@@ -290,11 +315,15 @@ class WorkerServer:
     def _on_control(self, req: ControlRequest, payload: list) -> None:
         reply = self.control.handle(req, payload)
         self._refresh_load()  # sleep/wake change the KV blocks the broker sees
+        self._ship_kv_events()  # e.g. reset_prefix_cache: the broker hears it before the reply
         if reply is not None:
             self._send(framing.message(MsgType.CONTROL, reply))
 
     def _send_deferred_replies(self) -> None:
-        for reply in self.control.poll_deferred():
+        replies = self.control.poll_deferred()
+        if replies:
+            self._ship_kv_events()  # what the deferred commands changed goes first
+        for reply in replies:
             self._send(framing.message(MsgType.CONTROL, reply))
 
     def abort_all(self) -> None:

@@ -15,6 +15,15 @@ the free cached blocks in an intrusive doubly linked list over two int32 arrays
 (vLLM's FreeKVCacheBlockQueue), so initialisation allocates a few arrays, a fully
 cached pool costs no Python object per block beyond its hash, and every operation
 costs O(blocks touched).
+
+KV events (for the broker's cache-aware dispatch): routing keys of base-model blocks
+entering the cache (stored) and of their content being evicted (removed), or a reset
+(cleared).  ``drain_kv_events()`` hands over the changes since the last drain or
+snapshot, netted per key so that ``stored`` and ``removed`` never share a key and their
+order of application does not matter; past ``_kv_limit`` pending changes (nobody
+drains) they collapse into a flag, and the next drain is a snapshot of the cache.  Blocks
+hashed with a LoRA adapter are worker-local and never published; a per-block flag
+remembers which blocks were, so only those are ever reported removed.
 """
 from __future__ import annotations
 
@@ -22,10 +31,12 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from common.prefix_hash import BlockHash, hash_block
+from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, hash_block
+from common.protocol import KvEvents
 from worker.engine.request import EngineSequence
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
+KV_EVENTS_MAX_PENDING = 1 << 16  # undrained KV event keys kept at most (then: a snapshot)
 
 
 class _LRUList:
@@ -97,6 +108,15 @@ class BlockManager:
         # Prefix-cache statistics (tokens), for metrics.
         self.query_tokens = 0
         self.hit_tokens = 0
+        # KV events: which blocks' keys were published (stored and not since removed),
+        # and the changes not drained yet (routing key -> stored; netted per key).
+        self._published = np.zeros(num_blocks, dtype=bool)
+        self._kv_pending: dict[bytes, bool] = {}
+        self._kv_cleared = False
+        self._kv_overflow = False  # too many pending changes: the next drain is a snapshot
+        # At most this many pending changes (memory stays small when nobody drains; a
+        # step's changes are far fewer): past it the next drain is a snapshot.
+        self._kv_limit = min(4 * num_blocks, KV_EVENTS_MAX_PENDING)
 
     # --- accounting ------------------------------------------------------
     @property
@@ -187,6 +207,9 @@ class BlockManager:
             if self._cached.get(h) == block_id:
                 del self._cached[h]
             self._hash[block_id] = None
+            if self._published[block_id]:
+                self._published[block_id] = False
+                self._kv_event(h, False)
         self._ref[block_id] = 1
         return block_id
 
@@ -210,12 +233,17 @@ class BlockManager:
             return
         self._update_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        # Adapter blocks' hashes are worker-local (the adapter keys them): never published.
+        publish = getattr(seq.request, "lora_key", None) is None
         for i in range(seq.num_registered_blocks, num_full):
             block_id = seq.block_ids[i]
             h = seq.block_hashes[i]
             if self._hash[block_id] is None and h not in self._cached:
                 self._hash[block_id] = h
                 self._cached[h] = block_id
+                if publish:
+                    self._published[block_id] = True
+                    self._kv_event(h, True)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: EngineSequence) -> None:
@@ -251,7 +279,51 @@ class BlockManager:
             self._num_uncached += 1
         self._hash = [None] * self.num_blocks
         self._cached.clear()
+        self._published[:] = False
+        if self.enable_prefix_caching:
+            self._kv_pending.clear()  # whatever was reported before is gone with the rest
+            self._kv_overflow = False
+            self._kv_cleared = True
         return dropped
+
+    # --- KV events -------------------------------------------------------
+    def _kv_event(self, block_hash: BlockHash, stored: bool) -> None:
+        if self._kv_overflow:
+            return
+        pending = self._kv_pending
+        pending[block_hash[:ROUTING_HASH_BYTES]] = stored  # the latest change of a key wins
+        if len(pending) > self._kv_limit:  # bounded: report the whole state instead
+            pending.clear()
+            self._kv_overflow = True
+
+    def drain_kv_events(self) -> Optional[KvEvents]:
+        """The prefix-cache changes since the last drain or snapshot (None: none).
+        ``stored`` and ``removed`` are disjoint; ``cleared`` comes first."""
+        if self._kv_overflow:
+            return self.snapshot_kv_events()
+        pending = self._kv_pending
+        if not pending and not self._kv_cleared:
+            return None
+        stored = [k for k, s in pending.items() if s]
+        removed = [k for k, s in pending.items() if not s]
+        events = KvEvents(stored=stored, removed=removed, cleared=self._kv_cleared)
+        self._kv_pending = {}
+        self._kv_cleared = False
+        return events
+
+    def snapshot_kv_events(self) -> KvEvents:
+        """Every published key now cached, as ``cleared`` + ``stored`` (for a
+        (re)registration); pending changes are dropped (the snapshot includes them).
+        O(cached blocks)."""
+        self._kv_pending = {}
+        self._kv_cleared = self._kv_overflow = False
+        cached = self._cached
+        if not cached:
+            return KvEvents(cleared=True)
+        ids = np.fromiter(cached.values(), dtype=np.int64, count=len(cached))
+        flags = self._published[ids].tolist()
+        n = ROUTING_HASH_BYTES
+        return KvEvents(stored=[h[:n] for h, f in zip(cached, flags) if f], cleared=True)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.query_tokens += num_tokens

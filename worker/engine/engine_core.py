@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from common.errors import BadRequest, NotFound
-from common.protocol import GenerateRequest, ModelInfo, WorkerLoad
+from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
@@ -75,6 +75,7 @@ class EngineCore(RLControl):
             default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             lora_adapters=self.lora_adapters() if config.enable_lora else None,
+            kv_block_size=config.block_size,
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -261,6 +262,16 @@ class EngineCore(RLControl):
             load.resident_loras, load.max_loras = self.lora.resident, self.lora.max_loras
             load.running_loras, load.waiting_loras = self.lora.names(running), self.lora.names(waiting)
         return load
+
+    # --- KV events (prefix-cache changes, for the broker's cache-aware dispatch) ----------
+    def drain_kv_events(self) -> Optional[KvEvents]:
+        """Routing keys of base-model blocks stored in / removed from the prefix cache
+        since the last drain or snapshot (None: no change)."""
+        return self.block_manager.drain_kv_events()
+
+    def snapshot_kv_events(self) -> KvEvents:
+        """The whole published cache (``cleared`` + every key), for a (re)registration."""
+        return self.block_manager.snapshot_kv_events()
 
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
