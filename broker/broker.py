@@ -204,6 +204,7 @@ class Broker:
 
     def cluster_info(self) -> ClusterInfo:
         live = sorted(self.workers.all(), key=lambda w: w.rank)
+        self.stats.prefix_routed = getattr(self.policy, "prefix_routed", 0)
         return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model,
                            pending=self.pending_count, stats=self.stats, paused=self.control.paused,
                            weight_version=self.control.pool_version, lora_adapters=self.control.lora_adapters)
@@ -540,7 +541,6 @@ class Broker:
         for worker in self.workers.all():
             self._to_worker(worker, beat)
             worker.prefix_index.expire()
-        self.stats.prefix_routed = getattr(self.policy, "prefix_routed", 0)
 
     def _expire(self, now: float) -> None:
         for worker in self.workers.expired(now):

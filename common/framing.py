@@ -61,7 +61,8 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from common.protocol import (MAGIC, Abort, ClusterInfo, ControlReply, ControlRequest, Disconnect, ErrorMsg,
-                             GenerateRequest, MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad, WorkerReady)
+                             GenerateRequest, KvEvents, MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad,
+                             WorkerReady)
 
 T = TypeVar("T")
 
@@ -78,7 +79,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {
     t: msgspec.msgpack.Decoder(t)
     for t in (GenerateRequest, Abort, Outputs, ErrorMsg, WorkerReady, WorkerLoad, ClusterInfo, OutputsHeader,
-              Disconnect, ControlRequest, ControlReply, RankReply)
+              Disconnect, ControlRequest, ControlReply, RankReply, KvEvents)
 }
 
 
