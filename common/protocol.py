@@ -227,6 +227,9 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     pid: int = 0
     weight_version: str = DEFAULT_WEIGHT_VERSION
     world_size: int = 1  # devices this worker drives (its tensor-parallel size)
+    # Prefill/decode disaggregation (--role): "prefill" and "decode" workers serve the two
+    # legs of a request whose KV blocks move between them; "both" serves whole requests.
+    role: str = "both"
 
 
 class WorkerStatus(msgspec.Struct, **_STRUCT):
