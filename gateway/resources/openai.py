@@ -19,9 +19,9 @@ from typing import Optional
 import falcon
 import msgspec
 
-from common.errors import NotFound, ServingError
+from common.errors import NotFound, Overloaded, ServingError
 from gateway.body import read_body
-from gateway.errors import bad_request_from_decode_error
+from gateway.errors import bad_request_from_decode_error, serving_error_json
 from gateway.openai_api import chat_facade, completion_facade
 from gateway.openai_api.derender import Derenderer
 from gateway.openai_api.facade import Generation, ResponseView, map_rendered, start_all
@@ -37,6 +37,7 @@ from gateway.openai_api.protocol import (
 )
 from gateway.openai_api.render import Renderer, base_request_id
 from gateway.request_mapping import base_model_names
+from gateway.response_builder import SSE_DONE, sse_event
 from gateway.resources.generate import is_json
 from gateway.state import GatewayState
 
@@ -73,7 +74,6 @@ class TextRoutes:
             return max_len, 20, names
         cluster = await self.state.cluster.get()
         if cluster.model is None:
-            from common.errors import Overloaded
             raise Overloaded("No inference worker is available yet.")
         return (cluster.model.max_model_len, cluster.model.max_logprobs,
                 base_model_names(cluster.model, s.served_model_names))
@@ -153,8 +153,6 @@ async def _respond(resp, runs: list[Generation], stream: bool, collect, sse) -> 
                 raise
         except BaseException as exc:
             status = getattr(exc, "status", 500)
-            from gateway.errors import serving_error_json
-            from gateway.response_builder import SSE_DONE, sse_event
             err = exc if isinstance(exc, ServingError) else ServingError(f"Internal server error: {type(exc).__name__}")
             yield sse_event(serving_error_json(err))
             yield SSE_DONE
