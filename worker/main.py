@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 8 on CPU, where compute binds past a few rows; no cap on CUDA; 0: no cap)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="refused: expert parallelism is not implemented (one worker serves every expert)")
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="prefill/decode disaggregation: which legs the broker sends here (reported in READY); "
+                        "any worker serves either leg when a request's kv_transfer_params ask for it")
+    p.add_argument("--kv-transfer-address", default="tcp://127.0.0.1:*",
+                   help="ZeroMQ endpoint of this worker's KV transfer server (prefill legs' blocks are pulled "
+                        "from it; its host and port go into kv_transfer_params); default: a random local port")
+    p.add_argument("--kv-transfer-timeout", type=float, default=480.0,
+                   help="seconds a finished prefill leg's KV blocks wait for the decode side to pull them "
+                        "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -129,7 +138,8 @@ def engine_config_from_args(args):
                         enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules) or None,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
-                        spec_max_step_tokens=args.spec_max_step_tokens)
+                        spec_max_step_tokens=args.spec_max_step_tokens,
+                        kv_transfer_address=args.kv_transfer_address, kv_transfer_timeout=args.kv_transfer_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout, curve_server_key=server_key,
-                          curve_client_keys=client_keys)
+                          curve_client_keys=client_keys, role=args.role)
     server.install_signal_handlers()
     return server.run()

@@ -163,9 +163,10 @@ class WorkerServer:
     def __init__(self, engine, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
-                 ctx: Optional[zmq.Context] = None):
+                 ctx: Optional[zmq.Context] = None, role: str = "both"):
         self.engine = engine
         self.rank = rank
+        self.role = role  # P/D disaggregation: what the broker sends here (prefill | decode | both)
         self.drain_timeout = drain_timeout
         self.ctx = ctx or zmq.Context.instance()
         pipe_addr = f"inproc://worker-link-{id(self)}"
@@ -199,7 +200,7 @@ class WorkerServer:
         self._refresh_load()
         ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
                             weight_version=self.engine.weight_version,
-                            world_size=self.engine.config.tensor_parallel_size)
+                            world_size=self.engine.config.tensor_parallel_size, role=self.role)
         self._send(framing.message(MsgType.READY, ready))
         snapshot = getattr(self.engine, "snapshot_kv_events", None)
         if snapshot is not None:  # the broker's view of our cache starts exact (cleared + all keys)
@@ -241,6 +242,7 @@ class WorkerServer:
                         break
                 busy = self.engine.has_unfinished() and not self.control.frozen
                 if not busy and not self.pipe.poll(100):  # idle: block (wakes to notice signals)
+                    self._kv_transfer_tick()  # held KV blocks freed by their decode side or expired
                     self._refresh_load()  # e.g. after a failed step shipped nothing
                     self._send_deferred_replies()
                     continue
@@ -360,9 +362,31 @@ class WorkerServer:
         self.tracks.clear()
         self._ready()
 
+    def _kv_transfer_tick(self) -> None:
+        tick = getattr(self.engine, "kv_transfer_tick", None)
+        if tick is not None:
+            try:
+                tick()
+            except Exception:
+                log.exception("KV transfer housekeeping failed")
+            self._ship_request_errors()
+
+    def _ship_request_errors(self) -> None:
+        """Requests the engine failed outside its outputs (a decode leg whose KV pull failed)."""
+        take = getattr(self.engine, "take_request_errors", None)
+        if take is None:
+            return
+        for rid, status, message in take():
+            track = self.tracks.get(rid)
+            if track is not None:
+                self._error(track.client, rid, status, message,
+                            "BadRequestError" if status < 500 else "ServiceUnavailableError", "kv_transfer_params")
+
     def _step(self) -> list[CompletionDelta]:
         try:
-            return self.engine.step()
+            deltas = self.engine.step()
+            self._ship_request_errors()
+            return deltas
         except Exception as exc:
             log.exception("engine step failed; failing %d request(s)", len(self.tracks))
             for rid, track in list(self.tracks.items()):

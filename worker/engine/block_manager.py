@@ -266,6 +266,51 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    # --- KV transfer (prefill/decode disaggregation, worker/engine/kv_transfer.py) ----
+    def hold_blocks(self, block_ids: Seq[int]) -> None:
+        """One more reference to blocks a sequence holds (a finished prefill leg's
+        blocks outlive it until the decode side pulled them)."""
+        for block_id in block_ids:
+            self._take(block_id)
+
+    def release_blocks(self, block_ids: Seq[int]) -> None:
+        """Drop one reference per block (``hold_blocks`` / ``import_blocks``)."""
+        ref = self._ref
+        for block_id in reversed(block_ids):
+            ref[block_id] -= 1
+            if ref[block_id] == 0:
+                if self._hash[block_id] is None:
+                    self._uncached[self._num_uncached] = block_id
+                    self._num_uncached += 1
+                else:
+                    self._free_cached.append(block_id)
+
+    def import_blocks(self, seq: EngineSequence, count: int) -> list[tuple[int, int]]:
+        """Cache entries for the first ``count`` full blocks of ``seq``'s tokens (K/V
+        pulled from another worker): (block index, block id) of each block taken for
+        one not cached yet, registered under its hash and referenced once -- the
+        caller writes the K/V, then ``release_blocks`` them (they stay cached)."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens:
+            return []
+        self._update_hashes(seq)
+        count = min(count, (seq.num_tokens - 1) // self.block_size, len(seq.block_hashes))
+        publish = getattr(seq.request, "lora_key", None) is None
+        out: list[tuple[int, int]] = []
+        for i in range(count):
+            h = seq.block_hashes[i]
+            if h in self._cached:
+                continue
+            if not self.num_free_blocks:
+                break
+            block_id = self._pop_free()
+            self._hash[block_id] = h
+            self._cached[h] = block_id
+            if publish:
+                self._published[block_id] = True
+                self._kv_event(h, True)
+            out.append((i, block_id))
+        return out
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (after a weight change their K/V is stale).
 

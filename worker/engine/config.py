@@ -66,6 +66,11 @@ class EngineConfig:
     # Speculative decoding: decode rows plus drafts per step stay within this; None:
     # 8 on CPU (compute binds past a few rows there), no cap on CUDA; 0: no cap.
     spec_max_step_tokens: Optional[int] = None
+    # P/D disaggregation (kv_transfer.py): where the KV transfer server binds (None:
+    # tcp://127.0.0.1:*, a random port; bound on the first prefill leg) and how long a
+    # finished prefill leg's blocks wait for their decode side (vLLM's 480 s).
+    kv_transfer_address: Optional[str] = None
+    kv_transfer_timeout: float = 480.0
 
     def spec_step_token_cap(self, device) -> Optional[int]:
         cap = self.spec_max_step_tokens
@@ -92,6 +97,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0, got {self.kv_transfer_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -8,6 +8,7 @@ packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
 from __future__ import annotations
 
 import itertools
+import queue
 import logging
 import time
 from typing import Any, Optional
@@ -18,6 +19,7 @@ from common.errors import BadRequest, NotFound
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
+from worker.engine.kv_transfer import DecodeLeg, KvTransfer, PrefillLeg, TransferError, blocks_from_reply, parse_params
 from worker.engine.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
@@ -79,6 +81,9 @@ class EngineCore(RLControl):
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
+                                      lambda: self.runner.kv_cache)
+        self._request_errors: list[tuple[str, int, str]] = []  # (request id, HTTP status, message)
         self._init_rl_control()
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
@@ -172,6 +177,9 @@ class EngineCore(RLControl):
         if req.request_id in self.requests:
             raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
+        leg = parse_params(req.kv_transfer_params)
+        if leg is not None:
+            self._check_kv_leg(req)
         lora_key = None
         if req.lora_name is not None:
             if self.lora is None or req.lora_name not in self.lora.keys:
@@ -199,10 +207,116 @@ class EngineCore(RLControl):
         if self.spec is not None:
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
+        request.kv_leg = leg
+        if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
+            self.kv_transfer.start_pull(request, seq, leg)
+            return
+        if isinstance(leg, PrefillLeg):
+            self.kv_transfer.server()  # bound before the answer names its host and port
         self.scheduler.add(seq)
+
+    def _check_kv_leg(self, req: GenerateRequest) -> None:
+        """Requests whose KV blocks move between workers: what this engine refuses."""
+        if self.config.tensor_parallel_size > 1:
+            raise BadRequest("kv_transfer_params: KV transfer is not supported with tensor parallelism "
+                             f"(this worker has tensor_parallel_size {self.config.tensor_parallel_size})",
+                             "kv_transfer_params")
+        if req.lora_name is not None:
+            raise BadRequest("kv_transfer_params: KV transfer is not supported for LoRA requests",
+                             "kv_transfer_params")
+        if req.params.n != 1:
+            raise BadRequest("kv_transfer_params: KV transfer needs n=1", "kv_transfer_params")
+        if not self.config.enable_prefix_caching:
+            raise BadRequest("kv_transfer_params: KV transfer needs prefix caching (this worker runs with "
+                             "--no-prefix-caching)", "kv_transfer_params")
+
+    # --- KV transfer (prefill/decode disaggregation) -------------------------------------
+    def _hold_for_transfer(self, seq: EngineSequence) -> None:
+        """A prefill leg finished: keep its full prompt blocks for the decode side and
+        answer with NixlConnector's kv_transfer_params."""
+        request, kv = seq.request, self.kv_transfer
+        bs = self.block_manager.block_size
+        num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // bs
+        blocks = list(seq.block_ids[:num_full])
+        if blocks:
+            self.block_manager.hold_blocks(blocks)
+            old = kv.held.hold(request.request_id, blocks, kv.timeout)
+            if old:
+                self.block_manager.release_blocks(old)
+        server = kv.server()
+        request.kv_transfer_out = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [blocks], "remote_engine_id": kv.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": server.host, "remote_port": server.port,
+            "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+            "remote_num_tokens": seq.num_computed_tokens,
+            "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+        }
+
+    def kv_transfer_tick(self) -> None:
+        """Engine thread, every step and while idle: release blocks the decode side freed
+        or that waited past the timeout; start the decode legs whose pull finished."""
+        kv, bm = self.kv_transfer, self.block_manager
+        while True:
+            try:
+                rid = kv.held.freed.get_nowait()
+            except queue.Empty:
+                break
+            blocks = kv.held.take(rid)
+            if blocks:
+                bm.release_blocks(blocks)
+        if len(kv.held):
+            for rid, blocks in kv.held.take_expired(time.monotonic()):
+                log.info("KV transfer of %s expired: releasing %d block(s)", rid, len(blocks))
+                bm.release_blocks(blocks)
+        while not kv.pulled.empty():
+            self._finish_pull(*kv.pulled.get_nowait())
+
+    def _finish_pull(self, rid: str, token: int, result, error) -> None:
+        entry = self.kv_transfer.pending.get(rid)
+        if entry is None or entry[3] != token:
+            return  # aborted meanwhile (the pull FREEd the remote blocks already)
+        del self.kv_transfer.pending[rid]
+        request, seq, leg, _ = entry
+        if error is None:
+            try:
+                self._import_pulled(seq, leg, *result)
+            except TransferError as exc:
+                error = exc
+        if error is not None:
+            self._forget(request)
+            self._request_errors.append((rid, error.status, error.message))
+            return
+        self.scheduler.add(seq)
+
+    def _import_pulled(self, seq: EngineSequence, leg: DecodeLeg, header: dict, raw) -> None:
+        """The pulled prompt blocks become this engine's cached blocks (keyed by the
+        prompt's block hashes): the prefix-cache lookup then serves them."""
+        kv_cache = self.runner.kv_cache
+        if kv_cache is None:
+            raise TransferError(503, "kv_transfer_params: the KV cache is released (sleeping)")
+        data = blocks_from_reply(header, raw, kv_cache, len(leg.block_ids))
+        bm = self.block_manager
+        if seq.request.wants_prompt_scores:
+            return  # prompt scores read nothing from the cache: recompute
+        taken = bm.import_blocks(seq, len(leg.block_ids))
+        if not taken:
+            return
+        src = torch.tensor([i for i, _ in taken], dtype=torch.long)
+        dst = torch.tensor([b for _, b in taken], dtype=torch.long, device=kv_cache.device)
+        kv_cache.index_copy_(2, dst, data.index_select(2, src).to(kv_cache.device))
+        bm.release_blocks([b for _, b in taken])
+
+    def take_request_errors(self) -> list[tuple[str, int, str]]:
+        """Requests that failed outside a step's outputs (a decode leg's pull):
+        (request id, HTTP status, message); they are gone from the engine."""
+        errors, self._request_errors = self._request_errors, []
+        return errors
 
     def _forget(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
+        self.kv_transfer.pending.pop(request.request_id, None)
         if self.requests.pop(request.request_id, None) is not None and request.lora_key is not None:
             self.lora.release(request.lora_key)
 
@@ -244,12 +358,13 @@ class EngineCore(RLControl):
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (idempotent; nothing to do at TP=1)."""
+        self.kv_transfer.close()
         if self.tp_leader is not None:
             self.tp_leader.shutdown()
             self.tp_leader = None
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._request_errors)
 
     def load(self) -> WorkerLoad:
         kv_released = "kv_cache" in self.asleep
@@ -278,6 +393,14 @@ class EngineCore(RLControl):
     def step(self) -> list[SequenceOutput]:
         if self.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
+        self.kv_transfer_tick()
+        if self.kv_transfer.pending and not self.scheduler.has_unfinished():
+            try:  # only pulls in flight: wait for one a little instead of spinning
+                done = self.kv_transfer.pulled.get(timeout=0.02)
+            except queue.Empty:
+                done = None
+            if done is not None:
+                self._finish_pull(*done)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
@@ -470,6 +593,8 @@ class EngineCore(RLControl):
                 seq.finish(FinishReason.STOP, stop_str)
         if seq.is_finished():
             self._capture_routing(seq)
+            if isinstance(request.kv_leg, PrefillLeg) and seq.index == 0:
+                self._hold_for_transfer(seq)
             self.scheduler.remove(seq)
             if request.is_finished():
                 self._forget(request)

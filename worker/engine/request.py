@@ -48,6 +48,10 @@ class Request:
         self.arrival_time = req.arrival_time or now
         self.cache_salt = req.cache_salt
         self.lora_key: Optional[str] = None  # the adapter registration it runs with (lora/manager.py)
+        # P/D disaggregation (kv_transfer.py): PrefillLeg / DecodeLeg / None, and the
+        # kv_transfer_params a finished prefill leg answers with (its final delta's).
+        self.kv_leg: Any = None
+        self.kv_transfer_out: Optional[dict] = None
         self.prompt_token_ids = req.prompt_token_ids
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.n = req.params.n

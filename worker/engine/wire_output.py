@@ -47,13 +47,17 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
     seq.pending_sampling_mask = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True
-        delta.kv_transfer_params = request.req.kv_transfer_params
+        # P/D legs answer with their own params (a prefill leg's on its final delta, below;
+        # a decode leg's none, as vLLM); other params are echoed.
+        delta.kv_transfer_params = request.req.kv_transfer_params if request.kv_leg is None else None
         delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.prompt_token_id_rows:
             scores = _stack_padded(request.prompt_token_id_rows)
             delta.prompt_token_id_scores = scores.tobytes()
             delta.prompt_token_id_shape = list(scores.shape)
             request.prompt_token_id_rows = []
+    if request.kv_transfer_out is not None and seq.index == 0 and seq.finish_reason is not None:
+        delta.kv_transfer_params = request.kv_transfer_out
     return delta
 
 
@@ -76,7 +80,9 @@ def merge_delta(acc: Optional[CompletionDelta], d: CompletionDelta) -> Completio
         acc.routed_experts = d.routed_experts
     if d.spec_decode is not None:
         acc.spec_decode = d.spec_decode
-    for f in ("prompt_logprobs", "prompt_token_id_scores", "prompt_token_id_shape", "kv_transfer_params",
+    if d.kv_transfer_params is not None:
+        acc.kv_transfer_params = d.kv_transfer_params
+    for f in ("prompt_logprobs", "prompt_token_id_scores", "prompt_token_id_shape",
               "first_scheduled_time", "first_token_time"):
         if getattr(acc, f) is None:
             setattr(acc, f, getattr(d, f))

@@ -1,0 +1,361 @@
+"""Prefill/decode disaggregation: KV blocks move between workers (vLLM NixlConnector's
+``kv_transfer_params``, pull mode, over ZeroMQ instead of NIXL).
+
+Prefill leg (``do_remote_decode``): the request runs as usual; when it finishes, its
+full prompt blocks stay referenced in ``HeldTransfers`` (never evicted) and its final
+delta carries NixlConnector's answer (``request_finished``'s dict: where and which
+blocks to pull).  They are released when the decode side sends ``FREE`` or after
+``kv_transfer_timeout`` seconds (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480).
+
+Decode leg (``do_remote_prefill`` + ``remote_*``): a background thread pulls the blocks
+from the prefill worker's transfer server (``PULL``), then sends ``FREE``; the engine
+thread imports them into its prefix cache under the prompt's block hashes, so the
+ordinary prefix-cache lookup serves the prompt from them (``num_cached_tokens``).
+
+Wire (one ROUTER per worker, ``--kv-transfer-address``; every message one msgpack frame):
+  request  {"op": "pull", "engine_id", "request_id", "block_ids": [int]}
+           {"op": "free", "engine_id", "request_id"}
+  reply    {"ok": true, "request_id", "shape": [2, layers, n, block_size, kv_heads, head_dim],
+            "dtype": "float32"} + one raw frame (the blocks' K/V, C order)
+           {"ok": false, "request_id", "status": 400, "error": "..."}
+``FREE`` is not answered.  Malformed messages are dropped (and logged, rate-limited).
+
+Threads: the transfer server reads held blocks under ``HeldTransfers.lock``; the
+engine thread removes an entry under the same lock before its blocks are released, so
+a block being exported is never handed out meanwhile.  ``FREE`` only queues the
+request id: the release runs on the engine thread (``EngineCore._kv_transfer_tick``).
+"""
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import msgspec
+import torch
+import zmq
+
+from common.errors import BadRequest
+from common.logging import RateLimitedLog, get_logger
+
+log = get_logger("tokserve.kv_transfer")
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:*"
+DEFAULT_TIMEOUT_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+PULL_TIMEOUT_S = 3.0
+MAX_REQUEST_BYTES = 1 << 20  # a PULL names block ids only; anything bigger is garbage
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+class TransferError(Exception):
+    """A decode leg that cannot get its blocks (``status`` follows HTTP)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# --- kv_transfer_params ------------------------------------------------------------------
+@dataclass
+class PrefillLeg:
+    pass
+
+
+@dataclass
+class DecodeLeg:
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad(message: str) -> BadRequest:
+    return BadRequest(f"kv_transfer_params: {message}", "kv_transfer_params")
+
+
+def parse_params(params: Any):
+    """None (pass through), ``PrefillLeg`` or ``DecodeLeg``; BadRequest when malformed."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise _bad(f"expected a JSON object, got {type(params).__name__}")
+    decode, prefill = params.get("do_remote_decode"), params.get("do_remote_prefill")
+    for name, v in (("do_remote_decode", decode), ("do_remote_prefill", prefill)):
+        if v is not None and not isinstance(v, bool):
+            raise _bad(f"{name} must be a boolean")
+    if decode and prefill:
+        raise _bad("do_remote_decode and do_remote_prefill cannot both be true")
+    if decode:
+        return PrefillLeg()
+    if not prefill:
+        return None  # nothing to do: the params are echoed as before
+    engine_id, request_id = params.get("remote_engine_id"), params.get("remote_request_id")
+    host, port, blocks = params.get("remote_host"), params.get("remote_port"), params.get("remote_block_ids")
+    for name, v in (("remote_engine_id", engine_id), ("remote_request_id", request_id), ("remote_host", host)):
+        if not isinstance(v, str) or not v:
+            raise _bad(f"{name} must be a non-empty string with do_remote_prefill")
+    if not _is_int(port) or not 0 < port < 65536:
+        raise _bad("remote_port must be an integer port (1..65535)")
+    # vLLM sends one list per KV cache group; a flat list is taken too.
+    if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
+        blocks = blocks[0]
+    if not isinstance(blocks, list) or not all(_is_int(b) and b >= 0 for b in blocks):
+        raise _bad("remote_block_ids must be a list of block ids (non-negative integers), or one such list")
+    tp = params.get("tp_size", 1)
+    if tp is not None and tp != 1:
+        raise _bad(f"tp_size {tp!r}: only KV from a single-rank (tensor_parallel_size 1) prefill worker is supported")
+    return DecodeLeg(engine_id, request_id, host, port, list(blocks))
+
+
+# --- prefill side: held blocks and the transfer server ---------------------------------
+@dataclass
+class _Held:
+    block_ids: list[int]
+    deadline: float
+
+
+class HeldTransfers:
+    """Finished prefill legs' blocks waiting for their decode side (request id -> blocks)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self.freed: "queue.SimpleQueue[str]" = queue.SimpleQueue()  # FREE received (transfer thread -> engine)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, request_id: str, block_ids: list[int], timeout: float) -> Optional[list[int]]:
+        """Engine thread.  Returns the blocks of an older entry of the same id (to release)."""
+        with self.lock:
+            old = self._held.pop(request_id, None)
+            self._held[request_id] = _Held(list(block_ids), time.monotonic() + timeout)
+        return old.block_ids if old is not None else None
+
+    def take(self, request_id: str) -> Optional[list[int]]:
+        """Engine thread: forget an entry; its blocks are the caller's to release."""
+        with self.lock:
+            held = self._held.pop(request_id, None)
+        return held.block_ids if held is not None else None
+
+    def take_expired(self, now: float) -> list[tuple[str, list[int]]]:
+        with self.lock:
+            gone = [rid for rid, h in self._held.items() if h.deadline <= now]
+            return [(rid, self._held.pop(rid).block_ids) for rid in gone]
+
+    def take_all(self) -> list[list[int]]:
+        with self.lock:
+            out = [h.block_ids for h in self._held.values()]
+            self._held.clear()
+        return out
+
+    def export(self, request_id: str, block_ids: list[int], kv_cache: Optional[torch.Tensor]) -> torch.Tensor:
+        """Transfer thread: the held blocks' K/V, contiguous, on the CPU."""
+        with self.lock:
+            held = self._held.get(request_id)
+            if held is None or held.deadline <= time.monotonic():
+                raise TransferError(400, f"unknown or expired transfer for request {request_id!r}")
+            if held.block_ids != block_ids:
+                raise TransferError(400, f"block ids {block_ids} are not those held for request {request_id!r}")
+            if kv_cache is None:
+                raise TransferError(503, "the KV cache is released (sleeping)")
+            index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+            return kv_cache.index_select(2, index).to("cpu").contiguous()
+
+
+class TransferServer(threading.Thread):
+    """The ROUTER answering PULL / FREE for this worker's held blocks."""
+
+    def __init__(self, ctx: zmq.Context, address: str, engine_id: str, held: HeldTransfers,
+                 kv_cache: Callable[[], Optional[torch.Tensor]]):
+        super().__init__(name="kv-transfer", daemon=True)
+        self.engine_id, self.held, self.kv_cache = engine_id, held, kv_cache
+        self._bad = RateLimitedLog(log)
+        self._halt = threading.Event()
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(address)
+        endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
+        host, _, port = endpoint.rpartition("//")[2].rpartition(":")
+        if host in ("0.0.0.0", "*", "[::]", "::"):
+            host = socket.gethostbyname(socket.gethostname())
+        self.host, self.port = host.strip("[]"), int(port)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                if not self.sock.poll(200):
+                    continue
+                try:
+                    frames = self.sock.recv_multipart()
+                except zmq.ZMQError as exc:
+                    self._bad.warning("kv transfer: receive failed: %s", exc)
+                    continue
+                try:
+                    self._handle(frames)
+                except Exception:  # never let a peer take the thread down
+                    log.exception("kv transfer: failed to handle a message")
+        finally:
+            self.sock.close(0)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._bad.warning("kv transfer: dropped a message of %d frames", len(frames))
+            return
+        identity, body = frames
+        try:
+            msg = _decoder.decode(body)
+        except Exception as exc:
+            self._bad.warning("kv transfer: dropped an undecodable message: %s", exc)
+            return
+        if not isinstance(msg, dict) or msg.get("op") not in ("pull", "free") \
+                or not isinstance(msg.get("request_id"), str) or not isinstance(msg.get("engine_id"), str):
+            self._bad.warning("kv transfer: dropped a malformed message")
+            return
+        rid = msg["request_id"]
+        if msg["op"] == "free":
+            if msg["engine_id"] == self.engine_id:
+                self.held.freed.put(rid)
+            return
+        blocks = msg.get("block_ids")
+        if not isinstance(blocks, list) or not all(_is_int(b) for b in blocks):
+            self._bad.warning("kv transfer: dropped a PULL with malformed block ids")
+            return
+        try:
+            if msg["engine_id"] != self.engine_id:
+                raise TransferError(400, f"unknown engine id {msg['engine_id']!r} (this worker is {self.engine_id})")
+            data = self.held.export(rid, blocks, self.kv_cache())
+        except TransferError as exc:
+            self._reply(identity, {"ok": False, "request_id": rid, "status": exc.status, "error": exc.message})
+            return
+        header = {"ok": True, "request_id": rid, "shape": list(data.shape), "dtype": str(data.dtype)[6:]}
+        raw = data.view(-1).view(torch.uint8).numpy()  # zero-copy: the frame is the tensor's buffer
+        self._reply(identity, header, raw)
+
+    def _reply(self, identity: bytes, header: dict, raw=None) -> None:
+        frames = [identity, _encoder.encode(header)]
+        if raw is not None:
+            frames.append(raw)
+        try:
+            self.sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._bad.warning("kv transfer: reply dropped: %s", exc)
+
+
+# --- decode side: the pull ----------------------------------------------------------------
+def pull_blocks(ctx: zmq.Context, leg: DecodeLeg, timeout: float = PULL_TIMEOUT_S) -> tuple[dict, Any]:
+    """PULL the blocks (then FREE them remotely); returns (header, raw buffer).
+    TransferError: 503 when the peer does not answer in time, 400 when it refuses."""
+    where = f"{leg.host}:{leg.port}"
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        try:
+            sock.connect(f"tcp://{where}")
+        except zmq.ZMQError as exc:
+            raise TransferError(400, f"kv_transfer_params: cannot connect to remote {where}: {exc}") from None
+        sock.send(_encoder.encode({"op": "pull", "engine_id": leg.engine_id, "request_id": leg.request_id,
+                                   "block_ids": leg.block_ids}))
+        if not sock.poll(int(timeout * 1000)):
+            raise TransferError(503, f"kv_transfer_params: the prefill worker at {where} did not answer within "
+                                     f"{timeout:g} s (unreachable or gone); its KV blocks cannot be pulled")
+        frames = sock.recv_multipart(copy=False)
+        try:
+            header = _decoder.decode(frames[0].buffer)
+            ok = header["ok"]
+        except Exception:
+            raise TransferError(502, f"kv_transfer_params: malformed reply from {where}") from None
+        if not ok:
+            status = header.get("status", 400)
+            raise TransferError(status if _is_int(status) else 400,
+                                f"kv_transfer_params: unknown or expired transfer ({header.get('error')})")
+        if len(frames) != 2:
+            raise TransferError(502, f"kv_transfer_params: malformed reply from {where}")
+        # The blocks are ours now: the prefill side may release them.
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.send(_encoder.encode({"op": "free", "engine_id": leg.engine_id, "request_id": leg.request_id}))
+        return header, frames[1].buffer
+    finally:
+        sock.close()
+
+
+def blocks_from_reply(header: dict, raw, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The pulled K/V as a CPU tensor shaped like ``like``'s blocks; TransferError when its
+    layout does not match this worker's KV cache (another model, dtype or block size)."""
+    shape = header.get("shape")
+    want = [like.shape[0], like.shape[1], num_blocks, *like.shape[3:]]
+    dtype = str(like.dtype)[6:]
+    if shape != want or header.get("dtype") != dtype:
+        raise TransferError(400, f"kv_transfer_params: the remote KV layout {shape} {header.get('dtype')} does not "
+                                 f"match this worker's {want} {dtype} (another model or block size?)")
+    data = bytearray(raw)  # one copy: writable memory torch can wrap
+    if len(data) != like.element_size() * like[:, :, :num_blocks].numel():
+        raise TransferError(502, "kv_transfer_params: truncated KV payload")
+    return torch.frombuffer(data, dtype=torch.uint8).view(like.dtype).view(want)
+
+
+class KvTransfer:
+    """Per-engine state: engine id, held blocks (+ the transfer server, started on the
+    first prefill leg) and the decode legs whose pull is in flight."""
+
+    def __init__(self, address: Optional[str], timeout: Optional[float],
+                 kv_cache: Callable[[], Optional[torch.Tensor]]):
+        self.address = address or DEFAULT_ADDRESS
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        self.engine_id = uuid.uuid4().hex
+        self.held = HeldTransfers()
+        self._kv_cache = kv_cache
+        self._server: Optional[TransferServer] = None
+        self._ctx = zmq.Context.instance()
+        self.pending: dict[str, tuple] = {}  # request id -> (request, seq, leg, token): pull in flight
+        self.pulled: "queue.Queue[tuple[str, object, Optional[tuple], Optional[TransferError]]]" = queue.Queue()
+        self._token = 0
+
+    def server(self) -> TransferServer:
+        if self._server is None:
+            self._server = TransferServer(self._ctx, self.address, self.engine_id, self.held, self._kv_cache)
+            self._server.start()
+            log.info("KV transfer server on %s:%d (engine id %s)", self._server.host, self._server.port,
+                     self.engine_id)
+        return self._server
+
+    def start_pull(self, request, seq, leg: DecodeLeg) -> None:
+        rid = request.request_id
+        self._token += 1
+        token = self._token
+        self.pending[rid] = (request, seq, leg, token)
+
+        def run():
+            try:
+                header, raw = pull_blocks(self._ctx, leg)
+                self.pulled.put((rid, token, (header, raw), None))
+            except TransferError as exc:
+                self.pulled.put((rid, token, None, exc))
+            except Exception as exc:  # a bug, not the peer: still end the request
+                log.exception("kv transfer: pull for %s failed", rid)
+                self.pulled.put((rid, token, None, TransferError(500, f"kv_transfer_params: pull failed: {exc}")))
+
+        threading.Thread(target=run, name=f"kv-pull-{rid}", daemon=True).start()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server.join(timeout=2)
+            self._server = None
