@@ -96,7 +96,7 @@ class CacheAware(LeastLoaded):
         limit = min(scores) * self.balance_rel + self.balance_abs
         best, best_match, best_score = None, 0, 0
         for w, score in zip(workers, scores):
-            if score > limit or w.saturated():
+            if score > limit:  # a short queue behind a long cached prefix still beats recomputing it
                 continue
             matched = w.prefix_index.match(prefix_hashes)
             if matched > best_match or (matched == best_match and best is not None and score < best_score):
