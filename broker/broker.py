@@ -14,6 +14,7 @@ from typing import Optional
 import zmq
 
 from broker.control import ControlPlane
+from broker import disagg
 from broker.dispatch import make_policy, sticky_worker
 from broker.prefix_index import PrefixIndex
 from broker.workers import Worker, WorkerRegistry
@@ -41,6 +42,8 @@ class Entry:
     session_id: Optional[str]
     lora_name: Optional[str] = None  # adapter-aware dispatch prefers workers holding it
     prefix_hashes: Optional[list] = None  # routing keys of the prompt's blocks (cache-aware dispatch)
+    roles: tuple = ()  # worker roles that may serve it (empty: any)
+    pd_request: Optional[GenerateRequest] = None  # broker-native P/D: the request, while its prefill leg runs
     worker: Optional[Worker] = None  # None while pending
     started: bool = False  # a delta reached the client: cannot be retried elsewhere
     orphaned: bool = False  # client vanished; abort already sent
@@ -63,6 +66,7 @@ class BrokerConfig:
     curve_public_key: Optional[bytes] = None
     curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
     routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
+    pd: str = "off"  # broker/disagg.py: "auto" splits requests over prefill and decode workers
 
 
 class Broker:
@@ -219,9 +223,51 @@ class Broker:
         session = req.session_id if self.cfg.routing != "least-loaded" else None
         entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, session, req.lora_name,
                       prefix_hashes=req.prefix_hashes if self.cfg.routing == "cache-aware" else None)
+        if req.data_parallel_rank is None:
+            self._plan_legs(entry, req)
         self.requests[rid] = entry
         self.by_client[client].add(rid)
         self._assign(entry)
+
+    # ------------------------------------------------------------ P/D legs
+    def _plan_legs(self, entry: Entry, req: GenerateRequest) -> None:
+        """Broker-native P/D: a prefill leg first when prefill and decode workers are up."""
+        live = self.workers.dispatchable()
+        roles = {w.role for w in live}
+        if "prefill" not in roles:
+            return
+        if self.cfg.pd == "auto" and "decode" in roles and disagg.eligible(req, live[0].model.kv_block_size):
+            entry.pd_request = req
+            entry.roles = disagg.PREFILL_ROLES
+            entry.body = framing.encode(disagg.prefill_leg(req))
+        elif any(w.role != "prefill" for w in live):
+            entry.roles = disagg.WHOLE_ROLES
+
+    def _on_prefill_outputs(self, worker: Worker, body: bytes) -> None:
+        """Deltas of prefill legs: a finished leg hands its request to a decode worker."""
+        for delta in framing.decode(body, Outputs).deltas:
+            entry = self.requests.get(delta.request_id)
+            if delta.finish_reason is None or entry is None or entry.pd_request is None or entry.worker is not worker:
+                continue
+            worker.requests.discard(entry.request_id)
+            entry.worker = None
+            transfer = disagg.transfer_params(delta.kv_transfer_params)
+            if entry.orphaned:
+                self._finish(entry)
+            elif transfer is None:  # aborted, or the worker could not keep the blocks
+                self._finish(entry)
+                if delta.finish_reason == "abort":
+                    self._to_client(entry.client, framing.message(MsgType.OUTPUTS, Outputs([
+                        CompletionDelta(request_id=entry.request_id, index=i, finish_reason="abort",
+                                        weight_versions=[]) for i in range(entry.n)])))
+                else:
+                    self._error(entry, entry.request_id, 500, "prefill leg returned no KV transfer parameters",
+                                _E_INTERNAL)
+            else:
+                entry.body = framing.encode(disagg.decode_leg(entry.pd_request, transfer))
+                entry.pd_request = None
+                entry.roles = disagg.DECODE_ROLES
+                self._assign(entry)
 
     def _assign(self, entry: Entry) -> None:
         """Send ``entry`` to a worker, queue it, or fail it."""
@@ -230,6 +276,8 @@ class Broker:
             return
         while True:
             live = self.workers.dispatchable()
+            if entry.roles:
+                live = [w for w in live if w.role in entry.roles]
             if not live:
                 self._enqueue(entry)
                 return
@@ -273,7 +321,8 @@ class Broker:
         return worker
 
     def _send_generate(self, worker: Worker, entry: Entry) -> bool:
-        if not self._to_worker(worker, framing.message(MsgType.GENERATE, entry.body, entry.client)):
+        reply_to = disagg.PD_CLIENT if entry.pd_request is not None else entry.client
+        if not self._to_worker(worker, framing.message(MsgType.GENERATE, entry.body, reply_to)):
             return False
         if entry.prefix_hashes:
             worker.prefix_index.expect(entry.prefix_hashes)
@@ -449,13 +498,16 @@ class Broker:
         requests = self.requests
         for rid in header.started:
             entry = requests.get(rid)
-            if entry is not None:
+            if entry is not None and entry.pd_request is None:  # a prefill leg can still be retried
                 entry.started = True
         msg_type = MsgType.OUTPUTS
         magic = framing.MAGIC
         send, frontend = framing.send_frames, self.frontend
         for i in range(1, len(rest), 2):
             client = rest[i]
+            if client == disagg.PD_CLIENT:
+                self._on_prefill_outputs(worker, rest[i + 1])
+                continue
             try:
                 send(frontend, (client, magic, msg_type, rest[i + 1]))
             except zmq.ZMQError as exc:
@@ -486,7 +538,8 @@ class Broker:
         worker = Worker(identity=identity, rank=ready.rank, model=ready.model, load=ready.load, pid=ready.pid,
                         weight_version=ready.weight_version, world_size=ready.world_size,
                         # A worker caches at most its KV blocks; the slack absorbs event lag.
-                        prefix_index=PrefixIndex(capacity=max(4096, 2 * ready.load.total_kv_blocks)))
+                        prefix_index=PrefixIndex(capacity=max(4096, 2 * ready.load.total_kv_blocks)),
+                        role=ready.role)
         self.workers.add(worker)
         self.control.on_worker_ready(worker)
         log.info("worker rank %d registered (pid %d, model %s, max_num_seqs %d)", ready.rank, ready.pid,

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="dispatch: cache-aware (longest cached prompt prefix within a load guard; sessions sticky "
                         "unless their worker is full), session (sticky sessions, else least-loaded), least-loaded")
+    p.add_argument("--pd", default="off", choices=["off", "auto"],
+                   help="auto: run requests as a prefill leg on a --role prefill worker, then the decode on a "
+                        "--role decode worker that pulls the prompt's KV blocks (no proxy needed)")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                        liveness=args.liveness, max_pending=args.max_pending,
                        no_worker_timeout=args.no_worker_timeout,
                        max_inflight_per_worker=args.max_inflight_per_worker,
-                       max_client_frame_bytes=args.max_frame_bytes, routing=args.routing)
+                       max_client_frame_bytes=args.max_frame_bytes, routing=args.routing, pd=args.pd)
     if args.curve_authorized_keys and not args.curve_secret_file:
         raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
     if args.curve_secret_file:

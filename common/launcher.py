@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="the broker's dispatch policy across workers")
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="prefill/decode disaggregation: the first N workers run --role prefill, the rest --role "
+                        "decode, and the broker splits each request over them (--pd auto)")
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
     p.add_argument("--worker-args", default="", help="extra arguments passed to every worker, e.g. '--max-num-seqs 64'")
@@ -164,9 +167,12 @@ def cpu_worker_threads(num_workers: int, cpus: Optional[int] = None) -> int:
 
 
 def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list[Child], list[Child]]:
+    if args.prefill_workers and not 0 < args.prefill_workers < args.workers:
+        raise SystemExit("--prefill-workers must leave at least one decode worker (0 < N < --workers)")
     log_args = ["--log-level", args.log_level] if args.log_level else []
     broker = Child("broker", tokserve_cmd("broker", "--frontend", args.frontend, "--backend", args.backend,
-                                          "--routing", args.routing, *log_args, *shlex.split(args.broker_args)))
+                                          "--routing", args.routing, *(["--pd", "auto"] if args.prefill_workers else []),
+                                          *log_args, *shlex.split(args.broker_args)))
     workers = []
     cuda = args.device.startswith("cuda")
     worker_args = shlex.split(args.worker_args)
@@ -197,6 +203,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                             "--device", "cuda" if cuda else args.device, *log_args, *worker_args)
         if args.tokens_only:
             argv.append("--tokens-only")
+        if args.prefill_workers:
+            argv += ["--role", "prefill" if rank < args.prefill_workers else "decode"]
         workers.append(Child(f"worker[{rank}]", argv, env))
     gateways = []
     for i in range(args.gateways):
