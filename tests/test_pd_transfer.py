@@ -157,6 +157,20 @@ def test_decode_side_abort_leaks_nothing(stack):
     _wait_free(broker, before, timeout=10)
 
 
+def test_decode_leg_with_n_choices(stack):
+    _, broker, _, http = stack
+    prompt = _prompt(8)
+    before = _free(broker)
+    kv = _prefill(http, prompt)
+    r = _gen(http, 1, prompt, kv, max_tokens=4, n=2, temperature=0.8, seed=3)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1]
+    assert all(len(c["token_ids"]) == 4 for c in body["choices"])
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK
+    _wait_free(broker, before)
+
+
 def test_garbage_on_the_transfer_port_hurts_nobody(stack):
     _, broker, _, http = stack
     prompt = _prompt(5)
@@ -172,8 +186,12 @@ def test_garbage_on_the_transfer_port_hurts_nobody(stack):
                    [enc({"op": "pull", "engine_id": kv["remote_engine_id"], "request_id": 7})],
                    [enc({"op": "pull", "engine_id": kv["remote_engine_id"], "request_id": "x",
                          "block_ids": ["z"]})],
-                   [enc({"op": "free", "engine_id": 3, "request_id": None})], [b"x" * (2 << 20)]):
+                   [enc({"op": "free", "engine_id": 3, "request_id": None})]):
         sock.send_multipart(frames)
+    big = ctx.socket(zmq.DEALER)  # over the size limit: the server drops that connection
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(f"tcp://{host}:{port}")
+    big.send(b"x" * (2 << 20))
     # A wrong block list is answered (an error), not served.
     sock.send(enc({"op": "pull", "engine_id": kv["remote_engine_id"], "request_id": kv["remote_request_id"],
                    "block_ids": [0]}))
@@ -181,6 +199,7 @@ def test_garbage_on_the_transfer_port_hurts_nobody(stack):
     reply = msgspec.msgpack.decode(sock.recv_multipart()[0])
     assert reply["ok"] is False and "not those held" in reply["error"]
     sock.close(0)
+    big.close(0)
     with socket.create_connection((host, port), timeout=2) as raw:  # not even ZMTP
         raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)))
     r = _gen(http, 1, prompt, kv)

@@ -30,6 +30,7 @@ def _decode_params(port: int) -> dict:
 def test_refusals(engine):
     kv = {"do_remote_decode": True}
     for req, words in ((request("a", PROMPT, kv_transfer_params=kv, n=2, temperature=1.0), "n=1"),
+                       (request("a2", PROMPT, kv_transfer_params={"do_remote_prefill": True}), "remote_engine_id"),
                        (request("b", PROMPT, kv_transfer_params={"do_remote_decode": True,
                                                                  "do_remote_prefill": True}), "both")):
         with pytest.raises(BadRequest, match=words):

@@ -179,7 +179,7 @@ class EngineCore(RLControl):
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
         leg = parse_params(req.kv_transfer_params)
         if leg is not None:
-            self._check_kv_leg(req)
+            self._check_kv_leg(req, leg)
         lora_key = None
         if req.lora_name is not None:
             if self.lora is None or req.lora_name not in self.lora.keys:
@@ -215,7 +215,7 @@ class EngineCore(RLControl):
             self.kv_transfer.server()  # bound before the answer names its host and port
         self.scheduler.add(seq)
 
-    def _check_kv_leg(self, req: GenerateRequest) -> None:
+    def _check_kv_leg(self, req: GenerateRequest, leg) -> None:
         """Requests whose KV blocks move between workers: what this engine refuses."""
         if self.config.tensor_parallel_size > 1:
             raise BadRequest("kv_transfer_params: KV transfer is not supported with tensor parallelism "
@@ -224,8 +224,8 @@ class EngineCore(RLControl):
         if req.lora_name is not None:
             raise BadRequest("kv_transfer_params: KV transfer is not supported for LoRA requests",
                              "kv_transfer_params")
-        if req.params.n != 1:
-            raise BadRequest("kv_transfer_params: KV transfer needs n=1", "kv_transfer_params")
+        if req.params.n != 1 and isinstance(leg, PrefillLeg):  # a decode leg's choices fork after the pull
+            raise BadRequest("kv_transfer_params: a prefill leg (do_remote_decode) needs n=1", "kv_transfer_params")
         if not self.config.enable_prefix_caching:
             raise BadRequest("kv_transfer_params: KV transfer needs prefix caching (this worker runs with "
                              "--no-prefix-caching)", "kv_transfer_params")
