@@ -106,8 +106,12 @@ class _RequestFacts:
         self.first_delta: Optional[CompletionDelta] = None
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
+        # Echoed on the first delta; a P/D prefill leg's transfer parameters come on its last.
+        self.kv_transfer_params = None
 
     def observe(self, delta: CompletionDelta) -> None:
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
         if self.first_delta is None:
             self.first_delta = delta
             if delta.num_prompt_tokens:
@@ -209,7 +213,7 @@ class ResponseAccumulator:
             prompt_token_ids=m.wire.prompt_token_ids if m.http.return_token_ids else None,
             mm_placeholders=None,
             metrics=facts.metrics(completion),
-            kv_transfer_params=first.kv_transfer_params if first else None,
+            kv_transfer_params=facts.kv_transfer_params,
             ec_transfer_params=m.http.ec_transfer_params,
             output_mode=m.http.output_mode,
             choices=choices,
