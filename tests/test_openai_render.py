@@ -107,3 +107,9 @@ def test_max_tokens_16_survives_the_round_trip(renderer):
     """vLLM's omit_defaults would drop max_tokens=16, which /generate then reads as unset."""
     (r,) = renderer.completion(_completion(prompt=[1, 2], max_tokens=16), 64, "m")
     assert r.generate["sampling_params"]["max_tokens"] == 16
+
+
+@pytest.mark.parametrize("prompt", [[None], [[]], [1, "a"], [[1, None]], [True], [["a"]], [1.5]])
+def test_malformed_prompts_are_400(renderer, prompt):
+    with pytest.raises(BadRequest, match="prompt"):
+        renderer.completion(_completion(prompt=prompt), 64, "p")

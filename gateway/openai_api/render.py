@@ -67,6 +67,10 @@ def _generate_request(request_id: str, token_ids: list[int], params: dict,
     }
 
 
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _truncate(ids: list[int], truncate_prompt_tokens: Optional[int], side: Optional[str],
               max_model_len: int) -> list[int]:
     if truncate_prompt_tokens is None:
@@ -182,7 +186,7 @@ class Renderer:
             raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if isinstance(prompt, str):
             items: list = [prompt]
-        elif all(isinstance(p, int) for p in prompt):
+        elif all(_is_token(p) for p in prompt):
             items = [list(prompt)]
         else:
             items = list(prompt)
@@ -190,10 +194,13 @@ class Renderer:
         for item in items:
             if isinstance(item, str):
                 out.append((self.model.tokenizer.encode(item, add_special_tokens=request.add_special_tokens), item))
-            else:
+            elif isinstance(item, list) and item and all(_is_token(t) for t in item):
                 if any(t < 0 for t in item):
                     raise BadRequest("token_ids must not contain negative values", "prompt")
                 out.append((list(item), None))
+            else:
+                raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                 "lists of token ids, none of them empty", "prompt")
         return out
 
     def completion(self, request: CompletionRequest, max_model_len: int, base_id: str) -> list[RenderedPrompt]:
