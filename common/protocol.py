@@ -73,6 +73,20 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     routed_experts_prompt_start: int = 0  # routed_experts skips this many leading prompt positions
 
 
+class MultiModalItem(msgspec.Struct, **_STRUCT):
+    """One pre-processed image of a request (common/multimodal/): its placeholder tokens are
+    ``prompt_token_ids[offset:offset + length]``; the worker encodes it (once per
+    ``mm_hash``: its encoder cache) and puts the embeddings there."""
+
+    modality: str  # "image"
+    mm_hash: str  # content hash: keys the encoder cache and the prefix-cache blocks it covers
+    offset: int
+    length: int
+    grid_thw: list[int]  # [t, h, w] patches
+    pixel_values: bytes  # float32, C order, shape ``shape`` ([t*h*w, C*T*P*P])
+    shape: list[int]
+
+
 class GenerateRequest(msgspec.Struct, **_STRUCT):
     request_id: str
     prompt_token_ids: list[int]
@@ -91,6 +105,8 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     # computed by the sender so the broker never hashes prompts: cache-aware dispatch
     # matches them against workers' KV events.  A wrong key only costs a cache miss.
     prefix_hashes: Optional[list[bytes]] = None
+    # Multimodal input, in prompt order (no two placeholder ranges overlap).
+    mm_items: Optional[list[MultiModalItem]] = None
 
 
 class Abort(msgspec.Struct, **_STRUCT):
