@@ -15,7 +15,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 from typing_extensions import Annotated
 
-from gateway.http_protocol import PerRequestMetrics, PromptLogprob, StreamOptions
+from gateway.http_protocol import PerRequestMetrics, PromptLogprob, StreamOptions, TextLogprobContent
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 JsonObject = dict[str, Any]
@@ -165,21 +165,10 @@ class ToolCall(msgspec.Struct):
     type: str = "function"
 
 
-class ChatLogprob(msgspec.Struct):
-    token: str
-    logprob: float = -9999.0
-    bytes: Optional[list[int]] = None
-
-
-class ChatLogprobContent(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]]
-    top_logprobs: list[ChatLogprob]
-
-
 class ChatLogprobs(msgspec.Struct):
-    content: Optional[list[ChatLogprobContent]] = None
+    """Chat logprobs: generate's text-mode entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+
+    content: Optional[list[TextLogprobContent]] = None
 
 
 class ChatMessage(msgspec.Struct):
