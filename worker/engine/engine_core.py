@@ -26,6 +26,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig, generation_defaults
 from worker.engine.model_runner import ModelRunner
+from worker.engine.multimodal import EncoderCache, check_mm_items
 from worker.engine.model_setup import build_model
 from worker.engine.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
@@ -105,6 +106,8 @@ class EngineCore(RLControl):
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
         self.runner.tp_leader = self.tp_leader
+        if mc.is_multimodal:
+            self.runner.encoder_cache = EncoderCache(self.model, device)
         self.lora = self._start_lora(config, device)
         self.runner.lora = self.lora
         self.spec = self._start_speculation(config, mc, device, max_model_len)
@@ -177,6 +180,7 @@ class EngineCore(RLControl):
         if req.request_id in self.requests:
             raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
+        mm = check_mm_items(req, self.model_config)
         leg = parse_params(req.kv_transfer_params)
         if leg is not None:
             self._check_kv_leg(req, leg)
@@ -196,6 +200,7 @@ class EngineCore(RLControl):
         request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
                           eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
         request.lora_key = lora_key
+        request.mm = mm
         if p.bad_words and self.tokenizer is not None:
             try:
                 request.bad_words_ids = tokenize_bad_words(self.tokenizer, p.bad_words)

@@ -75,7 +75,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     slices = model.weight_slices()  # tensor parallelism: this rank's part of sharded tensors
     loaded: set[str] = set()
     unexpected: list[str] = []
+    rename = getattr(model, "checkpoint_name", None)  # multimodal checkpoints: names in the loader's terms
     for name, tensor in iter_checkpoint(model_dir):
+        if rename is not None:
+            name = rename(name)
         if name.endswith(_QUANTIZED_SUFFIXES) or any(p in name for p in _QUANTIZED_PARTS) or (
                 tensor.dtype in _QUANTIZED_DTYPES) or (name.endswith(".weight") and not tensor.is_floating_point()):
             raise ValueError(f"checkpoint tensor {name} ({tensor.dtype}) belongs to a quantized checkpoint; "
@@ -109,7 +112,10 @@ def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` (default: the
     checkpoint's) and fill its weights."""
     config = config or ModelConfig.from_dir(model_dir)
+    cls = LlamaForCausalLM
+    if config.is_multimodal:
+        from worker.engine.models.qwen2_vl import Qwen2VLForConditionalGeneration as cls
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype=dtype, device=device)
+        model = cls(config, dtype=dtype, device=device)
     load_weights(model, model_dir)
     return model.eval()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +28,9 @@ _ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": dict(qkv_bias_default=False, qk_norm=False, moe="mixtral"),
     "Qwen2MoeForCausalLM": dict(qkv_bias_default=True, qk_norm=False, moe="qwen2_moe"),
     "Qwen3MoeForCausalLM": dict(qkv_bias_default=False, qk_norm=True, moe="qwen3_moe"),
+    # Vision-language: a Qwen2 LM with M-RoPE behind a Qwen2-VL / Qwen2.5-VL vision tower.
+    "Qwen2VLForConditionalGeneration": dict(qkv_bias_default=True, qk_norm=False, vision="qwen2_vl"),
+    "Qwen2_5_VLForConditionalGeneration": dict(qkv_bias_default=True, qk_norm=False, vision="qwen2_5_vl"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
@@ -126,6 +129,17 @@ class ModelConfig:
     layer_sliding_windows: tuple[Optional[int], ...] = ()  # per layer: keys within the last w positions, None = full
     max_new_tokens: Optional[int] = None  # generation_config default, None = unbounded
     moe: Optional[MoEConfig] = None  # mixture-of-experts MLPs; None = every layer dense
+    # Vision-language models (Qwen2-VL / Qwen2.5-VL): the tower's HF vision_config and
+    # variant, the placeholder / vision-start token ids and the LM's M-RoPE sections.
+    vision_config: Optional[dict] = field(default=None, compare=False, hash=False)
+    vision_variant: Optional[str] = None
+    image_token_id: Optional[int] = None
+    vision_start_token_id: Optional[int] = None
+    mrope_section: Optional[tuple[int, ...]] = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision_config is not None
 
     @property
     def eos_token_id(self) -> Optional[int]:
@@ -159,6 +173,14 @@ class ModelConfig:
                 f"Unsupported architecture {'/'.join(archs) or '(none given)'}; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         family = _ARCHITECTURES[arch]
+        vision = family.get("vision")
+        top = cfg
+        if vision:
+            # transformers 5 nests the LM's settings under text_config; older configs
+            # keep them top-level.  The text config's values win.
+            text = cfg.get("text_config")
+            if isinstance(text, dict):
+                cfg = {**cfg, **{k: v for k, v in text.items() if v is not None and k != "architectures"}}
         quant = cfg.get("quantization_config") or cfg.get("compression_config")
         if quant:
             if isinstance(quant, dict):  # old bitsandbytes configs name no method, only load_in_4bit/8bit
@@ -194,6 +216,22 @@ class ModelConfig:
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope.pop("type", None)
+        mrope_section = rope.pop("mrope_section", None)
+        if rope_type == "mrope":  # Qwen2-VL's legacy name for default frequencies split by mrope_section
+            rope_type = "default"
+            rope["rope_type"] = "default"
+        if vision:
+            if not mrope_section:
+                raise ValueError(f"{arch} config has no rope_scaling.mrope_section")
+            mrope_section = tuple(int(v) for v in mrope_section)
+            if sum(mrope_section) != head_dim // 2:
+                raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim // 2 = {head_dim // 2}")
+            if not isinstance(top.get("vision_config"), dict):
+                raise ValueError(f"{arch} config has no vision_config")
+            if top.get("image_token_id") is None:
+                raise ValueError(f"{arch} config has no image_token_id")
+        else:
+            mrope_section = None
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
 
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -243,6 +281,12 @@ class ModelConfig:
             layer_sliding_windows=layer_windows,
             max_new_tokens=int(max_new) if max_new is not None else None,
             moe=moe,
+            vision_config=dict(top["vision_config"]) if vision else None,
+            vision_variant=vision,
+            image_token_id=int(top["image_token_id"]) if vision else None,
+            vision_start_token_id=(int(top["vision_start_token_id"]) if vision and
+                                   top.get("vision_start_token_id") is not None else None),
+            mrope_section=mrope_section,
         )
 
 

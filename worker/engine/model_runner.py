@@ -112,6 +112,7 @@ class ModelRunner:
         self.lora: Optional[Any] = None  # LoRAManager when LoRA serving is enabled
         self._lora_batch: Optional[Any] = None  # the last forward's LoRABatch (its logits rows reuse it)
         self.extra_bytes_per_block = 0  # KV of another model per block (a draft model's): counted in sizing
+        self.encoder_cache: Optional[Any] = None  # vision-language models: multimodal.EncoderCache
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -309,6 +310,15 @@ class ModelRunner:
         """Hidden states [T, H] of the step's tokens (the K/V are written to the cache);
         ``run_layout`` picks a CUDA graph for decode-only steps."""
         layout = self.layout(scheduled)
+        if self.encoder_cache is not None:
+            from worker.engine.multimodal import prepare_step
+
+            # Image requests: decode positions shifted by their M-RoPE delta (in place);
+            # steps prefilling their prompts run eagerly with [3, T] positions and the
+            # image embeddings.
+            pos3, mm = prepare_step(scheduled, layout.positions, self.encoder_cache)
+            if pos3 is not None or mm is not None:
+                return self._forward_multimodal(scheduled, layout, pos3, mm)
         if self.lora is not None:
             batch = self._lora_batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled],
                                                             layout.query_lens)
@@ -318,6 +328,22 @@ class ModelRunner:
                     return graph.run(self, layout, batch)
                 return self.execute(self.to_inputs(layout), batch)
         return self.run_layout(layout)
+
+    def _forward_multimodal(self, scheduled: Sequence[ScheduledSeq], layout: StepLayout,
+                            pos3: Optional[np.ndarray], mm: Optional[tuple]) -> torch.Tensor:
+        inputs = self.to_inputs(layout)
+        lora = None
+        if self.lora is not None:
+            lora = self._lora_batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled],
+                                                           layout.query_lens)
+        positions = inputs.positions
+        if pos3 is not None:
+            positions = torch.from_numpy(pos3).to(self.device)
+        mm_embeds = None
+        if mm is not None:
+            rows, embeds = mm
+            mm_embeds = (torch.from_numpy(rows).to(self.device), torch.cat(embeds))
+        return self.model(inputs.input_ids, positions, inputs.attn, self.kv_cache, lora, mm_embeds=mm_embeds)
 
     def run_layout(self, layout: StepLayout) -> torch.Tensor:
         """Hidden states of a step given as host arrays (tensor-parallel followers

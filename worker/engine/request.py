@@ -53,6 +53,7 @@ class Request:
         self.kv_leg: Any = None
         self.kv_transfer_out: Optional[dict] = None
         self.prompt_token_ids = req.prompt_token_ids
+        self.mm: Any = None  # MultiModalState (multimodal.py) of a request with images
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.n = req.params.n
         self.max_tokens = max_tokens

@@ -100,6 +100,8 @@ class RLControl:
         for seq in list(self.scheduler.running):
             self.scheduler._preempt(seq)
         self.block_manager.reset_prefix_cache()
+        if self.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
+            self.runner.encoder_cache.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; running sequences keep theirs (same weights: still valid)."""

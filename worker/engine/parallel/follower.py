@@ -37,6 +37,9 @@ _HEADER = 8  # op, payload length, then up to six integers
 def check_shardable(mc: ModelConfig, world: int) -> None:
     """Refuse a size the model cannot be split into, before any process starts."""
     if world > 1:
+        if mc.is_multimodal:
+            raise ValueError(f"{mc.architecture}: tensor parallelism of vision-language models is not "
+                             f"implemented; serve it with --tensor-parallel-size 1")
         if mc.moe is not None:
             raise ValueError(f"{mc.architecture}: tensor parallelism of mixture-of-experts layers is not "
                              f"implemented; serve it with --tensor-parallel-size 1 (one worker per GPU, "

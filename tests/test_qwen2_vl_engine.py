@@ -1,0 +1,291 @@
+"""The engine serving Qwen2-VL / Qwen2.5-VL with image input, against transformers
+(tiny random fp32 models, tokens-only engine)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from PIL import Image  # noqa: E402
+
+from common.errors import BadRequest  # noqa: E402
+from common.multimodal import Qwen2VLImageConfig, mm_hash, preprocess_image  # noqa: E402
+from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
+from tests.engine_helpers import make_engine  # noqa: E402
+from worker.engine.model_config import ModelConfig  # noqa: E402
+
+VOCAB = 160
+IMAGE, VSTART, VEND, VIDEO = 150, 151, 152, 153
+EOS = 159
+MROPE_SECTION = [2, 3, 3]  # head_dim 16
+NUM_TOKENS = 8
+
+QWEN2_VISION = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, in_channels=3,
+                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
+QWEN2_5_VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu",
+                      out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+
+
+def _text_config():
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                eos_token_id=EOS, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE_SECTION})
+
+
+def _build(variant: str, out):
+    torch.manual_seed(0)
+    if variant == "qwen2_vl":
+        cfg = transformers.Qwen2VLConfig(text_config=_text_config(), vision_config=dict(QWEN2_VISION),
+                                         image_token_id=IMAGE, video_token_id=VIDEO,
+                                         vision_start_token_id=VSTART, vision_end_token_id=VEND)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:
+        cfg = transformers.Qwen2_5_VLConfig(text_config=_text_config(), vision_config=dict(QWEN2_5_VISION),
+                                            image_token_id=IMAGE, video_token_id=VIDEO,
+                                            vision_start_token_id=VSTART, vision_end_token_id=VEND)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    model = cls(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.08 * noise)
+    model.save_pretrained(out)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vl(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    model = _build(request.param, out)
+    return request.param, out, model
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen2_vl_only")
+    return out, _build("qwen2_vl", out)
+
+
+def _image(seed: int, width: int, height: int):
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+    pixels, grid = preprocess_image(img, Qwen2VLImageConfig())
+    return pixels, grid
+
+
+def _prompt(images, seed: int = 0, before: int = 5, between: int = 4, after: int = 6):
+    """Text tokens around ``<|vision_start|> IMAGE*N <|vision_end|>`` runs; items."""
+    rng = np.random.default_rng(seed)
+    text = lambda k: [int(v) for v in rng.integers(3, 140, k)]  # noqa: E731
+    ids = text(before)
+    items = []
+    for k, (pixels, grid) in enumerate(images):
+        if k:
+            ids += text(between)
+        ids.append(VSTART)
+        n = grid[0] * grid[1] * grid[2] // 4
+        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(pixels, grid), offset=len(ids), length=n,
+                                    grid_thw=list(grid), pixel_values=np.ascontiguousarray(pixels, "<f4").tobytes(),
+                                    shape=list(pixels.shape)))
+        ids += [IMAGE] * n
+        ids.append(VEND)
+    ids += text(after)
+    return ids, items
+
+
+def _req(rid, ids, items, **params):
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_tokens", NUM_TOKENS)
+    params.setdefault("ignore_eos", True)
+    return GenerateRequest(request_id=rid, prompt_token_ids=list(ids), params=SamplingParams(**params),
+                           mm_items=items or None)
+
+
+@torch.inference_mode()
+def _hf_greedy(model, ids, images, n=NUM_TOKENS):
+    """Greedy ids by full forwards, and the log-softmax of the prompt's last position."""
+    kw = {}
+    if images:
+        kw["pixel_values"] = torch.from_numpy(np.concatenate([p for p, _ in images]))
+        kw["image_grid_thw"] = torch.tensor([list(g) for _, g in images])
+    seq = list(ids)
+    first = None
+    for _ in range(n):
+        if images:  # what the processor returns beside input_ids: 1 marks image placeholders
+            kw["mm_token_type_ids"] = (torch.tensor([seq]) == IMAGE).long()
+        logits = model(input_ids=torch.tensor([seq]), use_cache=False, **kw).logits[0, -1].float()
+        if first is None:
+            first = torch.log_softmax(logits, -1)
+        seq.append(int(logits.argmax()))
+    return seq[len(ids):], first
+
+
+def _engine(path, **kw):
+    kw.setdefault("tokens_only", True)
+    return make_engine(path, **kw)
+
+
+def _check(delta, hf_ids, hf_first):
+    assert delta.token_ids == hf_ids
+    lp = delta.logprobs
+    ids = torch.tensor(lp.top_ids[0])
+    assert torch.allclose(torch.tensor(lp.top_logprobs[0]), hf_first[ids], atol=1e-4, rtol=0)
+
+
+IMAGES = {"a": (1, 56, 84), "b": (2, 112, 84), "c": (3, 112, 84)}
+
+
+def _img(name):
+    seed, w, h = IMAGES[name]
+    return _image(seed, w, h)
+
+
+def test_config_parses_both_layouts(vl):
+    variant, path, _ = vl
+    mc = ModelConfig.from_dir(path)
+    assert mc.is_multimodal and mc.mrope_section == tuple(MROPE_SECTION) and mc.image_token_id == IMAGE
+    assert mc.hidden_size == 64 and mc.num_hidden_layers == 2 and mc.qkv_bias
+    # the older layout: text settings top-level, legacy rope_scaling {"type": "mrope"}
+    cfg = json.loads((path / "config.json").read_text())
+    flat = {**cfg, **cfg.pop("text_config")}
+    flat.pop("rope_parameters", None)
+    flat["rope_theta"] = 10000.0
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": MROPE_SECTION}
+    old = ModelConfig.from_dicts(path, flat)
+    assert old.mrope_section == mc.mrope_section and old.rope_scaling is None and old.rope_theta == mc.rope_theta
+    assert old.vision_config == mc.vision_config
+
+
+def test_matches_hf_text_images_and_batch(vl):
+    variant, path, model = vl
+    cases = {
+        "text": _prompt([], seed=1),
+        "one": _prompt([_img("a")], seed=2),
+        "two": _prompt([_img("a"), _img("b")], seed=3),
+    }
+    imgs = {"text": [], "one": [_img("a")], "two": [_img("a"), _img("b")]}
+    expected = {k: _hf_greedy(model, ids, imgs[k]) for k, (ids, _) in cases.items()}
+    # each alone, then all together in one engine run
+    engine = _engine(path)
+    for k, (ids, items) in cases.items():
+        out = engine.generate([_req(k, ids, items, logprobs=20)])
+        _check(out[k][0], *expected[k])
+    engine = _engine(path, enable_prefix_caching=False)
+    out = engine.generate([_req(k, ids, items, logprobs=20) for k, (ids, items) in cases.items()])
+    for k in cases:
+        _check(out[k][0], *expected[k])
+
+
+def test_encoder_cache_and_chunked_prefill(qwen2vl):
+    path, model = qwen2vl
+    ids, items = _prompt([_img("b"), _img("a")], seed=4, before=7)
+    hf_ids, hf_first = _hf_greedy(model, ids, [_img("b"), _img("a")])
+    engine = _engine(path, enable_prefix_caching=False)
+    cache = engine.runner.encoder_cache
+    first = engine.generate([_req("r1", ids, items, logprobs=20)])["r1"][0]
+    assert cache.num_encoded == 2
+    second = engine.generate([_req("r2", ids, items, logprobs=20)])["r2"][0]
+    assert cache.num_encoded == 2  # both images reused from the encoder cache
+    assert first.token_ids == second.token_ids == hf_ids
+    _check(first, hf_ids, hf_first)
+    # chunks of 8 tokens split both placeholder ranges (24 and 6 tokens) over steps
+    chunked = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=8)
+    out = chunked.generate([_req("c", ids, items, logprobs=20)])["c"][0]
+    _check(out, hf_ids, hf_first)
+    assert chunked.runner.encoder_cache.num_encoded == 2  # encoded once, sliced per chunk
+
+
+def test_old_checkpoint_naming(qwen2vl, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, model = qwen2vl
+    old = tmp_path / "old"
+    old.mkdir()
+    tensors = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        elif name.startswith("model.visual."):
+            name = "visual." + name[len("model.visual."):]
+        tensors[name] = t
+    save_file(tensors, str(old / "model.safetensors"))
+    (old / "config.json").write_text((path / "config.json").read_text())
+    ids, items = _prompt([_img("a")], seed=5)
+    hf_ids, hf_first = _hf_greedy(model, ids, [_img("a")])
+    out = _engine(old).generate([_req("o", ids, items, logprobs=20)])["o"][0]
+    _check(out, hf_ids, hf_first)
+
+
+def test_prefix_cache_keys_images(qwen2vl):
+    path, model = qwen2vl
+    # 32 text tokens (2 blocks of 16) before the image; 48-token image; text after
+    ids_a, items_a = _prompt([_img("b")], seed=6, before=31, after=20)
+    ids_c, items_c = _prompt([_img("c")], seed=6, before=31, after=20)
+    assert ids_a == ids_c and items_a[0].mm_hash != items_c[0].mm_hash
+    engine = _engine(path)
+    ref = {k: _hf_greedy(model, ids_a, [im])[0] for k, im in (("a", _img("b")), ("c", _img("c")))}
+    first = engine.generate([_req("a1", ids_a, items_a)])["a1"][0]
+    other = engine.generate([_req("c1", ids_c, items_c)])["c1"][0]
+    same = engine.generate([_req("a2", ids_a, items_a)])["a2"][0]
+    assert first.num_cached_tokens == 0
+    assert other.num_cached_tokens == 32  # only the text blocks before the image
+    assert same.num_cached_tokens == (len(ids_a) - 1) // 16 * 16
+    assert first.token_ids == same.token_ids == ref["a"]
+    assert other.token_ids == ref["c"]
+    # blocks holding image tokens are not published as KV events
+    events = engine.snapshot_kv_events()
+    assert len(events.stored) == 2
+
+
+def test_decode_after_image_batched_with_text(qwen2vl):
+    """Decode steps of an image request (positions shifted by the M-RoPE delta) mixed
+    with a text request's prefill chunks."""
+    path, model = qwen2vl
+    ids, items = _prompt([_img("b")], seed=7)
+    text = list(range(3, 3 + 90))
+    exp_img = _hf_greedy(model, ids, [_img("b")])
+    exp_txt = _hf_greedy(model, text, [])
+    engine = _engine(path, max_num_batched_tokens=32)
+    out = engine.generate([_req("img", ids, items, logprobs=20), _req("txt", text, None, logprobs=20)])
+    _check(out["img"][0], *exp_img)
+    _check(out["txt"][0], *exp_txt)
+
+
+def test_validation_errors(qwen2vl, tmp_path):
+    path, _ = qwen2vl
+    engine = _engine(path)
+    ids, items = _prompt([_img("a")], seed=8)
+    it = items[0]
+
+    def bad(match, ids=ids, **change):
+        item = MultiModalItem(**{**{f: getattr(it, f) for f in it.__struct_fields__}, **change})
+        with pytest.raises(BadRequest, match=match):
+            engine.add_request(_req("bad", ids, [item]))
+
+    bad("'audio' input is not supported", modality="audio")
+    bad("outside", offset=len(ids) - 2)
+    bad("not all the image token", offset=it.offset - 1)
+    bad("length 5 != t\\*h\\*w/4", length=5, ids=ids[:it.offset] + [IMAGE] * 5 + ids[it.offset + 6:])
+    bad("holds .* bytes", pixel_values=it.pixel_values[:-4])
+    bad("shape", shape=[it.shape[0] + 1, it.shape[1]])
+    with pytest.raises(BadRequest, match="overlaps"):
+        engine.add_request(_req("bad", ids, [it, MultiModalItem(**{**{f: getattr(it, f) for f in
+                                                                        it.__struct_fields__},
+                                                                     "offset": it.offset + 1, "length": 5})]))
+    with pytest.raises(BadRequest, match="no item covers"):
+        engine.add_request(_req("bad", ids, None))  # placeholder tokens without their image
+    assert not engine.has_unfinished()
+    # a text-only model refuses images
+    from tests.model_factory import tiny_model_dir
+
+    text_engine = make_engine(tiny_model_dir("qwen2", tmp_path))
+    with pytest.raises(BadRequest, match="does not accept image input"):
+        text_engine.add_request(_req("t", [3, 4, 5], [it]))

@@ -1,0 +1,208 @@
+"""Image input of vision-language models (Qwen2-VL / Qwen2.5-VL) in the engine.
+
+* ``check_mm_items`` validates a request's ``mm_items`` at admission (BadRequest,
+  400) and ``MultiModalState`` keeps what its steps need: the decoded items and the
+  prompt's M-RoPE positions and decode delta.
+* ``EncoderCache``: image embeddings keyed by ``mm_hash``, LRU, bounded in tokens;
+  an image is encoded once however many requests and prefill chunks use it.
+* ``StepMultiModal.build``: for one step, the M-RoPE ``[3, T]`` positions (only when
+  it prefills prompt tokens of an image request; otherwise the runner shifts the
+  ``[T]`` positions by the delta, which keeps decode on the fast path) and the rows
+  whose embeddings are (a slice of) an image's.
+
+Prefix caching: the block manager folds the ``mm_hash`` of every item overlapping a
+block into that block's hash (``block_mm_hashes``), and such blocks are not
+published as KV events: their keys would never match the gateway's token-only
+routing keys (a routing miss, nothing worse).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from common.errors import BadRequest
+from common.protocol import GenerateRequest, MultiModalItem
+from worker.engine.models.mrope import mrope_positions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENCODER_CACHE_TOKENS = 16384  # image embeddings kept (rows of hidden size)
+
+
+@dataclass
+class MultiModalState:
+    """Per request: its items (sorted by offset) and the prompt's M-RoPE positions."""
+
+    items: list[MultiModalItem]
+    positions: np.ndarray  # [3, prompt_len] int64
+    delta: int  # positions of tokens past the prompt: index + delta
+
+
+def check_mm_items(req: GenerateRequest, mc: Any) -> Optional[MultiModalState]:
+    """Validate ``req.mm_items`` against the prompt and the model (BadRequest on any
+    inconsistency); None for a request without items."""
+    items = req.mm_items
+    if not items:
+        if getattr(mc, "is_multimodal", False) and mc.image_token_id in req.prompt_token_ids:
+            raise BadRequest(f"prompt position {req.prompt_token_ids.index(mc.image_token_id)} holds the image "
+                             f"token {mc.image_token_id} but no item covers it (mm_items is empty)", "mm_items")
+        return None
+    if not getattr(mc, "is_multimodal", False):
+        raise BadRequest(f"this model ({mc.architecture}) does not accept image input (it has no vision encoder)",
+                         "mm_items")
+    if req.kv_transfer_params is not None:
+        raise BadRequest("kv_transfer_params: KV transfer is not supported for requests with images",
+                         "kv_transfer_params")
+    vc = mc.vision_config
+    merge = int(vc.get("spatial_merge_size", 2))
+    patch = int(vc.get("patch_size", vc.get("spatial_patch_size", 14)))
+    channels = int(vc.get("in_channels", vc.get("in_chans", 3)))
+    temporal = int(vc.get("temporal_patch_size", 2))
+    patch_dim = channels * temporal * patch * patch
+    prompt = req.prompt_token_ids
+    n = len(prompt)
+    ordered = sorted(items, key=lambda it: it.offset)
+    prev_end = 0
+    for k, it in enumerate(ordered):
+        where = f"mm_items: item at offset {it.offset}"
+        if it.modality != "image":
+            raise BadRequest(f"mm_items: {it.modality!r} input is not supported yet (only images)", "mm_items")
+        if not isinstance(it.mm_hash, str) or not it.mm_hash:
+            raise BadRequest(f"{where}: mm_hash must be a non-empty string", "mm_items")
+        if it.length <= 0 or it.offset < 0 or it.offset + it.length > n:
+            raise BadRequest(f"{where}: placeholder range [{it.offset}, {it.offset + it.length}) lies outside "
+                             f"the {n}-token prompt", "mm_items")
+        if k and it.offset < prev_end:
+            raise BadRequest(f"{where}: placeholder range overlaps the previous item's (ending at {prev_end})",
+                             "mm_items")
+        prev_end = it.offset + it.length
+        if any(t != mc.image_token_id for t in prompt[it.offset:prev_end]):
+            raise BadRequest(f"{where}: tokens in [{it.offset}, {prev_end}) are not all the image token "
+                             f"{mc.image_token_id}", "mm_items")
+        if len(it.grid_thw) != 3 or any(int(v) <= 0 for v in it.grid_thw):
+            raise BadRequest(f"{where}: grid_thw must be three positive ints, got {list(it.grid_thw)}", "mm_items")
+        t, h, w = (int(v) for v in it.grid_thw)
+        if h % merge or w % merge:
+            raise BadRequest(f"{where}: grid_thw {[t, h, w]} h and w must be multiples of {merge}", "mm_items")
+        if it.length != t * h * w // (merge * merge):
+            raise BadRequest(f"{where}: length {it.length} != t*h*w/{merge * merge} = "
+                             f"{t * h * w // (merge * merge)} for grid_thw {[t, h, w]}", "mm_items")
+        if list(it.shape) != [t * h * w, patch_dim]:
+            raise BadRequest(f"{where}: pixel_values shape {list(it.shape)} does not match grid_thw "
+                             f"{[t, h, w]} (expected {[t * h * w, patch_dim]})", "mm_items")
+        if len(it.pixel_values) != t * h * w * patch_dim * 4:
+            raise BadRequest(f"{where}: pixel_values holds {len(it.pixel_values)} bytes, shape {list(it.shape)} "
+                             f"needs {t * h * w * patch_dim * 4} (float32)", "mm_items")
+    # Every run of image tokens must be exactly the items' ranges (M-RoPE splits runs by them).
+    covered = np.zeros(n, dtype=bool)
+    for it in ordered:
+        covered[it.offset:it.offset + it.length] = True
+    is_image = np.asarray(prompt, dtype=np.int64) == mc.image_token_id
+    stray = np.flatnonzero(is_image & ~covered)
+    if len(stray):
+        raise BadRequest(f"mm_items: prompt position {int(stray[0])} holds the image token "
+                         f"{mc.image_token_id} but no item covers it", "mm_items")
+    try:
+        positions, delta = mrope_positions(prompt, [list(it.grid_thw) for it in ordered],
+                                           image_token_id=mc.image_token_id, spatial_merge_size=merge)
+    except ValueError as e:
+        raise BadRequest(f"mm_items: {e}", "mm_items") from None
+    return MultiModalState(ordered, positions.numpy(), delta)
+
+
+def block_mm_hashes(state: Optional[MultiModalState], start: int, end: int) -> tuple[str, ...]:
+    """mm_hashes of the items overlapping token range [start, end)."""
+    if state is None:
+        return ()
+    return tuple(it.mm_hash for it in state.items if it.offset < end and it.offset + it.length > start)
+
+
+class EncoderCache:
+    """Image embeddings by mm_hash, least recently used evicted past ``max_tokens``
+    rows (an entry larger than that is still returned, just not kept)."""
+
+    def __init__(self, model: Any, device: torch.device, max_tokens: int = DEFAULT_ENCODER_CACHE_TOKENS):
+        self.model = model
+        self.device = device
+        self.max_tokens = max_tokens
+        self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        self._tokens = 0
+        self.num_encoded = 0  # images run through the vision tower (tests, metrics)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, item: MultiModalItem) -> torch.Tensor:
+        emb = self._entries.get(item.mm_hash)
+        if emb is not None and emb.shape[0] == item.length:
+            self._entries.move_to_end(item.mm_hash)
+            return emb
+        pixels = torch.from_numpy(np.frombuffer(item.pixel_values, dtype="<f4").reshape(list(item.shape)).astype(np.float32))
+        grid = torch.tensor([list(item.grid_thw)], dtype=torch.long)
+        emb = self.model.encode_image(pixels.to(self.device), grid)
+        self.num_encoded += 1
+        if emb.shape[0] != item.length:  # validated at admission; a mismatched tower config lands here
+            raise RuntimeError(f"vision tower returned {emb.shape[0]} embeddings for an item of length {item.length}")
+        old = self._entries.pop(item.mm_hash, None)
+        if old is not None:
+            self._tokens -= old.shape[0]
+        self._entries[item.mm_hash] = emb
+        self._tokens += emb.shape[0]
+        while self._tokens > self.max_tokens and len(self._entries) > 1:
+            _, dropped = self._entries.popitem(last=False)
+            self._tokens -= dropped.shape[0]
+        if self._tokens > self.max_tokens:  # the only entry is too large to keep
+            self._entries.clear()
+            self._tokens = 0
+        return emb
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
+
+
+def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: EncoderCache
+                 ) -> tuple[Optional[np.ndarray], Optional[tuple[np.ndarray, list[torch.Tensor]]]]:
+    """For a step's ``scheduled`` sequences (rows in order) and its ``[T]``
+    positions: shifts, in place, the positions of image requests' tokens past their
+    prompt by the M-RoPE delta; returns (``[3, T]`` positions or None when every
+    token's three rows are equal, (rows, embedding slices) or None)."""
+    patches: list[tuple[int, np.ndarray]] = []  # (first row, [3, k] prompt positions)
+    rows: list[np.ndarray] = []
+    embeds: list[torch.Tensor] = []
+    t = 0
+    for s in scheduled:
+        seq, n = s.seq, s.num_new_tokens
+        state: Optional[MultiModalState] = seq.request.mm
+        if state is None:
+            t += n
+            continue
+        start = seq.num_computed_tokens
+        end = start + n
+        prompt_len = state.positions.shape[1]
+        if start < prompt_len:
+            stop = min(end, prompt_len)
+            patches.append((t, state.positions[:, start:stop]))
+            for it in state.items:
+                lo, hi = max(start, it.offset), min(end, it.offset + it.length)
+                if lo >= hi:
+                    continue
+                emb = cache.get(it)
+                embeds.append(emb[lo - it.offset:hi - it.offset])
+                rows.append(np.arange(t + lo - start, t + hi - start, dtype=np.int64))
+        if end > prompt_len and state.delta:
+            first = max(start, prompt_len)
+            positions[t + first - start:t + n] += state.delta
+        t += n
+    pos3: Optional[np.ndarray] = None
+    if patches:
+        pos3 = np.broadcast_to(positions, (3, len(positions))).copy()
+        for t0, p in patches:
+            pos3[:, t0:t0 + p.shape[1]] = p
+    mm = (np.concatenate(rows), embeds) if rows else None
+    return pos3, mm
