@@ -282,15 +282,7 @@ class BlockManager:
         blocks (most reusable) are evicted last; blocks without cached content are
         reused before any cached block.
         """
-        ref = self._ref
-        for block_id in reversed(seq.block_ids):
-            ref[block_id] -= 1
-            if ref[block_id] == 0:
-                if self._hash[block_id] is None:
-                    self._uncached[self._num_uncached] = block_id
-                    self._num_uncached += 1
-                else:
-                    self._free_cached.append(block_id)
+        self.release_blocks(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -303,7 +295,7 @@ class BlockManager:
             self._take(block_id)
 
     def release_blocks(self, block_ids: Seq[int]) -> None:
-        """Drop one reference per block (``hold_blocks`` / ``import_blocks``)."""
+        """Drop one reference per block, the last ones first (see ``free``)."""
         ref = self._ref
         for block_id in reversed(block_ids):
             ref[block_id] -= 1
