@@ -16,6 +16,7 @@ from common.errors import BadRequest  # noqa: E402
 from common.multimodal import Qwen2VLImageConfig, mm_hash, preprocess_image  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine  # noqa: E402
+from tests.vl_factory import hf_qwen2_vl  # noqa: E402
 from worker.engine.model_config import ModelConfig  # noqa: E402
 
 VOCAB = 160
@@ -40,17 +41,9 @@ def _text_config():
 
 def _build(variant: str, out):
     torch.manual_seed(0)
-    if variant == "qwen2_vl":
-        cfg = transformers.Qwen2VLConfig(text_config=_text_config(), vision_config=dict(QWEN2_VISION),
-                                         image_token_id=IMAGE, video_token_id=VIDEO,
-                                         vision_start_token_id=VSTART, vision_end_token_id=VEND)
-        cls = transformers.Qwen2VLForConditionalGeneration
-    else:
-        cfg = transformers.Qwen2_5_VLConfig(text_config=_text_config(), vision_config=dict(QWEN2_5_VISION),
-                                            image_token_id=IMAGE, video_token_id=VIDEO,
-                                            vision_start_token_id=VSTART, vision_end_token_id=VEND)
-        cls = transformers.Qwen2_5_VLForConditionalGeneration
-    model = cls(cfg).to(torch.float32).eval()
+    vision = QWEN2_VISION if variant == "qwen2_vl" else QWEN2_5_VISION
+    model = hf_qwen2_vl(variant != "qwen2_vl", _text_config(), vision, image=IMAGE, video=VIDEO, vstart=VSTART,
+                        vend=VEND).to(torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -4,6 +4,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.vl_factory import hf_qwen2_vl
 from worker.engine.models.mrope import apply_mrope, decode_positions, mrope_cos_sin, mrope_positions
 from worker.engine.models.qwen2_vl_vision import (QWEN2_5_VL, QWEN2_VL, QwenVisionTower, build_vision_tower,
                                                   hf_to_local_name)
@@ -30,18 +31,10 @@ QWEN2_5_VISION = dict(depth=4, hidden_size=64, intermediate_size=80, num_heads=4
 
 def _hf_model(variant):
     torch.manual_seed(0)
-    if variant == QWEN2_VL:
-        cfg = transformers.Qwen2VLConfig(text_config=_text_config(), vision_config=dict(QWEN2_VISION),
-                                         image_token_id=IMAGE, video_token_id=VIDEO,
-                                         vision_start_token_id=VSTART, vision_end_token_id=VEND)
-        cls = transformers.Qwen2VLForConditionalGeneration
-    else:
-        cfg = transformers.Qwen2_5_VLConfig(text_config=_text_config(), vision_config=dict(QWEN2_5_VISION),
-                                            image_token_id=IMAGE, video_token_id=VIDEO,
-                                            vision_start_token_id=VSTART, vision_end_token_id=VEND)
-        cls = transformers.Qwen2_5_VLForConditionalGeneration
-    cfg._attn_implementation = "eager"
-    model = cls(cfg).eval()
+    vision = QWEN2_VISION if variant == QWEN2_VL else QWEN2_5_VISION
+    model = hf_qwen2_vl(variant != QWEN2_VL, _text_config(), vision, image=IMAGE, video=VIDEO, vstart=VSTART,
+                        vend=VEND)
+    model.config._attn_implementation = "eager"
     # random (non-identity) norms so their weights are exercised too
     with torch.no_grad():
         for name, p in model.named_parameters():
