@@ -32,11 +32,11 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 
 
 def eligible(req: GenerateRequest, block_size: int) -> bool:
-    """Requests the broker splits: no explicit transfer, pin or adapter, and a prompt with
-    at least one full block to move; prompt scores need the whole prefill on one worker."""
+    """Requests the broker splits: no explicit transfer, pin, adapter or image, and a prompt
+    with at least one full block to move; prompt scores need the whole prefill on one worker."""
     p = req.params
     return (req.kv_transfer_params is None and req.data_parallel_rank is None and req.lora_name is None
-            and p.prompt_logprobs is None and not p.prompt_logprob_token_ids
+            and not req.mm_items and p.prompt_logprobs is None and not p.prompt_logprob_token_ids
             and len(req.prompt_token_ids) > block_size)
 
 
