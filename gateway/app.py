@@ -55,6 +55,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
         metrics=GatewayMetrics(),
     )
     renderer = make_renderer(settings)
+    state.image = renderer.model.image if renderer is not None else None
     if settings.render_only:
         return render_only_app(settings, state, renderer), state
     middleware = [ClientLifecycle(client)]

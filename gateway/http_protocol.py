@@ -237,7 +237,7 @@ class GenerateResponse(msgspec.Struct):
     prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]]
     prompt_token_id_logprobs: Optional[str]
     prompt_token_ids: Optional[list[int]]
-    mm_placeholders: None
+    mm_placeholders: Optional[dict[str, list[dict[str, int]]]]  # {"image": [{"offset", "length"}]}
     metrics: Optional[PerRequestMetrics]
     kv_transfer_params: Optional[Any]
     ec_transfer_params: Optional[Any]
@@ -252,6 +252,7 @@ class StreamChunk(msgspec.Struct):
     request_id: str
     usage: Union[Usage, None, UnsetType]
     prompt_token_ids: Union[list[int], UnsetType] = UNSET
+    mm_placeholders: Union[dict[str, list[dict[str, int]]], UnsetType] = UNSET
     metrics: Union[PerRequestMetrics, UnsetType] = UNSET
     output_mode: str = "tokens"
     choices: list[Union[TokensChoice, TextChoice]] = msgspec.field(default_factory=list)

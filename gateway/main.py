@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve render, derender and tokenize only, with no broker (vLLM's `vllm launch render`)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="--render-only: context length (default: the model's max_position_embeddings)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="content_parts may load file:// images from under DIR (default: no local files)")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="content_parts may load http(s) image URLs (default: data: URLs and allowed files only)")
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -99,7 +103,11 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
                                  ("--tool-call-parser", args.tool_call_parser, TOOL_CALL_PARSERS)):
         if value is not None and value not in choices:
             raise SystemExit(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        raise SystemExit(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     return GatewaySettings(
+        allowed_local_media_path=args.allowed_local_media_path,
+        allow_remote_media=args.allow_remote_media,
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
         default_chat_template_kwargs=kwargs,

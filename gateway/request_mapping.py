@@ -36,6 +36,8 @@ class MappedRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    # {"image": [{"offset", "length"}, ...]} for a request with images (gateway/multimodal.py)
+    mm_placeholders: Optional[dict] = None
 
 
 def base_model_names(info: ModelInfo, served_model_names: list[str]) -> list[str]:

@@ -211,7 +211,7 @@ class ResponseAccumulator:
             prompt_token_id_logprobs=logprobs_format.prompt_token_id_logprobs(
                 first.prompt_token_id_scores if first else None, first.prompt_token_id_shape if first else None),
             prompt_token_ids=m.wire.prompt_token_ids if m.http.return_token_ids else None,
-            mm_placeholders=None,
+            mm_placeholders=m.mm_placeholders if m.http.return_token_ids else None,
             metrics=facts.metrics(completion),
             kv_transfer_params=facts.kv_transfer_params,
             ec_transfer_params=m.http.ec_transfer_params,
@@ -263,6 +263,8 @@ class StreamChunker:
                             choices=[choice])
         if self._prompt_ids_pending:
             chunk.prompt_token_ids = m.wire.prompt_token_ids
+            if m.mm_placeholders is not None:
+                chunk.mm_placeholders = m.mm_placeholders
             self._prompt_ids_pending = False
         return sse_event(json_encoder.encode(chunk))
 

@@ -52,3 +52,7 @@ class GatewaySettings:
     # vLLM's `vllm launch render`: render, derender and tokenize only, no broker.
     render_only: bool = False
     max_model_len: Optional[int] = None  # render-only: the context length (default: config.json's)
+    # Image input (content_parts, Qwen2-VL family): file:// URLs only under this folder
+    # (vLLM's --allowed-local-media-path); http(s) URLs only when allowed (ours; off).
+    allowed_local_media_path: Optional[str] = None
+    allow_remote_media: bool = False

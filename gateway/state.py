@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from gateway.cluster_info import ClusterInfoCache
 from gateway.metrics import GatewayMetrics
@@ -14,3 +15,4 @@ class GatewayState:
     client: object  # common.client.AsyncClient (or anything with its interface)
     cluster: ClusterInfoCache
     metrics: GatewayMetrics
+    image: Optional[object] = None  # gateway.openai_api.model_files.ImageSpec: the model takes images

@@ -22,9 +22,11 @@ from gateway.http_protocol import HttpGenerateRequest
 
 # field -> values that mean "not used" (vLLM's defaults, and their equivalents)
 REQUEST_FIELDS: dict[str, tuple[Any, ...]] = {
-    "features": (None,),  # multimodal hashes and placeholders
-    "content_parts": (None, []),  # raw multimodal input (vLLM skips an empty list)
+    "features": (None,),  # pre-processed multimodal tensors (mm_serde); raw images go in content_parts
 }
+# content_parts (raw multimodal input) is served for images: gateway/multimodal.py.
+_HINTS = {"features": " Pre-processed multimodal features are not accepted; send images as content_parts "
+                      "({\"type\": \"image_url\", \"url\": ...})."}
 SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "watermarking": (None, False),
     "prompt_logprob_start": (None, 0),  # 0: the first row, vLLM's default
@@ -51,7 +53,7 @@ def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
 def refuse_unserved(http: HttpGenerateRequest) -> None:
     for name, defaults in REQUEST_FIELDS.items():
         if not _unused(getattr(http, name), defaults):
-            raise BadRequest(f"`{name}` is not supported by this server.", name)
+            raise BadRequest(f"`{name}` is not supported by this server.{_HINTS.get(name, '')}", name)
     sp = http.sampling_params
     for name, defaults in SAMPLING_FIELDS.items():
         if not _unused(getattr(sp, name), defaults):

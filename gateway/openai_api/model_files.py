@@ -1,6 +1,7 @@
 """What the gateway reads from the model directory to render and derender text: the
-tokenizer, its chat template, generation_config.json's sampling defaults and, for a
-``--render-only`` gateway with no workers to ask, the context length.
+tokenizer, its chat template, generation_config.json's sampling defaults, for a
+``--render-only`` gateway with no workers to ask, the context length, and for a vision
+model (Qwen2-VL family) what image input needs (``ImageSpec``).
 
 Only files are read (no weights): render/derender run on gateway processes, apart
 from the GPUs, as vLLM's ``vllm launch render`` does.
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from common.multimodal import Qwen2VLImageConfig
 from common.tokenizer import Tokenizer, load_tokenizer
 from gateway.chat_template import ChatTemplate
 
@@ -33,6 +35,34 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+@dataclass(frozen=True)
+class ImageSpec:
+    """What the gateway needs to turn images into a model's input (Qwen2-VL family):
+    the placeholder token, the vision tower's patch merge and the image processor."""
+
+    image_token_id: int
+    merge_size: int
+    processor: Qwen2VLImageConfig
+    model_id: str  # keys the images' content hashes (mm_hash) to this model
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> Optional["ImageSpec"]:
+        """None for a model without a vision tower (or without an image token)."""
+        path = Path(model_dir)
+        config = _read_json(path / "config.json")
+        vision = config.get("vision_config")
+        token = config.get("image_token_id")
+        if token is None:
+            token = (config.get("text_config") or {}).get("image_token_id")
+        if not isinstance(vision, dict) or not isinstance(token, int) or isinstance(token, bool):
+            return None
+        processor = Qwen2VLImageConfig.from_model_dir(path)
+        merge = vision.get("spatial_merge_size", processor.merge_size)
+        if not isinstance(merge, int) or merge < 1:
+            raise ValueError(f"{path / 'config.json'}: vision_config.spatial_merge_size must be a positive integer")
+        return cls(image_token_id=token, merge_size=merge, processor=processor, model_id=str(path.resolve()))
+
+
 @dataclass
 class TextModel:
     """The model's text side, as the gateway needs it."""
@@ -44,6 +74,7 @@ class TextModel:
     chat_template_text: Optional[str]
     sampling_defaults: dict = field(default_factory=dict)
     max_position_embeddings: Optional[int] = None
+    image: Optional[ImageSpec] = None  # None: a text-only model
 
     @classmethod
     def load(cls, model_dir: str | Path, chat_template: Optional[str] = None) -> "TextModel":
@@ -63,4 +94,5 @@ class TextModel:
             "max_position_embeddings")
         return cls(path=path, tokenizer=tokenizer, tokenizer_config=_read_json(path / "tokenizer_config.json"),
                    chat_template=template, chat_template_text=template.template_for(None) if template else None,
-                   sampling_defaults=defaults, max_position_embeddings=max_pos)
+                   sampling_defaults=defaults, max_position_embeddings=max_pos,
+                   image=ImageSpec.from_model_dir(path))

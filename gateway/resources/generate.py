@@ -17,6 +17,7 @@ from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
 from gateway.errors import bad_request_from_decode_error, serving_error_json
 from gateway.http_protocol import generate_request_decoder
 from gateway.metrics import RequestTracker
+from gateway.multimodal import attach_images
 from gateway.request_mapping import MappedRequest, knows_model, map_request
 from gateway.response_builder import SSE_DONE, ResponseAccumulator, ResponseOptions, StreamChunker, sse_event
 from gateway.state import GatewayState
@@ -59,6 +60,7 @@ class GenerateResource:
         mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                              arrival_time=arrival)
         validate_request(mapped.wire, cluster.model, tokens_only=s.tokens_only, stream=mapped.stream)
+        await attach_images(mapped, self.state.image, s)  # after the cheap checks
         if s.tokens_only:
             mapped.wire.params.detokenize = False  # after validation, as vLLM's --tokens-only does
         try:  # ints beyond 64 bits and the like cannot travel; vLLM answers 400 for these too

@@ -1,0 +1,109 @@
+"""``content_parts`` of ``/inference/v1/generate``: raw images resolved in the gateway.
+
+As in vLLM 0.32, ``token_ids`` already hold each image's placeholder tokens (a run of the
+model's image token, e.g. Qwen2-VL's ``<|image_pad|>``) and ``content_parts`` lists the
+images in prompt order.  The gateway loads each image (data:, file: under
+``--allowed-local-media-path``, http(s) with ``--allow-remote-media``), preprocesses it
+for the model (common/multimodal) and attaches it to the wire request as a
+``MultiModalItem`` over its run of placeholders; the worker only encodes.
+
+Only ``image_url`` parts are served; other modalities are refused by name.  A part's URL
+is read where vLLM reads it (``{"type": "image_url", "url": ...}``) or in the OpenAI chat
+shape (``{"type": "image_url", "image_url": {"url": ...}}``).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+import numpy as np
+
+from common.errors import BadRequest
+from common.multimodal import MediaError, load_image, mm_hash, num_placeholder_tokens, preprocess_image
+from common.protocol import MultiModalItem
+
+PARAM = "content_parts"
+NO_IMAGE_MODEL = ("`content_parts` is not supported by this server. Reason: this model does not take image input "
+                  "(image input needs a Qwen2-VL family model folder given to the gateway with --tokenizer).")
+
+
+def _check_type(i: int, part: Any) -> None:
+    if not isinstance(part, dict):
+        raise BadRequest(f"content_parts[{i}] must be an object.", f"{PARAM}[{i}]")
+    ptype = part.get("type")
+    if ptype != "image_url":
+        name = ptype if isinstance(ptype, str) and ptype else "untyped"
+        raise BadRequest(f"content_parts[{i}]: {name} input is not supported yet (only image_url is).",
+                         f"{PARAM}[{i}].type")
+
+
+def _image_url(i: int, part: dict) -> str:
+    url = part.get("url")
+    if url is None:
+        inner = part.get("image_url")
+        url = inner.get("url") if isinstance(inner, dict) else inner
+    if not isinstance(url, str) or not url:
+        raise BadRequest(f"content_parts[{i}]: image_url needs a non-empty `url` string.", f"{PARAM}[{i}]")
+    return url
+
+
+def placeholder_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(offset, length) of every maximal run of ``token`` in ``token_ids``."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for pos, tid in enumerate(token_ids):
+        if tid == token:
+            if start is None:
+                start = pos
+        elif start is not None:
+            runs.append((start, pos - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(token_ids) - start))
+    return runs
+
+
+def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool):
+    out = []
+    for i, url in enumerate(urls):
+        try:
+            image = load_image(url, allowed_local_media_path=allowed, allow_remote=allow_remote)
+        except MediaError as exc:
+            raise BadRequest(f"content_parts[{i}]: {exc}", f"{PARAM}[{i}]") from None
+        out.append(preprocess_image(image, spec.processor))
+    return out
+
+
+async def attach_images(mapped, spec, settings) -> None:
+    """Resolve ``mapped.http.content_parts`` into ``mapped.wire.mm_items`` (400 on anything wrong)."""
+    parts = mapped.http.content_parts
+    if not parts:
+        return
+    for i, part in enumerate(parts):
+        _check_type(i, part)
+    if spec is None:
+        raise BadRequest(NO_IMAGE_MODEL, PARAM)
+    urls = [_image_url(i, part) for i, part in enumerate(parts)]
+    runs = placeholder_runs(mapped.wire.prompt_token_ids, spec.image_token_id)
+    if len(runs) != len(urls):
+        raise BadRequest(
+            f"content_parts has {len(urls)} image(s) but token_ids has {len(runs)} run(s) of the image "
+            f"placeholder token {spec.image_token_id}; each image needs one contiguous run, in order.", PARAM)
+    processed = await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
+                                        settings.allow_remote_media)
+    items = []
+    for i, ((offset, length), (pixels, grid)) in enumerate(zip(runs, processed)):
+        need = num_placeholder_tokens(grid, spec.merge_size)
+        if length != need:
+            raise BadRequest(
+                f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
+                f"its grid {list(grid)} needs {need}.", PARAM)
+        pixels = np.ascontiguousarray(pixels, dtype="<f4")
+        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(pixels, grid, model_id=spec.model_id),
+                                    offset=offset, length=length, grid_thw=[int(v) for v in grid],
+                                    pixel_values=pixels.tobytes(), shape=list(pixels.shape)))
+    mapped.wire.mm_items = items
+    # The workers key an image's blocks by its content hash; token-only routing keys would
+    # claim cache hits that are not there.
+    mapped.wire.prefix_hashes = None
+    mapped.mm_placeholders = {"image": [{"offset": it.offset, "length": it.length} for it in items]}
