@@ -127,19 +127,23 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], *, tools: Optional[list[dict]] = None,
                documents: Optional[list[dict]] = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> str:
-        """The prompt for these chat-completion request fields (plain JSON values, as
+               continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
+               images: Optional[list] = None) -> str:
+        """``images``: given (a list), image_url parts are kept (the model takes images)
+        and their URLs appended to it, in order.
+
+        The prompt for these chat-completion request fields (plain JSON values, as
         decoded from the request).  Raises ChatTemplateError (a 400) for anything the
         request got wrong, including a template that refuses the conversation
         (``raise_exception``)."""
         try:
             return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
-                                chat_template_kwargs)
+                                chat_template_kwargs, images)
         except RecursionError:
             raise ChatTemplateError("The request is nested too deeply to render.", "messages") from None
 
     def _render(self, messages: Any, tools: Any, documents: Any, add_generation_prompt: bool,
-                continue_final_message: bool, chat_template_kwargs: Any) -> str:
+                continue_final_message: bool, chat_template_kwargs: Any, images: Optional[list] = None) -> str:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                     "continue_final_message")
@@ -150,7 +154,7 @@ class ChatTemplate:
         fmt = jinja_env.detect_content_format(source) if self.content_format == "auto" else self.content_format
         conversation = parse_messages(_plain(messages), fmt,
                                       developer_role_supported=jinja_env.supports_developer_role(source),
-                                      allowed_roles=self.allowed_roles)
+                                      allowed_roles=self.allowed_roles, images=images)
         # vLLM passes on only the kwargs the template reads; kwargs beat special tokens.
         accepted = jinja_env.template_variables(source)
         template_kwargs = {**self.special_tokens, **{k: v for k, v in kwargs.items() if k in accepted}}

@@ -63,19 +63,43 @@ def placeholder_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool):
+def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool, where: str = PARAM):
     out = []
     for i, url in enumerate(urls):
         try:
             image = load_image(url, allowed_local_media_path=allowed, allow_remote=allow_remote)
         except MediaError as exc:
-            raise BadRequest(f"content_parts[{i}]: {exc}", f"{PARAM}[{i}]") from None
+            raise BadRequest(f"{where}[{i}]: {exc}", f"{where}[{i}]") from None
         out.append(preprocess_image(image, spec.processor))
     return out
 
 
-async def attach_images(mapped, spec, settings) -> None:
-    """Resolve ``mapped.http.content_parts`` into ``mapped.wire.mm_items`` (400 on anything wrong)."""
+def _items(runs, processed, spec) -> list[MultiModalItem]:
+    items = []
+    for i, ((offset, length), (pixels, grid)) in enumerate(zip(runs, processed)):
+        need = num_placeholder_tokens(grid, spec.merge_size)
+        if length != need:
+            raise BadRequest(
+                f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
+                f"its grid {list(grid)} needs {need}.", PARAM)
+        pixels = np.ascontiguousarray(pixels, dtype="<f4")
+        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(pixels, grid, model_id=spec.model_id),
+                                    offset=offset, length=length, grid_thw=[int(v) for v in grid],
+                                    pixel_values=pixels.tobytes(), shape=list(pixels.shape)))
+    return items
+
+
+def _set_items(mapped, items: list[MultiModalItem]) -> None:
+    mapped.wire.mm_items = items
+    # The workers key an image's blocks by its content hash; token-only routing keys would
+    # claim cache hits that are not there.
+    mapped.wire.prefix_hashes = None
+    mapped.mm_placeholders = {"image": [{"offset": it.offset, "length": it.length} for it in items]}
+
+
+async def attach_images(mapped, spec, settings, processed: Optional[list] = None) -> None:
+    """Resolve ``mapped.http.content_parts`` into ``mapped.wire.mm_items`` (400 on anything wrong).
+    ``processed``: the images already loaded and preprocessed, in order (chat rendering did it)."""
     parts = mapped.http.content_parts
     if not parts:
         return
@@ -89,21 +113,60 @@ async def attach_images(mapped, spec, settings) -> None:
         raise BadRequest(
             f"content_parts has {len(urls)} image(s) but token_ids has {len(runs)} run(s) of the image "
             f"placeholder token {spec.image_token_id}; each image needs one contiguous run, in order.", PARAM)
-    processed = await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
-                                        settings.allow_remote_media)
-    items = []
-    for i, ((offset, length), (pixels, grid)) in enumerate(zip(runs, processed)):
-        need = num_placeholder_tokens(grid, spec.merge_size)
-        if length != need:
-            raise BadRequest(
-                f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
-                f"its grid {list(grid)} needs {need}.", PARAM)
-        pixels = np.ascontiguousarray(pixels, dtype="<f4")
-        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(pixels, grid, model_id=spec.model_id),
-                                    offset=offset, length=length, grid_thw=[int(v) for v in grid],
-                                    pixel_values=pixels.tobytes(), shape=list(pixels.shape)))
-    mapped.wire.mm_items = items
-    # The workers key an image's blocks by its content hash; token-only routing keys would
-    # claim cache hits that are not there.
-    mapped.wire.prefix_hashes = None
-    mapped.mm_placeholders = {"image": [{"offset": it.offset, "length": it.length} for it in items]}
+    if processed is None or len(processed) != len(urls):
+        processed = await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
+                                            settings.allow_remote_media)
+    _set_items(mapped, _items(runs, processed, spec))
+
+
+# ---------------------------------------------------------------- chat messages
+
+def chat_image_urls(messages: Any) -> list[str]:
+    """The URLs of the ``image_url`` parts of chat messages, in prompt order (the order
+    the chat preprocessing meets them).  Malformed parts are skipped here: the
+    preprocessing refuses them."""
+    urls: list[str] = []
+    if not isinstance(messages, list):
+        return urls
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url" or (part.get("type") is None and "image_url" in part):
+                inner = part.get("image_url")
+                url = inner.get("url") if isinstance(inner, dict) else inner
+                if isinstance(url, str) and url:
+                    urls.append(url)
+    return urls
+
+
+async def load_chat_images(messages: Any, spec, settings) -> Optional[list]:
+    """The chat messages' images loaded and preprocessed off the event loop (400 on a
+    media error); None when the model takes no images or there are none."""
+    if spec is None:
+        return None
+    urls = chat_image_urls(messages)
+    if not urls:
+        return None
+    return await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
+                                   settings.allow_remote_media, "images")
+
+
+def expand_image_placeholders(ids: list[int], spec, processed: list) -> list[int]:
+    """Each image's run of placeholder tokens (one token, as chat templates write it)
+    replaced by the image's ``t*h*w/merge^2`` tokens."""
+    runs = placeholder_runs(ids, spec.image_token_id)
+    if len(runs) != len(processed):
+        raise BadRequest(f"the messages hold {len(processed)} image(s) but the rendered prompt has {len(runs)} "
+                         f"image placeholder(s); the chat template must write one per image.", "messages")
+    out: list[int] = []
+    pos = 0
+    for (offset, length), (_, grid) in zip(runs, processed):
+        out += ids[pos:offset]
+        out += [spec.image_token_id] * num_placeholder_tokens(grid, spec.merge_size)
+        pos = offset + length
+    out += ids[pos:]
+    return out

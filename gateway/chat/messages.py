@@ -6,7 +6,9 @@ Each message is rebuilt from the fields vLLM keeps (role, content, name, task,
 tool_calls, reasoning, tool_call_id, developer tools); other fields are dropped, as
 vLLM drops them.  Content becomes one string ("string" format, text parts joined with
 "\\n") or a list of ``{"type": "text", "text": ...}`` parts ("openai" format).
-Multimodal parts are refused by name until the gateway serves them.
+Multimodal parts are refused by name, except ``image_url`` parts for a model that takes
+images (``images``: a list that collects their URLs in order): in the "openai" format
+they become ``{"type": "image"}``, as vLLM hands them to the template.
 """
 from __future__ import annotations
 
@@ -51,7 +53,19 @@ def _err(message: str, param: str = "messages") -> ChatTemplateError:
     return ChatTemplateError(message, param)
 
 
-def _part_text(part: Any, where: str, wrap: bool) -> Optional[Any]:
+def _image_part(part: dict, where: str, wrap: bool, images: list) -> dict:
+    inner = part.get("image_url")
+    url = inner.get("url") if isinstance(inner, dict) else inner
+    if not isinstance(url, str) or not url:
+        raise _err(f"{where}: an image_url part needs a non-empty `image_url.url` string")
+    if not wrap:
+        raise _err(f"{where}: image input needs a chat template that reads content parts "
+                   f"(the 'openai' content format)")
+    images.append(url)
+    return {"type": "image"}
+
+
+def _part_text(part: Any, where: str, wrap: bool, images: Optional[list] = None) -> Optional[Any]:
     """One content part as vLLM's ``_parse_chat_message_content_part`` sees it: a
     string or ``{"type": "text", ...}`` (wrap) / a string (no wrap), or None to skip."""
     if isinstance(part, str):
@@ -61,6 +75,8 @@ def _part_text(part: Any, where: str, wrap: bool) -> Optional[Any]:
     part_type = part.get("type")
     if part_type is None:
         media = next((key for key in _TYPELESS_MEDIA_KEYS if key in part), None)
+        if media == "image_url" and images is not None:
+            return _image_part(part, where, wrap, images)
         if media is not None:
             raise _multimodal(media, where)
         if "tool_reference" in part:
@@ -85,6 +101,8 @@ def _part_text(part: Any, where: str, wrap: bool) -> Optional[Any]:
         # Not media: a reference to a deferred tool that the template expands.
         name = part.get("name")
         return {"type": "tool_reference", "name": name} if wrap else name
+    if part_type == "image_url" and images is not None:
+        return _image_part(part, where, wrap, images)
     if part_type in MULTIMODAL_PART_TYPES:
         raise _multimodal(part_type, where)
     raise _err(f"Unsupported chat content part type: {part_type!r}. "
@@ -110,7 +128,7 @@ def _strip_billing_header(parts: list) -> list:
     return out
 
 
-def _content(message: dict, role: str, where: str, fmt: ContentFormat) -> Any:
+def _content(message: dict, role: str, where: str, fmt: ContentFormat, images: Optional[list] = None) -> Any:
     content = message.get("content")
     if content is None:
         parts: list = []
@@ -124,7 +142,7 @@ def _content(message: dict, role: str, where: str, fmt: ContentFormat) -> Any:
     if role == "system":
         parts = _strip_billing_header(parts)
     wrap = fmt == "openai"
-    parsed = [_part_text(part, f"{where}.content[{i}]", wrap) for i, part in enumerate(parts)]
+    parsed = [_part_text(part, f"{where}.content[{i}]", wrap, images) for i, part in enumerate(parts)]
     # vLLM keeps only truthy results: in the string format an empty text part adds no
     # separator to the join.
     parsed = [p for p in parsed if p]
@@ -142,7 +160,7 @@ def _tool_content_as_string(content: Any) -> Any:
                      if isinstance(item, dict) and item.get("type") == "text")
 
 
-def _convert_message(message: Any, i: int, fmt: ContentFormat, allowed_roles) -> dict:
+def _convert_message(message: Any, i: int, fmt: ContentFormat, allowed_roles, images: Optional[list] = None) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise _err(f"{where} must be an object, got {type(message).__name__}")
@@ -153,7 +171,7 @@ def _convert_message(message: Any, i: int, fmt: ContentFormat, allowed_roles) ->
         raise _err(f"{where}.role must be a non-empty string")
     if allowed_roles is not None and role not in allowed_roles:
         raise _err(f"{where} has an unknown role {role!r}; expected one of: {', '.join(sorted(allowed_roles))}")
-    out: dict = {"role": role, "content": _content(message, role, where, fmt)}
+    out: dict = {"role": role, "content": _content(message, role, where, fmt, images)}
     # vLLM's request validator renames the deprecated reasoning_content.
     reasoning = message.get("reasoning")
     if reasoning is None:
@@ -255,15 +273,17 @@ def _developer_to_system(conversation: list[dict]) -> list[dict]:
 
 
 def parse_messages(messages: Any, fmt: ContentFormat, *, developer_role_supported: bool,
-                   allowed_roles: Optional[Iterable[str]] = OPENAI_ROLES) -> list[dict]:
+                   allowed_roles: Optional[Iterable[str]] = OPENAI_ROLES,
+                   images: Optional[list] = None) -> list[dict]:
     """The conversation vLLM hands ``apply_chat_template`` for these request messages.
-    ``messages`` must already be a plain-JSON copy: tool-call arguments are parsed in place."""
+    ``messages`` must already be a plain-JSON copy: tool-call arguments are parsed in place.
+    ``images``: given (a list), image_url parts are kept and their URLs appended to it."""
     if not isinstance(messages, list):
         raise _err(f"messages must be a list of message objects, got {type(messages).__name__}")
     if not messages:
         raise _err("Cannot apply chat template to an empty conversation. Provide at least one message.")
     roles = frozenset(allowed_roles) if allowed_roles is not None else None
-    conversation = [_convert_message(m, i, fmt, roles) for i, m in enumerate(messages)]
+    conversation = [_convert_message(m, i, fmt, roles, images) for i, m in enumerate(messages)]
     _postprocess_tool_calls(conversation)
     if not developer_role_supported and any(m["role"] == "developer" for m in conversation):
         log.debug("chat template does not support the 'developer' role; sending developer messages as system")

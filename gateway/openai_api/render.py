@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 from common.errors import BadRequest
 from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.multimodal import expand_image_placeholders
 from gateway.openai_api import sampling
 from gateway.openai_api.chat_output import ChatParsing
 from gateway.openai_api.model_files import TextModel
@@ -42,6 +43,7 @@ class RenderedPrompt:
 class RenderedChat(RenderedPrompt):
     parsing: ChatParsing = field(default_factory=ChatParsing)
     last_message_text: str = ""  # echo: the content of a final assistant message
+    images: Optional[list] = None  # the messages' images, preprocessed ((pixels, grid)), in prompt order
 
 
 def base_request_id(header_id: Optional[str], body_id: Optional[str]) -> str:
@@ -104,7 +106,8 @@ class Renderer:
                              "Refused request with untrusted chat template.", "chat_template")
 
     def render_messages(self, messages, *, tools=None, documents=None, add_generation_prompt=True,
-                        continue_final_message=False, chat_template_kwargs=None, chat_template=None) -> str:
+                        continue_final_message=False, chat_template_kwargs=None, chat_template=None,
+                        image_urls: Optional[list] = None) -> str:
         template = self.model.chat_template
         if chat_template is not None:
             template = ChatTemplate(chat_template, template.special_tokens if template else {})
@@ -115,11 +118,14 @@ class Renderer:
             return template.render(messages, tools=tools, documents=documents,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs)
+                                   chat_template_kwargs=chat_template_kwargs, images=image_urls)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc)) from None
 
-    def chat(self, request: ChatCompletionRequest, max_model_len: int, base_id: str) -> RenderedChat:
+    def chat(self, request: ChatCompletionRequest, max_model_len: int, base_id: str,
+             images: Optional[list] = None) -> RenderedChat:
+        """``images``: the messages' images loaded and preprocessed (``load_chat_images``),
+        for a model that takes images."""
         sampling.refuse_unserved(request)
         sampling.check_chat(request)
         tool_choice = request.tool_choice
@@ -135,11 +141,18 @@ class Renderer:
         if not isinstance(request.messages, list) or not request.messages:
             raise BadRequest("messages must be a non-empty list", "messages")
         kwargs = self.chat_template_kwargs(request)
+        spec = self.model.image
+        image_urls: Optional[list] = [] if spec is not None else None
         prompt = self.render_messages(request.messages, tools=request.tools, documents=request.documents,
                                       add_generation_prompt=request.add_generation_prompt,
                                       continue_final_message=request.continue_final_message,
-                                      chat_template_kwargs=kwargs, chat_template=request.chat_template)
+                                      chat_template_kwargs=kwargs, chat_template=request.chat_template,
+                                      image_urls=image_urls)
         ids = self.model.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        if image_urls:
+            if images is None or len(images) != len(image_urls):
+                raise BadRequest(f"the messages hold {len(image_urls)} image(s) that were not loaded", "messages")
+            ids = expand_image_placeholders(ids, spec, images)
         ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
         if not ids:
             raise BadRequest("No token_ids rendered")
@@ -169,6 +182,8 @@ class Renderer:
                     reasoning_ended = not reasoning_open
         generate = _generate_request(f"chatcmpl-{base_id}", ids, params, request, reasoning_ended=reasoning_ended,
                                      reasoning_kwargs=reasoning_kwargs)
+        if image_urls:
+            generate["content_parts"] = [{"type": "image_url", "url": url} for url in image_urls]
         last = request.messages[-1] if isinstance(request.messages[-1], dict) else {}
         last_text = ""
         if last.get("role") == "assistant":
@@ -176,7 +191,7 @@ class Renderer:
             last_text = content if isinstance(content, str) else "\n".join(
                 p.get("text", "") for p in content if isinstance(p, dict))
         return RenderedChat(generate=generate, prompt_text=prompt, token_ids=ids, parsing=parsing,
-                            last_message_text=last_text)
+                            last_message_text=last_text, images=images if image_urls else None)
 
     # ------------------------------------------------------------------ completions
     def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], Optional[str]]]:

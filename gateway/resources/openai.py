@@ -35,6 +35,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
     tokenize_request_decoder,
 )
+from gateway.multimodal import attach_images, load_chat_images
 from gateway.openai_api.render import Renderer, base_request_id
 from gateway.request_mapping import base_model_names
 from gateway.response_builder import SSE_DONE, sse_event
@@ -96,9 +97,11 @@ class ChatCompletions(TextRoutes):
         request = await self.decode(req, chat_request_decoder)
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
+        images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
         rendered = self.renderer.chat(request, max_len, base_request_id(req.get_header("X-Request-Id"),
-                                                                        request.request_id))
+                                                                        request.request_id), images=images)
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
+        await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
         view = ResponseView.of(request, request.top_logprobs if request.logprobs else None)
         (run,) = await start_all(self.state, req, [mapped])
         await _respond(resp, [run], bool(request.stream),
@@ -170,8 +173,9 @@ class ChatRender(TextRoutes):
         request = await self.decode(req, chat_request_decoder)
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
+        images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
         rendered = self.renderer.chat(request, max_len, base_request_id(req.get_header("X-Request-Id"),
-                                                                        request.request_id))
+                                                                        request.request_id), images=images)
         resp.data = json_encoder.encode(rendered.generate)
         resp.content_type = falcon.MEDIA_JSON
 
