@@ -100,7 +100,7 @@ class HttpGenerateRequest(msgspec.Struct):
     kv_transfer_params: Optional[JsonObject] = None
     ec_transfer_params: Optional[JsonObject] = None
     token_offsets: Optional[list[tuple[int, int]]] = None  # render's char offsets: informational, unused by vLLM too
-    # Multimodal input, not served here: refused unless null (gateway/unserved_fields.py).
+    # Multimodal input, images only: gateway/multimodal.py, gateway/mm_features.py.
     features: Optional[JsonObject] = None
     content_parts: Optional[list[JsonObject]] = None
     # Filled in by vLLM's /render from the chat request (reasoning_ended is true when

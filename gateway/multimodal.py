@@ -7,6 +7,8 @@ images in prompt order.  The gateway loads each image (data:, file: under
 for the model (common/multimodal) and attaches it to the wire request as a
 ``MultiModalItem`` over its run of placeholders; the worker only encodes.
 
+``features`` (pre-processed tensors, vLLM's wire form) is served too: gateway/mm_features.py.
+
 Only ``image_url`` parts are served; other modalities are refused by name.  A part's URL
 is read where vLLM reads it (``{"type": "image_url", "url": ...}``) or in the OpenAI chat
 shape (``{"type": "image_url", "image_url": {"url": ...}}``).
@@ -21,6 +23,7 @@ import numpy as np
 from common.errors import BadRequest
 from common.multimodal import MediaError, load_image, mm_hash, num_placeholder_tokens, preprocess_image
 from common.protocol import MultiModalItem
+from gateway.mm_features import feature_items
 
 PARAM = "content_parts"
 NO_IMAGE_MODEL = ("`content_parts` is not supported by this server. Reason: this model does not take image input "
@@ -101,6 +104,13 @@ async def attach_images(mapped, spec, settings, processed: Optional[list] = None
     """Resolve ``mapped.http.content_parts`` into ``mapped.wire.mm_items`` (400 on anything wrong).
     ``processed``: the images already loaded and preprocessed, in order (chat rendering did it)."""
     parts = mapped.http.content_parts
+    if mapped.http.features is not None:
+        if parts:
+            raise BadRequest("content_parts and features are mutually exclusive", PARAM)
+        if spec is None:
+            raise BadRequest(NO_IMAGE_MODEL.replace("`content_parts`", "`features`"), "features")
+        _set_items(mapped, feature_items(mapped.http, mapped.wire.prompt_token_ids, spec))
+        return
     if not parts:
         return
     for i, part in enumerate(parts):

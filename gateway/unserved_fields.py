@@ -21,12 +21,10 @@ from common.errors import BadRequest
 from gateway.http_protocol import HttpGenerateRequest
 
 # field -> values that mean "not used" (vLLM's defaults, and their equivalents)
-REQUEST_FIELDS: dict[str, tuple[Any, ...]] = {
-    "features": (None,),  # pre-processed multimodal tensors (mm_serde); raw images go in content_parts
-}
-# content_parts (raw multimodal input) is served for images: gateway/multimodal.py.
-_HINTS = {"features": " Pre-processed multimodal features are not accepted; send images as content_parts "
-                      "({\"type\": \"image_url\", \"url\": ...})."}
+REQUEST_FIELDS: dict[str, tuple[Any, ...]] = {}
+# content_parts (raw multimodal input) and features (pre-processed tensors) are served for
+# images: gateway/multimodal.py, gateway/mm_features.py.
+_HINTS: dict[str, str] = {}
 SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "watermarking": (None, False),
     "prompt_logprob_start": (None, 0),  # 0: the first row, vLLM's default
