@@ -1,0 +1,269 @@
+"""Image-input throughput: our stack vs Hugging Face ``generate`` on the same tiny Qwen2-VL.
+
+Requests carry 1-4 images each (sizes 112x112 .. 224x224, distinct per request unless
+``--repeat-images``), ``max_tokens`` 16, ``ignore_eos``, temperature 0.
+
+- ours: ``tokserve serve`` (broker, one worker, gateway given the model folder) on private
+  ipc endpoints; the images go as data-URL ``content_parts`` to ``/inference/v1/generate``
+  (streaming), so the gateway's image decode + preprocessing is part of the measurement.
+- HF: the same model folder loaded with transformers; the same prompts and the same pixel
+  values (preprocessed by our processor, outside the timing).  Concurrency 1: ``generate``
+  per request; concurrency > 1: left-padded batches of that many requests.  TTFT is the time
+  to the first generated token (a streamer records it); HF's batches start together, so a
+  batch's TTFT counts for each of its requests.
+
+Reports images/s (all images of the level / wall time of the level), the ratio ours/HF and
+TTFT p50.  The issue's target (>= 3x HF at concurrency 8) is reported, never asserted.
+
+    python -m benchmarks.mm_throughput                      # ~2 min on the 2-core CPU box
+    python -m benchmarks.mm_throughput --repeat-images      # the same images every request
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from benchmarks.serve import Stack, percentile, run_http
+
+MODEL_VERSION = 1
+IMAGE, VSTART, VEND, VIDEO = 400, 401, 402, 403
+VOCAB, EOS = 512, 511
+SIZES = [(112, 112), (168, 112), (112, 168), (168, 168), (224, 168), (224, 224)]
+PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 224 * 224, "patch_size": 14, "merge_size": 2,
+                "temporal_patch_size": 2}
+TEXT = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=EOS, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]})
+VISION = dict(depth=4, embed_dim=128, hidden_size=256, mlp_ratio=2, num_heads=4, in_channels=3, patch_size=14,
+              spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
+
+
+# ----------------------------------------------------------------------------- model
+def build_model(out: Optional[str] = None) -> Path:
+    """A random Qwen2-VL (text 256 x 4 layers, vision depth 4) with a small-pixel preprocessor."""
+    from worker.engine.demo_model import default_cache_dir
+
+    path = Path(out) if out else default_cache_dir() / f"bench-qwen2-vl-tiny-v{MODEL_VERSION}"
+    if (path / "preprocessor_config.json").exists():
+        return path
+    import torch
+    import transformers
+
+    from tests.model_factory import write_tokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2VLConfig(text_config=TEXT, vision_config=dict(VISION), image_token_id=IMAGE,
+                                     video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval().to(torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    write_tokenizer(tmp)  # the gateway's text side wants one; the worker serves tokens only
+    (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    tmp.rename(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- workload
+class Req:
+    def __init__(self, ids: list[int], pngs: list[bytes], pixels: list[np.ndarray], grids: list[list[int]]):
+        self.ids, self.pngs, self.pixels, self.grids = ids, pngs, pixels, grids
+
+
+def _png(seed: int, width: int, height: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    # smooth-ish content: random blocks upsampled, so PNG sizes stay realistic
+    small = rng.integers(0, 256, (height // 8, width // 8, 3), dtype=np.uint8)
+    img = Image.fromarray(small, "RGB").resize((width, height), Image.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_requests(model_dir: Path, num: int, seed: int, repeat_images: bool) -> list[Req]:
+    from PIL import Image
+
+    from common.multimodal.qwen2_vl_processor import Qwen2VLImageConfig, preprocess_image
+
+    cfg = Qwen2VLImageConfig.from_model_dir(model_dir)
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(num):
+        n_img = 1 + i % 4
+        ids = [int(v) for v in rng.integers(3, 300, 8)]
+        pngs, pixels, grids = [], [], []
+        for k in range(n_img):
+            w, h = SIZES[(i + k) % len(SIZES)]
+            img_seed = k if repeat_images else seed * 100_000 + i * 10 + k
+            png = _png(img_seed, w, h)
+            px, grid = preprocess_image(Image.open(io.BytesIO(png)).convert("RGB"), cfg)
+            n = grid[0] * grid[1] * grid[2] // (cfg.merge_size ** 2)
+            ids += [int(v) for v in rng.integers(3, 300, 3)] + [VSTART] + [IMAGE] * n + [VEND]
+            pngs.append(png)
+            pixels.append(np.ascontiguousarray(px, np.float32))
+            grids.append(list(grid))
+        ids += [int(v) for v in rng.integers(3, 300, 6)]
+        reqs.append(Req(ids, pngs, pixels, grids))
+    return reqs
+
+
+def request_body(r: Req, max_tokens: int) -> bytes:
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p).decode()}}
+             for p in r.pngs]
+    return json.dumps({"token_ids": r.ids, "content_parts": parts, "stream": True,
+                       "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}).encode()
+
+
+# ----------------------------------------------------------------------------- ours
+def bench_ours(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Req], args) -> dict[int, dict]:
+    stack = Stack(str(model_dir), 1, args.worker_args, "cpu")
+    out = {}
+    with stack:
+        asyncio.run(run_http(stack.url, [request_body(r, args.max_tokens) for r in warm], 2, "warmup"))
+        for conc, reqs in levels:
+            stats = asyncio.run(run_http(stack.url, [request_body(r, args.max_tokens) for r in reqs], conc, "ours"))
+            errors = [r.error for r in stats.results if r.error]
+            if errors:
+                print(f"ours conc {conc}: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+            images = sum(len(r.pngs) for r in reqs)
+            out[conc] = {"images_s": images / stats.duration, "ttft_p50": percentile([r.ttft for r in stats.ok], 50),
+                         "duration": stats.duration, "errors": len(errors),
+                         "tokens": sum(r.output_tokens for r in stats.ok)}
+    return out
+
+
+# ----------------------------------------------------------------------------- HF
+class _FirstToken:
+    """generate's streamer: first ``put`` is the prompt, the second the first new token."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_inputs(batch: list[Req], pad: int):
+    import torch
+
+    width = max(len(r.ids) for r in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, r in enumerate(batch):  # left padding
+        ids[b, width - len(r.ids):] = torch.tensor(r.ids)
+        mask[b, width - len(r.ids):] = 1
+    pixels = torch.from_numpy(np.concatenate([p for r in batch for p in r.pixels]))
+    grids = torch.tensor([g for r in batch for g in r.grids])
+    return dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
+                mm_token_type_ids=(ids == IMAGE).long())
+
+
+def bench_hf(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Req], args) -> dict[int, dict]:
+    import torch
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(args.hf_threads)
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen_kw = dict(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False,
+                  pad_token_id=0, eos_token_id=None)
+
+    def run(batch: list[Req]) -> tuple[float, float, int]:
+        s = _FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**_hf_inputs(batch, 0), streamer=s, **gen_kw)
+        t1 = time.perf_counter()
+        return (s.first or t1) - t0, t1 - t0, (out.shape[1] - max(len(r.ids) for r in batch)) * len(batch)
+
+    for r in warm[:2]:
+        run([r])
+    out = {}
+    for conc, reqs in levels:
+        ttfts, tokens, start = [], 0, time.perf_counter()
+        for i in range(0, len(reqs), conc):
+            batch = reqs[i:i + conc]
+            ttft, _, n = run(batch)
+            ttfts += [ttft] * len(batch)
+            tokens += n
+        duration = time.perf_counter() - start
+        images = sum(len(r.pngs) for r in reqs)
+        out[conc] = {"images_s": images / duration, "ttft_p50": percentile(ttfts, 50), "duration": duration,
+                     "tokens": tokens}
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model folder: used if it holds preprocessor_config.json, else the tiny random Qwen2-VL is built there (default: under $TOKSERVE_CACHE)")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--requests", default="48,160", help="requests per concurrency level (comma list, same order)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--repeat-images", action="store_true", help="every request reuses the same images")
+    ap.add_argument("--hf-threads", type=int, default=2)
+    ap.add_argument("--worker-args", default="--max-model-len 1024 --max-num-seqs 8 --num-kv-blocks 512 --tokens-only")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    model_dir = build_model(args.model)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    nums = [int(n) for n in args.requests.split(",")]
+    nums += [nums[-1]] * (len(concs) - len(nums))
+    levels = [(c, make_requests(model_dir, n, seed=10 + k, repeat_images=args.repeat_images))
+              for k, (c, n) in enumerate(zip(concs, nums))]
+    warm = make_requests(model_dir, 4, seed=1, repeat_images=False)
+    print(f"model {model_dir}; images/request 1-4, sizes {SIZES[0]}..{SIZES[-1]}, max_tokens {args.max_tokens}, "
+          f"{'repeated' if args.repeat_images else 'distinct'} images", flush=True)
+    t = time.perf_counter()
+    ours = bench_ours(model_dir, levels, warm, args)
+    print(f"ours done in {time.perf_counter() - t:.1f}s", flush=True)
+    hf = {}
+    if not args.skip_hf:
+        t = time.perf_counter()
+        hf = bench_hf(model_dir, levels, warm, args)
+        print(f"HF done in {time.perf_counter() - t:.1f}s", flush=True)
+    print(f"{'conc':>4}  {'reqs':>4}  {'images':>6}  {'ours img/s':>10}  {'HF img/s':>9}  {'ratio':>6}  "
+          f"{'ours TTFT p50':>13}  {'HF TTFT p50':>11}")
+    for (conc, reqs) in levels:
+        o, h = ours[conc], hf.get(conc)
+        images = sum(len(r.pngs) for r in reqs)
+        ratio = f"{o['images_s'] / h['images_s']:.2f}x" if h else "-"
+        print(f"{conc:>4}  {len(reqs):>4}  {images:>6}  {o['images_s']:>10.2f}  "
+              f"{(h['images_s'] if h else float('nan')):>9.2f}  {ratio:>6}  {o['ttft_p50'] * 1e3:>10.0f} ms  "
+              f"{(h['ttft_p50'] * 1e3 if h else float('nan')):>8.0f} ms")
+    if 8 in ours and 8 in hf:
+        r = ours[8]["images_s"] / hf[8]["images_s"]
+        print(f"issue target (>= 3x HF images/s at concurrency 8): {r:.2f}x -> {'met' if r >= 3 else 'NOT met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ours": ours, "hf": hf}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
