@@ -9,7 +9,6 @@ assemblers turn them into OpenAI objects.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -17,18 +16,16 @@ from typing import AsyncIterator, Optional
 import msgspec
 
 from common.client import RequestError
-from common.errors import BadRequest, Overloaded
+from common.errors import BadRequest
 from common.protocol import CompletionDelta
 from common.validation import validate_request
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
 from gateway.http_protocol import HttpGenerateRequest
 from gateway.metrics import RequestTracker
-from gateway.request_mapping import MappedRequest, knows_model, map_request
-from gateway.resources.generate import as_serving_error
+from gateway.request_mapping import MappedRequest, map_request
+from gateway.resources.generate import GenerateResource, as_serving_error, check_encodable, cluster_for
 from gateway.state import GatewayState
 
-log = logging.getLogger("tokserve.gateway")
-_wire_encoder = msgspec.msgpack.Encoder()
 
 
 async def map_rendered(state: GatewayState, req, generate: dict, arrival: float) -> MappedRequest:
@@ -38,20 +35,13 @@ async def map_rendered(state: GatewayState, req, generate: dict, arrival: float)
         http = msgspec.convert(generate, HttpGenerateRequest)
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc)) from None
-    cluster = await state.cluster.get()
-    if cluster.model is None:
-        raise Overloaded("No inference worker is available yet.")
-    if http.model and not knows_model(http.model, cluster, s.served_model_names):
-        cluster = await state.cluster.fresh()
+    cluster = await cluster_for(state, http.model)
     mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                          arrival_time=arrival)
     mapped.wire.request_id = generate["request_id"]
     mapped.wire.output_text = True
     validate_request(mapped.wire, cluster.model, tokens_only=False, stream=mapped.stream)
-    try:
-        _wire_encoder.encode(mapped.wire)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from None
+    check_encodable(mapped.wire)
     return mapped
 
 
@@ -102,14 +92,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self.watcher.stop()
-        if self.watcher.disconnected and self.tracker.reason is None:
-            self.tracker.reason = "abort"
-        self.tracker.finish(error_status)
-        try:
-            await self.deltas.aclose()
-        except Exception:
-            log.debug("closing the delta stream failed", exc_info=True)
+        await GenerateResource.close_relay(self.deltas, self.watcher, self.tracker, error_status)
 
 
 async def start_all(state: GatewayState, req, mapped: list[MappedRequest]) -> list[Generation]:

@@ -35,6 +35,26 @@ def is_json(content_type: Optional[str]) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
+async def cluster_for(state: GatewayState, model: Optional[str]):
+    """The cluster view a request is mapped against (503 while no worker has registered)."""
+    cluster = await state.cluster.get()
+    if cluster.model is None:
+        raise Overloaded("No inference worker is available yet.")
+    if model and not knows_model(model, cluster, state.settings.served_model_names):
+        # An adapter loaded through another gateway a moment ago: ask the broker
+        # before answering 404.
+        cluster = await state.cluster.fresh()
+    return cluster
+
+
+def check_encodable(wire) -> None:
+    """Ints beyond 64 bits and the like cannot travel; vLLM answers 400 for these too."""
+    try:
+        _wire_encoder.encode(wire)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ServingError(str(exc), status=400, type="BadRequestError") from None
+
+
 class GenerateResource:
     def __init__(self, state: GatewayState):
         self.state = state
@@ -50,23 +70,14 @@ class GenerateResource:
             http = generate_request_decoder.decode(body)
         except msgspec.MsgspecError as exc:
             raise bad_request_from_decode_error(exc) from None
-        cluster = await self.state.cluster.get()
-        if cluster.model is None:
-            raise Overloaded("No inference worker is available yet.")
-        if http.model and not knows_model(http.model, cluster, s.served_model_names):
-            # An adapter loaded through another gateway a moment ago: ask the broker
-            # before answering 404.
-            cluster = await self.state.cluster.fresh()
+        cluster = await cluster_for(self.state, http.model)
         mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                              arrival_time=arrival)
         validate_request(mapped.wire, cluster.model, tokens_only=s.tokens_only, stream=mapped.stream)
         await attach_images(mapped, self.state.image, s)  # after the cheap checks
         if s.tokens_only:
             mapped.wire.params.detokenize = False  # after validation, as vLLM's --tokens-only does
-        try:  # ints beyond 64 bits and the like cannot travel; vLLM answers 400 for these too
-            _wire_encoder.encode(mapped.wire)
-        except (OverflowError, TypeError, ValueError) as exc:
-            raise ServingError(str(exc), status=400, type="BadRequestError") from None
+        check_encodable(mapped.wire)
 
         tracker = self.state.metrics.tracker(mapped.model_name, len(http.token_ids), arrival)
         deltas = self.state.client.generate(mapped.wire)
@@ -90,21 +101,21 @@ class GenerateResource:
             resp.content_type = falcon.MEDIA_JSON
             resp.data = await self._collect(mapped, deltas, first, tracker, details)
         except RequestError as exc:
-            await self._close(deltas, watcher, tracker, exc.status)
+            await self.close_relay(deltas, watcher, tracker, exc.status)
             raise as_serving_error(exc) from None
         except asyncio.CancelledError:
-            await self._close(deltas, watcher, tracker, 499)
+            await self.close_relay(deltas, watcher, tracker, 499)
             if watcher.cancelled_relay:
                 return  # the client is gone; nobody reads an answer
             raise
         except BaseException as exc:
             status = exc.status if isinstance(exc, ServingError) else 500
-            await self._close(deltas, watcher, tracker, status)
+            await self.close_relay(deltas, watcher, tracker, status)
             raise
-        await self._close(deltas, watcher, tracker)
+        await self.close_relay(deltas, watcher, tracker)
 
     @staticmethod
-    async def _close(deltas, watcher: DisconnectWatcher, tracker: RequestTracker,
+    async def close_relay(deltas, watcher: DisconnectWatcher, tracker: RequestTracker,
                      error_status: Optional[int] = None) -> None:
         watcher.stop()
         if watcher.disconnected and tracker.reason is None:
@@ -162,5 +173,5 @@ class GenerateResource:
             error_status = 500
             yield sse_event(serving_error_json(ServingError(f"Internal server error: {type(exc).__name__}")))
         finally:
-            await self._close(deltas, watcher, tracker, error_status)
+            await self.close_relay(deltas, watcher, tracker, error_status)
         yield SSE_DONE
