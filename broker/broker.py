@@ -232,6 +232,8 @@ class Broker:
     # ------------------------------------------------------------ P/D legs
     def _plan_legs(self, entry: Entry, req: GenerateRequest) -> None:
         """Broker-native P/D: a prefill leg first when prefill and decode workers are up."""
+        if not self.workers.num_prefill:  # the common pool: nothing to plan
+            return
         live = self.workers.dispatchable()
         roles = {w.role for w in live}
         if "prefill" not in roles:

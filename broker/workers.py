@@ -57,6 +57,7 @@ class WorkerRegistry:
         self._per_slot = inflight_per_seq_slot
         self.last_model: Optional[ModelInfo] = None  # survives worker loss: /v1/models keeps working
         self.last_alive = time.monotonic()  # when a worker was last known alive
+        self.num_prefill = 0  # registered --role prefill workers: P/D planning only runs with one
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -80,13 +81,16 @@ class WorkerRegistry:
         return len(worker.requests) < limit
 
     def add(self, worker: Worker) -> None:
+        if worker.role == "prefill" and worker.identity not in self._by_identity:
+            self.num_prefill += 1
         self._by_identity[worker.identity] = worker
         self._by_rank[worker.rank] = worker
         self.last_model = worker.model
         self.last_alive = time.monotonic()
 
     def remove(self, worker: Worker) -> None:
-        self._by_identity.pop(worker.identity, None)
+        if self._by_identity.pop(worker.identity, None) is not None and worker.role == "prefill":
+            self.num_prefill -= 1
         if self._by_rank.get(worker.rank) is worker:
             del self._by_rank[worker.rank]
         self.last_alive = time.monotonic()
