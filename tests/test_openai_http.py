@@ -406,3 +406,20 @@ def test_derender_parallel_tool_calls(stack, hf_tokenizer, parallel, want):
     assert [c["function"]["name"] for c in msg["tool_calls"]] == want and msg["reasoning"] is None
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     assert len({c["id"] for c in msg["tool_calls"]}) == len(want)
+
+
+def test_facade_returns_prompt_logprobs(stack):
+    """Non-stream chat and completions carry vLLM's prompt_logprobs ([null, {id: {logprob, rank,
+    decoded_token}}, ...]) when asked for, one entry per prompt token."""
+    _, _, _, plain = stack
+    chat = httpx.post(plain.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    plp = chat["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat["usage"]["prompt_tokens"]
+    assert all(1 <= len(entry) <= 2 and all("logprob" in v for v in entry.values()) for entry in plp[1:])
+    comp = httpx.post(plain.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hello there", "max_tokens": 2, "prompt_logprobs": 0}).json()
+    cplp = comp["choices"][0]["prompt_logprobs"]
+    assert cplp[0] is None and len(cplp) == comp["usage"]["prompt_tokens"] and all(len(e) == 1 for e in cplp[1:])
+    assert httpx.post(plain.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hi", "max_tokens": 2}).json()["choices"][0]["prompt_logprobs"] is None

@@ -48,11 +48,15 @@ class ChatCollector:
         self.finish: list[Optional[str]] = [None] * n
         self.stop: list = [None] * n
         self.num_prompt_tokens = len(rendered.token_ids)
+        self.prompt_logprobs = None
 
     def add(self, delta: CompletionDelta) -> None:
         i = delta.index
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = logprobs_format.prompt_logprobs(
+                delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
         self.ids[i].extend(delta.token_ids)
         if delta.text:
             self.texts[i].append(delta.text)
@@ -79,6 +83,7 @@ class ChatCollector:
             id=self.rendered.generate["request_id"], created=now(), model=model, choices=choices,
             usage=UsageInfo(prompt_tokens=self.num_prompt_tokens, total_tokens=self.num_prompt_tokens + completion,
                             completion_tokens=completion),
+            prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.rendered.token_ids if self.view.return_token_ids else None,
             prompt_text=self.rendered.prompt_text if self.view.return_prompt_text else None,
             kv_transfer_params=kv_transfer_params, metrics=metrics)

@@ -65,10 +65,14 @@ class _Prompt:
         self.tokenizer = tokenizer
         self.view = view
         self.num_tokens = len(rendered.token_ids)
+        self.prompt_logprobs = None  # vLLM's per-choice prompt_logprobs ([None, {id: Logprob}, ...])
 
     def observe_first(self, delta: CompletionDelta) -> None:
         if delta.num_prompt_tokens:
             self.num_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = logprobs_format.prompt_logprobs(
+                delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
         if self.entries is None and self.view.echo and self.view.top_logprobs is not None:
             first = self.tokenizer.decode(self.rendered.token_ids[:1], skip_special_tokens=False)
             self.entries = [first] + output_entries(delta.prompt_logprobs, self.view.top_logprobs)
@@ -106,6 +110,7 @@ async def collect_completion(runs: list[Generation], view: ResponseView, rendere
             logprobs=completion_logprobs(lp_entries) if view.top_logprobs is not None else None,
             finish_reason=finish[i] or "stop", stop_reason=stop[i],
             token_ids=ids[i] if view.return_token_ids else None,
+            prompt_logprobs=prompt.prompt_logprobs,
             prompt_token_ids=prompt.rendered.token_ids if view.return_token_ids else None))
     num_prompt = sum(p.num_tokens for p in prompts)
     completion = sum(len(x) for x in ids)
