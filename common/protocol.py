@@ -83,8 +83,13 @@ class MultiModalItem(msgspec.Struct, **_STRUCT):
     offset: int
     length: int
     grid_thw: list[int]  # [t, h, w] patches
-    pixel_values: bytes  # float32, C order, shape ``shape`` ([t*h*w, C*T*P*P])
+    pixel_values: bytes  # C order, shape ``shape``, laid out as ``encoding`` says
     shape: list[int]
+    # "uint8_hwc": the resized RGB image ``[h*P, w*P, 3]`` uint8; the worker rescales,
+    # normalises and patchifies it with its model's preprocessor config (an eighth of the
+    # float patches' bytes on every hop).  "float32": the patches ``[t*h*w, C*T*P*P]``
+    # as HF's processor returns them (pre-processed ``features``).
+    encoding: str = "float32"
 
 
 class GenerateRequest(msgspec.Struct, **_STRUCT):

@@ -3,9 +3,10 @@
 As in vLLM 0.32, ``token_ids`` already hold each image's placeholder tokens (a run of the
 model's image token, e.g. Qwen2-VL's ``<|image_pad|>``) and ``content_parts`` lists the
 images in prompt order.  The gateway loads each image (data:, file: under
-``--allowed-local-media-path``, http(s) with ``--allow-remote-media``), preprocesses it
-for the model (common/multimodal) and attaches it to the wire request as a
-``MultiModalItem`` over its run of placeholders; the worker only encodes.
+``--allowed-local-media-path``, http(s) with ``--allow-remote-media``), resizes it as the
+model's processor does (common/multimodal) and attaches the resized uint8 image to the wire
+request as a ``MultiModalItem`` over its run of placeholders; the worker normalises,
+patchifies and encodes it.
 
 ``features`` (pre-processed tensors, vLLM's wire form) is served too: gateway/mm_features.py.
 
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from common.errors import BadRequest
-from common.multimodal import MediaError, load_image, mm_hash, num_placeholder_tokens, preprocess_image
+from common.multimodal import MediaError, check_patchable, load_image, mm_hash, num_placeholder_tokens, resize_image
 from common.protocol import MultiModalItem
 from gateway.mm_features import feature_items
 
@@ -67,28 +68,31 @@ def placeholder_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
 
 
 def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool, where: str = PARAM):
+    """Each URL's image resized for the model: ``[(uint8 [H, W, 3], grid_thw)]``."""
     out = []
     for i, url in enumerate(urls):
         try:
             image = load_image(url, allowed_local_media_path=allowed, allow_remote=allow_remote)
-        except MediaError as exc:
+            resized = resize_image(image, spec.processor)
+            grid = check_patchable(resized.shape[0], resized.shape[1], spec.processor)
+        except (MediaError, ValueError) as exc:
             raise BadRequest(f"{where}[{i}]: {exc}", f"{where}[{i}]") from None
-        out.append(preprocess_image(image, spec.processor))
+        out.append((resized, grid))
     return out
 
 
 def _items(runs, processed, spec) -> list[MultiModalItem]:
     items = []
-    for i, ((offset, length), (pixels, grid)) in enumerate(zip(runs, processed)):
+    for i, ((offset, length), (image, grid)) in enumerate(zip(runs, processed)):
         need = num_placeholder_tokens(grid, spec.merge_size)
         if length != need:
             raise BadRequest(
                 f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
                 f"its grid {list(grid)} needs {need}.", PARAM)
-        pixels = np.ascontiguousarray(pixels, dtype="<f4")
-        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(pixels, grid, model_id=spec.model_id),
+        image = np.ascontiguousarray(image, dtype=np.uint8)
+        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(image, grid, model_id=spec.model_id),
                                     offset=offset, length=length, grid_thw=[int(v) for v in grid],
-                                    pixel_values=pixels.tobytes(), shape=list(pixels.shape)))
+                                    pixel_values=image.tobytes(), shape=list(image.shape), encoding="uint8_hwc"))
     return items
 
 
@@ -154,7 +158,7 @@ def chat_image_urls(messages: Any) -> list[str]:
 
 
 async def load_chat_images(messages: Any, spec, settings) -> Optional[list]:
-    """The chat messages' images loaded and preprocessed off the event loop (400 on a
+    """The chat messages' images loaded and resized off the event loop (400 on a
     media error); None when the model takes no images or there are none."""
     if spec is None:
         return None

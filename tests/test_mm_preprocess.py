@@ -23,7 +23,9 @@ from common.multimodal import (
     load_image,
     mm_hash,
     num_placeholder_tokens,
+    patchify,
     preprocess_image,
+    resize_image,
     smart_resize,
 )
 
@@ -189,6 +191,23 @@ def test_num_placeholder_tokens():
     assert num_placeholder_tokens(grid) * 4 == pv.shape[0]
 
 
+@pytest.mark.parametrize("size", [(100, 37), (640, 480), (56, 56)])
+def test_resized_uint8_then_patchify_is_the_processor(size):
+    """The gateway sends ``resize_image``'s uint8 image; the worker's torch patchify and
+    common's numpy patchify give the processor's float32 patches bit for bit."""
+    torch = pytest.importorskip("torch")
+    from worker.engine.multimodal import patches_from_image
+
+    cfg = Qwen2VLImageConfig(max_pixels=448 * 448)
+    img = _rand_image(*size)
+    resized = resize_image(img, cfg)
+    assert resized.dtype == np.uint8 and resized.shape[2] == 3
+    pv, grid = preprocess_image(img, cfg)
+    pv2, grid2 = patchify(resized, cfg)
+    assert grid == grid2 and np.array_equal(pv, pv2)
+    assert np.array_equal(patches_from_image(torch.from_numpy(resized.copy()), cfg).numpy(), pv)
+
+
 # ------------------------------------------------------------------ hashing
 
 
@@ -204,6 +223,9 @@ def test_mm_hash_stable_and_sensitive():
     pv2[0, 0] += 1e-3
     assert h != mm_hash(pv2, grid, model_id="m")
     assert h != mm_hash(pv.reshape(-1, 588), grid, model_id="m")
+    raw = resize_image(_rand_image(60, 80))  # uint8 images hash as uint8, not as floats
+    assert mm_hash(raw, grid) != mm_hash(raw.astype(np.float32), grid)
+    assert mm_hash(raw, grid) == mm_hash(raw.copy(), grid)
 
 
 # ------------------------------------------------------------------- media

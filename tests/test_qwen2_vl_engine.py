@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from common.errors import BadRequest  # noqa: E402
-from common.multimodal import Qwen2VLImageConfig, mm_hash, preprocess_image  # noqa: E402
+from common.multimodal import Qwen2VLImageConfig, mm_hash, preprocess_image, resize_image  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine  # noqa: E402
 from tests.vl_factory import hf_qwen2_vl  # noqa: E402
@@ -72,6 +72,20 @@ def _image(seed: int, width: int, height: int):
     img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
     pixels, grid = preprocess_image(img, Qwen2VLImageConfig())
     return pixels, grid
+
+
+def _as_uint8(items, names):
+    """The same items carried as resized uint8 images (what the gateway sends)."""
+    out = []
+    for it, name in zip(items, names):
+        seed, w, h = IMAGES[name]
+        rng = np.random.default_rng(seed)
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+        raw = np.ascontiguousarray(resize_image(img, Qwen2VLImageConfig()))
+        out.append(MultiModalItem(modality="image", mm_hash=mm_hash(raw, it.grid_thw), offset=it.offset,
+                                  length=it.length, grid_thw=it.grid_thw, pixel_values=raw.tobytes(),
+                                  shape=list(raw.shape), encoding="uint8_hwc"))
+    return out
 
 
 def _prompt(images, seed: int = 0, before: int = 5, between: int = 4, after: int = 6):
@@ -196,6 +210,27 @@ def test_encoder_cache_and_chunked_prefill(qwen2vl):
     assert chunked.runner.encoder_cache.num_encoded == 2  # encoded once, sliced per chunk
 
 
+def test_uint8_images_encoded_together(qwen2vl):
+    """Resized uint8 images (the gateway's encoding) give HF's outputs, and a step's new
+    images go through the vision tower in one call."""
+    path, model = qwen2vl
+    ids1, items1 = _prompt([_img("a"), _img("b")], seed=9)
+    ids2, items2 = _prompt([_img("c")], seed=10)
+    exp1 = _hf_greedy(model, ids1, [_img("a"), _img("b")])
+    exp2 = _hf_greedy(model, ids2, [_img("c")])
+    engine = _engine(path, enable_prefix_caching=False)
+    cache = engine.runner.encoder_cache
+    out = engine.generate([_req("u1", ids1, _as_uint8(items1, "ab"), logprobs=20),
+                           _req("u2", ids2, _as_uint8(items2, "c"), logprobs=20)])
+    _check(out["u1"][0], *exp1)
+    _check(out["u2"][0], *exp2)
+    assert (cache.num_encoded, cache.num_encode_calls) == (3, 1)
+    # the float32 patches of the same images: same embeddings, so the same outputs
+    out = engine.generate([_req("f1", ids1, items1, logprobs=20)])
+    _check(out["f1"][0], *exp1)
+    assert cache.num_encode_calls == 2
+
+
 def test_old_checkpoint_naming(qwen2vl, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -269,6 +304,11 @@ def test_validation_errors(qwen2vl, tmp_path):
     bad("length 5 != t\\*h\\*w/4", length=5, ids=ids[:it.offset] + [IMAGE] * 5 + ids[it.offset + 6:])
     bad("holds .* bytes", pixel_values=it.pixel_values[:-4])
     bad("shape", shape=[it.shape[0] + 1, it.shape[1]])
+    bad("unknown pixel encoding 'png'", encoding="png")
+    u8 = _as_uint8([it], "a")[0]
+    bad("expected \\[84, 56, 3\\] for uint8_hwc", shape=[84, 55, 3], encoding="uint8_hwc",
+        pixel_values=u8.pixel_values)
+    bad("holds .* bytes", shape=u8.shape, encoding="uint8_hwc", pixel_values=u8.pixel_values[:-3])
     with pytest.raises(BadRequest, match="overlaps"):
         engine.add_request(_req("bad", ids, [it, MultiModalItem(**{**{f: getattr(it, f) for f in
                                                                         it.__struct_fields__},

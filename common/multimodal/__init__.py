@@ -15,9 +15,12 @@ from common.multimodal.media import (
 )
 from common.multimodal.qwen2_vl_processor import (
     Qwen2VLImageConfig,
+    check_patchable,
     grid_thw_for_size,
     num_placeholder_tokens,
+    patchify,
     preprocess_image,
+    resize_image,
     smart_resize,
 )
 
@@ -31,6 +34,9 @@ __all__ = [
     "load_image",
     "mm_hash",
     "num_placeholder_tokens",
+    "patchify",
     "preprocess_image",
+    "resize_image",
+    "check_patchable",
     "smart_resize",
 ]

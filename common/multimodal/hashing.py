@@ -6,12 +6,11 @@ image-bearing prompts hash differently from text-only ones.
 What is hashed (and how it differs from vLLM): vLLM 0.32
 (``vllm/multimodal/hasher.py``) hashes the *unprocessed* item -- the original
 encoded bytes (or PIL mode+pixels) plus the model id and the mm processor
-kwargs -- with blake3 by default.  We hash the *processed* tensor instead:
-``pixel_values`` already encodes every processor setting (resize bounds,
-mean/std, patch sizes), so no kwargs can be forgotten, and two encodings of
-the same pixels (PNG vs. re-saved PNG) share a key.  It costs one pass over
-the tensor (~1 ms per megapixel), and the gateway and workers compute the same
-value from the shared preprocessing.  The digest is *not* interchangeable with
+kwargs -- with blake3 by default.  We hash what the worker receives: the
+resized uint8 image (its size is fixed by the resize bounds; mean/std and patch
+sizes are the model's, which ``model_id`` covers) or, for pre-processed
+``features``, the float pixel values; so no kwargs can be forgotten, and two
+encodings of the same pixels (PNG vs. re-saved PNG) share a key.  The digest is *not* interchangeable with
 vLLM's mm_hash values; nothing on the wire depends on them being equal.
 
 Framing follows vLLM's idea: every chunk is length-prefixed so distinct
@@ -26,7 +25,7 @@ import numpy as np
 
 __all__ = ["mm_hash"]
 
-_DOMAIN = b"tokserve-mm-v1"
+_DOMAIN = b"tokserve-mm-v2"
 
 
 def _framed(h: "hashlib._Hash", chunk: bytes) -> None:
@@ -41,18 +40,21 @@ def mm_hash(
     model_id: str = "",
     extra: str | bytes | None = None,
 ) -> str:
-    """blake2b-256 hex digest of (model_id, grid_thw, shape, float32 LE bytes, extra).
+    """blake2b-256 hex digest of (model_id, grid_thw, dtype, shape, bytes, extra).
 
     ``model_id`` keeps two models' caches apart (same tensor, different tower);
     ``extra`` is for anything else that changes the encoder output (e.g. a
-    LoRA name).  The tensor is canonicalised to contiguous little-endian
-    float32, so the digest is the same on every host.
+    LoRA name).  uint8 arrays (resized images) are hashed as they are; any other
+    dtype is canonicalised to contiguous little-endian float32, so the digest is
+    the same on every host.
     """
-    arr = np.ascontiguousarray(pixel_values, dtype="<f4")
+    dtype = np.uint8 if np.asarray(pixel_values).dtype == np.uint8 else np.dtype("<f4")
+    arr = np.ascontiguousarray(pixel_values, dtype=dtype)
     h = hashlib.blake2b(digest_size=32)
     _framed(h, _DOMAIN)
     _framed(h, model_id.encode("utf-8"))
     _framed(h, ",".join(str(int(v)) for v in grid_thw).encode())
+    _framed(h, arr.dtype.str.encode())
     _framed(h, ",".join(str(int(v)) for v in arr.shape).encode())
     _framed(h, arr.tobytes())
     if extra is None:

@@ -34,9 +34,12 @@ __all__ = [
     "OPENAI_CLIP_MEAN",
     "OPENAI_CLIP_STD",
     "Qwen2VLImageConfig",
+    "check_patchable",
     "grid_thw_for_size",
     "num_placeholder_tokens",
+    "patchify",
     "preprocess_image",
+    "resize_image",
     "smart_resize",
 ]
 
@@ -176,10 +179,12 @@ def _to_rgb_hf(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def preprocess_image(
-    image: Image.Image, config: Qwen2VLImageConfig | None = None
-) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """One PIL image -> ``(pixel_values float32 (N, C*T*P*P), grid_thw)``."""
+def resize_image(image: Image.Image, config: Qwen2VLImageConfig | None = None) -> np.ndarray:
+    """Steps 1-2: the RGB image at its ``smart_resize`` size, ``[H, W, 3]`` uint8.
+
+    This is what travels to the workers (``MultiModalItem`` encoding ``uint8_hwc``): an
+    eighth of the float32 patches' bytes (a quarter for the dtype, a half for the
+    repeated temporal frame); the worker finishes with ``patchify``'s arithmetic."""
     cfg = config or Qwen2VLImageConfig()
     image = _to_rgb_hf(image)
     if cfg.do_resize:
@@ -188,6 +193,21 @@ def preprocess_image(
         )
         # PIL takes (width, height); a same-size resize is an exact copy in PIL.
         image = image.resize((rw, rh), resample=cfg.resample)
+    return np.asarray(image)
+
+
+def check_patchable(height: int, width: int, config: Qwen2VLImageConfig) -> tuple[int, int, int]:
+    """``grid_thw`` of a resized ``height x width`` image (ValueError when the sides are
+    not multiples of ``patch_size * merge_size``)."""
+    f = config.factor
+    if height <= 0 or width <= 0 or height % f or width % f:
+        raise ValueError(f"image size {height}x{width} is not a multiple of patch_size*merge_size={f}")
+    return 1, height // config.patch_size, width // config.patch_size
+
+
+def patchify(image: np.ndarray, config: Qwen2VLImageConfig | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Steps 3-5 on a resized ``[H, W, 3]`` uint8 image -> ``(pixel_values, grid_thw)``."""
+    cfg = config or Qwen2VLImageConfig()
     x = np.asarray(image).transpose(2, 0, 1)  # HWC uint8 -> CHW
     if cfg.do_rescale:
         # HF upcasts to float64 before scaling, then downcasts to float32.
@@ -201,10 +221,8 @@ def preprocess_image(
     x = np.asarray(x, dtype=np.float32)
 
     c, height, width = x.shape
+    _, gh, gw = check_patchable(height, width, cfg)
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    if height % (p * m) or width % (p * m):
-        raise ValueError(f"image size {height}x{width} is not a multiple of patch_size*merge_size={p * m}")
-    gh, gw = height // p, width // p
     patches = x.reshape(c, gh // m, m, p, gw // m, m, p)
     # -> (gh/m, gw/m, mh, mw, C, ph, pw): merge-window-major, HF's order.
     patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)
@@ -212,3 +230,11 @@ def preprocess_image(
     patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], tp, p, p))
     pixel_values = np.ascontiguousarray(patches.reshape(gh * gw, c * tp * p * p), dtype=np.float32)
     return pixel_values, (1, gh, gw)
+
+
+def preprocess_image(
+    image: Image.Image, config: Qwen2VLImageConfig | None = None
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One PIL image -> ``(pixel_values float32 (N, C*T*P*P), grid_thw)`` (HF's output)."""
+    cfg = config or Qwen2VLImageConfig()
+    return patchify(resize_image(image, cfg), cfg)

@@ -43,7 +43,7 @@ class RenderedPrompt:
 class RenderedChat(RenderedPrompt):
     parsing: ChatParsing = field(default_factory=ChatParsing)
     last_message_text: str = ""  # echo: the content of a final assistant message
-    images: Optional[list] = None  # the messages' images, preprocessed ((pixels, grid)), in prompt order
+    images: Optional[list] = None  # the messages' images, resized ((uint8 [H, W, 3], grid)), in prompt order
 
 
 def base_request_id(header_id: Optional[str], body_id: Optional[str]) -> str:
@@ -124,7 +124,7 @@ class Renderer:
 
     def chat(self, request: ChatCompletionRequest, max_model_len: int, base_id: str,
              images: Optional[list] = None) -> RenderedChat:
-        """``images``: the messages' images loaded and preprocessed (``load_chat_images``),
+        """``images``: the messages' images loaded and resized (``load_chat_images``),
         for a model that takes images."""
         sampling.refuse_unserved(request)
         sampling.check_chat(request)

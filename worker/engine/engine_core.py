@@ -26,7 +26,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig, generation_defaults
 from worker.engine.model_runner import ModelRunner
-from worker.engine.multimodal import EncoderCache, check_mm_items
+from worker.engine.multimodal import EncoderCache, check_mm_items, image_config_for
 from worker.engine.model_setup import build_model
 from worker.engine.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
@@ -107,7 +107,8 @@ class EngineCore(RLControl):
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
         self.runner.tp_leader = self.tp_leader
         if mc.is_multimodal:
-            self.runner.encoder_cache = EncoderCache(self.model, device)
+            self.runner.encoder_cache = EncoderCache(self.model, device,
+                                                     image_config=image_config_for(config.model, mc.vision_config))
         self.lora = self._start_lora(config, device)
         self.runner.lora = self.lora
         self.spec = self._start_speculation(config, mc, device, max_model_len)

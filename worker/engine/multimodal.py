@@ -17,7 +17,9 @@ routing keys (a routing miss, nothing worse).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -26,12 +28,18 @@ import numpy as np
 import torch
 
 from common.errors import BadRequest
+from common.multimodal import Qwen2VLImageConfig
 from common.protocol import GenerateRequest, MultiModalItem
 from worker.engine.models.mrope import mrope_positions
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ENCODER_CACHE_TOKENS = 16384  # image embeddings kept (rows of hidden size)
+# Patches per vision-tower call: a step's new images are encoded together (one set of
+# GEMMs for all of them) in groups of at most this many patches, which bounds the
+# tower's activation memory.
+MAX_ENCODE_PATCHES = 32768
+FLOAT32, UINT8_HWC = "float32", "uint8_hwc"
 
 
 @dataclass
@@ -92,12 +100,21 @@ def check_mm_items(req: GenerateRequest, mc: Any) -> Optional[MultiModalState]:
         if it.length != t * h * w // (merge * merge):
             raise BadRequest(f"{where}: length {it.length} != t*h*w/{merge * merge} = "
                              f"{t * h * w // (merge * merge)} for grid_thw {[t, h, w]}", "mm_items")
-        if list(it.shape) != [t * h * w, patch_dim]:
+        if it.encoding == UINT8_HWC:
+            expected, itemsize = [h * patch, w * patch, channels], 1
+            if t != 1:
+                raise BadRequest(f"{where}: a uint8_hwc image has one frame, grid_thw {[t, h, w]} has {t}",
+                                 "mm_items")
+        elif it.encoding == FLOAT32:
+            expected, itemsize = [t * h * w, patch_dim], 4
+        else:
+            raise BadRequest(f"{where}: unknown pixel encoding {it.encoding!r} (float32 or uint8_hwc)", "mm_items")
+        if list(it.shape) != expected:
             raise BadRequest(f"{where}: pixel_values shape {list(it.shape)} does not match grid_thw "
-                             f"{[t, h, w]} (expected {[t * h * w, patch_dim]})", "mm_items")
-        if len(it.pixel_values) != t * h * w * patch_dim * 4:
+                             f"{[t, h, w]} (expected {expected} for {it.encoding})", "mm_items")
+        if len(it.pixel_values) != math.prod(expected) * itemsize:
             raise BadRequest(f"{where}: pixel_values holds {len(it.pixel_values)} bytes, shape {list(it.shape)} "
-                             f"needs {t * h * w * patch_dim * 4} (float32)", "mm_items")
+                             f"needs {math.prod(expected) * itemsize} ({it.encoding})", "mm_items")
     # Every run of image tokens must be exactly the items' ranges (M-RoPE splits runs by them).
     covered = np.zeros(n, dtype=bool)
     for it in ordered:
@@ -122,36 +139,107 @@ def block_mm_hashes(state: Optional[MultiModalState], start: int, end: int) -> t
     return tuple(it.mm_hash for it in state.items if it.offset < end and it.offset + it.length > start)
 
 
+def image_config_for(model_dir: Optional[str], vision_config: dict) -> Qwen2VLImageConfig:
+    """The model's preprocessor config (rescale, mean/std) with the tower's patch geometry."""
+    cfg = Qwen2VLImageConfig.from_model_dir(model_dir) if model_dir else Qwen2VLImageConfig()
+    return dataclasses.replace(
+        cfg, patch_size=int(vision_config.get("patch_size", vision_config.get("spatial_patch_size", cfg.patch_size))),
+        merge_size=int(vision_config.get("spatial_merge_size", cfg.merge_size)),
+        temporal_patch_size=int(vision_config.get("temporal_patch_size", cfg.temporal_patch_size)))
+
+
+def patches_from_image(image: torch.Tensor, cfg: Qwen2VLImageConfig) -> torch.Tensor:
+    """``[H, W, C]`` uint8 (resized) -> ``[h*w, C*T*P*P]`` float32 patches, on the image's
+    device, equal to ``common.multimodal.patchify`` (same operations in the same order)."""
+    x = image.permute(2, 0, 1)
+    if cfg.do_rescale:
+        x = (x.double() * cfg.rescale_factor).float()  # HF's float64 rescale, then float32
+    x = x.float()
+    if cfg.do_normalize:
+        mean = torch.tensor(cfg.image_mean, dtype=torch.float32, device=x.device)[:, None, None]
+        std = torch.tensor(cfg.image_std, dtype=torch.float32, device=x.device)[:, None, None]
+        x = (x - mean) / std
+    c, height, width = x.shape
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    gh, gw = height // p, width // p
+    x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    x = x[:, :, :, :, :, None].expand(*x.shape[:5], tp, p, p)
+    return x.reshape(gh * gw, c * tp * p * p)
+
+
 class EncoderCache:
     """Image embeddings by mm_hash, least recently used evicted past ``max_tokens``
     rows (an entry larger than that is still returned, just not kept)."""
 
-    def __init__(self, model: Any, device: torch.device, max_tokens: int = DEFAULT_ENCODER_CACHE_TOKENS):
+    def __init__(self, model: Any, device: torch.device, max_tokens: int = DEFAULT_ENCODER_CACHE_TOKENS,
+                 image_config: Optional[Qwen2VLImageConfig] = None):
         self.model = model
         self.device = device
         self.max_tokens = max_tokens
+        self.image_config = image_config or Qwen2VLImageConfig()
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._tokens = 0
         self.num_encoded = 0  # images run through the vision tower (tests, metrics)
+        self.num_encode_calls = 0  # vision-tower calls (a step's new images share one)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, item: MultiModalItem) -> torch.Tensor:
-        emb = self._entries.get(item.mm_hash)
-        if emb is not None and emb.shape[0] == item.length:
-            self._entries.move_to_end(item.mm_hash)
-            return emb
-        pixels = torch.from_numpy(np.frombuffer(item.pixel_values, dtype="<f4").reshape(list(item.shape)).astype(np.float32))
-        grid = torch.tensor([list(item.grid_thw)], dtype=torch.long)
-        emb = self.model.encode_image(pixels.to(self.device), grid)
-        self.num_encoded += 1
-        if emb.shape[0] != item.length:  # validated at admission; a mismatched tower config lands here
-            raise RuntimeError(f"vision tower returned {emb.shape[0]} embeddings for an item of length {item.length}")
-        old = self._entries.pop(item.mm_hash, None)
+        return self.fetch([item])[item.mm_hash]
+
+    def fetch(self, items: Sequence[MultiModalItem]) -> dict[str, torch.Tensor]:
+        """Embeddings of ``items`` by mm_hash: cached ones as they are, the rest encoded
+        together (in groups of at most ``MAX_ENCODE_PATCHES`` patches) and cached."""
+        out: dict[str, torch.Tensor] = {}
+        missing: list[MultiModalItem] = []
+        for it in items:
+            if it.mm_hash in out:
+                continue
+            emb = self._entries.get(it.mm_hash)
+            if emb is not None and emb.shape[0] == it.length:
+                self._entries.move_to_end(it.mm_hash)
+                out[it.mm_hash] = emb
+            elif all(m.mm_hash != it.mm_hash for m in missing):
+                missing.append(it)
+        group: list[MultiModalItem] = []
+        patches = 0
+        for it in missing:
+            n = math.prod(int(v) for v in it.grid_thw)
+            if group and patches + n > MAX_ENCODE_PATCHES:
+                self._encode(group, out)
+                group, patches = [], 0
+            group.append(it)
+            patches += n
+        if group:
+            self._encode(group, out)
+        return out
+
+    def _pixels(self, item: MultiModalItem) -> torch.Tensor:
+        if item.encoding == UINT8_HWC:
+            image = torch.frombuffer(bytearray(item.pixel_values), dtype=torch.uint8).view(*item.shape)
+            return patches_from_image(image.to(self.device), self.image_config)
+        array = np.frombuffer(item.pixel_values, dtype="<f4").reshape(list(item.shape))
+        return torch.from_numpy(array.astype(np.float32)).to(self.device)
+
+    def _encode(self, group: list[MultiModalItem], out: dict[str, torch.Tensor]) -> None:
+        pixels = torch.cat([self._pixels(it) for it in group])
+        grids = torch.tensor([list(it.grid_thw) for it in group], dtype=torch.long)
+        embs = self.model.encode_image(pixels, grids)
+        self.num_encoded += len(group)
+        self.num_encode_calls += 1
+        lengths = [it.length for it in group]
+        if embs.shape[0] != sum(lengths):  # validated at admission; a mismatched tower config lands here
+            raise RuntimeError(f"vision tower returned {embs.shape[0]} embeddings for items of {sum(lengths)} tokens")
+        for it, emb in zip(group, embs.split(lengths)):
+            out[it.mm_hash] = emb
+            self._put(it.mm_hash, emb)
+
+    def _put(self, key: str, emb: torch.Tensor) -> None:
+        old = self._entries.pop(key, None)
         if old is not None:
             self._tokens -= old.shape[0]
-        self._entries[item.mm_hash] = emb
+        self._entries[key] = emb
         self._tokens += emb.shape[0]
         while self._tokens > self.max_tokens and len(self._entries) > 1:
             _, dropped = self._entries.popitem(last=False)
@@ -159,7 +247,6 @@ class EncoderCache:
         if self._tokens > self.max_tokens:  # the only entry is too large to keep
             self._entries.clear()
             self._tokens = 0
-        return emb
 
     def clear(self) -> None:
         self._entries.clear()
@@ -174,7 +261,7 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
     token's three rows are equal, (rows, embedding slices) or None)."""
     patches: list[tuple[int, np.ndarray]] = []  # (first row, [3, k] prompt positions)
     rows: list[np.ndarray] = []
-    embeds: list[torch.Tensor] = []
+    slices: list[tuple[MultiModalItem, int, int]] = []  # (item, first, end) embedding rows
     t = 0
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
@@ -192,13 +279,16 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
                 lo, hi = max(start, it.offset), min(end, it.offset + it.length)
                 if lo >= hi:
                     continue
-                emb = cache.get(it)
-                embeds.append(emb[lo - it.offset:hi - it.offset])
+                slices.append((it, lo - it.offset, hi - it.offset))
                 rows.append(np.arange(t + lo - start, t + hi - start, dtype=np.int64))
         if end > prompt_len and state.delta:
             first = max(start, prompt_len)
             positions[t + first - start:t + n] += state.delta
         t += n
+    embeds: list[torch.Tensor] = []
+    if slices:
+        found = cache.fetch([it for it, _, _ in slices])
+        embeds = [found[it.mm_hash][a:b] for it, a, b in slices]
     pos3: Optional[np.ndarray] = None
     if patches:
         pos3 = np.broadcast_to(positions, (3, len(positions))).copy()
