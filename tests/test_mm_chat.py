@@ -171,6 +171,33 @@ def test_media_errors_are_400(http):
     assert ok.status_code == 200, ok.text
 
 
+def test_tokenize_expands_images_as_render_does(http, model_dir):
+    """vLLM's create_tokenize returns the processed prompt's token ids: each image's
+    placeholder expanded to its tokens, counted in ``count``; token_strs name them."""
+    pngs = [_png(1, 56, 56), _png(2, 84, 56)]
+    messages = _chat([{"type": "text", "text": "look: "}, _img(_data_url(pngs[0])), {"type": "text", "text": "and"},
+                      _img(_data_url(pngs[1]))])["messages"]
+    rendered = http.post("/v1/chat/completions/render", json={"messages": messages})
+    assert rendered.status_code == 200, rendered.text
+    want = rendered.json()["token_ids"]
+    assert want == _expected_ids(model_dir, ["look: {}and{}"], pngs) and want.count(IMAGE) == 4 + 6
+    resp = http.post("/tokenize", json={"messages": messages, "return_token_strs": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == want
+    assert body["count"] == len(want)
+    assert body["max_model_len"] == 256
+    assert len(body["token_strs"]) == len(want) and body["token_strs"].count("<|image_pad|>") == 10
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"}
+    # a bad image: vLLM's 400 error shape, the same words as the chat routes
+    bad = http.post("/tokenize", json={"messages": _chat([_img("data:image/png;base64,@@not base64@@")])["messages"]})
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and "base64" in err["message"]
+    bad = http.post("/tokenize", json={"messages": _chat([{"type": "image_url", "image_url": {}}])["messages"]})
+    assert bad.status_code == 400, bad.text
+
+
 def test_text_only_model_refuses_images(tmp_path_factory, model_dir):
     text_dir = tmp_path_factory.mktemp("text_only")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -188,5 +215,8 @@ def test_text_only_model_refuses_images(tmp_path_factory, model_dir):
                                json=_chat([_img(_data_url(_png(1, 56, 56))), {"type": "text", "text": "hi"}]))
             assert resp.status_code == 400, resp.text
             assert "'image_url'" in resp.json()["error"]["message"]
+            tokenized = client.post("/tokenize", json={"messages": _chat([_img(_data_url(_png(1, 56, 56)))])["messages"]})
+            assert tokenized.status_code == 400, tokenized.text
+            assert tokenized.json()["error"]["message"] == resp.json()["error"]["message"]
             ok = client.post("/v1/chat/completions/render", json=_chat([{"type": "text", "text": "hi"}]))
             assert ok.status_code == 200, ok.text

@@ -122,6 +122,16 @@ class Renderer:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc)) from None
 
+    def expand_images(self, ids: list[int], image_urls: Optional[list], images: Optional[list]) -> list[int]:
+        """The rendered prompt's ids with each image's single placeholder expanded to its
+        tokens (vLLM's processed prompt_token_ids); ``image_urls``: what render_messages
+        collected, ``images``: load_chat_images' result for the same messages."""
+        if not image_urls:
+            return ids
+        if images is None or len(images) != len(image_urls):
+            raise BadRequest(f"the messages hold {len(image_urls)} image(s) that were not loaded", "messages")
+        return expand_image_placeholders(ids, self.model.image, images)
+
     def chat(self, request: ChatCompletionRequest, max_model_len: int, base_id: str,
              images: Optional[list] = None) -> RenderedChat:
         """``images``: the messages' images loaded and resized (``load_chat_images``),
@@ -148,11 +158,8 @@ class Renderer:
                                       continue_final_message=request.continue_final_message,
                                       chat_template_kwargs=kwargs, chat_template=request.chat_template,
                                       image_urls=image_urls)
-        ids = self.model.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-        if image_urls:
-            if images is None or len(images) != len(image_urls):
-                raise BadRequest(f"the messages hold {len(image_urls)} image(s) that were not loaded", "messages")
-            ids = expand_image_placeholders(ids, spec, images)
+        ids = self.expand_images(self.model.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens),
+                                 image_urls, images)
         ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
         if not ids:
             raise BadRequest("No token_ids rendered")

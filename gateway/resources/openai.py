@@ -222,13 +222,19 @@ class Tokenize(TextRoutes):
                 raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                    status=400, type="BadRequestError")
             self.renderer.check_request_template(request.chat_template)
+            # As vLLM's create_tokenize: the tokens are the processed prompt's, each image's
+            # placeholder expanded to its tokens (and counted); nothing else about the images.
+            spec = self.renderer.model.image
+            images = await load_chat_images(request.messages, spec, self.state.settings)
+            image_urls: Optional[list] = [] if spec is not None else None
             prompt = self.renderer.render_messages(
                 request.messages, tools=request.tools, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=dict(self.renderer.options.default_chat_template_kwargs,
                                           **(request.chat_template_kwargs or {})),
-                chat_template=request.chat_template)
-            ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
+                chat_template=request.chat_template, image_urls=image_urls)
+            ids = self.renderer.expand_images(tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens)),
+                                              image_urls, images)
         elif request.prompt is not None:
             add = True if request.add_special_tokens is None else request.add_special_tokens
             ids = tok.encode(request.prompt, add_special_tokens=add)
