@@ -12,11 +12,18 @@ Requests carry 1-4 images each (sizes 112x112 .. 224x224, distinct per request u
   to the first generated token (a streamer records it); HF's batches start together, so a
   batch's TTFT counts for each of its requests.
 
-Reports images/s (all images of the level / wall time of the level), the ratio ours/HF and
-TTFT p50.  The issue's target (>= 3x HF at concurrency 8) is reported, never asserted.
+- engine: the same requests straight into an in-process engine (the worker's thread count,
+  images decoded and resized outside the timing, ``max_num_seqs`` = concurrency): the
+  compute ceiling of the stack, so ours/engine is what serving (HTTP, base64, image
+  decoding, broker hops) keeps of it.
+
+Reports images/s (all images of the level / wall time of the level), the ratios ours/HF and
+ours/engine, and TTFT p50.  The issue's target (>= 3x HF at concurrency 8) is reported,
+never asserted.
 
     python -m benchmarks.mm_throughput                      # ~2 min on the 2-core CPU box
     python -m benchmarks.mm_throughput --repeat-images      # the same images every request
+    python -m benchmarks.mm_throughput --device cuda        # both sides on the GPU
 """
 from __future__ import annotations
 
@@ -132,7 +139,7 @@ def request_body(r: Req, max_tokens: int) -> bytes:
 
 # ----------------------------------------------------------------------------- ours
 def bench_ours(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Req], args) -> dict[int, dict]:
-    stack = Stack(str(model_dir), 1, args.worker_args, "cpu")
+    stack = Stack(str(model_dir), 1, args.worker_args, args.device)
     out = {}
     with stack:
         asyncio.run(run_http(stack.url, [request_body(r, args.max_tokens) for r in warm], 2, "warmup"))
@@ -145,6 +152,51 @@ def bench_ours(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[
             out[conc] = {"images_s": images / stats.duration, "ttft_p50": percentile([r.ttft for r in stats.ok], 50),
                          "duration": stats.duration, "errors": len(errors),
                          "tokens": sum(r.output_tokens for r in stats.ok)}
+    return out
+
+
+# ----------------------------------------------------------------------------- engine
+def _wire_items(r: Req, model_dir: Path) -> list:
+    """The request's images as the gateway sends them (resized uint8), outside any timing."""
+    from PIL import Image
+
+    from common.multimodal import Qwen2VLImageConfig, mm_hash, resize_image
+    from common.protocol import MultiModalItem
+
+    cfg = Qwen2VLImageConfig.from_model_dir(model_dir)
+    items, pos = [], 0
+    for png, grid in zip(r.pngs, r.grids):
+        offset = r.ids.index(IMAGE, pos)
+        length = grid[0] * grid[1] * grid[2] // (cfg.merge_size ** 2)
+        pos = offset + length
+        raw = np.ascontiguousarray(resize_image(Image.open(io.BytesIO(png)).convert("RGB"), cfg))
+        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(raw, grid), offset=offset, length=length,
+                                    grid_thw=list(grid), pixel_values=raw.tobytes(), shape=list(raw.shape),
+                                    encoding="uint8_hwc"))
+    return items
+
+
+def bench_engine(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Req], args) -> dict[int, dict]:
+    from common.launcher import cpu_worker_threads
+    from common.protocol import GenerateRequest, SamplingParams
+    from worker.engine import Engine, EngineConfig
+
+    threads = args.engine_threads or cpu_worker_threads(1)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    out = {}
+    for conc, reqs in levels:
+        engine = Engine(EngineConfig(model=str(model_dir), device=args.device, max_model_len=1024, max_num_seqs=conc,
+                                     num_kv_blocks=512, tokens_only=True, num_threads=threads))
+        engine.generate([GenerateRequest(request_id=f"w{i}", prompt_token_ids=r.ids, params=params,
+                                         mm_items=_wire_items(r, model_dir)) for i, r in enumerate(warm)])
+        batch = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=r.ids, params=params,
+                                 mm_items=_wire_items(r, model_dir)) for i, r in enumerate(reqs)]
+        start = time.perf_counter()
+        engine.generate(batch)
+        duration = time.perf_counter() - start
+        out[conc] = {"images_s": sum(len(r.pngs) for r in reqs) / duration, "duration": duration,
+                     "threads": threads}
+        del engine
     return out
 
 
@@ -185,7 +237,9 @@ def bench_hf(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Re
 
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(args.hf_threads)
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = torch.device(args.device)
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16).eval().to(device)
     gen_kw = dict(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False,
                   pad_token_id=0, eos_token_id=None)
 
@@ -193,7 +247,10 @@ def bench_hf(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Re
         s = _FirstToken()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**_hf_inputs(batch, 0), streamer=s, **gen_kw)
+            inputs = {k: v.to(device) for k, v in _hf_inputs(batch, 0).items()}
+            out = model.generate(**inputs, streamer=s, **gen_kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t1 = time.perf_counter()
         return (s.first or t1) - t0, t1 - t0, (out.shape[1] - max(len(r.ids) for r in batch)) * len(batch)
 
@@ -225,6 +282,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--hf-threads", type=int, default=2)
     ap.add_argument("--worker-args", default="--max-model-len 1024 --max-num-seqs 8 --num-kv-blocks 512 --tokens-only")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true", help="skip the in-process engine ceiling")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="torch threads of the in-process engine (default: what tokserve serve gives its worker)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N], for the stack, the engine and HF (bf16 on CUDA)")
     ap.add_argument("--json", default=None, help="also write the results here")
     return ap.parse_args(argv)
 
@@ -243,25 +304,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     t = time.perf_counter()
     ours = bench_ours(model_dir, levels, warm, args)
     print(f"ours done in {time.perf_counter() - t:.1f}s", flush=True)
+    eng = {}
+    if not args.skip_engine:
+        t = time.perf_counter()
+        eng = bench_engine(model_dir, levels, warm, args)
+        print(f"engine done in {time.perf_counter() - t:.1f}s", flush=True)
     hf = {}
     if not args.skip_hf:
         t = time.perf_counter()
         hf = bench_hf(model_dir, levels, warm, args)
         print(f"HF done in {time.perf_counter() - t:.1f}s", flush=True)
-    print(f"{'conc':>4}  {'reqs':>4}  {'images':>6}  {'ours img/s':>10}  {'HF img/s':>9}  {'ratio':>6}  "
-          f"{'ours TTFT p50':>13}  {'HF TTFT p50':>11}")
+    print(f"device {args.device}" + (f"; in-process engine at {next(iter(eng.values()))['threads']} torch thread(s)"
+                                     if eng else ""))
+    print(f"{'conc':>4}  {'reqs':>4}  {'images':>6}  {'ours img/s':>10}  {'HF img/s':>9}  {'ours/HF':>7}  "
+          f"{'engine img/s':>12}  {'ours/engine':>11}  {'ours TTFT p50':>13}  {'HF TTFT p50':>11}")
     for (conc, reqs) in levels:
-        o, h = ours[conc], hf.get(conc)
+        o, h, e = ours[conc], hf.get(conc), eng.get(conc)
         images = sum(len(r.pngs) for r in reqs)
         ratio = f"{o['images_s'] / h['images_s']:.2f}x" if h else "-"
+        of_engine = f"{o['images_s'] / e['images_s']:.2f}" if e else "-"
         print(f"{conc:>4}  {len(reqs):>4}  {images:>6}  {o['images_s']:>10.2f}  "
-              f"{(h['images_s'] if h else float('nan')):>9.2f}  {ratio:>6}  {o['ttft_p50'] * 1e3:>10.0f} ms  "
+              f"{(h['images_s'] if h else float('nan')):>9.2f}  {ratio:>7}  "
+              f"{(e['images_s'] if e else float('nan')):>12.2f}  {of_engine:>11}  {o['ttft_p50'] * 1e3:>10.0f} ms  "
               f"{(h['ttft_p50'] * 1e3 if h else float('nan')):>8.0f} ms")
     if 8 in ours and 8 in hf:
         r = ours[8]["images_s"] / hf[8]["images_s"]
         print(f"issue target (>= 3x HF images/s at concurrency 8): {r:.2f}x -> {'met' if r >= 3 else 'NOT met'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ours": ours, "hf": hf}, indent=2))
+        Path(args.json).write_text(json.dumps({"device": args.device, "ours": ours, "engine": eng, "hf": hf},
+                                              indent=2))
     return 0
 
 
