@@ -98,3 +98,21 @@ def test_kv_cache_memory_bytes_sizes_the_cache(llama_dir):
 
 def test_torch_backend_is_never_graph_captured():
     assert not TorchSDPABackend.supports_cuda_graphs
+
+
+def test_kv_blocks_for_memory_reserves_vision_peak_and_encoder_cache():
+    per_block = 1 << 20
+    kw = dict(total=80 * GIB, free=60 * GIB, graph_pool=GIB, sampler=GIB, utilization=0.9, per_block=per_block)
+    base = kv_blocks_for_memory(activations=4 * GIB, **kw)
+    assert base == 46 * GIB // per_block
+    # The encoder cache (16384 rows x 3584 hidden x bf16 = 112 MiB) is reserved outright.
+    cache = 16384 * 3584 * 2
+    assert kv_blocks_for_memory(activations=4 * GIB, encoder_cache=cache, **kw) == (46 * GIB - cache) // per_block
+    # The vision tower's peak replaces the step's when larger (images are encoded before the LM forward) ...
+    assert kv_blocks_for_memory(activations=4 * GIB, vision=6 * GIB, **kw) == 44 * GIB // per_block
+    # ... and changes nothing when smaller.
+    assert kv_blocks_for_memory(activations=4 * GIB, vision=3 * GIB, **kw) == base
+    assert kv_blocks_for_memory(activations=4 * GIB, vision=6 * GIB, encoder_cache=cache, **kw) == \
+        (44 * GIB - cache) // per_block
+    with pytest.raises(RuntimeError, match="vision tower 50.00 GiB .* encoder cache 0.11 GiB"):
+        kv_blocks_for_memory(activations=4 * GIB, vision=50 * GIB, encoder_cache=cache, **kw)

@@ -322,3 +322,78 @@ def test_validation_errors(qwen2vl, tmp_path):
     text_engine = make_engine(tiny_model_dir("qwen2", tmp_path))
     with pytest.raises(BadRequest, match="does not accept image input"):
         text_engine.add_request(_req("t", [3, 4, 5], [it]))
+
+
+# --- KV-cache sizing: the vision tower's peak and the encoder cache -------------------
+
+def _grid_items(grids, patch_dim):
+    return [MultiModalItem(modality="image", mm_hash=f"dummy-{k}", offset=0, length=t * h * w // 4,
+                           grid_thw=[t, h, w], pixel_values=np.zeros((t * h * w, patch_dim), "<f4").tobytes(),
+                           shape=[t * h * w, patch_dim]) for k, (t, h, w) in enumerate(grids)]
+
+
+def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
+    """The profile's dummy batch: valid grids within max_pixels, as many patches as one
+    vision-tower call can get, and it runs through the tiny tower of both variants."""
+    import dataclasses
+
+    from worker.engine import multimodal
+    from worker.engine.multimodal import dummy_vision_batch, max_encode_grids, max_image_grid
+
+    variant, path, _ = vl
+    engine = _engine(path, enable_prefix_caching=False)
+    runner, cache = engine.runner, engine.runner.encoder_cache
+    vc = engine.model_config.vision_config
+    # 24 merged cells (28x28 px each) per image at most; calls of at most 504 patches
+    ic = dataclasses.replace(cache.image_config, max_pixels=28 * 28 * 24 + 100)
+    cache.image_config = ic
+    monkeypatch.setattr(multimodal, "MAX_ENCODE_PATCHES", 504)
+    big = max_image_grid(vc, ic)
+    # 4x6 cells: 24 cells, sides even, so they tile Qwen2.5's 2-cell (56 px) windows
+    assert big == (1, 8, 12) and 96 * 14 * 14 <= ic.max_pixels
+    pixels, grids = dummy_vision_batch(vc, ic, runner.token_budget)
+    sizes = [t * h * w for t, h, w in grids.tolist()]
+    assert pixels.shape == (sum(sizes), 3 * 2 * 14 * 14) and pixels.dtype == torch.float32
+    for t, h, w in grids.tolist():
+        assert t == 1 and h % 2 == 0 and w % 2 == 0 and h * w * 14 * 14 <= ic.max_pixels
+    # maximal images first (5 * 96 patches), then the rest (24 patches: 2x3 merged cells)
+    assert grids.tolist() == [list(big)] * 5 + [[1, 4, 6]] and sum(sizes) == 504
+    # the token budget bounds the images of a step; a larger image still goes alone
+    assert max_encode_grids(vc, ic, 2) == [big, big]
+    assert max_encode_grids(vc, ic, 8, max_patches=50) == [big]
+    # through the tower the way the encoder cache encodes; nothing is cached
+    patches, rows = runner.dummy_vision_run()
+    assert (patches, rows) == (sum(sizes), sum(sizes) // 4)
+    assert len(cache) == 0 and cache.num_encode_calls == 0
+    # the real cache groups the same images into one call (the bound is reachable) and
+    # keeps each image's own rows, not a view of the group's
+    items = _grid_items([tuple(g) for g in grids.tolist()], pixels.shape[1])
+    out = cache.fetch(items)
+    assert cache.num_encode_calls == 1 and cache.num_encoded == len(items)
+    for it in items:
+        emb = out[it.mm_hash]
+        assert emb.shape == (it.length, 64)
+        assert emb.untyped_storage().nbytes() == emb.numel() * emb.element_size()
+    # the reserve: max_tokens rows of the LM hidden size in the model dtype (fp32 here)
+    assert runner.encoder_cache_reserve() == cache.max_tokens * 64 * 4 == multimodal.encoder_cache_bytes(
+        multimodal.DEFAULT_ENCODER_CACHE_TOKENS, 64, torch.float32)
+
+
+@pytest.mark.cuda
+def test_cuda_profile_counts_vision_and_encoder_cache(qwen2vl, monkeypatch):
+    from worker.engine import model_runner
+
+    path, _ = qwen2vl
+    seen = {}
+    real = model_runner.kv_blocks_for_memory
+
+    def spy(**kw):
+        seen.update(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(model_runner, "kv_blocks_for_memory", spy)
+    engine = _engine(path, device="cuda", dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
+    assert seen["vision"] > 0
+    assert seen["encoder_cache"] == engine.runner.encoder_cache.max_tokens * 64 * 4
+    without = real(**{**seen, "vision": 0, "encoder_cache": 0})
+    assert engine.block_manager.num_blocks <= without

@@ -61,23 +61,32 @@ def _cap_blocks(num: int) -> int:
 
 
 def kv_blocks_for_memory(*, total: int, free: int, activations: int, graph_pool: int, sampler: int,
-                         utilization: float, per_block: int, weights_hint: int = 0) -> int:
+                         utilization: float, per_block: int, weights_hint: int = 0, vision: int = 0,
+                         encoder_cache: int = 0) -> int:
     """KV blocks that fit in ``utilization`` of the device.
 
     ``total - free`` (measured with the profiling cache freed) is everything already
     on the device: weights, the CUDA context, communication buffers and other
     processes.  The step's activation peak, the graph pool and the sampler's
     temporaries come on top while serving; the rest of the budget is KV cache.
+
+    Vision-language models: ``vision`` is the vision tower's peak on the largest
+    batch one call encodes; a step encodes its images before the LM forward, so the
+    two peaks do not add up and the larger counts.  ``encoder_cache`` is the image
+    embeddings the encoder cache may hold, reserved as a whole.
     """
     budget = int(total * utilization)
     in_use = total - free
-    num = (budget - in_use - activations - graph_pool - sampler) // per_block
+    peak = max(activations, vision)
+    num = (budget - in_use - peak - graph_pool - sampler - encoder_cache) // per_block
     if num < 1:
+        mm = (f", the vision tower {vision / _GIB:.2f} GiB (its peak and the step's do not add up) and the "
+              f"encoder cache {encoder_cache / _GIB:.2f} GiB" if vision or encoder_cache else "")
         raise RuntimeError(
             f"no memory left for the KV cache at gpu_memory_utilization={utilization}: of "
             f"{total / _GIB:.2f} GiB, {in_use / _GIB:.2f} GiB are in use (weights ~{weights_hint / _GIB:.2f} GiB, "
             f"the rest CUDA context and other processes), activations need {activations / _GIB:.2f} GiB, "
-            f"CUDA graphs {graph_pool / _GIB:.2f} GiB and the sampler {sampler / _GIB:.2f} GiB; raise "
+            f"CUDA graphs {graph_pool / _GIB:.2f} GiB and the sampler {sampler / _GIB:.2f} GiB{mm}; raise "
             f"--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or set "
             f"--kv-cache-memory-bytes")
     return _cap_blocks(int(num))
@@ -149,8 +158,10 @@ class ModelRunner:
 
     def _profile_cuda_blocks(self, per_block: int) -> int:
         """Run the largest step (and, unless eager, capture the largest decode graph)
-        against a small temporary cache; what remains of ``gpu_memory_utilization`` of
-        the device, after everything else on it, is KV cache."""
+        against a small temporary cache; vision-language models also run the vision
+        tower on its largest batch (the larger peak counts) and reserve a full encoder
+        cache.  What remains of ``gpu_memory_utilization`` of the device, after
+        everything else on it, is KV cache."""
         dev = self.device
         log.info("profiling GPU memory with a %d-token step to size the KV cache", self.token_budget)
         torch.cuda.synchronize(dev)
@@ -164,6 +175,7 @@ class ModelRunner:
         self._dummy_run(self.token_budget)
         torch.cuda.synchronize(dev)
         activations = torch.cuda.max_memory_allocated(dev) - before
+        vision = self._profile_vision_peak()
         graph_pool = self._profile_graph_pool()
         self.kv_cache = None
         torch.cuda.empty_cache()
@@ -171,9 +183,49 @@ class ModelRunner:
         # Sampler temporaries of a full batch: fp32 logits, probabilities, sorted values
         # and int64 sort indices for top-p/top-k, per row of the vocabulary.
         sampler = self.config.max_num_seqs * self.model_config.vocab_size * 24
+        encoder_cache = self.encoder_cache_reserve()
         return kv_blocks_for_memory(total=total, free=free, activations=activations, graph_pool=graph_pool,
                                     sampler=sampler, utilization=self.config.gpu_memory_utilization,
-                                    per_block=per_block, weights_hint=before - kv_bytes)
+                                    per_block=per_block, weights_hint=before - kv_bytes, vision=vision,
+                                    encoder_cache=encoder_cache)
+
+    def encoder_cache_reserve(self) -> int:
+        """Bytes of a full encoder cache (0 without one)."""
+        if self.encoder_cache is None:
+            return 0
+        from worker.engine.multimodal import encoder_cache_bytes
+
+        return encoder_cache_bytes(self.encoder_cache.max_tokens, self.model_config.hidden_size, self.dtype)
+
+    def dummy_vision_run(self) -> tuple[int, int]:
+        """Encode the largest batch one vision-tower call can get (``max_encode_grids``),
+        as ``EncoderCache._encode`` does (per-image patches on the device, concatenated);
+        returns (patches, embedding rows).  Nothing is cached."""
+        from worker.engine.multimodal import dummy_vision_batch
+
+        cache = self.encoder_cache
+        pixels, grids = dummy_vision_batch(self.model_config.vision_config, cache.image_config, self.token_budget)
+        sizes = [int(t * h * w) for t, h, w in grids.tolist()]
+        on_device = torch.cat([p.to(self.device) for p in pixels.split(sizes)])
+        del pixels
+        embs = self.model.encode_image(on_device, grids)
+        return on_device.shape[0], embs.shape[0]
+
+    def _profile_vision_peak(self) -> int:
+        """CUDA: the vision tower's activation peak (pixels, tower and embeddings) on the
+        largest batch one call encodes; 0 for models without images."""
+        if self.encoder_cache is None:
+            return 0
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        patches, rows = self.dummy_vision_run()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        log.info("vision tower: %d patches (%d embeddings) in one call peak at %.2f GiB", patches, rows,
+                 peak / _GIB)
+        return max(peak, 0)
 
     def _profile_graph_pool(self) -> int:
         """Memory the CUDA-graph pool takes: the largest decode graph captured once

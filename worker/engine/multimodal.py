@@ -9,6 +9,9 @@
   it prefills prompt tokens of an image request; otherwise the runner shifts the
   ``[T]`` positions by the delta, which keeps decode on the fast path) and the rows
   whose embeddings are (a slice of) an image's.
+* KV-cache sizing on CUDA: ``dummy_vision_batch`` (the largest batch one vision-tower
+  call can get, ``max_encode_grids``) and ``encoder_cache_bytes`` (a full cache), which
+  ``ModelRunner._profile_cuda_blocks`` keeps out of the KV cache.
 
 Prefix caching: the block manager folds the ``mm_hash`` of every item overlapping a
 block into that block's hash (``block_mm_hashes``), and such blocks are not
@@ -167,6 +170,91 @@ def patches_from_image(image: torch.Tensor, cfg: Qwen2VLImageConfig) -> torch.Te
     return x.reshape(gh * gw, c * tp * p * p)
 
 
+# --- memory profiling (KV-cache sizing on CUDA) ------------------------------------
+# Shapes and arithmetic only, no device: ``ModelRunner._profile_cuda_blocks`` runs the
+# dummy batch through the vision tower and measures the peak; tests run it on CPU.
+
+_MAX_DUMMY_ASPECT = 4  # long side / short side of the dummy images (HF refuses > 200)
+
+
+def _largest_grid(cells: int, window: int = 1) -> tuple[int, int]:
+    """(rows, cols) of merged cells with rows * cols <= ``cells`` as large as possible
+    (and cols <= 4 * rows); among equals, sides that tile ``window``-cell windows
+    first, then the squarest.  (0, 0) when ``cells`` < 1."""
+    best, key = (0, 0), None
+    for r in range(1, math.isqrt(max(cells, 0)) + 1):
+        c = min(cells // r, _MAX_DUMMY_ASPECT * r)
+        k = (r * c, r % window == 0 and c % window == 0, r)
+        if key is None or k > key:
+            best, key = (r, c), k
+    return best
+
+
+def _geometry(vision_config: dict, image_config: Qwen2VLImageConfig) -> tuple[int, int]:
+    vc = vision_config
+    merge = int(vc.get("spatial_merge_size", image_config.merge_size))
+    patch = int(vc.get("patch_size", vc.get("spatial_patch_size", image_config.patch_size)))
+    return merge, patch
+
+
+def max_image_grid(vision_config: dict, image_config: Qwen2VLImageConfig) -> tuple[int, int, int]:
+    """``grid_thw`` of the largest image the preprocessor makes: ``smart_resize`` keeps
+    sides multiples of ``patch * merge`` and the area within ``max_pixels``, so an
+    image has at most ``max_pixels // (patch * merge)**2`` merged cells (one frame).
+    Sides are multiples of the merge size; for Qwen2.5-VL they tile its attention
+    windows when that costs no patches (clipped edge windows are valid either way)."""
+    merge, patch = _geometry(vision_config, image_config)
+    factor = patch * merge
+    cells = max(1, image_config.max_pixels // (factor * factor))
+    window = max(1, int(vision_config.get("window_size", 0)) // factor)  # merged cells per window side
+    rows, cols = _largest_grid(cells, window)
+    return 1, rows * merge, cols * merge
+
+
+def max_encode_grids(vision_config: dict, image_config: Qwen2VLImageConfig, token_budget: int,
+                     max_patches: Optional[int] = None) -> list[tuple[int, int, int]]:
+    """The grids of the largest batch one vision-tower call can get (``EncoderCache.fetch``).
+
+    A step fetches the items its scheduled tokens overlap, so at most ``token_budget``
+    images, each of at most ``max_image_grid`` patches (``P``); ``fetch`` groups them
+    into calls of at most ``max_patches`` (default ``MAX_ENCODE_PATCHES``) patches, and
+    a larger image goes alone.  One call therefore sees at most
+    ``max(P, min(max_patches, token_budget * P))`` patches: that many as maximal
+    images (the worst case for the tower's per-frame full attention), the remainder
+    as one smaller image of whole merged cells.
+    """
+    if max_patches is None:
+        max_patches = MAX_ENCODE_PATCHES
+    merge, _ = _geometry(vision_config, image_config)
+    big = max_image_grid(vision_config, image_config)
+    per_image = math.prod(big)
+    total = max(per_image, min(max_patches, max(1, token_budget) * per_image))
+    grids = [big] * (total // per_image)
+    rows, cols = _largest_grid((total - len(grids) * per_image) // (merge * merge))
+    if rows:
+        grids.append((1, rows * merge, cols * merge))
+    return grids
+
+
+def dummy_vision_batch(vision_config: dict, image_config: Qwen2VLImageConfig, token_budget: int,
+                       max_patches: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``pixel_values`` ``[N, C*T*P*P]`` float32, ``grid_thw`` ``[images, 3]`` long) of
+    ``max_encode_grids``, on the CPU (zeros: activation memory does not depend on the
+    values)."""
+    vc = vision_config
+    _, patch = _geometry(vc, image_config)
+    channels = int(vc.get("in_channels", vc.get("in_chans", 3)))
+    temporal = int(vc.get("temporal_patch_size", image_config.temporal_patch_size))
+    grids = max_encode_grids(vc, image_config, token_budget, max_patches)
+    n = sum(math.prod(g) for g in grids)
+    return torch.zeros(n, channels * temporal * patch * patch), torch.tensor(grids, dtype=torch.long)
+
+
+def encoder_cache_bytes(max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Device memory of a full encoder cache: ``max_tokens`` rows of ``hidden_size``."""
+    return max_tokens * hidden_size * torch.empty((), dtype=dtype).element_size()
+
+
 class EncoderCache:
     """Image embeddings by mm_hash, least recently used evicted past ``max_tokens``
     rows (an entry larger than that is still returned, just not kept)."""
@@ -232,6 +320,8 @@ class EncoderCache:
         if embs.shape[0] != sum(lengths):  # validated at admission; a mismatched tower config lands here
             raise RuntimeError(f"vision tower returned {embs.shape[0]} embeddings for items of {sum(lengths)} tokens")
         for it, emb in zip(group, embs.split(lengths)):
+            if len(group) > 1:  # a view would keep the whole group's rows alive past its eviction
+                emb = emb.clone()
             out[it.mm_hash] = emb
             self._put(it.mm_hash, emb)
 
