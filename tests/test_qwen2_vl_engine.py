@@ -305,6 +305,11 @@ def test_validation_errors(qwen2vl, tmp_path):
     bad("holds .* bytes", pixel_values=it.pixel_values[:-4])
     bad("shape", shape=[it.shape[0] + 1, it.shape[1]])
     bad("unknown pixel encoding 'png'", encoding="png")
+    cache = engine.runner.encoder_cache
+    assert cache.max_image_patches == 1280 * 4  # HF's default max_pixels: 1280 merged cells
+    cache.max_image_patches = it.grid_thw[1] * it.grid_thw[2] - 1  # a preprocessor with a smaller max_pixels
+    bad("more than the 23 of the largest image")
+    cache.max_image_patches = 1280 * 4
     u8 = _as_uint8([it], "a")[0]
     bad("expected \\[84, 56, 3\\] for uint8_hwc", shape=[84, 55, 3], encoding="uint8_hwc",
         pixel_values=u8.pixel_values)

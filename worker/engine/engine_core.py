@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import queue
 import logging
+import math
 import time
 from typing import Any, Optional
 
@@ -26,7 +27,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig, generation_defaults
 from worker.engine.model_runner import ModelRunner
-from worker.engine.multimodal import EncoderCache, check_mm_items, image_config_for
+from worker.engine.multimodal import EncoderCache, check_mm_items, image_config_for, max_image_grid
 from worker.engine.model_setup import build_model
 from worker.engine.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
@@ -107,8 +108,9 @@ class EngineCore(RLControl):
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
         self.runner.tp_leader = self.tp_leader
         if mc.is_multimodal:
-            self.runner.encoder_cache = EncoderCache(self.model, device,
-                                                     image_config=image_config_for(config.model, mc.vision_config))
+            cache = EncoderCache(self.model, device, image_config=image_config_for(config.model, mc.vision_config))
+            cache.max_image_patches = math.prod(max_image_grid(mc.vision_config, cache.image_config))
+            self.runner.encoder_cache = cache
         self.lora = self._start_lora(config, device)
         self.runner.lora = self.lora
         self.spec = self._start_speculation(config, mc, device, max_model_len)
@@ -181,7 +183,8 @@ class EngineCore(RLControl):
         if req.request_id in self.requests:
             raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
-        mm = check_mm_items(req, self.model_config)
+        cache = self.runner.encoder_cache
+        mm = check_mm_items(req, self.model_config, cache.max_image_patches if cache is not None else None)
         leg = parse_params(req.kv_transfer_params)
         if leg is not None:
             self._check_kv_leg(req, leg)

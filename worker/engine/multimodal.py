@@ -54,9 +54,11 @@ class MultiModalState:
     delta: int  # positions of tokens past the prompt: index + delta
 
 
-def check_mm_items(req: GenerateRequest, mc: Any) -> Optional[MultiModalState]:
+def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = None) -> Optional[MultiModalState]:
     """Validate ``req.mm_items`` against the prompt and the model (BadRequest on any
-    inconsistency); None for a request without items."""
+    inconsistency); None for a request without items.  ``max_patches``: the patches of
+    the largest image the model's preprocessor makes (what the KV sizing reserved the
+    vision tower's memory for); larger items are refused."""
     items = req.mm_items
     if not items:
         if getattr(mc, "is_multimodal", False) and mc.image_token_id in req.prompt_token_ids:
@@ -98,6 +100,10 @@ def check_mm_items(req: GenerateRequest, mc: Any) -> Optional[MultiModalState]:
         if len(it.grid_thw) != 3 or any(int(v) <= 0 for v in it.grid_thw):
             raise BadRequest(f"{where}: grid_thw must be three positive ints, got {list(it.grid_thw)}", "mm_items")
         t, h, w = (int(v) for v in it.grid_thw)
+        if max_patches is not None and t * h * w > max_patches:
+            raise BadRequest(f"{where}: grid_thw {[t, h, w]} is {t * h * w} patches, more than the {max_patches} of "
+                             f"the largest image this model's preprocessor makes (max_pixels in its "
+                             f"preprocessor_config.json)", "mm_items")
         if h % merge or w % merge:
             raise BadRequest(f"{where}: grid_thw {[t, h, w]} h and w must be multiples of {merge}", "mm_items")
         if it.length != t * h * w // (merge * merge):
@@ -265,6 +271,9 @@ class EncoderCache:
         self.device = device
         self.max_tokens = max_tokens
         self.image_config = image_config or Qwen2VLImageConfig()
+        # Patches of the largest image the preprocessor makes (set by the engine from the
+        # tower's config): admission refuses larger items, the KV sizing reserved this much.
+        self.max_image_patches: Optional[int] = None
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._tokens = 0
         self.num_encoded = 0  # images run through the vision tower (tests, metrics)
