@@ -164,6 +164,9 @@ def test_media_errors_are_400(http):
         assert "base64" in resp.json()["error"]["message"]
         resp = http.post(route, json=_chat([{"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AA=="}}]))
         assert resp.status_code == 400 and "'audio_url'" in resp.json()["error"]["message"], resp.text
+        assert "text and image_url parts can be rendered" in resp.json()["error"]["message"]
+        resp = http.post(route, json=_chat([{"type": "video_url", "video_url": {"url": "file:///x.mp4"}}]))
+        assert resp.status_code == 400 and "'video_url'" in resp.json()["error"]["message"], resp.text
         resp = http.post(route, json=_chat([{"type": "image_url", "image_url": {}}]))
         assert resp.status_code == 400, resp.text
     # still serving

@@ -78,7 +78,7 @@ def _part_text(part: Any, where: str, wrap: bool, images: Optional[list] = None)
         if media == "image_url" and images is not None:
             return _image_part(part, where, wrap, images)
         if media is not None:
-            raise _multimodal(media, where)
+            raise _multimodal(media, where, images is not None)
         if "tool_reference" in part:
             part_type = "tool_reference"
         else:
@@ -104,14 +104,15 @@ def _part_text(part: Any, where: str, wrap: bool, images: Optional[list] = None)
     if part_type == "image_url" and images is not None:
         return _image_part(part, where, wrap, images)
     if part_type in MULTIMODAL_PART_TYPES:
-        raise _multimodal(part_type, where)
+        raise _multimodal(part_type, where, images is not None)
     raise _err(f"Unsupported chat content part type: {part_type!r}. "
                f"Supported types: {', '.join(_SUPPORTED_PART_TYPES)}.", "type")
 
 
-def _multimodal(kind: str, where: str) -> ChatTemplateError:
+def _multimodal(kind: str, where: str, images_ok: bool = False) -> ChatTemplateError:
+    served = "text and image_url parts" if images_ok else "only text parts"
     return _err(f"Multimodal content is not supported yet: {where} is a {kind!r} part; "
-                f"only text parts can be rendered by this server.")
+                f"{served} can be rendered by this server.")
 
 
 def _strip_billing_header(parts: list) -> list:
