@@ -36,21 +36,34 @@ Rows (in this order):
 5. ``roofline bs=1``: decode tok/s x bytes read per decode step (every weight but the
    input embedding table, + the KV of the average context) / ``--peak-gbps`` (H200:
    4800 GB/s).
+6. ``VL images/s conc 8`` (last, optional; ``--skip-vl``): image-input throughput of the
+   engine vs HF ``generate`` on ``benchmarks.mm_throughput``'s tiny random Qwen2-VL (text
+   256 x 4 layers, vision depth 4, built here), 80 requests of 1-4 images (112-224 px,
+   distinct), 16 output tokens, concurrency 8 (HF: left-padded batches of 8), each side
+   warmed up on 8 other requests; HF in bf16, the engine in its default CUDA dtype (bf16).
+   Result ``R x HF`` and whether the multimodal issue's target (>= 3x HF images/s at
+   concurrency 8) is met (reported, never a FAIL).  Engine-only (uint8 images resized
+   outside the timing, no HTTP stack: the GPU box lacks falcon, and pyzmq unless carried).  ``skipped`` when
+   Pillow is missing (the requests are built with PIL) or fewer than ~60 s of the
+   deadline are left.
 
 Degrades clearly: no CUDA device -> a message and exit code 2 (unless ``--dry-run``,
 which runs the CPU-runnable parts: options, tiny fp32 models, HF parity on CPU,
-throughput, table; the tests use it).  A stage that raises becomes a ``FAIL`` row with
+throughput, the VL stage on 8 requests, table; the tests use it).  A stage that raises becomes a ``FAIL`` row with
 the error and the run goes on; a watchdog ends the run at ``--deadline-s`` (default 470 s)
 with the partial table (exit 3).  Exit 1 when any row failed, else 0.  Progress lines
 go to stderr; the table is written to ``--out`` after every stage.
 
 On the GPU box (Python 3.12, torch 2.11 CUDA, triton 3.6, transformers, numpy,
 safetensors, tokenizers, pytest, httpx; no internet).  What it lacks and this needs:
-only **msgspec** (``common.protocol``, whose ``GenerateRequest``/``SamplingParams`` the
-engine takes, imports it; ``worker.engine`` itself imports none of the missing
-packages, and neither do the cuda-marked test files or tests/conftest.py).  pyzmq,
-falcon, uvicorn, httptools and supervisor are needed only by the serving stack and its
-tests, not here.  No ``pip install -e .`` is needed (``PYTHONPATH=$PWD`` does it; an
+**msgspec** (``common.protocol``, whose ``GenerateRequest``/``SamplingParams`` the
+engine takes, imports it), **pyzmq** (``worker.engine.kv_transfer``, imported by the
+engine core, imports ``zmq`` at the top) and **Pillow** (``worker.engine.multimodal`` ->
+``common.multimodal.media`` imports PIL at the top; the VL stage builds its images with
+it too): put cp312 manylinux wheels of all three in ``.whl/``.  Without them the engine
+does not import: the run then says so in an ``engine import`` FAIL row and skips every
+engine stage (the cuda tests still run).  falcon, uvicorn, httptools and supervisor are
+needed only by the serving stack and its tests, not here.  No ``pip install -e .`` is needed (``PYTHONPATH=$PWD`` does it; an
 editable install offline would need ``--no-build-isolation``).  From the repo root,
 with ``.whl/`` (the wheels, git-ignored) carried (device ``run`` with
 ``carry=[".whl"]``, timeout_s=560)::
@@ -104,6 +117,8 @@ PARITY_PROMPT_LEN = 32
 GRAPH_BATCHES = (1, 11, 32, 100)  # 11 and 100 replay padded graphs (16, 104)
 GRAPH_TOKENS = 16
 DEFAULT_DEADLINE_S = 470.0  # under the 8-minute target, table included
+VL_CONC, VL_REQUESTS, VL_TOKENS = 8, 80, 16  # the VL stage; --dry-run: 8 requests, 4 tokens
+VL_CHECK = f"VL images/s conc {VL_CONC}"
 
 
 @dataclass
@@ -129,6 +144,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="passed to EngineConfig.attention_backend when the engine has it (default auto)")
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="peak HBM bandwidth in GB/s (H200: 4800)")
     p.add_argument("--skip-tests", action="store_true", help="skip the cuda-marked pytest run")
+    p.add_argument("--skip-vl", action="store_true", help="skip the last stage (Qwen2-VL images/s vs HF)")
     p.add_argument("--tests-timeout", type=float, default=180.0, help="cap on the pytest run, s (default 180)")
     p.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
                    help="end the run with the partial table after this many seconds (default 470)")
@@ -618,6 +634,45 @@ def roofline(ours: EngineRunner, name: str, vocab: int, p_len: int, out_len: int
                f"(weights {weights / 1e9:.3f} GB + KV of {p_len + out_len // 2} tokens) = {gbps:.0f} GB/s{note}")
 
 
+def vl_throughput(args: argparse.Namespace, workdir: Path, progress: "Progress") -> Row:
+    """Images/s of the in-process engine vs HF ``generate`` on mm_throughput's tiny
+    random Qwen2-VL at concurrency VL_CONC (see the module doc)."""
+    import torch
+
+    from benchmarks import mm_throughput as mm
+
+    dry = args.dry_run
+    device = "cpu" if dry else args.device
+    num, tokens, n_warm = (VL_CONC, 4, 2) if dry else (VL_REQUESTS, VL_TOKENS, VL_CONC)
+    progress.log(f"{VL_CHECK}: building the tiny random Qwen2-VL and {num} + {n_warm} requests")
+    model_dir = mm.build_model(str(workdir / "qwen2-vl-tiny"))
+    reqs = mm.make_requests(model_dir, num, seed=10, repeat_images=False)
+    warm = mm.make_requests(model_dir, n_warm, seed=1, repeat_images=False)
+    threads = torch.get_num_threads()  # neither side changes the process's thread count
+    bench_args = argparse.Namespace(device=device, engine_threads=threads, hf_threads=threads, max_tokens=tokens)
+    progress.log(f"{VL_CHECK}: engine")
+    eng = mm.bench_engine(model_dir, [(VL_CONC, reqs)], warm, bench_args)[VL_CONC]
+    gc.collect()
+    _empty_cache()
+    progress.log(f"{VL_CHECK}: HF generate")
+    hf = mm.bench_hf(model_dir, [(VL_CONC, reqs)], warm, bench_args)[VL_CONC]
+    gc.collect()
+    _empty_cache()
+    ratio = eng["images_s"] / hf["images_s"]
+    images = sum(len(r.pngs) for r in reqs)
+    sizes = f"{mm.SIZES[0][0]}x{mm.SIZES[0][1]}..{mm.SIZES[-1][0]}x{mm.SIZES[-1][1]}"
+    dtype = "fp32" if dry else "bf16"
+    met = "met" if ratio >= 3 else "NOT met"
+    note = " (CPU dry run: not a GPU figure)" if dry else ""
+    return Row(VL_CHECK, f"qwen2-vl tiny random (text 256x4, vision depth 4, {dtype})",
+               f"{ratio:.2f}x HF (target >= 3x: {met})",
+               f"engine {eng['images_s']:.1f} images/s ({eng['duration']:.2f} s), HF generate "
+               f"{hf['images_s']:.1f} images/s ({hf['duration']:.2f} s); {num} requests, {images} images "
+               f"(1-4 per request, {sizes}, distinct), {tokens} tokens out, concurrency {VL_CONC} (HF: left-padded "
+               f"batches of {VL_CONC}), warmed up on {n_warm} other requests; engine-only: no HTTP stack "
+               f"(the GPU box lacks falcon; pyzmq too unless carried), images resized outside the timing{note}")
+
+
 # --- driver -------------------------------------------------------------------
 
 class Progress:
@@ -780,6 +835,26 @@ def _start_watchdog(progress: Progress) -> threading.Timer:
 # Rough cost of one model's checks (build, two engines with graph capture, parity,
 # throughput), to skip a model cleanly rather than be cut off by the watchdog.
 _MODEL_ESTIMATE_S = {"full": 90.0, "quick": 40.0, "tiny": 2.0}
+# The VL stage: tiny model build, ~90 PNG requests, an engine with graph capture, HF bf16.
+_VL_ESTIMATE_S = {"full": 60.0, "quick": 60.0, "tiny": 10.0}
+
+
+def _engine_import_error() -> Optional[str]:
+    """Why ``worker.engine``'s Engine does not import here (a missing wheel), or None."""
+    try:
+        from worker.engine import Engine  # noqa: F401
+    except ImportError as e:
+        return (f"{type(e).__name__}: {e}; every engine stage skipped (put msgspec, pyzmq and Pillow "
+                f"wheels in .whl/, see the module doc)")
+    return None
+
+
+def _have_pillow() -> bool:
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -827,14 +902,34 @@ def main(argv: Optional[list[str]] = None) -> int:
             progress.test_row = run_cuda_tests(timeout=budget, log_path=log_path)
             progress.add([])
             progress.log(f"cuda tests: {progress.test_row.result}, {progress.test_row.detail}")
+        engine_error = _engine_import_error()
+        if engine_error:
+            progress.add([Row("engine import", "-", "FAIL", engine_error)])
         with tempfile.TemporaryDirectory(prefix="tokserve-gpu-check-") as tmp:
             for preset in args.model_list:
+                if engine_error:
+                    continue
                 if progress.remaining() < _MODEL_ESTIMATE_S[args.size]:
                     progress.add([Row("all checks", preset, "skipped",
                                       f"time budget: {progress.remaining():.0f} s left of --deadline-s "
                                       f"{args.deadline_s:.0f}")])
                     continue
                 check_model(preset, args, Path(tmp), progress)
+            if args.skip_vl or engine_error:
+                pass
+            elif progress.remaining() < _VL_ESTIMATE_S[args.size]:
+                progress.add([Row(VL_CHECK, "qwen2-vl tiny random", "skipped",
+                                  f"time budget: {progress.remaining():.0f} s left of --deadline-s "
+                                  f"{args.deadline_s:.0f} (needs ~{_VL_ESTIMATE_S[args.size]:.0f} s)")])
+            elif not _have_pillow():
+                progress.add([Row(VL_CHECK, "qwen2-vl tiny random", "skipped",
+                                  "Pillow is not installed (the image requests are built with PIL): "
+                                  "add a Pillow wheel to .whl/ to run this stage")])
+            else:
+                try:
+                    progress.add([vl_throughput(args, Path(tmp), progress)])
+                except Exception as e:
+                    progress.add([_failed(VL_CHECK, "qwen2-vl tiny random", e)])
     finally:
         watchdog.cancel()
     text = progress.write()

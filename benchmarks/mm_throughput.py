@@ -189,11 +189,14 @@ def bench_engine(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: lis
                                      num_kv_blocks=512, tokens_only=True, num_threads=threads))
         engine.generate([GenerateRequest(request_id=f"w{i}", prompt_token_ids=r.ids, params=params,
                                          mm_items=_wire_items(r, model_dir)) for i, r in enumerate(warm)])
-        batch = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=r.ids, params=params,
-                                 mm_items=_wire_items(r, model_dir)) for i, r in enumerate(reqs)]
-        start = time.perf_counter()
-        engine.generate(batch)
-        duration = time.perf_counter() - start
+        try:
+            batch = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=r.ids, params=params,
+                                     mm_items=_wire_items(r, model_dir)) for i, r in enumerate(reqs)]
+            start = time.perf_counter()
+            engine.generate(batch)
+            duration = time.perf_counter() - start
+        finally:
+            engine.close()  # (gpu_check runs HF next in the same process)
         out[conc] = {"images_s": sum(len(r.pngs) for r in reqs) / duration, "duration": duration,
                      "threads": threads}
         del engine

@@ -4,6 +4,7 @@ the near-tie logic, a dry run end to end, the watchdog, and the clear exit witho
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def test_options():
     a = gpu_check.parse_args([])
     assert a.model_list == ["llama", "qwen3", "qwen3_moe"] and a.batch_list == [1, 32, 128] and a.peak_gbps == 4800
     assert (a.prompt_len, a.output_len, a.size, a.device) == (128, 128, "full", "cuda")
-    assert not a.skip_tests and a.out is None and a.deadline_s < 480
+    assert not a.skip_tests and not a.skip_vl and a.out is None and a.deadline_s < 480
+    assert gpu_check.parse_args(["--skip-vl"]).skip_vl
     q = gpu_check.parse_args(["--quick", "--batches", "1,32,128"])
     assert q.batch_list == [1, 32] and q.output_len == 32 and q.prompt_len == 64 and q.size == "quick"
     d = gpu_check.parse_args(["--dry-run", "--models", "qwen3", "--skip-tests", "--peak-gbps", "3350"])
@@ -169,6 +171,42 @@ def test_dry_run_end_to_end(tmp_path):
         assert text.count(f"| {check} |") == 3, check  # one row per model
     assert "FAIL" not in text and text.count("| pass |") == 9  # fp32 parity holds for every model
     assert "llama (" in text and "qwen3 (" in text and "qwen3_moe (" in text and "[gpu_check" in proc.stderr
+    # the last stage: Qwen2-VL images/s, engine vs HF at concurrency 8 (8 requests in the dry run)
+    last = text.strip().splitlines()[-1]
+    assert last.startswith(f"| {gpu_check.VL_CHECK} | qwen2-vl tiny random"), last
+    m = re.search(r"\| (\d+\.\d+)x HF \(target >= 3x: (met|NOT met)\) \| engine (\d+\.\d) images/s .*"
+                  r"HF generate (\d+\.\d) images/s .*8 requests, 20 images", last)
+    assert m and float(m.group(1)) > 0 and float(m.group(3)) > 0 and float(m.group(4)) > 0, last
+    assert "engine-only" in last and (m.group(2) == "met") == (float(m.group(1)) >= 3)
+
+
+def _vl_row(tmp_path, monkeypatch, *extra):
+    """main() in-process with the model checks stubbed out: the VL stage's row (or None)."""
+    monkeypatch.setattr(gpu_check, "check_model", lambda *a, **k: None)
+    out = tmp_path / "t.md"
+    assert gpu_check.main(["--dry-run", "--skip-tests", "--out", str(out), *extra]) == 0
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith(f"| {gpu_check.VL_CHECK} |")]
+    assert len(rows) <= 1
+    return rows[0] if rows else None
+
+
+def test_vl_stage_skips_clearly(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "_have_pillow", lambda: False)
+    row = _vl_row(tmp_path, monkeypatch)
+    assert "| skipped |" in row and "Pillow is not installed" in row
+    monkeypatch.setattr(gpu_check, "_VL_ESTIMATE_S", {"tiny": 1e9})
+    row = _vl_row(tmp_path, monkeypatch)
+    assert "| skipped |" in row and "time budget" in row
+    assert _vl_row(tmp_path, monkeypatch, "--skip-vl") is None
+
+
+def test_a_missing_engine_wheel_is_one_clear_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "_engine_import_error", lambda: "ModuleNotFoundError: No module named 'zmq'")
+    monkeypatch.setattr(gpu_check, "check_model", lambda *a, **k: pytest.fail("ran an engine stage"))
+    out = tmp_path / "t.md"
+    assert gpu_check.main(["--dry-run", "--skip-tests", "--out", str(out)]) == 1
+    rows = out.read_text().strip().splitlines()[4:]
+    assert rows == ["| engine import | - | FAIL | ModuleNotFoundError: No module named 'zmq' |"]
 
 
 def test_watchdog_writes_the_partial_table_and_exits_3(tmp_path):
