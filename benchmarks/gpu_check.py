@@ -58,11 +58,11 @@ On the GPU box (Python 3.12, torch 2.11 CUDA, triton 3.6, transformers, numpy,
 safetensors, tokenizers, pytest, httpx; no internet).  What it lacks and this needs:
 **msgspec** (``common.protocol``, whose ``GenerateRequest``/``SamplingParams`` the
 engine takes, imports it), **pyzmq** (``worker.engine.kv_transfer``, imported by the
-engine core, imports ``zmq`` at the top) and **Pillow** (``worker.engine.multimodal`` ->
-``common.multimodal.media`` imports PIL at the top; the VL stage builds its images with
-it too): put cp312 manylinux wheels of all three in ``.whl/``.  Without them the engine
-does not import: the run then says so in an ``engine import`` FAIL row and skips every
-engine stage (the cuda tests still run).  falcon, uvicorn, httptools and supervisor are
+engine core, imports ``zmq`` at the top) and, for the VL stage only, **Pillow** (its
+image requests are built with PIL; the engine itself does not import it): put cp312
+manylinux wheels of all three in ``.whl/``.  Without msgspec or pyzmq the engine does not
+import: the run then says so in an ``engine import`` FAIL row and skips every engine stage
+(the cuda tests still run); without Pillow the VL row says it was skipped.  falcon, uvicorn, httptools and supervisor are
 needed only by the serving stack and its tests, not here.  No ``pip install -e .`` is needed (``PYTHONPATH=$PWD`` does it; an
 editable install offline would need ``--no-build-isolation``).  From the repo root,
 with ``.whl/`` (the wheels, git-ignored) carried (device ``run`` with
@@ -844,7 +844,7 @@ def _engine_import_error() -> Optional[str]:
     try:
         from worker.engine import Engine  # noqa: F401
     except ImportError as e:
-        return (f"{type(e).__name__}: {e}; every engine stage skipped (put msgspec, pyzmq and Pillow "
+        return (f"{type(e).__name__}: {e}; every engine stage skipped (put msgspec and pyzmq "
                 f"wheels in .whl/, see the module doc)")
     return None
 

@@ -376,3 +376,26 @@ def test_package_imports_nothing_forbidden():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_engine_imports_without_pillow():
+    """A GPU box running only the engine may lack Pillow: the workers take resized images
+    and must not import it (image loading imports it on first use)."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'PIL' or name.startswith('PIL.'):\n"
+        "            raise ModuleNotFoundError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import worker.engine, worker.engine.multimodal, common.multimodal as mm\n"
+        "assert mm.Qwen2VLImageConfig().resample == 3\n"
+        "try:\n"
+        "    mm.load_image\n"
+        "except ModuleNotFoundError:\n"
+        "    print('lazy')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0 and out.stdout.strip() == "lazy", out.stderr[-2000:]

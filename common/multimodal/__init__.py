@@ -6,13 +6,6 @@ broker/ or worker/, and never from transformers (a test-only reference).
 """
 
 from common.multimodal.hashing import mm_hash
-from common.multimodal.media import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_PIXELS,
-    MediaError,
-    decode_image_bytes,
-    load_image,
-)
 from common.multimodal.qwen2_vl_processor import (
     Qwen2VLImageConfig,
     check_patchable,
@@ -23,6 +16,19 @@ from common.multimodal.qwen2_vl_processor import (
     resize_image,
     smart_resize,
 )
+
+# Image loading needs Pillow; the workers never load media, so it is imported on first use
+# (a GPU box running only the engine need not have Pillow).
+_MEDIA = ("DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS", "MediaError", "decode_image_bytes", "load_image")
+
+
+def __getattr__(name: str):
+    if name in _MEDIA:
+        from common.multimodal import media
+
+        return getattr(media, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -26,9 +26,15 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+if TYPE_CHECKING:
+    from PIL import Image
+
+# PIL.Image.Resampling.BICUBIC.  Pillow is imported only where pixels are touched, so the
+# workers (which take resized images) import this module's config without Pillow.
+_BICUBIC = 3
 
 __all__ = [
     "OPENAI_CLIP_MEAN",
@@ -95,7 +101,7 @@ class Qwen2VLImageConfig:
     do_resize: bool = True
     do_rescale: bool = True
     do_normalize: bool = True
-    resample: int = int(Image.Resampling.BICUBIC)
+    resample: int = _BICUBIC
 
     @property
     def factor(self) -> int:
@@ -172,6 +178,8 @@ def _to_rgb_hf(image: Image.Image) -> Image.Image:
     a no-op for ``media.load_image`` output, which is RGB already."""
     if image.mode == "RGB":
         return image
+    from PIL import Image
+
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         image = image.convert("RGBA")
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
