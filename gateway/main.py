@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="return metrics.speculative_decoding (n == 1) from workers with --speculative-config")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="include per-request timing metrics in /v1/chat/completions and /v1/completions responses")
     p.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
                    help="model folder whose tokenizer and chat template serve render, derender, /tokenize and the "
                         "OpenAI routes (/v1/chat/completions, /v1/completions)")
@@ -134,6 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         enable_return_routed_experts=args.enable_return_routed_experts,
         return_sampling_mask=args.return_sampling_mask,
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
+        enable_per_request_metrics=args.enable_per_request_metrics,
         allow_runtime_lora=args.allow_runtime_lora
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )

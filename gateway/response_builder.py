@@ -80,6 +80,21 @@ def request_metrics(arrival: float, first_scheduled: Optional[float], first_toke
     )
 
 
+def timing_metrics(queued: Optional[float], scheduled: Optional[float], first_token: Optional[float],
+                   last_token: Optional[float], num_tokens: int) -> PerRequestMetrics:
+    """vLLM's ``build_per_request_timing_metrics`` (generate/base/serving.py), the OpenAI
+    routes' --enable-per-request-metrics: TTFT from the first scheduling, generation time
+    first to last token, tokens/s over scheduling to last token; a field whose
+    timestamps are missing stays None."""
+    ms = lambda a, b: (b - a) * 1e3 if a and b else None  # noqa: E731
+    ttft, gen, queue = ms(scheduled, first_token), ms(first_token, last_token), ms(queued, scheduled)
+    inference = ms(scheduled, last_token)
+    return PerRequestMetrics(
+        time_to_first_token_ms=ttft, generation_time_ms=gen, queue_time_ms=queue,
+        mean_itl_ms=gen / (num_tokens - 1) if gen is not None and num_tokens > 1 else None,
+        tokens_per_second=num_tokens / inference * 1e3 if inference and inference > 0 else None)
+
+
 def spec_decoding_metrics(stats: SpecDecodeStats, detailed: bool) -> SpeculativeDecodingMetrics:
     """vLLM's RequestSpecDecodeMetrics.to_dict: the acceptance length counts the bonus token."""
     steps = sum(stats.histogram)

@@ -39,6 +39,9 @@ class GatewaySettings:
     # vLLM's --per-request-spec-decode-metrics: metrics.speculative_decoding per n == 1
     # response (workers with --speculative-config); "detailed" adds per-step counts.
     per_request_spec_decode_metrics: str = "none"
+    # vLLM's --enable-per-request-metrics: timing metrics on /v1/chat/completions and
+    # /v1/completions responses (n == 1, one prompt; stream: the include_usage chunk).
+    enable_per_request_metrics: bool = False
     # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
     # tokenizer and chat template the gateway loads; None serves tokens only.
     tokenizer: Optional[str] = None

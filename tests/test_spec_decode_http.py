@@ -29,7 +29,8 @@ def stack(tmp_path_factory, llama_dir):
         broker = procs.broker()
         procs.worker(broker, 0, "--model", str(llama_dir), *WORKER_ARGS, "--speculative-config", json.dumps(NGRAM))
         wait_for_workers(broker.frontend, 1, timeout=120)
-        gw = start_gateway(procs, broker.frontend, "--per-request-spec-decode-metrics", "detailed")
+        gw = start_gateway(procs, broker.frontend, "--per-request-spec-decode-metrics", "detailed",
+                           "--tokenizer", str(llama_dir))  # the OpenAI routes too
         with httpx.Client(base_url=gw.url, timeout=120) as http:
             yield procs, broker, http
 
@@ -95,6 +96,27 @@ def test_stream_usage_chunk_carries_the_metrics(stack, llama_dir):
     _check_counts(final["metrics"]["speculative_decoding"], len(tokens))
     plain = make_engine(llama_dir).generate([request("p", prompt, max_tokens=32, ignore_eos=True)])
     assert tokens == plain["p"][0].token_ids
+
+
+def test_openai_routes_carry_the_metrics_too(stack):
+    """/v1/completions: metrics.speculative_decoding on the body and on the include_usage
+    chunk; the timing fields stay null (no --enable-per-request-metrics), left out of the
+    chunk (vLLM dumps it with exclude_none)."""
+    _, _, http = stack
+    prompt = _repetitive(1, seed=14)[0]
+    req = dict(prompt=prompt, max_tokens=32, temperature=0, ignore_eos=True)
+    r = http.post("/v1/completions", json=req)
+    assert r.status_code == 200, r.text
+    metrics = r.json()["metrics"]
+    assert {k: v for k, v in metrics.items() if k != "speculative_decoding"} == dict.fromkeys(
+        ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second"))
+    _check_counts(metrics["speculative_decoding"], 32)
+    r = http.post("/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(p) for p in sse_payloads(r) if p != "[DONE]"]
+    assert all("metrics" not in c for c in chunks[:-1]) and list(chunks[-1]["metrics"]) == ["speculative_decoding"]
+    _check_counts(chunks[-1]["metrics"]["speculative_decoding"], 32)
+    r = http.post("/v1/completions", json={**req, "n": 2, "temperature": 1.0, "seed": 3})
+    assert r.status_code == 200 and r.json()["metrics"] is None
 
 
 def test_n_above_one_gets_no_per_request_metrics(stack):

@@ -10,7 +10,7 @@ import msgspec
 from common.protocol import CompletionDelta
 from gateway import logprobs_format
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
-from gateway.openai_api.facade import Generation, ResponseView, now
+from gateway.openai_api.facade import Generation, ResponseView, now, request_metrics, stream_metrics
 from gateway.openai_api.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -22,7 +22,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
 )
 from gateway.openai_api.render import RenderedChat
-from gateway.response_builder import SSE_DONE, sse_event
+from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event
 
 
 def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Optional[list]:
@@ -47,6 +47,7 @@ class ChatCollector:
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[Optional[str]] = [None] * n
         self.stop: list = [None] * n
+        self.routed: list[Optional[str]] = [None] * n
         self.num_prompt_tokens = len(rendered.token_ids)
         self.prompt_logprobs = None
 
@@ -63,8 +64,14 @@ class ChatCollector:
         lp = chat_logprobs(delta, self.view.top_logprobs)
         if lp:
             self.logprobs[i].extend(lp)
+        if self.view.routed_experts and delta.routed_experts is not None:  # on the finishing delta
+            self.routed[i] = routed_experts_b64(delta)
         if delta.finish_reason is not None:
             self.finish[i], self.stop[i] = delta.finish_reason, delta.stop_reason
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(ids) for ids in self.ids)
 
     def build(self, model: str, metrics=None, kv_transfer_params=None) -> bytes:
         choices = []
@@ -77,8 +84,9 @@ class ChatCollector:
                 logprobs=ChatLogprobs(content=self.logprobs[i]) if self.view.top_logprobs is not None else None,
                 finish_reason=chat_finish_reason(self.finish[i], bool(message.tool_calls)),
                 stop_reason=self.stop[i],
-                token_ids=self.ids[i] if self.view.return_token_ids else None))
-        completion = sum(len(ids) for ids in self.ids)
+                token_ids=self.ids[i] if self.view.return_token_ids else None,
+                routed_experts=self.routed[i]))
+        completion = self.num_generated
         body = ChatCompletionResponse(
             id=self.rendered.generate["request_id"], created=now(), model=model, choices=choices,
             usage=UsageInfo(prompt_tokens=self.num_prompt_tokens, total_tokens=self.num_prompt_tokens + completion,
@@ -97,7 +105,8 @@ async def collect_chat(run: Generation, view: ResponseView, rendered: RenderedCh
         if delta.kv_transfer_params is not None:
             kv = delta.kv_transfer_params
         collector.add(delta)
-    return collector.build(model, kv_transfer_params=kv)
+    return collector.build(model, metrics=request_metrics([run], view, collector.num_generated),
+                           kv_transfer_params=kv)
 
 
 async def stream_chat(run: Generation, view: ResponseView, rendered: RenderedChat,
@@ -159,5 +168,6 @@ async def stream_chat(run: Generation, view: ResponseView, rendered: RenderedCha
                           total_tokens=num_prompt + completion, prompt_tokens_details=msgspec.UNSET,
                           completion_tokens_details=msgspec.UNSET)
         yield sse_event(json_encoder.encode(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=model, choices=[], usage=usage)))
+            id=request_id, created=created, model=model, choices=[], usage=usage,
+            metrics=stream_metrics(request_metrics([run], view, completion)))))
     yield SSE_DONE

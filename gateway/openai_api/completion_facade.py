@@ -10,7 +10,7 @@ import msgspec
 
 from common.protocol import CompletionDelta, TokenLogprobs
 from gateway import logprobs_format
-from gateway.openai_api.facade import Generation, ResponseView, merged, now
+from gateway.openai_api.facade import Generation, ResponseView, merged, now, request_metrics, stream_metrics
 from gateway.openai_api.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -21,7 +21,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
 )
 from gateway.openai_api.render import RenderedPrompt
-from gateway.response_builder import SSE_DONE, sse_event
+from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event
 
 
 def completion_logprobs(entries: list, text_offset: int = 0) -> CompletionLogProbs:
@@ -88,6 +88,7 @@ async def collect_completion(runs: list[Generation], view: ResponseView, rendere
     entries: list[list] = [[] for _ in range(total)]
     finish: list = [None] * total
     stop: list = [None] * total
+    routed: list[Optional[str]] = [None] * total
     async for p, delta in merged(runs):
         prompts[p].observe_first(delta)
         i = p * n + delta.index
@@ -95,6 +96,8 @@ async def collect_completion(runs: list[Generation], view: ResponseView, rendere
         if delta.text:
             texts[i].append(delta.text)
         entries[i].extend(output_entries(delta.logprobs, view.top_logprobs))
+        if view.routed_experts and delta.routed_experts is not None:  # on the finishing delta
+            routed[i] = routed_experts_b64(delta)
         if delta.finish_reason is not None:
             finish[i], stop[i] = delta.finish_reason, delta.stop_reason
     choices = []
@@ -111,12 +114,14 @@ async def collect_completion(runs: list[Generation], view: ResponseView, rendere
             finish_reason=finish[i] or "stop", stop_reason=stop[i],
             token_ids=ids[i] if view.return_token_ids else None,
             prompt_logprobs=prompt.prompt_logprobs,
-            prompt_token_ids=prompt.rendered.token_ids if view.return_token_ids else None))
+            prompt_token_ids=prompt.rendered.token_ids if view.return_token_ids else None,
+            routed_experts=routed[i]))
     num_prompt = sum(p.num_tokens for p in prompts)
     completion = sum(len(x) for x in ids)
     body = CompletionResponse(
         id=rendered[0].generate["request_id"], created=now(), model=model, choices=choices,
-        usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt + completion, completion_tokens=completion))
+        usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt + completion, completion_tokens=completion),
+        metrics=request_metrics(runs, view, completion))
     return json_encoder.encode(body)
 
 
@@ -167,5 +172,6 @@ async def stream_completion(runs: list[Generation], view: ResponseView, rendered
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion, total_tokens=num_prompt + completion,
                           prompt_tokens_details=msgspec.UNSET, completion_tokens_details=msgspec.UNSET)
         yield sse_event(json_encoder.encode(CompletionStreamResponse(
-            id=request_id, created=created, model=model, choices=[], usage=usage)))
+            id=request_id, created=created, model=model, choices=[], usage=usage,
+            metrics=stream_metrics(request_metrics(runs, view, completion)))))
     yield SSE_DONE

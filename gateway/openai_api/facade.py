@@ -17,13 +17,14 @@ import msgspec
 
 from common.client import RequestError
 from common.errors import BadRequest
-from common.protocol import CompletionDelta
+from common.protocol import CompletionDelta, SpecDecodeStats
 from common.validation import validate_request
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
-from gateway.http_protocol import HttpGenerateRequest
+from gateway.http_protocol import HttpGenerateRequest, PerRequestMetrics, SpeculativeDecodingMetrics
 from gateway.metrics import RequestTracker
 from gateway.request_mapping import MappedRequest, map_request
 from gateway.resources.generate import GenerateResource, as_serving_error, check_encodable, cluster_for
+from gateway.response_builder import spec_decoding_metrics, timing_metrics
 from gateway.state import GatewayState
 
 
@@ -60,6 +61,24 @@ class Generation:
                                          state.settings.disconnect_grace_s)
         self.first: Optional[CompletionDelta] = None
         self._closed = False
+        # Per-request metrics: dispatch stands for vLLM's queued time, the workers stamp
+        # scheduling and the first token, the last token is when its delta got here.
+        self.dispatched = time.time()
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.spec_decode: Optional[SpecDecodeStats] = None
+
+    def _observe(self, delta: CompletionDelta) -> None:
+        self.tracker.observe(delta)
+        if delta.first_scheduled_time and self.first_scheduled_time is None:
+            self.first_scheduled_time = delta.first_scheduled_time
+        if delta.first_token_time and self.first_token_time is None:
+            self.first_token_time = delta.first_token_time
+        if delta.token_ids:
+            self.last_token_time = time.time()
+        if delta.spec_decode is not None:
+            self.spec_decode = delta.spec_decode
 
     async def start(self) -> None:
         """Wait for the first delta, so that a rejection keeps its HTTP status."""
@@ -78,10 +97,10 @@ class Generation:
 
     async def __aiter__(self) -> AsyncIterator[CompletionDelta]:
         if self.first is not None:
-            self.tracker.observe(self.first)
+            self._observe(self.first)
             yield self.first
         async for delta in self.deltas:
-            self.tracker.observe(delta)
+            self._observe(delta)
             yield delta
 
     @property
@@ -151,15 +170,59 @@ class ResponseView:
     return_prompt_text: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    # Server switches (vLLM's): routed_experts on non-stream choices, per-request timing
+    # metrics, metrics.speculative_decoding.
+    routed_experts: bool = False
+    timing_metrics: bool = False
+    spec_decode_metrics: str = "none"
 
     @classmethod
-    def of(cls, request, top_logprobs: Optional[int]) -> "ResponseView":
+    def of(cls, request, top_logprobs: Optional[int], settings=None) -> "ResponseView":
         opts = request.stream_options if request.stream else None
         include = bool(opts and opts.include_usage)
+        server = {} if settings is None else dict(
+            routed_experts=settings.enable_return_routed_experts,
+            timing_metrics=settings.enable_per_request_metrics,
+            spec_decode_metrics=settings.per_request_spec_decode_metrics)
         return cls(n=request.n or 1, top_logprobs=top_logprobs, echo=bool(request.echo),
                    return_token_ids=bool(request.return_token_ids),
                    return_prompt_text=bool(getattr(request, "return_prompt_text", False)),
-                   include_usage=include, continuous_usage=include and bool(opts.continuous_usage_stats))
+                   include_usage=include, continuous_usage=include and bool(opts.continuous_usage_stats), **server)
+
+
+def request_metrics(runs: list[Generation], view: ResponseView, num_tokens: int) -> Optional[PerRequestMetrics]:
+    """vLLM's per-request metrics of a chat / completion response (stream: its usage
+    chunk): only when one generation stream is behind it (one prompt, n == 1); timing
+    with --enable-per-request-metrics, speculative_decoding with
+    --per-request-spec-decode-metrics; None otherwise."""
+    if view.n != 1 or len(runs) != 1:
+        return None
+    run, metrics = runs[0], None
+    if view.timing_metrics:
+        metrics = timing_metrics(run.dispatched, run.first_scheduled_time, run.first_token_time,
+                                 run.last_token_time, num_tokens)
+    if view.spec_decode_metrics != "none" and run.spec_decode is not None:
+        metrics = metrics or PerRequestMetrics()
+        metrics.speculative_decoding = spec_decoding_metrics(run.spec_decode, view.spec_decode_metrics == "detailed")
+    return metrics
+
+
+class _StreamSpecDecoding(SpeculativeDecodingMetrics, omit_defaults=True):
+    pass
+
+
+class _StreamMetrics(PerRequestMetrics, omit_defaults=True):
+    pass
+
+
+def stream_metrics(metrics: Optional[PerRequestMetrics]):
+    """A usage chunk's metrics: vLLM dumps it with exclude_none, so null keys are left out."""
+    if metrics is None:
+        return msgspec.UNSET
+    fields = msgspec.structs.asdict(metrics)
+    if metrics.speculative_decoding is not None:
+        fields["speculative_decoding"] = _StreamSpecDecoding(**msgspec.structs.asdict(metrics.speculative_decoding))
+    return _StreamMetrics(**fields)
 
 
 def now() -> int:

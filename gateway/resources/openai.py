@@ -102,7 +102,7 @@ class ChatCompletions(TextRoutes):
                                                                         request.request_id), images=images)
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
-        view = ResponseView.of(request, request.top_logprobs if request.logprobs else None)
+        view = ResponseView.of(request, request.top_logprobs if request.logprobs else None, self.state.settings)
         (run,) = await start_all(self.state, req, [mapped])
         await _respond(resp, [run], bool(request.stream),
                        lambda: chat_facade.collect_chat(run, view, rendered, model),
@@ -118,7 +118,7 @@ class Completions(TextRoutes):
         rendered = self.renderer.completion(request, max_len, base_request_id(req.get_header("X-Request-Id"),
                                                                               request.request_id))
         mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
-        view = ResponseView.of(request, request.logprobs)
+        view = ResponseView.of(request, request.logprobs, self.state.settings)
         runs = await start_all(self.state, req, mapped)
         tok = self.renderer.model.tokenizer
         await _respond(resp, runs, bool(request.stream),
