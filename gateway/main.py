@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="return metrics.speculative_decoding (n == 1) from workers with --speculative-config")
     p.add_argument("--enable-per-request-metrics", action="store_true",
-                   help="include per-request timing metrics in /v1/chat/completions and /v1/completions responses")
+                   help="include per-request timing metrics in /v1/chat/completions and /v1/completions responses "
+                        "(as vLLM) and, beyond vLLM, in /inference/v1/generate ones")
     p.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
                    help="model folder whose tokenizer and chat template serve render, derender, /tokenize and the "
                         "OpenAI routes (/v1/chat/completions, /v1/completions)")

@@ -41,6 +41,9 @@ class ResponseOptions:
     routed_experts: bool = False  # --enable-return-routed-experts
     sampling_mask: bool = False  # --return-sampling-mask
     spec_decode_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed
+    # --enable-per-request-metrics: the timing fields of ``metrics``.  vLLM's /generate fills
+    # only ``speculative_decoding``; with the flag it gets the OpenAI routes' timing too.
+    timing_metrics: bool = False
 
 
 def routed_experts_b64(delta: CompletionDelta) -> Optional[str]:
@@ -64,20 +67,6 @@ def weight_version_spans(delta: CompletionDelta, num_tokens: int) -> Optional[li
     if delta.weight_versions is None:
         return [] if num_tokens == 0 else None
     return [WeightVersionSpan(v, s, e) for v, s, e in delta.weight_versions]
-
-
-def request_metrics(arrival: float, first_scheduled: Optional[float], first_token: Optional[float],
-                    finished: float, num_tokens: int) -> PerRequestMetrics:
-    """Timing of one request in vLLM's PerRequestMetrics fields (milliseconds)."""
-    ttft = (first_token - arrival) * 1e3 if first_token else None
-    gen = (finished - first_token) * 1e3 if first_token else None
-    return PerRequestMetrics(
-        time_to_first_token_ms=ttft,
-        generation_time_ms=gen,
-        queue_time_ms=(first_scheduled - arrival) * 1e3 if first_scheduled else None,
-        mean_itl_ms=gen / (num_tokens - 1) if gen is not None and num_tokens > 1 else None,
-        tokens_per_second=num_tokens / (gen / 1e3) if gen and num_tokens > 1 else None,
-    )
 
 
 def timing_metrics(queued: Optional[float], scheduled: Optional[float], first_token: Optional[float],
@@ -109,12 +98,31 @@ def spec_decoding_metrics(stats: SpecDecodeStats, detailed: bool) -> Speculative
         per_step_drafted=stats.per_step_drafted if detail else None)
 
 
+class _StreamSpecDecoding(SpeculativeDecodingMetrics, omit_defaults=True):
+    pass
+
+
+class _StreamMetrics(PerRequestMetrics, omit_defaults=True):
+    pass
+
+
+def stream_metrics(metrics: Optional[PerRequestMetrics]):
+    """A usage chunk's metrics: vLLM dumps it with exclude_none, so null keys are left out."""
+    if metrics is None:
+        return msgspec.UNSET
+    fields = msgspec.structs.asdict(metrics)
+    if metrics.speculative_decoding is not None:
+        fields["speculative_decoding"] = _StreamSpecDecoding(**msgspec.structs.asdict(metrics.speculative_decoding))
+    return _StreamMetrics(**fields)
+
+
 class _RequestFacts:
     """What the first delta of a request carries once (prompt side, passthrough params)."""
 
-    def __init__(self, mapped: MappedRequest, spec_level: str = "none"):
+    def __init__(self, mapped: MappedRequest, spec_level: str = "none", timing: bool = False):
         self.mapped = mapped
         self.spec_level = spec_level
+        self.timing = timing
         self.spec_decode: Optional[SpecDecodeStats] = None
         self.num_prompt_tokens = len(mapped.wire.prompt_token_ids)
         self.num_cached_tokens: Optional[int] = None
@@ -147,11 +155,17 @@ class _RequestFacts:
         return PromptTokensDetails(self.num_cached_tokens)
 
     def metrics(self, num_tokens: int) -> Optional[PerRequestMetrics]:
-        if self.mapped.wire.params.n != 1 or self.first_token_time is None:
+        """vLLM's /generate: only for n == 1, ``speculative_decoding`` when the worker
+        reported stats (--per-request-spec-decode-metrics), else None; the timing fields
+        with --enable-per-request-metrics (the OpenAI routes' formulas)."""
+        if self.mapped.wire.params.n != 1:
             return None
-        metrics = request_metrics(self.mapped.wire.arrival_time, self.first_scheduled_time,
-                                  self.first_token_time, time.time(), num_tokens)
+        metrics = None
+        if self.timing and self.first_token_time is not None:
+            metrics = timing_metrics(self.mapped.wire.arrival_time or None, self.first_scheduled_time,
+                                     self.first_token_time, time.time(), num_tokens)
         if self.spec_level != "none" and self.spec_decode is not None:
+            metrics = metrics or PerRequestMetrics()
             metrics.speculative_decoding = spec_decoding_metrics(self.spec_decode, self.spec_level == "detailed")
         return metrics
 
@@ -161,7 +175,7 @@ class ResponseAccumulator:
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
-        self.facts = _RequestFacts(mapped, options.spec_decode_metrics)
+        self.facts = _RequestFacts(mapped, options.spec_decode_metrics, options.timing_metrics)
         self.details = options.prompt_tokens_details
         self.options = options
         n = mapped.wire.params.n
@@ -241,7 +255,7 @@ class StreamChunker:
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
-        self.facts = _RequestFacts(mapped, options.spec_decode_metrics)
+        self.facts = _RequestFacts(mapped, options.spec_decode_metrics, options.timing_metrics)
         self.details = options.prompt_tokens_details
         self.options = options
         self.generated = [0] * mapped.wire.params.n
@@ -291,8 +305,7 @@ class StreamChunker:
         usage = Usage(prompt_tokens=p, total_tokens=p + c, completion_tokens=c,
                       prompt_tokens_details=self.facts.prompt_details(self.details, drop_none=True),
                       completion_tokens_details=msgspec.UNSET)
-        metrics = self.facts.metrics(c)
         chunk = StreamChunk(request_id=self.mapped.wire.request_id, usage=usage,
-                            metrics=metrics if metrics is not None else msgspec.UNSET,
+                            metrics=stream_metrics(self.facts.metrics(c)),
                             output_mode=self.mapped.http.output_mode, choices=[])
         return sse_event(json_encoder.encode(chunk))

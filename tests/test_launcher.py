@@ -137,6 +137,9 @@ def test_launcher_plans_cuda_ranks_shared_port_and_secret_env():
     for g in gateways:
         assert "--reuse-port" in g.argv and "--tokens-only" in g.argv
         assert "k" not in g.argv and g.env == {"TOKSERVE_API_KEY": "k"}
+        assert "--enable-per-request-metrics" not in g.argv
+    _, workers, gateways = plan_children(build_parser().parse_args(["--enable-per-request-metrics"]), "/m")
+    assert "--enable-per-request-metrics" in gateways[0].argv and "--enable-per-request-metrics" not in workers[0].argv
 
 
 def test_cpu_workers_leave_a_cpu_to_the_front_end():

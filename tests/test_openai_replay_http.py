@@ -173,3 +173,21 @@ def test_bad_prompt_start_is_a_400(stack):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == 400 and err["type"] == "BadRequestError" and "routed_experts_prompt_start" in err["message"]
+
+
+def test_generate_metrics_as_vllm_and_timing_with_the_flag(stack):
+    """/inference/v1/generate: vLLM fills ``metrics`` only with speculative-decoding stats,
+    so without spec decode it is null (stream: no key); --enable-per-request-metrics adds
+    the OpenAI routes' timing fields there too."""
+    on, off = stack
+    body = gen_body(PROMPT, **GREEDY)
+    r = off.post(GENERATE, json=body)
+    assert r.status_code == 200 and r.json()["metrics"] is None
+    chunks = stream(off, GENERATE, {**body, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and not any("metrics" in c for c in chunks)
+    r = on.post(GENERATE, json=body)
+    assert r.status_code == 200
+    check_timing(r.json()["metrics"], 6)
+    chunks = stream(on, GENERATE, {**body, "stream_options": {"include_usage": True}})
+    assert set(chunks[-1]["metrics"]) == set(TIMING)
+    check_timing(chunks[-1]["metrics"], 6)

@@ -10,7 +10,7 @@ import msgspec
 from common.protocol import CompletionDelta
 from gateway import logprobs_format
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
-from gateway.openai_api.facade import Generation, ResponseView, now, request_metrics, stream_metrics
+from gateway.openai_api.facade import Generation, ResponseView, now, request_metrics
 from gateway.openai_api.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -22,7 +22,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
 )
 from gateway.openai_api.render import RenderedChat
-from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event
+from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event, stream_metrics
 
 
 def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Optional[list]:

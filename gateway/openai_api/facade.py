@@ -20,7 +20,7 @@ from common.errors import BadRequest
 from common.protocol import CompletionDelta, SpecDecodeStats
 from common.validation import validate_request
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
-from gateway.http_protocol import HttpGenerateRequest, PerRequestMetrics, SpeculativeDecodingMetrics
+from gateway.http_protocol import HttpGenerateRequest, PerRequestMetrics
 from gateway.metrics import RequestTracker
 from gateway.request_mapping import MappedRequest, map_request
 from gateway.resources.generate import GenerateResource, as_serving_error, check_encodable, cluster_for
@@ -205,24 +205,6 @@ def request_metrics(runs: list[Generation], view: ResponseView, num_tokens: int)
         metrics = metrics or PerRequestMetrics()
         metrics.speculative_decoding = spec_decoding_metrics(run.spec_decode, view.spec_decode_metrics == "detailed")
     return metrics
-
-
-class _StreamSpecDecoding(SpeculativeDecodingMetrics, omit_defaults=True):
-    pass
-
-
-class _StreamMetrics(PerRequestMetrics, omit_defaults=True):
-    pass
-
-
-def stream_metrics(metrics: Optional[PerRequestMetrics]):
-    """A usage chunk's metrics: vLLM dumps it with exclude_none, so null keys are left out."""
-    if metrics is None:
-        return msgspec.UNSET
-    fields = msgspec.structs.asdict(metrics)
-    if metrics.speculative_decoding is not None:
-        fields["speculative_decoding"] = _StreamSpecDecoding(**msgspec.structs.asdict(metrics.speculative_decoding))
-    return _StreamMetrics(**fields)
 
 
 def now() -> int:

@@ -87,7 +87,8 @@ class GenerateResource:
         details = ResponseOptions(prompt_tokens_details=bool(cluster.model.enable_prefix_caching),
                                   routed_experts=self.state.settings.enable_return_routed_experts,
                                   sampling_mask=self.state.settings.return_sampling_mask,
-                                  spec_decode_metrics=self.state.settings.per_request_spec_decode_metrics)
+                                  spec_decode_metrics=self.state.settings.per_request_spec_decode_metrics,
+                                  timing_metrics=self.state.settings.enable_per_request_metrics)
         try:
             watcher.start()
             # Wait for the first delta before answering, so that a rejection by the
