@@ -281,3 +281,32 @@ def test_lora_static_batch_for_graphs_matches_torch():
         static.apply_embedding(ids, got_h, emb)
         torch.testing.assert_close(got_y, want_y, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,head_dim,lens", [
+    (torch.float32, 80, [7, 0, 130, 64, 1]),   # padded head dim, an empty sequence, > one q-block and key tile
+    (torch.bfloat16, 64, [16, 49]),
+    (torch.float16, 32, [200]),
+])
+def test_varlen_attention_matches_per_sequence_sdpa(dtype, head_dim, lens):
+    """The vision towers' attention: each packed sequence attends within itself, non-causal;
+    q/k/v are strided views of one fused QKV projection, as the tower passes them."""
+    torch.manual_seed(sum(lens))
+    heads = 3
+    total = sum(lens)
+    qkv = torch.randn(total, 3, heads, head_dim).to(dtype)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    scale = head_dim ** -0.5
+    got = _ops().varlen_attention(q, k, v, cu, scale)
+    ref = torch.zeros(total, heads, head_dim)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b > a:
+            qs, ks, vs = (t[a:b].float().transpose(0, 1) for t in (q, k, v))
+            ref[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert (got.float() - ref).abs().max() < TOL[dtype] * 4
+    # a wrong boundary is caught: the same tokens as one sequence differ
+    if len(lens) > 1:
+        merged = _ops().varlen_attention(q, k, v, torch.tensor([0, total], dtype=torch.int32), scale)
+        assert (merged.float() - ref).abs().max() > 0.05

@@ -99,9 +99,10 @@ def test_speculative_decoding_on_triton_equals_plain(llama_dir):
 
 
 def test_qwen2_vl_engine_on_triton_matches_hf(tmp_path):
-    """Image prompts on the Triton backend: M-RoPE rotation rows through the Triton
-    rotary, image embeddings scattered into the prefill (chunked across an image),
-    decode on delta-shifted positions beside a text request."""
+    """Image prompts on the Triton backend: the vision tower's window and full attention
+    through the variable-length kernel, M-RoPE rotation rows through the Triton rotary,
+    image embeddings scattered into the prefill (chunked across an image), decode on
+    delta-shifted positions beside a text request."""
     pytest.importorskip("transformers")
     from tests.test_qwen2_vl_engine import _build, _check, _hf_greedy, _img, _prompt, _req, _as_uint8
 
@@ -112,6 +113,7 @@ def test_qwen2_vl_engine_on_triton_matches_hf(tmp_path):
     exp_txt = _hf_greedy(model, text, [])
     engine = make_engine(tmp_path / "vl", attention_backend="triton", max_num_batched_tokens=32, tokens_only=True)
     assert engine.attention_backend.name == "triton"
+    assert engine.model.visual.blocks[0].attn.varlen_attention is not None  # windows and full blocks in one launch
     out = engine.generate([_req("img", ids, _as_uint8(items, "ab"), logprobs=20), _req("txt", text, None, logprobs=20)])
     _check(out["img"][0], *exp_img)
     _check(out["txt"][0], *exp_txt)

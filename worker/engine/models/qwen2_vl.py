@@ -41,6 +41,12 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             raise ValueError(f"vision tower output width {self.visual.cfg.out_hidden_size} != LM hidden size "
                              f"{config.hidden_size}")
 
+    def use_attention_backend(self, backend) -> None:
+        """The LM as the base model; the vision tower's attention through the backend's
+        variable-length kernel where it has one (Triton), else SDPA per image."""
+        super().use_attention_backend(backend)
+        self.visual.use_varlen_attention(getattr(backend.ops, "varlen_attention", None))
+
     # --- weights -------------------------------------------------------------
     @staticmethod
     def checkpoint_name(name: str) -> str:

@@ -157,8 +157,12 @@ class VisionAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=True)
+        # The attention backend's variable-length kernel (Triton on CUDA): every image /
+        # window in one launch; None: SDPA per segment.
+        self.varlen_attention = None
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                cu_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
         s = x.shape[0]
         q, k, v = self.qkv(x).view(s, 3, self.num_heads, self.head_dim).unbind(1)   # each [S, H, D]
         # rotary in fp32 (as the reference), back to the activation dtype
@@ -166,6 +170,9 @@ class VisionAttention(nn.Module):
         qf, kf = q.float(), k.float()
         q = (qf * c + _rotate_half(qf) * sn).to(x.dtype)
         k = (kf * c + _rotate_half(kf) * sn).to(x.dtype)
+        if self.varlen_attention is not None and cu_tensor is not None:
+            out = self.varlen_attention(q, k, v, cu_tensor, self.head_dim ** -0.5)
+            return self.proj(out.reshape(s, -1))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))                            # [H, S, D]
         out = torch.empty_like(q)
         for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
@@ -209,8 +216,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg) if cfg.variant == QWEN2_VL else VisionGatedMLP(cfg)
 
-    def forward(self, x, cu_seqlens, cos, sin):
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+    def forward(self, x, cu_seqlens, cos, sin, cu_tensor=None):
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin, cu_tensor)
         return x + self.mlp(self.norm2(x))
 
 
@@ -309,6 +316,12 @@ class QwenVisionTower(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def use_varlen_attention(self, fn) -> None:
+        """Attention of every block through ``fn`` (``varlen_attention``'s signature), or SDPA
+        per image / window when None."""
+        for blk in self.blocks:
+            blk.attn.varlen_attention = fn
+
     @classmethod
     def from_hf_config(cls, vision_config: dict, variant: Optional[str] = None) -> "QwenVisionTower":
         return cls(VisionTowerConfig.from_hf(vision_config, variant))
@@ -373,9 +386,13 @@ class QwenVisionTower(nn.Module):
 
             x, cos, sin = permute(x), permute(cos), permute(sin)
             full = set(cfg.fullatt_block_indexes)
+        tensors = {}
+        if self.blocks[0].attn.varlen_attention is not None:  # boundaries on the device, once per call
+            tensors = {id(cu): torch.tensor(cu, dtype=torch.int32, device=device)
+                       for cu in ((full_cu, win_cu) if windowed else (full_cu,))}
         for i, blk in enumerate(self.blocks):
             cu = full_cu if (not windowed or i in full) else win_cu
-            x = blk(x, cu, cos, sin)
+            x = blk(x, cu, cos, sin, tensors.get(id(cu)))
         out = self.merger(x)
         if windowed:
             out = out[torch.argsort(widx)]

@@ -1,6 +1,7 @@
 """Triton kernels of the CUDA engine path: paged attention over the block table
 (prefill chunks with cached context and decode rows in one launch), the KV-cache
-write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM and the segmented LoRA matmuls.
+write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM, the segmented LoRA matmuls
+and the vision towers' variable-length attention.
 
 Importing this package does not import triton (CPU installs may lack it); ``ops()``
 loads the kernels.  They also run on CPU tensors under Triton's interpreter
@@ -23,7 +24,7 @@ def triton_available() -> bool:
 
 def ops() -> Any:
     """Namespace of ``unified_attention``, ``reshape_and_cache``, ``rms_norm``,
-    ``rotary_``, ``silu_and_mul`` and ``fused_experts`` (the element-wise three with the call semantics
+    ``rotary_``, ``silu_and_mul``, ``fused_experts`` and ``varlen_attention`` (the element-wise three with the call semantics
     of the compiled CPU module, so a model uses either interchangeably)."""
     global _ops
     if _ops is None:
@@ -31,10 +32,11 @@ def ops() -> Any:
         from worker.engine.kernels.triton.cache import reshape_and_cache
         from worker.engine.kernels.triton.elementwise import rms_norm, rotary_, silu_and_mul
         from worker.engine.kernels.triton.fused_moe import fused_experts
+        from worker.engine.kernels.triton.varlen_attention import varlen_attention
 
         _ops = SimpleNamespace(unified_attention=unified_attention, reshape_and_cache=reshape_and_cache,
                                rms_norm=rms_norm, rotary_=rotary_, silu_and_mul=silu_and_mul,
-                               fused_experts=fused_experts)
+                               fused_experts=fused_experts, varlen_attention=varlen_attention)
     return _ops
 
 
@@ -45,5 +47,6 @@ def compile_specs() -> list[tuple[str, Any, dict, dict]]:
     from worker.engine.kernels.triton.elementwise import compile_specs as elementwise_specs
     from worker.engine.kernels.triton.fused_moe import compile_specs as moe_specs
     from worker.engine.kernels.triton.lora import compile_specs as lora_specs
+    from worker.engine.kernels.triton.varlen_attention import compile_specs as varlen_specs
 
-    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs()
+    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs() + varlen_specs()
