@@ -32,6 +32,17 @@ def serving_error_json(err: ServingError) -> bytes:
     return error_json(err.message, err.type, err.status, err.param)
 
 
+def stream_error_json(exc: Exception, what: str) -> tuple[int, bytes]:
+    """A failure after an SSE stream began (the status line is sent): the status to
+    account it under and the error body for its last event.  Broker, worker and
+    validation errors keep their status and message; anything else is logged and
+    becomes vLLM's 500 shape."""
+    if isinstance(exc, ServingError):
+        return exc.status, serving_error_json(exc)
+    log.error("error while streaming %s", what, exc_info=exc)
+    return 500, serving_error_json(ServingError(f"Internal server error: {type(exc).__name__}"))
+
+
 def bad_request_from_decode_error(err: msgspec.MsgspecError) -> BadRequest:
     """msgspec's messages name the offending path (``... - at `$.sampling_params.n```)."""
     if isinstance(err, msgspec.DecodeError) and not isinstance(err, msgspec.ValidationError):

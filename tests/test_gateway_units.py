@@ -135,3 +135,22 @@ def test_lora_requests_info_metric_per_lora_worker():
     for label in ('engine="0"', 'max_lora="2"', 'running_lora_adapters="a,b"', 'waiting_lora_adapters="c"'):
         assert label in lines[0]
     assert float(lines[0].rsplit(" ", 1)[1]) > 1.6e9  # when it was reported, as vLLM's set_to_current_time
+
+
+def test_stream_errors_keep_their_status_or_become_a_logged_500(caplog):
+    """After an SSE stream began, the last event carries the error in vLLM's shape: a
+    broker/worker/validation error keeps its status; anything else is logged as a 500."""
+    import json
+
+    from common.client import RequestError
+    from gateway.errors import stream_error_json
+
+    status, body = stream_error_json(RequestError("worker lost", 503), "r1")
+    assert status == 503 and json.loads(body)["error"] == {"message": "worker lost", "type": "ServiceUnavailableError",
+                                                           "param": None, "code": 503}
+    status, body = stream_error_json(BadRequest("bad", "x"), "r2")
+    assert status == 400 and json.loads(body)["error"]["param"] == "x"
+    with caplog.at_level("ERROR", logger="tokserve.gateway"):
+        status, body = stream_error_json(KeyError("k"), "r3")
+    assert status == 500 and json.loads(body)["error"]["message"] == "Internal server error: KeyError"
+    assert "r3" in caplog.text and "KeyError" in caplog.text

@@ -14,7 +14,7 @@ from common.errors import Overloaded, ServingError
 from common.validation import validate_request
 from gateway.body import read_body
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
-from gateway.errors import bad_request_from_decode_error, serving_error_json
+from gateway.errors import bad_request_from_decode_error, stream_error_json
 from gateway.http_protocol import generate_request_decoder
 from gateway.metrics import RequestTracker
 from gateway.multimodal import attach_images
@@ -161,18 +161,14 @@ class GenerateResource:
                 usage = chunker.usage_chunk()
                 if usage is not None:
                     yield usage
-        except RequestError as exc:
-            error_status = exc.status
-            yield sse_event(serving_error_json(as_serving_error(exc)))
         except asyncio.CancelledError:
             if not watcher.cancelled_relay:
                 raise
             error_status = 499  # client went away and the abort never completed
             return
         except Exception as exc:
-            log.exception("error while streaming %s", mapped.wire.request_id)
-            error_status = 500
-            yield sse_event(serving_error_json(ServingError(f"Internal server error: {type(exc).__name__}")))
+            error_status, body = stream_error_json(exc, mapped.wire.request_id)
+            yield sse_event(body)
         finally:
             await self.close_relay(deltas, watcher, tracker, error_status)
         yield SSE_DONE

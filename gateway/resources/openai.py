@@ -21,7 +21,7 @@ import msgspec
 
 from common.errors import NotFound, Overloaded, ServingError
 from gateway.body import read_body
-from gateway.errors import bad_request_from_decode_error, serving_error_json
+from gateway.errors import bad_request_from_decode_error, stream_error_json
 from gateway.openai_api import chat_facade, completion_facade
 from gateway.openai_api.derender import Derenderer
 from gateway.openai_api.facade import Generation, ResponseView, map_rendered, start_all
@@ -154,10 +154,9 @@ async def _respond(resp, runs: list[Generation], stream: bool, collect, sse) -> 
             status = 499
             if not any(r.watcher.cancelled_relay for r in runs):
                 raise
-        except BaseException as exc:
-            status = getattr(exc, "status", 500)
-            err = exc if isinstance(exc, ServingError) else ServingError(f"Internal server error: {type(exc).__name__}")
-            yield sse_event(serving_error_json(err))
+        except Exception as exc:
+            status, body = stream_error_json(exc, runs[0].mapped.wire.request_id if runs else "a stream")
+            yield sse_event(body)
             yield SSE_DONE
         finally:
             for r in runs:
