@@ -214,7 +214,13 @@ class Broker:
                            weight_version=self.control.pool_version, lora_adapters=self.control.lora_adapters)
 
     def _on_generate(self, client: bytes, body: bytes) -> None:
-        req = framing.decode(body, GenerateRequest)
+        try:
+            req = framing.decode(body, GenerateRequest)
+        except FrameError as exc:
+            rid = framing.request_id_of(body)
+            if rid is not None:  # well framed, a field of the wrong type: a 400, not a hang
+                self._error(client, rid, 400, f"malformed GENERATE request: {exc}", "BadRequestError")
+            raise  # logged as a dropped malformed message
         rid = req.request_id
         if rid in self.requests:
             self._error(client, rid, 400, f"request_id {rid!r} is already in flight", "BadRequestError",

@@ -54,7 +54,7 @@ body) raises ``FrameError``; receivers log it (rate limited) and drop the messag
 """
 from __future__ import annotations
 
-from typing import Sequence, Type, TypeVar
+from typing import Optional, Sequence, Type, TypeVar
 
 import msgspec
 import zmq
@@ -93,6 +93,23 @@ def decode(data, type_: Type[T]) -> T:
         return _decoders[type_].decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(f"bad {type_.__name__} body: {exc}") from None
+
+
+class _RequestIdOnly(msgspec.Struct, array_like=True):
+    request_id: str  # GenerateRequest's first field
+
+
+_rid_decoder = msgspec.msgpack.Decoder(_RequestIdOnly)
+
+
+def request_id_of(data) -> Optional[str]:
+    """The ``request_id`` of a GENERATE body that does not decode as a GenerateRequest
+    (a field of the wrong type further in), so that its sender gets an error instead of
+    waiting forever; None when not even that can be read."""
+    try:
+        return _rid_decoder.decode(data).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def message(msg_type: bytes, body=EMPTY, *extra) -> list:

@@ -67,6 +67,18 @@ def placeholder_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _check_size(height: int, width: int, grid, proc) -> None:
+    """HF's smart_resize scales a very thin image up to ``min_pixels`` without looking at
+    ``max_pixels`` again (e.g. 1x150 -> 28x700); the workers refuse images past
+    ``max_pixels`` (their vision memory is sized for it): say so here, with the reason."""
+    patches = grid[0] * grid[1] * grid[2]
+    limit = max(1, proc.max_pixels // (proc.factor * proc.factor)) * proc.merge_size ** 2
+    if patches > limit:
+        raise ValueError(f"the image resizes to {height}x{width} ({patches} patches), more than the {limit} patches "
+                         f"of max_pixels={proc.max_pixels} (its aspect ratio is too extreme for this model's "
+                         "preprocessor)")
+
+
 def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool, where: str = PARAM):
     """Each URL's image resized for the model: ``[(uint8 [H, W, 3], grid_thw)]``."""
     out = []
@@ -75,6 +87,7 @@ def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool,
             image = load_image(url, allowed_local_media_path=allowed, allow_remote=allow_remote)
             resized = resize_image(image, spec.processor)
             grid = check_patchable(resized.shape[0], resized.shape[1], spec.processor)
+            _check_size(resized.shape[0], resized.shape[1], grid, spec.processor)
         except (MediaError, ValueError) as exc:
             raise BadRequest(f"{where}[{i}]: {exc}", f"{where}[{i}]") from None
         out.append((resized, grid))

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
@@ -138,7 +139,15 @@ def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = N
                                            image_token_id=mc.image_token_id, spatial_merge_size=merge)
     except ValueError as e:
         raise BadRequest(f"mm_items: {e}", "mm_items") from None
-    return MultiModalState(ordered, positions.numpy(), delta)
+    return MultiModalState([_keyed(it) for it in ordered], positions.numpy(), delta)
+
+
+def _keyed(it: MultiModalItem) -> MultiModalItem:
+    """The item with its grid folded into its ``mm_hash``: the encoder cache and the
+    prefix-cache blocks are keyed by it, and a client naming one hash for images of
+    different sizes (in one request or in one step) must not get another size's
+    embeddings (a row-count mismatch that failed the whole step)."""
+    return msgspec.structs.replace(it, mm_hash=f"{it.mm_hash}#{'x'.join(str(int(v)) for v in it.grid_thw)}")
 
 
 def block_mm_hashes(state: Optional[MultiModalState], start: int, end: int) -> tuple[str, ...]:
