@@ -72,7 +72,7 @@ def _check_size(height: int, width: int, grid, proc) -> None:
     ``max_pixels`` again (e.g. 1x150 -> 28x700); the workers refuse images past
     ``max_pixels`` (their vision memory is sized for it): say so here, with the reason."""
     patches = grid[0] * grid[1] * grid[2]
-    limit = max(1, proc.max_pixels // (proc.factor * proc.factor)) * proc.merge_size ** 2
+    limit = proc.max_patches
     if patches > limit:
         raise ValueError(f"the image resizes to {height}x{width} ({patches} patches), more than the {limit} patches "
                          f"of max_pixels={proc.max_pixels} (its aspect ratio is too extreme for this model's "

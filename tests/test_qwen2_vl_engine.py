@@ -337,6 +337,26 @@ def _grid_items(grids, patch_dim):
                            shape=[t * h * w, patch_dim]) for k, (t, h, w) in enumerate(grids)]
 
 
+def test_admission_bound_covers_every_aspect_ratio():
+    """The workers' per-image patch bound is the preprocessor's area bound in whole merged
+    cells, not the largest grid of bounded aspect: 7 cells fit a 1x7 image, no squarer grid."""
+    import dataclasses
+
+    from common.multimodal import grid_thw_for_size
+    from worker.engine.multimodal import image_config_for, max_image_grid
+
+    vc = dict(QWEN2_VISION)
+    cfg = image_config_for(None, vc)
+    cfg = dataclasses.replace(cfg, max_pixels=28 * 28 * 7)
+    bound = cfg.max_patches
+    assert bound == 7 * 4 and int(np.prod(max_image_grid(vc, cfg))) < bound
+    assert grid_thw_for_size(28, 196, cfg) == (1, 2, 14)  # an ordinary 28x196 image: the whole bound
+    # HF's smart_resize clamps thin sides up to one cell, past max_pixels (2556x233 -> 224x28);
+    # the gateway refuses those with the same bound (gateway.multimodal._check_size)
+    t, gh, gw = grid_thw_for_size(2556, 233, cfg)
+    assert t * gh * gw > bound
+
+
 def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
     """The profile's dummy batch: valid grids within max_pixels, as many patches as one
     vision-tower call can get, and it runs through the tiny tower of both variants."""

@@ -107,6 +107,13 @@ class Qwen2VLImageConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image ``smart_resize`` may produce within ``max_pixels``
+        (whole merged cells; HF's clamp of a very thin side to one cell can exceed it,
+        and the gateway refuses such images)."""
+        return max(1, self.max_pixels // (self.factor * self.factor)) * self.merge_size ** 2
+
     @classmethod
     def from_dict(cls, d: dict) -> "Qwen2VLImageConfig":
         """Read an HF ``preprocessor_config.json`` dict.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import queue
 import logging
-import math
 import time
 from typing import Any, Optional
 
@@ -27,7 +26,7 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig, generation_defaults
 from worker.engine.model_runner import ModelRunner
-from worker.engine.multimodal import EncoderCache, check_mm_items, image_config_for, max_image_grid
+from worker.engine.multimodal import EncoderCache, check_mm_items, image_config_for
 from worker.engine.model_setup import build_model
 from worker.engine.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
@@ -109,7 +108,6 @@ class EngineCore(RLControl):
         self.runner.tp_leader = self.tp_leader
         if mc.is_multimodal:
             cache = EncoderCache(self.model, device, image_config=image_config_for(config.model, mc.vision_config))
-            cache.max_image_patches = math.prod(max_image_grid(mc.vision_config, cache.image_config))
             self.runner.encoder_cache = cache
         self.lora = self._start_lora(config, device)
         self.runner.lora = self.lora

@@ -280,9 +280,9 @@ class EncoderCache:
         self.device = device
         self.max_tokens = max_tokens
         self.image_config = image_config or Qwen2VLImageConfig()
-        # Patches of the largest image the preprocessor makes (set by the engine from the
-        # tower's config): admission refuses larger items, the KV sizing reserved this much.
-        self.max_image_patches: Optional[int] = None
+        # Patches of the largest image the preprocessor makes: admission refuses larger
+        # items (the KV sizing reserved the tower's memory for this much).
+        self.max_image_patches: Optional[int] = self.image_config.max_patches
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._tokens = 0
         self.num_encoded = 0  # images run through the vision tower (tests, metrics)
