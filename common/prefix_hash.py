@@ -39,18 +39,35 @@ def hash_block(parent_hash: Optional[BlockHash], token_ids: Sequence[int], extra
     return h.digest()
 
 
+def fold_mm_hashes(block_hash: BlockHash, mm_keys: Sequence[str]) -> BlockHash:
+    """A block hash with the cache keys of the images in the block folded in: the same
+    placeholder tokens behind different images never share KV (nor a routing key)."""
+    h = hashlib.sha256(b"tokserve-kv-mm")
+    h.update(block_hash)
+    for m in mm_keys:
+        raw = m.encode("utf-8")
+        h.update(struct.pack("<Q", len(raw)) + raw)
+    return h.digest()
+
+
 def routing_key(block_hash: BlockHash) -> bytes:
     return block_hash[:ROUTING_HASH_BYTES]
 
 
 def prompt_routing_hashes(token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None,
-                          max_blocks: int = 4096) -> list[bytes]:
+                          max_blocks: int = 4096, mm_spans: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
     """Routing keys of the prompt's blocks a worker could serve from its cache: full
-    blocks only, never the one holding the last token (it is always recomputed)."""
+    blocks only, never the one holding the last token (it is always recomputed).
+    ``mm_spans``: (offset, length, cache key) of each image's placeholder run, in prompt
+    order; a block overlapping images has their keys folded in, as the workers do."""
     n = min((len(token_ids) - 1) // block_size, max_blocks) if token_ids else 0
     tokens = np.asarray(token_ids[:n * block_size], dtype="<i8")
     out, parent = [], None
     for i in range(n):
-        parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size], cache_salt if i == 0 else None)
+        start, end = i * block_size, (i + 1) * block_size
+        parent = hash_block(parent, tokens[start:end], cache_salt if i == 0 else None)
+        keys = [key for offset, length, key in mm_spans if offset < end and offset + length > start]
+        if keys:
+            parent = fold_mm_hashes(parent, keys)
         out.append(parent[:ROUTING_HASH_BYTES])
     return out

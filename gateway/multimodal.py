@@ -22,7 +22,9 @@ from typing import Any, Optional
 import numpy as np
 
 from common.errors import BadRequest
-from common.multimodal import MediaError, check_patchable, load_image, mm_hash, num_placeholder_tokens, resize_image
+from common.multimodal import (MediaError, cache_key, check_patchable, load_image, mm_hash, num_placeholder_tokens,
+                               resize_image)
+from common.prefix_hash import prompt_routing_hashes
 from common.protocol import MultiModalItem
 from gateway.mm_features import feature_items
 
@@ -111,9 +113,10 @@ def _items(runs, processed, spec) -> list[MultiModalItem]:
 
 def _set_items(mapped, items: list[MultiModalItem]) -> None:
     mapped.wire.mm_items = items
-    # The workers key an image's blocks by its content hash; token-only routing keys would
-    # claim cache hits that are not there.
-    mapped.wire.prefix_hashes = None
+    if mapped.wire.prefix_hashes is not None:  # cache-aware routing wanted: the workers fold each image in
+        mapped.wire.prefix_hashes = prompt_routing_hashes(
+            mapped.wire.prompt_token_ids, mapped.kv_block_size, mapped.wire.cache_salt,
+            mm_spans=[(it.offset, it.length, cache_key(it.mm_hash, it.grid_thw)) for it in items]) or None
     mapped.mm_placeholders = {"image": [{"offset": it.offset, "length": it.length} for it in items]}
 
 

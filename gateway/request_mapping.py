@@ -38,6 +38,7 @@ class MappedRequest:
     continuous_usage: bool
     # {"image": [{"offset", "length"}, ...]} for a request with images (gateway/multimodal.py)
     mm_placeholders: Optional[dict] = None
+    kv_block_size: int = 16  # the workers' block size: image prompts' routing keys are recomputed with it
 
 
 def base_model_names(info: ModelInfo, served_model_names: list[str]) -> list[str]:
@@ -140,4 +141,5 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         stream=bool(http.stream),
         include_usage=include_usage,
         continuous_usage=include_usage and bool(opts.continuous_usage_stats),
+        kv_block_size=info.kv_block_size,
     )

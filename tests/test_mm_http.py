@@ -20,7 +20,7 @@ from PIL import Image  # noqa: E402
 from common.multimodal import Qwen2VLImageConfig, load_image, mm_hash, preprocess_image  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine  # noqa: E402
-from tests.gateway_helpers import GENERATE, sse_payloads, start_gateway  # noqa: E402
+from tests.gateway_helpers import GENERATE, metric_value, sse_payloads, start_gateway  # noqa: E402
 from tests.model_factory import write_tokenizer  # noqa: E402
 from tests.procs import ProcGroup, wait_for_workers  # noqa: E402
 from tests.test_qwen2_vl_engine import IMAGE, VEND, VSTART, _build  # noqa: E402
@@ -167,3 +167,42 @@ def test_file_urls_and_refusals(gw, media):
     assert plain.status_code == 200, plain.text
     again = http.post(GENERATE, json=_body(ids, [_part((media / "allowed" / "a.png").as_uri())]))
     assert again.json()["choices"][0]["token_ids"] == ok.json()["choices"][0]["token_ids"]
+
+
+def test_image_conversations_follow_their_cache(tmp_path_factory, model_dir):
+    """Two workers, cache-aware routing: the gateway's routing keys fold each image in as
+    the workers' block hashes do, so every later turn of a conversation with an image
+    goes to the worker holding its history, image blocks included."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    with ProcGroup(tmp_path_factory.mktemp("mm-routing")) as procs:
+        broker = procs.broker("--routing", "cache-aware")
+        for rank in range(2):
+            procs.worker(broker, rank, "--model", str(model_dir), *WORKER_ARGS)
+        wait_for_workers(broker.frontend, 2, timeout=120)
+        gw = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir))
+        with httpx.Client(base_url=gw.url, timeout=60) as http:
+            convs = []
+            for c in range(4):  # a different 84x56 image (6 placeholders) per conversation
+                ids = [rng.randrange(3, 140) for _ in range(20)] + [VSTART] + [IMAGE] * 6 + [VEND]
+                convs.append((ids + [rng.randrange(3, 140) for _ in range(20)], _data_url(_png(100 + c, 84, 56))))
+            cached = []
+            for turn in range(3):
+                for history, url in convs:
+                    r = http.post(GENERATE, json=_body(history, [_part(url)]))
+                    assert r.status_code == 200, r.text
+                    body = r.json()
+                    if turn:
+                        cached.append((body["usage"]["prompt_tokens_details"]["cached_tokens"], len(history)))
+                    history += body["choices"][0]["token_ids"] + [rng.randrange(3, 140) for _ in range(10)]
+                time.sleep(0.3)  # the workers' KV events reach the broker
+            time.sleep(0.5)  # past the gateway's cluster-info cache
+            routed = metric_value(http.get("/metrics").text, "tokserve:broker_requests_prefix_routed_total")
+        assert routed >= len(cached)  # each later turn matched its history's keys, image blocks included
+        # the previous turn's prompt + output are cached on one worker: at least its full
+        # blocks (the image's two blocks among them) are hits every time
+        assert all(c >= (n - 10 - MAX_TOKENS) // 16 * 16 - 16 and c >= 32 for c, n in cached), cached
+        log = broker.log_path.read_text(errors="replace")
+        assert "Traceback" not in log, log[-2000:]

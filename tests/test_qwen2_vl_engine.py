@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from common.errors import BadRequest  # noqa: E402
-from common.multimodal import Qwen2VLImageConfig, mm_hash, preprocess_image, resize_image  # noqa: E402
+from common.multimodal import Qwen2VLImageConfig, cache_key, mm_hash, preprocess_image, resize_image  # noqa: E402
+from common.prefix_hash import prompt_routing_hashes  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine  # noqa: E402
 from tests.vl_factory import hf_qwen2_vl  # noqa: E402
@@ -268,9 +269,14 @@ def test_prefix_cache_keys_images(qwen2vl):
     assert same.num_cached_tokens == (len(ids_a) - 1) // 16 * 16
     assert first.token_ids == same.token_ids == ref["a"]
     assert other.token_ids == ref["c"]
-    # blocks holding image tokens are not published as KV events
+    # blocks holding image tokens are published with the image folded in: the keys the
+    # gateway computes for routing (same text, different images: only the text blocks match)
     events = engine.snapshot_kv_events()
-    assert len(events.stored) == 2
+    keys = {k: prompt_routing_hashes(ids, 16, mm_spans=[(it.offset, it.length, cache_key(it.mm_hash, it.grid_thw))
+                                                         for it in items])
+            for k, ids, items in (("a", ids_a, items_a), ("c", ids_c, items_c))}
+    assert len(keys["a"]) == (len(ids_a) - 1) // 16 and set(keys["a"]) | set(keys["c"]) <= set(events.stored)
+    assert keys["a"][:2] == keys["c"][:2] and not set(keys["a"][2:]) & set(keys["c"][2:])
 
 
 def test_decode_after_image_batched_with_text(qwen2vl):

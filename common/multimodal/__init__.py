@@ -5,7 +5,7 @@ Lives in ``common/`` so the gateway (placeholder expansion) and the workers
 broker/ or worker/, and never from transformers (a test-only reference).
 """
 
-from common.multimodal.hashing import mm_hash
+from common.multimodal.hashing import cache_key, mm_hash
 from common.multimodal.qwen2_vl_processor import (
     Qwen2VLImageConfig,
     check_patchable,
@@ -43,6 +43,7 @@ __all__ = [
     "patchify",
     "preprocess_image",
     "resize_image",
+    "cache_key",
     "check_patchable",
     "smart_resize",
 ]

@@ -23,7 +23,7 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["mm_hash"]
+__all__ = ["cache_key", "mm_hash"]
 
 _DOMAIN = b"tokserve-mm-v2"
 
@@ -64,3 +64,10 @@ def mm_hash(
         _framed(h, extra.encode("utf-8") if isinstance(extra, str) else bytes(extra))
         h.update(b"\x01")
     return h.hexdigest()
+
+
+def cache_key(content_hash: str, grid_thw) -> str:
+    """An item's key in the workers' encoder cache and prefix-cache blocks: its content
+    hash with its grid, so a client naming one hash for images of different sizes never
+    gets another size's embeddings.  The gateway's routing keys use the same form."""
+    return f"{content_hash}#{'x'.join(str(int(v)) for v in grid_thw)}"

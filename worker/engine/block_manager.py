@@ -22,37 +22,25 @@ entering the cache (stored) and of their content being evicted (removed), or a r
 snapshot, netted per key so that ``stored`` and ``removed`` never share a key and their
 order of application does not matter; past ``_kv_limit`` pending changes (nobody
 drains) they collapse into a flag, and the next drain is a snapshot of the cache.  Blocks
-hashed with a LoRA adapter, and blocks holding image tokens (their hash folds in the
-images' mm_hash, multimodal.py), are worker-local and never published; a per-block flag
-remembers which blocks were, so only those are ever reported removed.
+hashed with a LoRA adapter are worker-local and never published; a per-block flag
+remembers which blocks were, so only those are ever reported removed.  Blocks holding
+image tokens fold in the images' cache keys (multimodal.py), which the gateway knows
+too: they are published like any other.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence as Seq
 
-import hashlib
-import struct
 
 import numpy as np
 
-from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, hash_block
+from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, fold_mm_hashes, hash_block
 from common.protocol import KvEvents
 from worker.engine.multimodal import block_mm_hashes
 from worker.engine.request import EngineSequence
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
 KV_EVENTS_MAX_PENDING = 1 << 16  # undrained KV event keys kept at most (then: a snapshot)
-
-
-def _fold_mm_hashes(block_hash: BlockHash, mm_hashes: tuple[str, ...]) -> BlockHash:
-    """A block hash with the content hashes of the images in the block folded in:
-    the same placeholder tokens behind different images never share KV."""
-    h = hashlib.sha256(b"tokserve-kv-mm")
-    h.update(block_hash)
-    for m in mm_hashes:
-        raw = m.encode("utf-8")
-        h.update(struct.pack("<Q", len(raw)) + raw)
-    return h.digest()
 
 
 class _LRUList:
@@ -164,17 +152,13 @@ class BlockManager:
             if mm is not None:
                 images = block_mm_hashes(mm, i * bs, (i + 1) * bs)
                 if images:
-                    h = _fold_mm_hashes(h, images)
+                    h = fold_mm_hashes(h, images)
             hashes.append(h)
 
     def _publishes(self, seq: EngineSequence, block_index: int) -> bool:
         """Whether a block's hash goes out as a KV event: not for adapter blocks
-        (worker-local) nor blocks from the first image token on (their hash chain
-        folds the image in, so it never equals the gateway's token-only routing key)."""
-        if getattr(seq.request, "lora_key", None) is not None:
-            return False
-        mm = getattr(seq.request, "mm", None)
-        return mm is None or (block_index + 1) * self.block_size <= mm.items[0].offset
+        (worker-local keys)."""
+        return getattr(seq.request, "lora_key", None) is None
 
     # --- prefix cache lookup --------------------------------------------
     def find_cached_prefix(self, seq: EngineSequence) -> list[int]:

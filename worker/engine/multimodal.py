@@ -13,10 +13,9 @@
   call can get, ``max_encode_grids``) and ``encoder_cache_bytes`` (a full cache), which
   ``ModelRunner._profile_cuda_blocks`` keeps out of the KV cache.
 
-Prefix caching: the block manager folds the ``mm_hash`` of every item overlapping a
-block into that block's hash (``block_mm_hashes``), and such blocks are not
-published as KV events: their keys would never match the gateway's token-only
-routing keys (a routing miss, nothing worse).
+Prefix caching: the block manager folds the cache key (``mm_hash`` + grid) of every
+item overlapping a block into that block's hash (``block_mm_hashes``); the gateway
+computes the same keys for routing (``common.prefix_hash.prompt_routing_hashes``).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from common.errors import BadRequest
-from common.multimodal import Qwen2VLImageConfig
+from common.multimodal import Qwen2VLImageConfig, cache_key
 from common.protocol import GenerateRequest, MultiModalItem
 from worker.engine.models.mrope import mrope_positions
 
@@ -147,7 +146,7 @@ def _keyed(it: MultiModalItem) -> MultiModalItem:
     prefix-cache blocks are keyed by it, and a client naming one hash for images of
     different sizes (in one request or in one step) must not get another size's
     embeddings (a row-count mismatch that failed the whole step)."""
-    return msgspec.structs.replace(it, mm_hash=f"{it.mm_hash}#{'x'.join(str(int(v)) for v in it.grid_thw)}")
+    return msgspec.structs.replace(it, mm_hash=cache_key(it.mm_hash, it.grid_thw))
 
 
 def block_mm_hashes(state: Optional[MultiModalState], start: int, end: int) -> tuple[str, ...]:
