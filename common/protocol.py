@@ -227,6 +227,10 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     running_loras: list[str] = msgspec.field(default_factory=list)
     waiting_loras: list[str] = msgspec.field(default_factory=list)
     max_loras: int = 0
+    # Image models (vllm:mm_cache_queries / _hits): items looked up in the encoder cache
+    # since the worker started, and those found there (cumulative).
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one

@@ -45,6 +45,7 @@ class BrokerCollector:
     def __init__(self) -> None:
         self.info: Optional[ClusterInfo] = None
         self.fetched_at = 0.0  # wall clock of ``info``
+        self.model_name = ""  # the served model name (vLLM's model_name label)
 
     def describe(self):
         return []  # values only exist once the broker answered
@@ -73,6 +74,17 @@ class BrokerCollector:
                                  ",".join(w.load.running_loras), str(w.rank)], self.fetched_at)
         if lora.samples:
             yield lora
+        if any(w.load.mm_cache_queries for w in info.workers):  # image models only, as vLLM
+            queries = CounterMetricFamily("vllm:mm_cache_queries",
+                                          "Multi-modal cache queries, in terms of number of queried items.",
+                                          labels=["model_name", "engine"])
+            hits = CounterMetricFamily("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached "
+                                       "items.", labels=["model_name", "engine"])
+            for w in info.workers:
+                queries.add_metric([self.model_name, str(w.rank)], w.load.mm_cache_queries)
+                hits.add_metric([self.model_name, str(w.rank)], w.load.mm_cache_hits)
+            yield queries
+            yield hits
         stats = info.stats
         if stats is not None:
             for field, name, doc in self._COUNTERS:
@@ -128,7 +140,7 @@ class GatewayMetrics:
         r.register(self.broker)
 
     def update_cluster(self, info: Optional[ClusterInfo], model_name: str) -> None:
-        self.broker.info, self.broker.fetched_at = info, time.time()
+        self.broker.info, self.broker.fetched_at, self.broker.model_name = info, time.time(), model_name
         for w in info.workers if info is not None else ():
             labels = (model_name, str(w.rank))
             self.running.labels(*labels).set(w.load.running if w.alive else 0)

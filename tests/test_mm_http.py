@@ -20,7 +20,7 @@ from PIL import Image  # noqa: E402
 from common.multimodal import Qwen2VLImageConfig, load_image, mm_hash, preprocess_image  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine  # noqa: E402
-from tests.gateway_helpers import GENERATE, metric_value, sse_payloads, start_gateway  # noqa: E402
+from tests.gateway_helpers import GENERATE, metric_value, sse_payloads, start_gateway, wait_metric  # noqa: E402
 from tests.model_factory import write_tokenizer  # noqa: E402
 from tests.procs import ProcGroup, wait_for_workers  # noqa: E402
 from tests.test_qwen2_vl_engine import IMAGE, VEND, VSTART, _build  # noqa: E402
@@ -141,6 +141,11 @@ def test_data_url_images_match_the_engine(gw, model_dir):
     assert chunks[0]["mm_placeholders"] == {"image": ranges}
     assert all("mm_placeholders" not in c for c in chunks[1:])
     assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == expected
+    # vLLM's multimodal cache counters: the first request encoded both images (2 misses);
+    # the later ones found the image past the prefix-cached block in the encoder cache
+    hits = wait_metric(str(http.base_url), "vllm:mm_cache_hits_total", 2, engine="0")
+    queries = metric_value(http.get("/metrics").text, "vllm:mm_cache_queries_total", engine="0")
+    assert hits == 2 and queries - hits == 2, (queries, hits)
 
 
 def test_file_urls_and_refusals(gw, media):

@@ -383,6 +383,9 @@ class EngineCore(RLControl):
             running, waiting = self.scheduler.adapters()
             load.resident_loras, load.max_loras = self.lora.resident, self.lora.max_loras
             load.running_loras, load.waiting_loras = self.lora.names(running), self.lora.names(waiting)
+        cache = self.runner.encoder_cache
+        if cache is not None:
+            load.mm_cache_queries, load.mm_cache_hits = cache.num_queries, cache.num_hits
         return load
 
     # --- KV events (prefix-cache changes, for the broker's cache-aware dispatch) ----------

@@ -285,6 +285,10 @@ class EncoderCache:
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         self._tokens = 0
         self.num_encoded = 0  # images run through the vision tower (tests, metrics)
+        # vllm:mm_cache_queries / _hits: one query per item a step needs (each prefill
+        # chunk over an image asks again), a hit when its embeddings were cached.
+        self.num_queries = 0
+        self.num_hits = 0
         self.num_encode_calls = 0  # vision-tower calls (a step's new images share one)
 
     def __len__(self) -> int:
@@ -301,10 +305,12 @@ class EncoderCache:
         for it in items:
             if it.mm_hash in out:
                 continue
+            self.num_queries += 1
             emb = self._entries.get(it.mm_hash)
             if emb is not None and emb.shape[0] == it.length:
                 self._entries.move_to_end(it.mm_hash)
                 out[it.mm_hash] = emb
+                self.num_hits += 1
             elif all(m.mm_hash != it.mm_hash for m in missing):
                 missing.append(it)
         group: list[MultiModalItem] = []
