@@ -24,6 +24,7 @@ never asserted.
     python -m benchmarks.mm_throughput                      # ~2 min on the 2-core CPU box
     python -m benchmarks.mm_throughput --repeat-images      # the same images every request
     python -m benchmarks.mm_throughput --device cuda        # both sides on the GPU
+    python -m benchmarks.mm_throughput --images-per-request 1,2,3,4   # a row per image count
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def _png(seed: int, width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
-def make_requests(model_dir: Path, num: int, seed: int, repeat_images: bool) -> list[Req]:
+def make_requests(model_dir: Path, num: int, seed: int, repeat_images: bool, images: Optional[int] = None) -> list[Req]:
+    """``num`` requests of ``images`` images each (None: 1-4, cycled)."""
     from PIL import Image
 
     from common.multimodal.qwen2_vl_processor import Qwen2VLImageConfig, preprocess_image
@@ -112,7 +114,7 @@ def make_requests(model_dir: Path, num: int, seed: int, repeat_images: bool) -> 
     rng = np.random.default_rng(seed)
     reqs = []
     for i in range(num):
-        n_img = 1 + i % 4
+        n_img = images if images else 1 + i % 4
         ids = [int(v) for v in rng.integers(3, 300, 8)]
         pngs, pixels, grids = [], [], []
         for k in range(n_img):
@@ -282,6 +284,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--requests", default="48,160", help="requests per concurrency level (comma list, same order)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--repeat-images", action="store_true", help="every request reuses the same images")
+    ap.add_argument("--images-per-request", default="1-4",
+                    help="1-4: requests cycle through 1..4 images (one table row per concurrency); a comma list "
+                         "such as 1,2,3,4: a row per count, every request of a row carrying that many")
     ap.add_argument("--hf-threads", type=int, default=2)
     ap.add_argument("--worker-args", default="--max-model-len 1024 --max-num-seqs 8 --num-kv-blocks 512 --tokens-only")
     ap.add_argument("--skip-hf", action="store_true")
@@ -293,49 +298,60 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    model_dir = build_model(args.model)
+def run_group(model_dir: Path, images: Optional[int], args) -> tuple[list, dict, dict, dict]:
+    """One set of concurrency levels whose requests carry ``images`` images (None: 1-4)."""
     concs = [int(c) for c in args.concurrency.split(",")]
     nums = [int(n) for n in args.requests.split(",")]
     nums += [nums[-1]] * (len(concs) - len(nums))
-    levels = [(c, make_requests(model_dir, n, seed=10 + k, repeat_images=args.repeat_images))
+    levels = [(c, make_requests(model_dir, n, seed=10 + k, repeat_images=args.repeat_images, images=images))
               for k, (c, n) in enumerate(zip(concs, nums))]
     warm = make_requests(model_dir, 4, seed=1, repeat_images=False)
-    print(f"model {model_dir}; images/request 1-4, sizes {SIZES[0]}..{SIZES[-1]}, max_tokens {args.max_tokens}, "
-          f"{'repeated' if args.repeat_images else 'distinct'} images", flush=True)
     t = time.perf_counter()
     ours = bench_ours(model_dir, levels, warm, args)
-    print(f"ours done in {time.perf_counter() - t:.1f}s", flush=True)
+    print(f"[{images or '1-4'} images/request] ours done in {time.perf_counter() - t:.1f}s", flush=True)
     eng = {}
     if not args.skip_engine:
         t = time.perf_counter()
         eng = bench_engine(model_dir, levels, warm, args)
-        print(f"engine done in {time.perf_counter() - t:.1f}s", flush=True)
+        print(f"[{images or '1-4'} images/request] engine done in {time.perf_counter() - t:.1f}s", flush=True)
     hf = {}
     if not args.skip_hf:
         t = time.perf_counter()
         hf = bench_hf(model_dir, levels, warm, args)
-        print(f"HF done in {time.perf_counter() - t:.1f}s", flush=True)
-    print(f"device {args.device}" + (f"; in-process engine at {next(iter(eng.values()))['threads']} torch thread(s)"
-                                     if eng else ""))
-    print(f"{'conc':>4}  {'reqs':>4}  {'images':>6}  {'ours img/s':>10}  {'HF img/s':>9}  {'ours/HF':>7}  "
-          f"{'engine img/s':>12}  {'ours/engine':>11}  {'ours TTFT p50':>13}  {'HF TTFT p50':>11}")
-    for (conc, reqs) in levels:
-        o, h, e = ours[conc], hf.get(conc), eng.get(conc)
-        images = sum(len(r.pngs) for r in reqs)
-        ratio = f"{o['images_s'] / h['images_s']:.2f}x" if h else "-"
-        of_engine = f"{o['images_s'] / e['images_s']:.2f}" if e else "-"
-        print(f"{conc:>4}  {len(reqs):>4}  {images:>6}  {o['images_s']:>10.2f}  "
-              f"{(h['images_s'] if h else float('nan')):>9.2f}  {ratio:>7}  "
-              f"{(e['images_s'] if e else float('nan')):>12.2f}  {of_engine:>11}  {o['ttft_p50'] * 1e3:>10.0f} ms  "
-              f"{(h['ttft_p50'] * 1e3 if h else float('nan')):>8.0f} ms")
-    if 8 in ours and 8 in hf:
-        r = ours[8]["images_s"] / hf[8]["images_s"]
-        print(f"issue target (>= 3x HF images/s at concurrency 8): {r:.2f}x -> {'met' if r >= 3 else 'NOT met'}")
+        print(f"[{images or '1-4'} images/request] HF done in {time.perf_counter() - t:.1f}s", flush=True)
+    return levels, ours, eng, hf
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    model_dir = build_model(args.model)
+    counts: list[Optional[int]] = [None] if args.images_per_request == "1-4" else \
+        [int(c) for c in args.images_per_request.split(",")]
+    print(f"model {model_dir}; images/request {args.images_per_request}, sizes {SIZES[0]}..{SIZES[-1]}, "
+          f"max_tokens {args.max_tokens}, {'repeated' if args.repeat_images else 'distinct'} images", flush=True)
+    groups = [(count, *run_group(model_dir, count, args)) for count in counts]
+    threads = next((e["threads"] for _, _, _, eng, _ in groups for e in eng.values()), None)
+    print(f"device {args.device}" + (f"; in-process engine at {threads} torch thread(s)" if threads else ""))
+    print(f"{'img/req':>7}  {'conc':>4}  {'reqs':>4}  {'images':>6}  {'ours img/s':>10}  {'HF img/s':>9}  "
+          f"{'ours/HF':>7}  {'engine img/s':>12}  {'ours/engine':>11}  {'ours TTFT p50':>13}  {'HF TTFT p50':>11}")
+    report = []
+    for count, levels, ours, eng, hf in groups:
+        for (conc, reqs) in levels:
+            o, h, e = ours[conc], hf.get(conc), eng.get(conc)
+            images = sum(len(r.pngs) for r in reqs)
+            ratio = f"{o['images_s'] / h['images_s']:.2f}x" if h else "-"
+            of_engine = f"{o['images_s'] / e['images_s']:.2f}" if e else "-"
+            print(f"{count or '1-4':>7}  {conc:>4}  {len(reqs):>4}  {images:>6}  {o['images_s']:>10.2f}  "
+                  f"{(h['images_s'] if h else float('nan')):>9.2f}  {ratio:>7}  "
+                  f"{(e['images_s'] if e else float('nan')):>12.2f}  {of_engine:>11}  "
+                  f"{o['ttft_p50'] * 1e3:>10.0f} ms  {(h['ttft_p50'] * 1e3 if h else float('nan')):>8.0f} ms")
+        if 8 in ours and 8 in hf:
+            r = ours[8]["images_s"] / hf[8]["images_s"]
+            print(f"issue target (>= 3x HF images/s at concurrency 8), {count or '1-4'} images/request: "
+                  f"{r:.2f}x -> {'met' if r >= 3 else 'NOT met'}")
+        report.append({"images_per_request": count or "1-4", "ours": ours, "engine": eng, "hf": hf})
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "ours": ours, "engine": eng, "hf": hf},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"device": args.device, "groups": report}, indent=2))
     return 0
 
 
