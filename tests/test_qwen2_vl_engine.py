@@ -428,3 +428,76 @@ def test_cuda_profile_counts_vision_and_encoder_cache(qwen2vl, monkeypatch):
     assert seen["encoder_cache"] == engine.runner.encoder_cache.max_tokens * 64 * 4
     without = real(**{**seen, "vision": 0, "encoder_cache": 0})
     assert engine.block_manager.num_blocks <= without
+
+
+def test_weight_updates_reach_the_vision_tower(qwen2vl, tmp_path):
+    """RL weight writes by checkpoint name (HF's ``visual.*``) update the tower and
+    drop the encoder cache: the next request re-encodes its image with the new weights
+    and answers as an engine loaded from the new checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    from common.dist_weight_transfer import weight_checksums
+
+    path, _ = qwen2vl
+    new = tmp_path / "new"
+    new.mkdir()
+    tensors = load_file(str(path / "model.safetensors"))
+    changed = {n: (t * 1.5 if "attn.qkv" in n or "merger.mlp" in n else t)
+               for n, t in tensors.items() if n.startswith(("visual.", "model.visual."))}
+    assert len(changed) > 4 and all(n in tensors for n in changed)
+    save_file({**tensors, **changed}, str(new / "model.safetensors"))
+    (new / "config.json").write_text((path / "config.json").read_text())
+
+    ids, items = _prompt([_img("b")], seed=12)
+    engine = _engine(path, enable_prefix_caching=False)
+    cache = engine.runner.encoder_cache
+    # both HF layouts name the same tensors (transformers 5: model.language_model.* / model.visual.*)
+    qkv = list(tensors["visual.blocks.0.attn.qkv.weight"].shape)
+    up = list(tensors["model.layers.0.mlp.up_proj.weight"].shape)
+    checked = engine.weights.check([("model.visual.blocks.0.attn.qkv.weight", "float32", qkv),
+                                    ("model.language_model.layers.0.mlp.up_proj.weight", "float32", up),
+                                    ("visual.patch_embed.proj.weight", "float32",
+                                     list(tensors["visual.patch_embed.proj.weight"].shape))])
+    assert [n for n, _, _ in checked] == ["visual.blocks.0.attn.qkv.weight", "model.layers.0.mlp.up_proj.weight",
+                                          "visual.patch_embed.weight"]  # the loader's names
+
+    def sums(named):
+        return weight_checksums(sorted((engine.weights.canonical(n), t) for n, t in named if n.startswith("visual.")))
+
+    def tower_sums():
+        return {n: d for n, d in engine.weight_checksums("").items() if n.startswith("visual.")}
+
+    assert tower_sums() == sums(tensors.items())
+    before = engine.generate([_req("o", ids, items, logprobs=20)])["o"][0]
+    engine.write_weights(changed)
+    engine.end_weight_writes()
+    assert len(cache) == 0  # embeddings of the old tower are gone
+    assert tower_sums() == sums({**tensors, **changed}.items())
+    after = engine.generate([_req("n", ids, items, logprobs=20)])["n"][0]
+    assert cache.num_encoded == 2
+    fresh = _engine(new, enable_prefix_caching=False).generate([_req("f", ids, items, logprobs=20)])["f"][0]
+    assert after.token_ids == fresh.token_ids
+    assert torch.allclose(torch.tensor(after.logprobs.top_logprobs[0]), torch.tensor(fresh.logprobs.top_logprobs[0]),
+                          atol=1e-5)
+    assert not torch.allclose(torch.tensor(before.logprobs.top_logprobs[0]),
+                              torch.tensor(after.logprobs.top_logprobs[0]), atol=1e-3)
+
+
+def test_sleep_level_2_releases_and_restores_the_vision_tower(qwen2vl):
+    """Sleep level 2 drops the weights: the encoder cache must not keep the old model
+    alive, and after wake-up it encodes with the reloaded one."""
+    import gc
+    import weakref
+
+    path, model = qwen2vl
+    ids, items = _prompt([_img("a")], seed=13)
+    expected = _hf_greedy(model, ids, [_img("a")])
+    engine = _engine(path, enable_prefix_caching=False)
+    _check(engine.generate([_req("s1", ids, items, logprobs=20)])["s1"][0], *expected)
+    old = weakref.ref(engine.model)
+    engine.sleep(2)
+    gc.collect()
+    assert old() is None  # nothing holds the released model
+    assert engine.wake_up()
+    assert engine.runner.encoder_cache.model is engine.model
+    _check(engine.generate([_req("s2", ids, items, logprobs=20)])["s2"][0], *expected)

@@ -82,6 +82,7 @@ class RLControl:
         try:
             tensors = {}
             for name, tensor in checkpoint_tensors(path):
+                name = self.weights.canonical(name)
                 if name not in spec and name.endswith(_IGNORABLE):
                     continue
                 tensors[name] = tensor
@@ -134,6 +135,9 @@ class RLControl:
         if level >= 2 and "weights" not in self.asleep:
             self._weights = None
             self.model = self.runner.model = None
+            if self.runner.encoder_cache is not None:  # it encodes with the model: let the weights go
+                self.runner.encoder_cache.clear()
+                self.runner.encoder_cache.model = None
             self.asleep.add("weights")
         gc.collect()
         if self.device.type == "cuda":
@@ -178,6 +182,8 @@ class RLControl:
         if self.lora is not None:
             self.lora.attach(self.model)
         self.runner.model = self.model
+        if self.runner.encoder_cache is not None:
+            self.runner.encoder_cache.model = self.model
         self.asleep.discard("weights")
         self.disk_lineage = [self.config.model]
         for path in lineage:

@@ -71,12 +71,15 @@ class ModelWeights:
 
     def _targets(self, prefix: str, module) -> dict[str, torch.Tensor]:
         if module is self.model:
-            m = self.model
-            t = {"model.embed_tokens.weight": m.embed_tokens.data[: m.vocab_held], "model.norm.weight": m.norm.weight.data}
-            if not m.config.tie_word_embeddings:
-                t["lm_head.weight"] = m.lm_head.data[: m.vocab_held]
-            return t
+            return self.model.own_weight_targets()
         return module.weight_targets(prefix)
+
+    def canonical(self, name: str) -> str:
+        """A checkpoint name in the model's terms: multimodal models accept both HF
+        layouts (``model.language_model.*`` / ``model.visual.*`` and the older
+        ``model.*`` / ``visual.*``), as their loader does."""
+        rename = getattr(self.model, "checkpoint_name", None)
+        return rename(name) if rename is not None else name
 
     def _group_of(self, name: str):
         m = _LAYER.match(name)
@@ -134,6 +137,7 @@ class ModelWeights:
         them with torch dtypes.  Raises BadRequest naming the first problem."""
         out = []
         for name, dtype, shape in entries:
+            name = self.canonical(name)
             spec = self.spec.get(name)
             if spec is None:
                 hint = ", ".join(sorted(self.spec)[:3])
@@ -151,6 +155,7 @@ class ModelWeights:
     @torch.inference_mode()
     def write(self, tensors: dict[str, torch.Tensor], keep_dense: bool = False) -> None:
         """Copy checked tensors into the model (cast to its dtype), block by block."""
+        tensors = {self.canonical(name): t for name, t in tensors.items()}
         by_group: dict[str, list[str]] = {}
         for name in tensors:
             by_group.setdefault(self._group_of(name)[0], []).append(name)

@@ -288,12 +288,18 @@ class LlamaForCausalLM(nn.Module):
             t.update(layer.weight_slices(f"model.layers.{i}."))
         return t
 
-    def weight_targets(self) -> dict[str, torch.Tensor]:
-        """Every HF tensor name this model needs -> where it goes."""
+    def own_weight_targets(self) -> dict[str, torch.Tensor]:
+        """The tensors outside the decoder layers (embedding, final norm, LM head; a
+        vision tower in subclasses) -> where they go."""
         t = {"model.embed_tokens.weight": self.embed_tokens.data[: self.vocab_held],
              "model.norm.weight": self.norm.weight.data}
         if not self.config.tie_word_embeddings:
             t["lm_head.weight"] = self.lm_head.data[: self.vocab_held]
+        return t
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every HF tensor name this model needs -> where it goes."""
+        t = self.own_weight_targets()
         for i, layer in enumerate(self.layers):
             t.update(layer.weight_targets(f"model.layers.{i}."))
         return t

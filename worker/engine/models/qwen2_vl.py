@@ -58,8 +58,8 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             return "visual." + local
         return name
 
-    def weight_targets(self) -> dict[str, torch.Tensor]:
-        t = super().weight_targets()
+    def own_weight_targets(self) -> dict[str, torch.Tensor]:
+        t = super().own_weight_targets()
         cfg = self.visual.cfg
         for name, tensor in self.visual.state_dict().items():
             if name == "patch_embed.weight":  # the Conv3d kernel [out, C, T, P, P] over the linear's rows
