@@ -501,3 +501,20 @@ def test_sleep_level_2_releases_and_restores_the_vision_tower(qwen2vl):
     assert engine.wake_up()
     assert engine.runner.encoder_cache.model is engine.model
     _check(engine.generate([_req("s2", ids, items, logprobs=20)])["s2"][0], *expected)
+
+
+def test_speculative_decoding_on_image_prompts_equals_plain(qwen2vl):
+    """n-gram verification rows of an image request (decode positions shifted by the
+    M-RoPE delta) give the plain engine's ids and logprobs."""
+    path, _ = qwen2vl
+    ids, items = _prompt([_img("a")], seed=3)
+    ids = ids + ids[-6:] * 3  # a repetitive tail: the n-gram proposer drafts
+    plain = _engine(path, enable_prefix_caching=False).generate(
+        [_req("p", ids, items, max_tokens=16, logprobs=5)])["p"][0]
+    spec = _engine(path, enable_prefix_caching=False, spec_max_step_tokens=0,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                       "prompt_lookup_max": 3}).generate(
+        [_req("s", ids, items, max_tokens=16, logprobs=5)])["s"][0]
+    assert spec.token_ids == plain.token_ids and sum(spec.spec_decode.histogram[1:]) > 0
+    assert torch.allclose(torch.tensor(spec.logprobs.top_logprobs), torch.tensor(plain.logprobs.top_logprobs),
+                          atol=1e-4)
