@@ -12,28 +12,13 @@ walked in tiles of TILE_N with an online softmax in fp32.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Triton's interpreter multiplies bf16 dot operands wrongly (numpy has no bf16): fp32 dots there.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _find_seq(cu_seqlens, q_block, num_seqs, BLOCK_M: tl.constexpr):
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        start = tl.load(cu_seqlens + mid) // BLOCK_M + mid
-        if start <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+# Unified attention's q-block -> sequence search (one spare block per sequence), and its
+# switch to fp32 dots under the interpreter (whose bf16 dots are wrong).
+from worker.engine.kernels.triton.attention import _INTERPRETING, _find_seq
 
 
 @triton.jit
