@@ -150,6 +150,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """Attention within each segment ``[cu_seqlens[i], cu_seqlens[i+1])`` of ``[H, S, D]``
+    tensors, without a kernel for it: segments of one length go through SDPA as one
+    batch (Qwen2.5-VL's windows are mostly one size: a handful of calls per layer
+    instead of one per window)."""
+    out = torch.empty_like(q)
+    by_len: dict[int, list[int]] = {}
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if b > a:
+            by_len.setdefault(b - a, []).append(a)
+    for length, starts in by_len.items():
+        if len(starts) == 1:
+            a = starts[0]
+            out[:, a:a + length] = F.scaled_dot_product_attention(q[None, :, a:a + length], k[None, :, a:a + length],
+                                                                  v[None, :, a:a + length])[0]
+            continue
+        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+        n = len(starts)
+        qs, ks, vs = (t[:, idx].view(t.shape[0], n, length, t.shape[2]).transpose(0, 1) for t in (q, k, v))
+        out[:, idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1).reshape(q.shape[0], n * length, -1)
+    return out
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionTowerConfig):
         super().__init__()
@@ -174,11 +197,7 @@ class VisionAttention(nn.Module):
             out = self.varlen_attention(q, k, v, cu_tensor, self.head_dim ** -0.5)
             return self.proj(out.reshape(s, -1))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))                            # [H, S, D]
-        out = torch.empty_like(q)
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            if b > a:
-                out[:, a:b] = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b])[0]
-        return self.proj(out.transpose(0, 1).reshape(s, -1))
+        return self.proj(_segment_attention(q, k, v, cu_seqlens).transpose(0, 1).reshape(s, -1))
 
 
 class VisionMLP(nn.Module):
