@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers' speculative decoding (vLLM's JSON, method ngram)")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="gateways return metrics.speculative_decoding")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='gateways: images one prompt may carry (vLLM\'s flag, e.g. \'{"image": 4}\')')
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="gateways return per-request timing metrics (OpenAI routes, as vLLM; /generate too)")
     p.add_argument("--served-model-name", nargs="+", default=[])
@@ -225,6 +227,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
             argv += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
         if args.enable_per_request_metrics:
             argv.append("--enable-per-request-metrics")
+        if args.limit_mm_per_prompt:
+            argv += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
         if args.tokens_only:
             argv.append("--tokens-only")
         if args.served_model_name:

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="content_parts may load file:// images from under DIR (default: no local files)")
     p.add_argument("--allow-remote-media", action="store_true",
                    help="content_parts may load http(s) image URLs (default: data: URLs and allowed files only)")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='images one prompt may carry, vLLM\'s flag: \'{"image": 4}\' or \'{"image": {"count": 4}}\' '
+                        '(default 999)')
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -108,7 +111,14 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
             raise SystemExit(f"{flag} {value!r} is not one of: {', '.join(choices)}")
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
         raise SystemExit(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
+    from gateway.multimodal import parse_mm_limits
+
+    try:
+        mm_limits = parse_mm_limits(args.limit_mm_per_prompt)
+    except ValueError as exc:
+        raise SystemExit(f"--limit-mm-per-prompt: {exc}") from None
     return GatewaySettings(
+        limit_mm_per_prompt=mm_limits,
         allowed_local_media_path=args.allowed_local_media_path,
         allow_remote_media=args.allow_remote_media,
         tokenizer=args.tokenizer,

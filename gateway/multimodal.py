@@ -33,6 +33,38 @@ NO_IMAGE_MODEL = ("`content_parts` is not supported by this server. Reason: this
                   "(image input needs a Qwen2-VL family model folder given to the gateway with --tokenizer).")
 
 
+DEFAULT_MM_LIMIT = 999  # vLLM's per-modality default
+
+
+def parse_mm_limits(text: Optional[str]) -> dict[str, int]:
+    """vLLM's ``--limit-mm-per-prompt`` JSON: ``{"image": 4}`` or ``{"image": {"count": 4, ...}}``
+    (the size options of the second form only shape vLLM's profiling dummies)."""
+    if not text:
+        return {}
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("expected an object such as {\"image\": 4}")
+    out = {}
+    for modality, limit in value.items():
+        count = limit.get("count", DEFAULT_MM_LIMIT) if isinstance(limit, dict) else limit
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{modality}: the count must be a non-negative integer, got {count!r}")
+        out[str(modality)] = count
+    return out
+
+
+def check_item_count(settings, modality: str, count: int) -> None:
+    """vLLM's ``validate_num_items``: at most the ``--limit-mm-per-prompt`` items of a modality."""
+    limit = settings.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)
+    if count > limit:
+        raise BadRequest(f"At most {limit} {modality}(s) may be provided in one prompt.", modality)
+
+
 def _check_type(i: int, part: Any) -> None:
     if not isinstance(part, dict):
         raise BadRequest(f"content_parts[{i}] must be an object.", f"{PARAM}[{i}]")
@@ -129,7 +161,9 @@ async def attach_images(mapped, spec, settings, processed: Optional[list] = None
             raise BadRequest("content_parts and features are mutually exclusive", PARAM)
         if spec is None:
             raise BadRequest(NO_IMAGE_MODEL.replace("`content_parts`", "`features`"), "features")
-        _set_items(mapped, feature_items(mapped.http, mapped.wire.prompt_token_ids, spec))
+        items = feature_items(mapped.http, mapped.wire.prompt_token_ids, spec)
+        check_item_count(settings, "image", len(items))
+        _set_items(mapped, items)
         return
     if not parts:
         return
@@ -138,6 +172,7 @@ async def attach_images(mapped, spec, settings, processed: Optional[list] = None
     if spec is None:
         raise BadRequest(NO_IMAGE_MODEL, PARAM)
     urls = [_image_url(i, part) for i, part in enumerate(parts)]
+    check_item_count(settings, "image", len(urls))  # before any image is loaded
     runs = placeholder_runs(mapped.wire.prompt_token_ids, spec.image_token_id)
     if len(runs) != len(urls):
         raise BadRequest(
@@ -181,6 +216,7 @@ async def load_chat_images(messages: Any, spec, settings) -> Optional[list]:
     urls = chat_image_urls(messages)
     if not urls:
         return None
+    check_item_count(settings, "image", len(urls))  # before any image is loaded
     return await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
                                    settings.allow_remote_media, "images")
 

@@ -59,3 +59,5 @@ class GatewaySettings:
     # (vLLM's --allowed-local-media-path); http(s) URLs only when allowed (ours; off).
     allowed_local_media_path: Optional[str] = None
     allow_remote_media: bool = False
+    # vLLM's --limit-mm-per-prompt: items of a modality one prompt may carry (999 unset).
+    limit_mm_per_prompt: dict = field(default_factory=dict)

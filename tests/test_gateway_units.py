@@ -154,3 +154,13 @@ def test_stream_errors_keep_their_status_or_become_a_logged_500(caplog):
         status, body = stream_error_json(KeyError("k"), "r3")
     assert status == 500 and json.loads(body)["error"]["message"] == "Internal server error: KeyError"
     assert "r3" in caplog.text and "KeyError" in caplog.text
+
+
+def test_limit_mm_per_prompt_parsing():
+    from gateway.multimodal import parse_mm_limits
+
+    assert parse_mm_limits(None) == {}
+    assert parse_mm_limits('{"image": 2, "video": {"count": 0, "num_frames": 8}}') == {"image": 2, "video": 0}
+    for bad in ("[1]", "{", '{"image": -1}', '{"image": "2"}', '{"image": true}'):
+        with pytest.raises(ValueError):
+            parse_mm_limits(bad)

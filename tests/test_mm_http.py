@@ -211,3 +211,26 @@ def test_image_conversations_follow_their_cache(tmp_path_factory, model_dir):
         assert all(c >= (n - 10 - MAX_TOKENS) // 16 * 16 - 16 and c >= 32 for c, n in cached), cached
         log = broker.log_path.read_text(errors="replace")
         assert "Traceback" not in log, log[-2000:]
+
+
+def test_limit_mm_per_prompt(gw, model_dir):
+    """vLLM's --limit-mm-per-prompt: more images than allowed is a 400 with vLLM's message,
+    before any image is loaded; as many as allowed are served."""
+    from tests.procs import BrokerProc
+
+    procs, _ = gw
+    broker = next(p for p in procs.procs if isinstance(p, BrokerProc))
+    limited = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir),
+                            "--limit-mm-per-prompt", '{"image": {"count": 1}}')
+    with httpx.Client(base_url=limited.url, timeout=60) as http:
+        two = _body(_prompt([4, 4]), [_part("data:image/png;base64,never-decoded")] * 2)
+        resp = http.post(GENERATE, json=two)
+        assert resp.status_code == 400
+        assert resp.json()["error"] == {"message": "At most 1 image(s) may be provided in one prompt.",
+                                        "type": "BadRequestError", "param": "image", "code": 400}
+        chat = {"messages": [{"role": "user", "content": [_part(_data_url(_png(1, 56, 56)))] * 2}]}
+        for route in ("/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"):
+            resp = http.post(route, json=chat)
+            assert resp.status_code == 400 and "At most 1 image(s)" in resp.json()["error"]["message"], route
+        resp = http.post(GENERATE, json=_body(_prompt([4]), [_part(_data_url(_png(1, 56, 56)))]))
+        assert resp.status_code == 200, resp.text
