@@ -88,7 +88,9 @@ class MultiModalItem(msgspec.Struct, **_STRUCT):
     # "uint8_hwc": the resized RGB image ``[h*P, w*P, 3]`` uint8; the worker rescales,
     # normalises and patchifies it with its model's preprocessor config (an eighth of the
     # float patches' bytes on every hop).  "float32": the patches ``[t*h*w, C*T*P*P]``
-    # as HF's processor returns them (pre-processed ``features``).
+    # as HF's processor returns them (pre-processed ``features``).  "remote": no pixels
+    # (``pixel_values`` empty, ``shape`` []): the embeddings come from the encoder worker
+    # the request's ``ec_transfer_params`` name for this item (encoder disaggregation).
     encoding: str = "float32"
 
 
@@ -102,6 +104,9 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     data_parallel_rank: Optional[int] = None  # pin to a worker rank
     session_id: Optional[str] = None  # sticky routing key
     kv_transfer_params: Optional[Any] = None  # passed through untouched
+    # vLLM's ECTransfer parameters: {mm_hash: {peer_host, peer_port, shape, ...}} naming
+    # where an item's encoder output can be pulled (worker/engine/ec_transfer.py).
+    ec_transfer_params: Optional[Any] = None
     arrival_time: float = 0.0  # client wall clock (time.time()); 0 = unknown
     trace_headers: Optional[dict[str, str]] = None
     # A LoRA adapter the worker serves (the gateway maps the request's `model` to it).
@@ -164,6 +169,7 @@ class CompletionDelta(msgspec.Struct, **_STRUCT):
     prompt_token_id_scores: Optional[bytes] = None  # float32 [rows, max_ids] C-order, -inf pad
     prompt_token_id_shape: Optional[list[int]] = None
     kv_transfer_params: Optional[Any] = None
+    ec_transfer_params: Optional[Any] = None  # an encoder worker's answer (final delta), else echoed
     # Timestamps (time.time()) for /metrics and the response's metrics field.
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None

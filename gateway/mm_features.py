@@ -31,12 +31,11 @@ import msgspec
 import numpy as np
 
 from common.errors import BadRequest
-from common.multimodal import num_placeholder_tokens
+from common.multimodal import features_hash, num_placeholder_tokens
 from common.protocol import MultiModalItem
 
 PARAM = "features"
 MAX_HASH_CHARS = 256
-HASH_PREFIX = "features:"
 _RAW_VIEW = 3  # vLLM serial_utils.CUSTOM_TYPE_RAW_VIEW
 _PICKLE_TYPES = {1: "pickle", 2: "cloudpickle"}
 _DTYPES = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int64": "<i8", "int32": "<i4",
@@ -186,9 +185,14 @@ def feature_items(http, token_ids: list[int], spec) -> list[MultiModalItem]:
                 if not http.ec_transfer_params:
                     raise _bad("features: metadata-only multimodal items require ec_transfer_params "
                                f"(image {i} has mm_metadata but no kwargs_data).")
-                raise _bad("features: metadata-only multimodal items (encoder-cache transfer through "
-                           "ec_transfer_params) are not supported by this server; send the tensors in "
-                           "kwargs_data.")
+                announced = http.ec_transfer_params.get(h) if isinstance(http.ec_transfer_params, dict) else None
+                if not isinstance(announced, dict) or "peer_host" not in announced:
+                    raise _bad(f"features: image {i} is metadata-only (no kwargs_data) but ec_transfer_params "
+                               f"names no encoder worker for its mm_hash {h!r} (an entry with peer_host and "
+                               "peer_port, as an ec_producer's response gives it).", "ec_transfer_params")
+                meta = decode_item(meta_items[i], f"features.mm_metadata.image[{i}]")
+                items.append(_to_wire(i, meta, h, offset, length, token_ids, spec, remote=True))
+                continue
             raise _bad(f"features: image {i} has no kwargs_data (an item to resolve from a multimodal cache); "
                        "this server keeps no such cache, send the tensors in kwargs_data.")
         item = decode_item(kw_items[i], f"features.kwargs_data.image[{i}]")
@@ -208,16 +212,24 @@ def feature_items(http, token_ids: list[int], spec) -> list[MultiModalItem]:
     return items
 
 
-def _to_wire(i, item, h, offset, length, token_ids, spec) -> MultiModalItem:
-    where = f"features.kwargs_data.image[{i}]"
-    missing = [k for k in _KEYS if k not in item]
+def _to_wire(i, item, h, offset, length, token_ids, spec, remote: bool = False) -> MultiModalItem:
+    """``remote``: a metadata-only item (the grid alone; its encoder output is pulled from
+    the worker ``ec_transfer_params`` names)."""
+    where = f"features.{'mm_metadata' if remote else 'kwargs_data'}.image[{i}]"
+    missing = [k for k in (("image_grid_thw",) if remote else _KEYS) if k not in item]
     if missing:
-        raise _bad(f"{where}: missing {', '.join(missing)} (a Qwen2-VL image item needs pixel_values and "
-                   "image_grid_thw).")
+        raise _bad(f"{where}: missing {', '.join(missing)} (a Qwen2-VL image item needs "
+                   f"{'image_grid_thw' if remote else 'pixel_values and image_grid_thw'}).")
     grid = item["image_grid_thw"].reshape(-1)
     if grid.size != 3 or grid.dtype.kind not in "iu" or (grid <= 0).any() or (grid > 1 << 16).any():
         raise _bad(f"{where}: image_grid_thw must be 3 positive integers, got {grid.tolist()}.")
     grid = tuple(int(v) for v in grid)
+    if grid[1] % spec.merge_size or grid[2] % spec.merge_size:
+        raise _bad(f"{where}: image_grid_thw {list(grid)} is not divisible by the merge size {spec.merge_size}.")
+    if remote:
+        _check_placeholder(i, grid, offset, length, token_ids, spec)
+        return MultiModalItem(modality="image", mm_hash=features_hash(h), offset=offset, length=length,
+                              grid_thw=list(grid), pixel_values=b"", shape=[], encoding="remote")
     pixels = item["pixel_values"]
     proc = spec.processor
     cols = 3 * proc.temporal_patch_size * proc.patch_size ** 2
@@ -225,11 +237,15 @@ def _to_wire(i, item, h, offset, length, token_ids, spec) -> MultiModalItem:
     if pixels.dtype.kind != "f" or pixels.shape != (rows, cols):
         raise _bad(f"{where}: pixel_values must be a float tensor of shape [{rows}, {cols}] for grid "
                    f"{list(grid)}, got {pixels.dtype} {list(pixels.shape)}.")
-    if grid[1] % spec.merge_size or grid[2] % spec.merge_size:
-        raise _bad(f"{where}: image_grid_thw {list(grid)} is not divisible by the merge size {spec.merge_size}.")
     pixels = np.ascontiguousarray(pixels, dtype="<f4")
     if not np.isfinite(pixels).all():
         raise _bad(f"{where}: pixel_values holds non-finite values.")
+    _check_placeholder(i, grid, offset, length, token_ids, spec)
+    return MultiModalItem(modality="image", mm_hash=features_hash(h), offset=offset, length=length,
+                          grid_thw=list(grid), pixel_values=pixels.tobytes(), shape=list(pixels.shape))
+
+
+def _check_placeholder(i, grid, offset, length, token_ids, spec) -> None:
     need = num_placeholder_tokens(grid, spec.merge_size)
     if length != need:
         raise _bad(f"placeholder count mismatch: image {i} has a placeholder of {length} tokens, "
@@ -237,5 +253,3 @@ def _to_wire(i, item, h, offset, length, token_ids, spec) -> MultiModalItem:
     if offset + length > len(token_ids) or any(t != spec.image_token_id for t in token_ids[offset:offset + length]):
         raise _bad(f"placeholder mismatch: features.mm_placeholders.image[{i}] (offset {offset}, length {length}) "
                    f"is not a run of the image placeholder token {spec.image_token_id} in token_ids.", PARAM)
-    return MultiModalItem(modality="image", mm_hash=HASH_PREFIX + h, offset=offset, length=length,
-                          grid_thw=list(grid), pixel_values=pixels.tobytes(), shape=list(pixels.shape))

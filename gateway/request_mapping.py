@@ -126,6 +126,7 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         data_parallel_rank=data_parallel_rank(headers, cluster),
         session_id=headers.get("x-session-id") or None,
         kv_transfer_params=http.kv_transfer_params,
+        ec_transfer_params=http.ec_transfer_params,
         arrival_time=arrival_time if arrival_time is not None else time.time(),
         trace_headers=trace,
         lora_name=lora_name,

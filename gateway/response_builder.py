@@ -129,12 +129,16 @@ class _RequestFacts:
         self.first_delta: Optional[CompletionDelta] = None
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
-        # Echoed on the first delta; a P/D prefill leg's transfer parameters come on its last.
+        # Echoed on the first delta; a P/D prefill leg's / an encoder worker's transfer
+        # parameters come on its last.
         self.kv_transfer_params = None
+        self.ec_transfer_params = None
 
     def observe(self, delta: CompletionDelta) -> None:
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params = delta.kv_transfer_params
+        if delta.ec_transfer_params is not None:
+            self.ec_transfer_params = delta.ec_transfer_params
         if self.first_delta is None:
             self.first_delta = delta
             if delta.num_prompt_tokens:
@@ -243,7 +247,7 @@ class ResponseAccumulator:
             mm_placeholders=m.mm_placeholders if m.http.return_token_ids else None,
             metrics=facts.metrics(completion),
             kv_transfer_params=facts.kv_transfer_params,
-            ec_transfer_params=m.http.ec_transfer_params,
+            ec_transfer_params=facts.ec_transfer_params,
             output_mode=m.http.output_mode,
             choices=choices,
         )

@@ -100,7 +100,7 @@ def test_features_refusals(gw, model_dir):
     meta_only = {**good, "kwargs_data": None}
     assert "metadata-only multimodal items require ec_transfer_params" in _error(
         http.post(GENERATE, json=_fbody(ids, meta_only)))
-    assert "not supported by this server" in _error(
+    assert "names no encoder worker for its mm_hash 'hash0'" in _error(
         http.post(GENERATE, json=_fbody(ids, meta_only, ec_transfer_params={"x": 1})))
 
     audio = {"mm_hashes": {"audio": ["a"]}, "mm_placeholders": {"audio": [{"offset": 0, "length": 1}]},

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-timeout", type=float, default=480.0,
                    help="seconds a finished prefill leg's KV blocks wait for the decode side to pull them "
                         "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--ec-transfer-config", default=None, metavar="JSON",
+                   help='encoder disaggregation, vLLM\'s JSON: {"ec_connector": "ECCPUConnector", "ec_role": '
+                        '"ec_producer"} exports every encoder output (through the --kv-transfer-address server) and '
+                        'answers image requests with ec_transfer_params naming them; any worker pulls what a '
+                        "request's ec_transfer_params announce")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -116,6 +121,7 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 
 def engine_config_from_args(args):
     from worker.engine import EngineConfig
+    from worker.engine.ec_transfer import parse_ec_transfer_config
 
     model = args.model
     if model is None:
@@ -139,7 +145,8 @@ def engine_config_from_args(args):
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
                         spec_max_step_tokens=args.spec_max_step_tokens,
-                        kv_transfer_address=args.kv_transfer_address, kv_transfer_timeout=args.kv_transfer_timeout)
+                        kv_transfer_address=args.kv_transfer_address, kv_transfer_timeout=args.kv_transfer_timeout,
+                        ec_role=parse_ec_transfer_config(args.ec_transfer_config))
 
 
 def main(argv: list[str] | None = None) -> int:

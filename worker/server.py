@@ -372,15 +372,15 @@ class WorkerServer:
             self._ship_request_errors()
 
     def _ship_request_errors(self) -> None:
-        """Requests the engine failed outside its outputs (a decode leg whose KV pull failed)."""
+        """Requests the engine failed outside its outputs (a KV or encoder-output pull failed)."""
         take = getattr(self.engine, "take_request_errors", None)
         if take is None:
             return
-        for rid, status, message in take():
+        for rid, status, message, param in take():
             track = self.tracks.get(rid)
             if track is not None:
                 self._error(track.client, rid, status, message,
-                            "BadRequestError" if status < 500 else "ServiceUnavailableError", "kv_transfer_params")
+                            "BadRequestError" if status < 500 else "ServiceUnavailableError", param)
 
     def _step(self) -> list[CompletionDelta]:
         try:

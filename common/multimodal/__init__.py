@@ -5,7 +5,7 @@ Lives in ``common/`` so the gateway (placeholder expansion) and the workers
 broker/ or worker/, and never from transformers (a test-only reference).
 """
 
-from common.multimodal.hashing import cache_key, mm_hash
+from common.multimodal.hashing import FEATURES_HASH_PREFIX, cache_key, client_hash, features_hash, mm_hash
 from common.multimodal.qwen2_vl_processor import (
     Qwen2VLImageConfig,
     check_patchable,
@@ -33,6 +33,7 @@ def __getattr__(name: str):
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_PIXELS",
+    "FEATURES_HASH_PREFIX",
     "MediaError",
     "Qwen2VLImageConfig",
     "decode_image_bytes",
@@ -44,6 +45,8 @@ __all__ = [
     "preprocess_image",
     "resize_image",
     "cache_key",
+    "client_hash",
+    "features_hash",
     "check_patchable",
     "smart_resize",
 ]

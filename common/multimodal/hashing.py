@@ -23,7 +23,7 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["cache_key", "mm_hash"]
+__all__ = ["FEATURES_HASH_PREFIX", "cache_key", "client_hash", "features_hash", "mm_hash"]
 
 _DOMAIN = b"tokserve-mm-v2"
 
@@ -71,3 +71,20 @@ def cache_key(content_hash: str, grid_thw) -> str:
     hash with its grid, so a client naming one hash for images of different sizes never
     gets another size's embeddings.  The gateway's routing keys use the same form."""
     return f"{content_hash}#{'x'.join(str(int(v)) for v in grid_thw)}"
+
+
+# Hashes a client names in ``features`` live in their own namespace, so that they can never
+# alias the gateway's content hashes (a client cannot plant embeddings under a hash of
+# someone else's image).
+FEATURES_HASH_PREFIX = "features:"
+
+
+def features_hash(client: str) -> str:
+    """The wire mm_hash of an item whose hash a client named (``features``)."""
+    return FEATURES_HASH_PREFIX + client
+
+
+def client_hash(wire: str) -> str:
+    """The hash a client sees for a wire mm_hash (``features_hash`` undone; a content
+    hash the gateway computed is shown as it is)."""
+    return wire[len(FEATURES_HASH_PREFIX):] if wire.startswith(FEATURES_HASH_PREFIX) else wire

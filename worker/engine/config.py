@@ -71,6 +71,9 @@ class EngineConfig:
     # finished prefill leg's blocks wait for their decode side (vLLM's 480 s).
     kv_transfer_address: Optional[str] = None
     kv_transfer_timeout: float = 480.0
+    # Encoder disaggregation (ec_transfer.py): vLLM's ec_role from --ec-transfer-config;
+    # ec_producer / ec_both export every encoder output for consumers to pull.
+    ec_role: Optional[str] = None
 
     def spec_step_token_cap(self, device) -> Optional[int]:
         cap = self.spec_max_step_tokens

@@ -21,6 +21,8 @@ from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.kv_transfer import DecodeLeg, KvTransfer, PrefillLeg, TransferError, blocks_from_reply, parse_params
 from worker.engine.config import EngineConfig
+from worker.engine.ec_transfer import PARAM as EC_PARAM
+from worker.engine.ec_transfer import PRODUCER_ROLES, EcPulls, EncoderExports, announce, remote_sources
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
@@ -84,12 +86,27 @@ class EngineCore(RLControl):
         self._arrivals = itertools.count()
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
-        self._request_errors: list[tuple[str, int, str]] = []  # (request id, HTTP status, message)
+        self.ec_pulls = EcPulls()
+        self.ec_exports: Optional[EncoderExports] = None
+        if config.ec_role in PRODUCER_ROLES:
+            self._start_encoder_exports()
+        # (request id, HTTP status, message, param)
+        self._request_errors: list[tuple[str, int, str, str]] = []
         self._init_rl_control()
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
                  self.block_manager.num_blocks, config.block_size, self.max_model_len)
+
+    def _start_encoder_exports(self) -> None:
+        """An encoder worker (ec_producer): export every encoder output through the
+        transfer server, bound now so that answers can name it."""
+        cache = self.runner.encoder_cache
+        if cache is None:
+            raise ValueError(f"--ec-transfer-config ec_role {self.config.ec_role}: {self.model_config.architecture} "
+                             "has no vision encoder to export outputs of")
+        self.ec_exports = cache.exports = self.kv_transfer.encodings = EncoderExports()
+        self.kv_transfer.server()
 
     def _build_model_and_cache(self, config: EngineConfig, mc: ModelConfig, device: torch.device) -> None:
         """Model (with its tensor-parallel followers), tokenizer, runner, KV cache,
@@ -215,12 +232,58 @@ class EngineCore(RLControl):
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
         request.kv_leg = leg
+        if mm is not None and self._needs_encoder_pull(request, seq):
+            return  # scheduled once its encoder outputs are pulled
         if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
             self.kv_transfer.start_pull(request, seq, leg)
             return
         if isinstance(leg, PrefillLeg):
             self.kv_transfer.server()  # bound before the answer names its host and port
         self.scheduler.add(seq)
+
+    # --- encoder disaggregation (ec_transfer.py) ---------------------------------------------
+    def _needs_encoder_pull(self, request: Request, seq: EngineSequence) -> bool:
+        """Admission of an image request: an encoder worker answers with its exports; a
+        request whose ec_transfer_params announce items' encoder outputs pulls those its
+        encoder cache lacks (True: it waits for them)."""
+        mm, cache = request.mm, self.runner.encoder_cache
+        if self.ec_exports is not None:
+            request.echo_ec = False
+        sources = remote_sources(request.req.ec_transfer_params, mm.items, mm.wire_hashes,
+                                 self.model_config.hidden_size)
+        if not sources:
+            return False
+        request.echo_ec = False  # a consumer answers with none (as vLLM)
+        for key in [k for k in sources if k in cache]:
+            mm.embeds[key] = cache.get(next(it for it in mm.items if it.mm_hash == key))
+            del sources[key]
+        if not sources:
+            return False
+        self.ec_pulls.start(request, seq, sources)
+        return True
+
+    def _finish_encoder_pull(self, rid: str, token: int, pulled: dict, failed: dict) -> None:
+        entry = self.ec_pulls.pending.get(rid)
+        if entry is None or entry[3] != token:
+            return  # aborted meanwhile
+        del self.ec_pulls.pending[rid]
+        request, seq, sources, _ = entry
+        for key, error in failed.items():
+            if sources[key].required:
+                self._forget(request)
+                self._request_errors.append((rid, error.status, error.message, EC_PARAM))
+                return
+            log.warning("request %s: %s; encoding its pixels here instead", rid, error.message)
+        dtype = self.config.torch_dtype
+        for key, emb in pulled.items():
+            request.mm.embeds[key] = emb.to(device=self.device, dtype=dtype)
+        self.scheduler.add(seq)
+
+    def _announce_encodings(self, request: Request) -> None:
+        """An encoder worker's request finished: where consumers read its items' outputs."""
+        server = self.kv_transfer.server()
+        request.ec_transfer_out = announce(request.mm.items, request.mm.wire_hashes, self.ec_exports,
+                                           server.host, server.port)
 
     def _check_kv_leg(self, req: GenerateRequest, leg) -> None:
         """Requests whose KV blocks move between workers: what this engine refuses."""
@@ -279,6 +342,8 @@ class EngineCore(RLControl):
                 bm.release_blocks(blocks)
         while not kv.pulled.empty():
             self._finish_pull(*kv.pulled.get_nowait())
+        while not self.ec_pulls.done.empty():
+            self._finish_encoder_pull(*self.ec_pulls.done.get_nowait())
 
     def _finish_pull(self, rid: str, token: int, result, error) -> None:
         entry = self.kv_transfer.pending.get(rid)
@@ -293,7 +358,7 @@ class EngineCore(RLControl):
                 error = exc
         if error is not None:
             self._forget(request)
-            self._request_errors.append((rid, error.status, error.message))
+            self._request_errors.append((rid, error.status, error.message, "kv_transfer_params"))
             return
         self.scheduler.add(seq)
 
@@ -315,15 +380,17 @@ class EngineCore(RLControl):
         kv_cache.index_copy_(2, dst, data.index_select(2, src).to(kv_cache.device))
         bm.release_blocks([b for _, b in taken])
 
-    def take_request_errors(self) -> list[tuple[str, int, str]]:
-        """Requests that failed outside a step's outputs (a decode leg's pull):
-        (request id, HTTP status, message); they are gone from the engine."""
+    def take_request_errors(self) -> list[tuple[str, int, str, str]]:
+        """Requests that failed outside a step's outputs (a decode leg's KV pull, an
+        encoder output's pull): (request id, HTTP status, message, param); they are gone
+        from the engine."""
         errors, self._request_errors = self._request_errors, []
         return errors
 
     def _forget(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
         self.kv_transfer.pending.pop(request.request_id, None)
+        self.ec_pulls.pending.pop(request.request_id, None)
         if self.requests.pop(request.request_id, None) is not None and request.lora_key is not None:
             self.lora.release(request.lora_key)
 
@@ -411,6 +478,13 @@ class EngineCore(RLControl):
                 done = None
             if done is not None:
                 self._finish_pull(*done)
+        elif self.ec_pulls.pending and not self.scheduler.has_unfinished():
+            try:
+                done = self.ec_pulls.done.get(timeout=0.02)
+            except queue.Empty:
+                done = None
+            if done is not None:
+                self._finish_encoder_pull(*done)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
@@ -605,6 +679,8 @@ class EngineCore(RLControl):
             self._capture_routing(seq)
             if isinstance(request.kv_leg, PrefillLeg) and seq.index == 0:
                 self._hold_for_transfer(seq)
+            if self.ec_exports is not None and request.mm is not None and seq.index == 0:
+                self._announce_encodings(request)
             self.scheduler.remove(seq)
             if request.is_finished():
                 self._forget(request)

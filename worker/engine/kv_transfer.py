@@ -56,10 +56,11 @@ _decoder = msgspec.msgpack.Decoder()
 class TransferError(Exception):
     """A decode leg that cannot get its blocks (``status`` follows HTTP)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, refusal: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.refusal = refusal  # the peer's own error text, when it answered with a refusal
 
 
 # --- kv_transfer_params ------------------------------------------------------------------
@@ -179,9 +180,10 @@ class TransferServer(threading.Thread):
     """The ROUTER answering PULL / FREE for this worker's held blocks."""
 
     def __init__(self, ctx: zmq.Context, address: str, engine_id: str, held: HeldTransfers,
-                 kv_cache: Callable[[], Optional[torch.Tensor]]):
+                 kv_cache: Callable[[], Optional[torch.Tensor]], encodings: Optional[Any] = None):
         super().__init__(name="kv-transfer", daemon=True)
         self.engine_id, self.held, self.kv_cache = engine_id, held, kv_cache
+        self.encodings = encodings  # ec_transfer.EncoderExports of an encoder worker, else None
         self._bad = RateLimitedLog(log)
         self._halt = threading.Event()
         self.sock = ctx.socket(zmq.ROUTER)
@@ -225,6 +227,9 @@ class TransferServer(threading.Thread):
         except Exception as exc:
             self._bad.warning("kv transfer: dropped an undecodable message: %s", exc)
             return
+        if isinstance(msg, dict) and msg.get("op") == "ec_pull":
+            self._ec_pull(identity, msg)
+            return
         if not isinstance(msg, dict) or msg.get("op") not in ("pull", "free") \
                 or not isinstance(msg.get("request_id"), str) or not isinstance(msg.get("engine_id"), str):
             self._bad.warning("kv transfer: dropped a malformed message")
@@ -249,6 +254,21 @@ class TransferServer(threading.Thread):
         raw = data.view(-1).view(torch.uint8).numpy()  # zero-copy: the frame is the tensor's buffer
         self._reply(identity, header, raw)
 
+    def _ec_pull(self, identity: bytes, msg: dict) -> None:
+        """An encoder output by its cache key (ec_transfer.py: encoder disaggregation)."""
+        key = msg.get("key")
+        if not isinstance(key, str):
+            self._bad.warning("kv transfer: dropped an EC pull without a key")
+            return
+        data = self.encodings.get(key) if self.encodings is not None else None
+        if data is None:
+            why = "unknown or evicted encoder output" if self.encodings is not None else \
+                "this worker does not export encoder outputs (no ec_producer --ec-transfer-config)"
+            self._reply(identity, {"ok": False, "key": key, "status": 400, "error": f"{why} {key!r}"})
+            return
+        header = {"ok": True, "key": key, "shape": list(data.shape), "dtype": str(data.dtype)[6:]}
+        self._reply(identity, header, data.view(-1).view(torch.uint8).numpy())
+
     def _reply(self, identity: bytes, header: dict, raw=None) -> None:
         frames = [identity, _encoder.encode(header)]
         if raw is not None:
@@ -260,40 +280,57 @@ class TransferServer(threading.Thread):
 
 
 # --- decode side: the pull ----------------------------------------------------------------
-def pull_blocks(ctx: zmq.Context, leg: DecodeLeg, timeout: float = PULL_TIMEOUT_S) -> tuple[dict, Any]:
-    """PULL the blocks (then FREE them remotely); returns (header, raw buffer).
-    TransferError: 503 when the peer does not answer in time, 400 when it refuses."""
-    where = f"{leg.host}:{leg.port}"
+def ask(ctx: zmq.Context, host: str, port: int, msg: dict, timeout: float, what: str,
+        then: Optional[dict] = None) -> tuple[dict, Any]:
+    """One request to a worker's transfer server: (reply header, raw payload buffer).
+    ``then``: sent after a good reply (not answered).  TransferError: 503 when the peer
+    does not answer in time, its status when it refuses, 502 on a malformed reply;
+    messages start with ``what`` (the request field they concern)."""
+    where = f"{host}:{port}"
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         try:
             sock.connect(f"tcp://{where}")
         except zmq.ZMQError as exc:
-            raise TransferError(400, f"kv_transfer_params: cannot connect to remote {where}: {exc}") from None
-        sock.send(_encoder.encode({"op": "pull", "engine_id": leg.engine_id, "request_id": leg.request_id,
-                                   "block_ids": leg.block_ids}))
+            raise TransferError(400, f"{what}: cannot connect to remote {where}: {exc}") from None
+        sock.send(_encoder.encode(msg))
         if not sock.poll(int(timeout * 1000)):
-            raise TransferError(503, f"kv_transfer_params: the prefill worker at {where} did not answer within "
-                                     f"{timeout:g} s (unreachable or gone); its KV blocks cannot be pulled")
+            raise TransferError(503, f"{what}: the worker at {where} did not answer within {timeout:g} s "
+                                     "(unreachable or gone)")
         frames = sock.recv_multipart(copy=False)
         try:
             header = _decoder.decode(frames[0].buffer)
             ok = header["ok"]
         except Exception:
-            raise TransferError(502, f"kv_transfer_params: malformed reply from {where}") from None
+            raise TransferError(502, f"{what}: malformed reply from {where}") from None
         if not ok:
             status = header.get("status", 400)
-            raise TransferError(status if _is_int(status) else 400,
-                                f"kv_transfer_params: unknown or expired transfer ({header.get('error')})")
+            raise TransferError(status if _is_int(status) else 400, f"{what}: {header.get('error')}",
+                                refusal=str(header.get("error")))
         if len(frames) != 2:
-            raise TransferError(502, f"kv_transfer_params: malformed reply from {where}")
-        # The blocks are ours now: the prefill side may release them.
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.send(_encoder.encode({"op": "free", "engine_id": leg.engine_id, "request_id": leg.request_id}))
+            raise TransferError(502, f"{what}: malformed reply from {where}")
+        if then is not None:
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.send(_encoder.encode(then))
         return header, frames[1].buffer
     finally:
         sock.close()
+
+
+def pull_blocks(ctx: zmq.Context, leg: DecodeLeg, timeout: float = PULL_TIMEOUT_S) -> tuple[dict, Any]:
+    """PULL the blocks (then FREE them remotely: they are ours now); returns (header, raw buffer)."""
+    msg = {"op": "pull", "engine_id": leg.engine_id, "request_id": leg.request_id, "block_ids": leg.block_ids}
+    free = {"op": "free", "engine_id": leg.engine_id, "request_id": leg.request_id}
+    try:
+        return ask(ctx, leg.host, leg.port, msg, timeout, "kv_transfer_params", then=free)
+    except TransferError as exc:
+        if exc.refusal is not None:
+            raise TransferError(exc.status, f"kv_transfer_params: unknown or expired transfer ({exc.refusal})",
+                                exc.refusal) from None
+        if exc.status == 503:
+            raise TransferError(503, exc.message + "; its KV blocks cannot be pulled") from None
+        raise
 
 
 def blocks_from_reply(header: dict, raw, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -323,6 +360,7 @@ class KvTransfer:
         self.held = HeldTransfers()
         self._kv_cache = kv_cache
         self._server: Optional[TransferServer] = None
+        self.encodings: Optional[Any] = None  # ec_transfer.EncoderExports served alongside (encoder workers)
         self._ctx = zmq.Context.instance()
         self.pending: dict[str, tuple] = {}  # request id -> (request, seq, leg, token): pull in flight
         self.pulled: "queue.Queue[tuple[str, object, Optional[tuple], Optional[TransferError]]]" = queue.Queue()
@@ -330,7 +368,8 @@ class KvTransfer:
 
     def server(self) -> TransferServer:
         if self._server is None:
-            self._server = TransferServer(self._ctx, self.address, self.engine_id, self.held, self._kv_cache)
+            self._server = TransferServer(self._ctx, self.address, self.engine_id, self.held, self._kv_cache,
+                                          self.encodings)
             self._server.start()
             log.info("KV transfer server on %s:%d (engine id %s)", self._server.host, self._server.port,
                      self.engine_id)

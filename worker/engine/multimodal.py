@@ -42,16 +42,20 @@ DEFAULT_ENCODER_CACHE_TOKENS = 16384  # image embeddings kept (rows of hidden si
 # GEMMs for all of them) in groups of at most this many patches, which bounds the
 # tower's activation memory.
 MAX_ENCODE_PATCHES = 32768
-FLOAT32, UINT8_HWC = "float32", "uint8_hwc"
+FLOAT32, UINT8_HWC, REMOTE = "float32", "uint8_hwc", "remote"
 
 
 @dataclass
 class MultiModalState:
     """Per request: its items (sorted by offset) and the prompt's M-RoPE positions."""
 
-    items: list[MultiModalItem]
+    items: list[MultiModalItem]  # mm_hash keyed with the grid (``_keyed``)
     positions: np.ndarray  # [3, prompt_len] int64
     delta: int  # positions of tokens past the prompt: index + delta
+    wire_hashes: list[str] = dataclasses.field(default_factory=list)  # items' hashes as the request named them
+    # Encoder outputs pulled from an encoder worker (ec_transfer.py), by keyed mm_hash:
+    # the request's own, so a full encoder cache cannot evict them before its prefill.
+    embeds: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = None) -> Optional[MultiModalState]:
@@ -116,12 +120,15 @@ def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = N
                                  "mm_items")
         elif it.encoding == FLOAT32:
             expected, itemsize = [t * h * w, patch_dim], 4
+        elif it.encoding == REMOTE:  # embeddings pulled from an encoder worker (ec_transfer.py)
+            expected, itemsize = [], 1
         else:
-            raise BadRequest(f"{where}: unknown pixel encoding {it.encoding!r} (float32 or uint8_hwc)", "mm_items")
+            raise BadRequest(f"{where}: unknown pixel encoding {it.encoding!r} (float32, uint8_hwc or remote)",
+                             "mm_items")
         if list(it.shape) != expected:
             raise BadRequest(f"{where}: pixel_values shape {list(it.shape)} does not match grid_thw "
                              f"{[t, h, w]} (expected {expected} for {it.encoding})", "mm_items")
-        if len(it.pixel_values) != math.prod(expected) * itemsize:
+        if len(it.pixel_values) != (math.prod(expected) * itemsize if expected else 0):
             raise BadRequest(f"{where}: pixel_values holds {len(it.pixel_values)} bytes, shape {list(it.shape)} "
                              f"needs {math.prod(expected) * itemsize} ({it.encoding})", "mm_items")
     # Every run of image tokens must be exactly the items' ranges (M-RoPE splits runs by them).
@@ -138,7 +145,8 @@ def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = N
                                            image_token_id=mc.image_token_id, spatial_merge_size=merge)
     except ValueError as e:
         raise BadRequest(f"mm_items: {e}", "mm_items") from None
-    return MultiModalState([_keyed(it) for it in ordered], positions.numpy(), delta)
+    return MultiModalState([_keyed(it) for it in ordered], positions.numpy(), delta,
+                           wire_hashes=[it.mm_hash for it in ordered])
 
 
 def _keyed(it: MultiModalItem) -> MultiModalItem:
@@ -293,6 +301,8 @@ class EncoderCache:
         self.num_queries = 0
         self.num_hits = 0
         self.num_encode_calls = 0  # vision-tower calls (a step's new images share one)
+        # An encoder worker's (ec_transfer.py): every output handed out is exported too.
+        self.exports: Any = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -300,9 +310,11 @@ class EncoderCache:
     def get(self, item: MultiModalItem) -> torch.Tensor:
         return self.fetch([item])[item.mm_hash]
 
-    def fetch(self, items: Sequence[MultiModalItem]) -> dict[str, torch.Tensor]:
-        """Embeddings of ``items`` by mm_hash: cached ones as they are, the rest encoded
-        together (in groups of at most ``MAX_ENCODE_PATCHES`` patches) and cached."""
+    def fetch(self, items: Sequence[MultiModalItem],
+              provided: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+        """Embeddings of ``items`` by mm_hash: cached ones as they are, ``provided`` ones
+        (pulled from an encoder worker) cached, the rest encoded together (in groups of at
+        most ``MAX_ENCODE_PATCHES`` patches) and cached."""
         out: dict[str, torch.Tensor] = {}
         missing: list[MultiModalItem] = []
         for it in items:
@@ -314,6 +326,11 @@ class EncoderCache:
                 self._entries.move_to_end(it.mm_hash)
                 out[it.mm_hash] = emb
                 self.num_hits += 1
+            elif provided and it.mm_hash in provided:
+                out[it.mm_hash] = provided[it.mm_hash]
+                self._put(it.mm_hash, provided[it.mm_hash])
+            elif it.encoding == REMOTE:  # admission pulled it; losing it is a bug, not bad input
+                raise RuntimeError(f"no encoder output for pixel-less item {it.mm_hash!r}")
             elif all(m.mm_hash != it.mm_hash for m in missing):
                 missing.append(it)
         group: list[MultiModalItem] = []
@@ -327,7 +344,13 @@ class EncoderCache:
             patches += n
         if group:
             self._encode(group, out)
+        if self.exports is not None:
+            for key, emb in out.items():
+                self.exports.put(key, emb)
         return out
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
 
     def _pixels(self, item: MultiModalItem) -> torch.Tensor:
         if item.encoding == UINT8_HWC:
@@ -367,6 +390,8 @@ class EncoderCache:
     def clear(self) -> None:
         self._entries.clear()
         self._tokens = 0
+        if self.exports is not None:
+            self.exports.clear()
 
 
 def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: EncoderCache
@@ -378,6 +403,7 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
     patches: list[tuple[int, np.ndarray]] = []  # (first row, [3, k] prompt positions)
     rows: list[np.ndarray] = []
     slices: list[tuple[MultiModalItem, int, int]] = []  # (item, first, end) embedding rows
+    provided: dict[str, torch.Tensor] = {}  # pulled from an encoder worker
     t = 0
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
@@ -391,6 +417,7 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
         if start < prompt_len:
             stop = min(end, prompt_len)
             patches.append((t, state.positions[:, start:stop]))
+            provided.update(state.embeds)
             for it in state.items:
                 lo, hi = max(start, it.offset), min(end, it.offset + it.length)
                 if lo >= hi:
@@ -403,7 +430,7 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
         t += n
     embeds: list[torch.Tensor] = []
     if slices:
-        found = cache.fetch([it for it, _, _ in slices])
+        found = cache.fetch([it for it, _, _ in slices], provided)
         embeds = [found[it.mm_hash][a:b] for it, a, b in slices]
     pos3: Optional[np.ndarray] = None
     if patches:

@@ -50,14 +50,18 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         # P/D legs answer with their own params (a prefill leg's on its final delta, below;
         # a decode leg's none, as vLLM); other params are echoed.
         delta.kv_transfer_params = request.req.kv_transfer_params if request.kv_leg is None else None
+        delta.ec_transfer_params = request.req.ec_transfer_params if request.echo_ec else None
         delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.prompt_token_id_rows:
             scores = _stack_padded(request.prompt_token_id_rows)
             delta.prompt_token_id_scores = scores.tobytes()
             delta.prompt_token_id_shape = list(scores.shape)
             request.prompt_token_id_rows = []
-    if request.kv_transfer_out is not None and seq.index == 0 and seq.finish_reason is not None:
-        delta.kv_transfer_params = request.kv_transfer_out
+    if seq.index == 0 and seq.finish_reason is not None:
+        if request.kv_transfer_out is not None:
+            delta.kv_transfer_params = request.kv_transfer_out
+        if request.ec_transfer_out is not None:
+            delta.ec_transfer_params = request.ec_transfer_out
     return delta
 
 

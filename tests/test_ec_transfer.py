@@ -1,0 +1,198 @@
+"""Encoder disaggregation (worker/engine/ec_transfer.py) through real processes.
+
+One broker, an encoder worker (rank 0, ``--ec-transfer-config`` ec_producer) and a plain
+worker (rank 1), a gateway; requests pinned with X-data-parallel-rank, as vLLM's E/P/D
+proxy runs them: the images go to the encoder worker, whose response names where each
+encoder output can be read (ECCPUConnector's ec_transfer_params); the prompt then goes to
+the other worker with metadata-only ``features`` (the grid, no pixels) and those params,
+and its output equals encoding the images there.  Failed pulls are 400 / 503 with clear
+messages, or fall back to the pixels when the request carries them."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from common.multimodal import cache_key  # noqa: E402
+from common.protocol import MultiModalItem  # noqa: E402
+from tests.gateway_helpers import GENERATE, start_gateway  # noqa: E402
+from tests.procs import ProcGroup, free_port, wait_for_workers  # noqa: E402
+from tests.test_mm_features import _features, _grid_elem, _item  # noqa: E402
+from tests.test_pd_transfer import _close  # noqa: E402
+from tests.test_mm_http import (  # noqa: E402,F401
+    MAX_TOKENS, WORKER_ARGS, _body, _data_url, _part, _png, _prompt, model_dir,
+)
+from worker.engine.ec_transfer import EncoderExports, announce, parse_ec_transfer_config  # noqa: E402
+
+PRODUCER = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"})
+ENTRY_KEYS = {"item_indices", "metadata", "peer_host", "peer_port", "size_bytes", "shape"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model_dir):
+    with ProcGroup(tmp_path_factory.mktemp("epd-stack")) as procs:
+        broker = procs.broker()
+        procs.worker(broker, 0, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", PRODUCER)
+        procs.worker(broker, 1, "--model", str(model_dir), *WORKER_ARGS)
+        wait_for_workers(broker.frontend, 2, timeout=120)
+        gw = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir))
+        with httpx.Client(base_url=gw.url, timeout=60) as http:
+            yield http
+
+
+def _post(http, rank: int, body: dict):
+    return http.post(GENERATE, json=body, headers={"X-data-parallel-rank": str(rank)})
+
+
+def _encode(http, ids, pngs) -> dict:
+    """The encoder worker's leg: the images, one token; its response."""
+    body = _body(ids, [_part(_data_url(p)) for p in pngs], return_token_ids=True)
+    body["sampling_params"]["max_tokens"] = 1
+    r = _post(http, 0, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _metadata_only(encoded: dict) -> tuple[dict, dict]:
+    """What an orchestrator sends the next worker: features without pixels, and the
+    encoder worker's ec_transfer_params."""
+    ec = encoded["ec_transfer_params"]
+    order = sorted(ec, key=lambda h: ec[h]["item_indices"][0])
+    features = {"mm_hashes": {"image": order},
+                "mm_placeholders": encoded["mm_placeholders"],
+                "kwargs_data": None,
+                "mm_metadata": {"image": [_item({"image_grid_thw": _grid_elem(ec[h]["metadata"]["image_grid_thw"])})
+                                          for h in order]}}
+    return features, ec
+
+
+def _fbody(ids, features, ec, **params):
+    return {"token_ids": ids, "features": features, "ec_transfer_params": ec,
+            "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **params}}
+
+
+def _error(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    return resp.json()["error"]
+
+
+def test_metadata_only_request_pulls_the_encoder_output(stack):
+    http = stack
+    pngs = [_png(21, 56, 56), _png(22, 84, 56)]
+    ids = _prompt([4, 6])
+    body = _body(ids, [_part(_data_url(p)) for p in pngs])
+    body["sampling_params"]["logprobs"] = 1
+    ref = _post(http, 1, {**body, "cache_salt": "ref"})
+    assert ref.status_code == 200, ref.text
+    ref = ref.json()["choices"][0]
+
+    encoded = _encode(http, ids, pngs)
+    ec = encoded["ec_transfer_params"]
+    assert len(ec) == 2
+    for index, (h, entry) in enumerate(sorted(ec.items(), key=lambda kv: kv[1]["item_indices"][0])):
+        assert set(entry) == ENTRY_KEYS and entry["item_indices"] == [index]
+        assert entry["peer_host"] == "127.0.0.1" and isinstance(entry["peer_port"], int)
+        grid = entry["metadata"]["image_grid_thw"]
+        rows = grid[0] * grid[1] * grid[2] // 4
+        assert rows == encoded["mm_placeholders"]["image"][index]["length"]
+        assert entry["shape"][0] == rows and entry["size_bytes"] == rows * entry["shape"][1] * 4  # float32
+
+    features, ec = _metadata_only(encoded)
+    r = _post(http, 1, _fbody(ids, features, ec, logprobs=1))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["token_ids"] == ref["token_ids"]
+    assert _close(ref["logprobs"], out["choices"][0]["logprobs"])
+    assert out.get("ec_transfer_params") is None  # a consumer answers with none (as vLLM)
+
+    # Again: now served from the consumer's encoder cache, same answer.
+    again = _post(http, 1, {**_fbody(ids, features, ec), "cache_salt": "again"})
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["token_ids"] == ref["token_ids"]
+
+
+def test_text_only_requests_echo_ec_transfer_params(stack):
+    r = _post(stack, 0, {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2},
+                         "ec_transfer_params": {"k": 1}})
+    assert r.status_code == 200, r.text
+    assert r.json()["ec_transfer_params"] == {"k": 1}
+
+
+def test_unknown_output_is_a_400_and_a_gone_producer_a_503(stack):
+    http = stack
+    pngs = [_png(31, 56, 56)]
+    ids = _prompt([4])
+    features, ec = _metadata_only(_encode(http, ids, pngs))
+    (h, entry), = ec.items()
+
+    # A hash the encoder worker never exported.
+    features_x = {**features, "mm_hashes": {"image": ["never-encoded"]}}
+    err = _error(_post(http, 1, _fbody(ids, features_x, {"never-encoded": entry})), 400)
+    assert "unknown or evicted encoder output" in err["message"] and err["param"] == "ec_transfer_params"
+
+    # Nobody listens at the announced port.
+    t = time.monotonic()
+    err = _error(_post(http, 1, _fbody(ids, features, {h: {**entry, "peer_port": free_port()}})), 503)
+    assert "did not answer" in err["message"] and time.monotonic() - t < 8
+
+    # An announcement that does not fit the placeholder.
+    bad = {h: {**entry, "shape": [entry["shape"][0] + 1, entry["shape"][1]]}}
+    assert "does not fit the image's 4 placeholder tokens" in _error(_post(http, 1, _fbody(ids, features, bad)),
+                                                                      400)["message"]
+    bad = {h: {**entry, "peer_port": "x"}}
+    assert "peer_port must be an integer" in _error(_post(http, 1, _fbody(ids, features, bad)), 400)["message"]
+    # No entry for a metadata-only item: refused by the gateway.
+    assert "names no encoder worker" in _error(_post(http, 1, _fbody(ids, features, {"other": entry})),
+                                               400)["message"]
+
+
+def test_failed_pull_falls_back_to_the_pixels(stack, model_dir):
+    http = stack
+    pngs = [_png(41, 84, 56)]
+    ids = _prompt([6])
+    full = _features(model_dir, ids, pngs)  # pixels included (hash "hash0", not in any encoder cache yet)
+    ref = _post(http, 1, {**_body(ids, [_part(_data_url(p)) for p in pngs]), "cache_salt": "fallback-ref"})
+    assert ref.status_code == 200, ref.text
+    # The announcement points nowhere: the worker encodes the pixels it was sent.
+    hidden = next(iter(_encode(http, ids, pngs)["ec_transfer_params"].values()))["shape"][1]
+    dead = {"hash0": {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 6]}, "peer_host": "127.0.0.1",
+                      "peer_port": free_port(), "size_bytes": 6 * hidden * 4, "shape": [6, hidden]}}
+    t = time.monotonic()
+    r = _post(http, 1, {**_fbody(ids, full, dead), "cache_salt": "fallback"})
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t > 2  # it did wait for the pull (3 s), then encoded
+    assert r.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+
+
+# --- units ---------------------------------------------------------------------------------
+def test_ec_transfer_config():
+    assert parse_ec_transfer_config(None) is None
+    assert parse_ec_transfer_config(PRODUCER) == "ec_producer"
+    with pytest.raises(ValueError, match="ECExampleConnector' is not supported"):
+        parse_ec_transfer_config('{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}')
+    with pytest.raises(ValueError, match="ec_role must be one of"):
+        parse_ec_transfer_config('{"ec_connector": "ECCPUConnector", "ec_role": "producer"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_ec_transfer_config("{")
+
+
+def test_exports_drop_the_least_recent_and_announce_what_they_hold():
+    exports = EncoderExports(max_rows=10)
+    a, b = torch.ones(4, 3), torch.full((8, 3), 2.0)
+    exports.put("a#1x4x4", a)
+    a[0, 0] = 9  # a host copy: the encoder cache's tensor may change or go
+    assert exports.get("a#1x4x4")[0, 0] == 1
+    exports.put("b#1x4x8", b)  # 12 rows > 10: "a" goes
+    assert "a#1x4x4" not in exports and exports.get("b#1x4x8") is not None
+    items = [MultiModalItem("image", cache_key(h, g), 3 + 10 * i, n, g, b"", [], "remote")
+             for i, (h, g, n) in enumerate([("features:a", [1, 4, 4], 4), ("features:b", [1, 4, 8], 8)])]
+    items[1] = MultiModalItem("image", "b#1x4x8", 13, 8, [1, 4, 8], b"", [], "remote")
+    out = announce(items, ["features:a", "b"], exports, "h", 7)
+    assert out["a"] == {"item_indices": [0], "metadata": {}}  # gone: no address, media stays on the request
+    assert out["b"] == {"item_indices": [1], "metadata": {"image_grid_thw": [1, 4, 8]}, "peer_host": "h",
+                        "peer_port": 7, "size_bytes": 8 * 3 * 4, "shape": [8, 3]}
