@@ -1,6 +1,6 @@
 """Encoder disaggregation (worker/engine/ec_transfer.py) through real processes.
 
-One broker, an encoder worker (rank 0, ``--ec-transfer-config`` ec_producer) and a plain
+One broker (a tiny Qwen2-VL with a chat template), an encoder worker (rank 0, ``--ec-transfer-config`` ec_producer) and a plain
 worker (rank 1), a gateway; requests pinned with X-data-parallel-rank, as vLLM's E/P/D
 proxy runs them: the images go to the encoder worker, whose response names where each
 encoder output can be read (ECCPUConnector's ec_transfer_params); the prompt then goes to
@@ -24,9 +24,8 @@ from tests.gateway_helpers import GENERATE, start_gateway  # noqa: E402
 from tests.procs import ProcGroup, free_port, wait_for_workers  # noqa: E402
 from tests.test_mm_features import _features, _grid_elem, _item  # noqa: E402
 from tests.test_pd_transfer import _close  # noqa: E402
-from tests.test_mm_http import (  # noqa: E402,F401
-    MAX_TOKENS, WORKER_ARGS, _body, _data_url, _part, _png, _prompt, model_dir,
-)
+from tests.test_mm_chat import WORKER_ARGS, _chat, _img, model_dir  # noqa: E402,F401
+from tests.test_mm_http import MAX_TOKENS, _body, _data_url, _part, _png, _prompt  # noqa: E402
 from worker.engine.ec_transfer import EncoderExports, announce, parse_ec_transfer_config  # noqa: E402
 
 PRODUCER = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"})
@@ -167,6 +166,32 @@ def test_failed_pull_falls_back_to_the_pixels(stack, model_dir):
     assert r.status_code == 200, r.text
     assert time.monotonic() - t > 2  # it did wait for the pull (3 s), then encoded
     assert r.json()["choices"][0]["token_ids"] == ref.json()["choices"][0]["token_ids"]
+
+
+def test_chat_facade_passes_ec_transfer_params_both_ways(stack):
+    http = stack
+    parts = [{"type": "text", "text": "see "}, _img(_data_url(_png(51, 84, 56)))]
+    enc = _post_chat(http, 0, {**_chat(parts), "max_tokens": 1})
+    ec = enc["ec_transfer_params"]
+    (h, entry), = ec.items()  # keyed by the gateway's content hash, which the next gateway computes too
+    assert set(entry) == ENTRY_KEYS and entry["metadata"]["image_grid_thw"] == [1, 4, 6]
+    plain = _post_chat(http, 1, {**_chat(parts), "return_token_ids": True, "cache_salt": "plain"})
+    pulled = _post_chat(http, 1, {**_chat(parts), "return_token_ids": True, "cache_salt": "pulled",
+                                  "ec_transfer_params": ec})
+    assert pulled["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert pulled["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert pulled.get("ec_transfer_params") is None
+    # The worker did look the image up in them: a wrong announcement is refused.
+    bad = {h: {**entry, "shape": [1, entry["shape"][1]]}}
+    r = http.post("/v1/chat/completions", json={**_chat(parts), "ec_transfer_params": bad},
+                  headers={"X-data-parallel-rank": "1"})
+    assert r.status_code == 400 and "does not fit the image's 6 placeholder tokens" in r.text, r.text
+
+
+def _post_chat(http, rank: int, body: dict) -> dict:
+    r = http.post("/v1/chat/completions", json=body, headers={"X-data-parallel-rank": str(rank)})
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 # --- units ---------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ class ChatCollector:
     def num_generated(self) -> int:
         return sum(len(ids) for ids in self.ids)
 
-    def build(self, model: str, metrics=None, kv_transfer_params=None) -> bytes:
+    def build(self, model: str, metrics=None, kv_transfer_params=None, ec_transfer_params=None) -> bytes:
         choices = []
         for i in range(self.view.n):
             message = chat_message("".join(self.texts[i]), self.rendered.parsing)
@@ -94,19 +94,21 @@ class ChatCollector:
             prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.rendered.token_ids if self.view.return_token_ids else None,
             prompt_text=self.rendered.prompt_text if self.view.return_prompt_text else None,
-            kv_transfer_params=kv_transfer_params, metrics=metrics)
+            kv_transfer_params=kv_transfer_params, ec_transfer_params=ec_transfer_params, metrics=metrics)
         return json_encoder.encode(body)
 
 
 async def collect_chat(run: Generation, view: ResponseView, rendered: RenderedChat, model: str) -> bytes:
     collector = ChatCollector(view, rendered)
-    kv = None
+    kv = ec = None
     async for delta in run:
         if delta.kv_transfer_params is not None:
             kv = delta.kv_transfer_params
+        if delta.ec_transfer_params is not None:
+            ec = delta.ec_transfer_params
         collector.add(delta)
     return collector.build(model, metrics=request_metrics([run], view, collector.num_generated),
-                           kv_transfer_params=kv)
+                           kv_transfer_params=kv, ec_transfer_params=ec)
 
 
 async def stream_chat(run: Generation, view: ResponseView, rendered: RenderedChat,

@@ -89,8 +89,13 @@ async def collect_completion(runs: list[Generation], view: ResponseView, rendere
     finish: list = [None] * total
     stop: list = [None] * total
     routed: list[Optional[str]] = [None] * total
+    transfer: dict[str, object] = {}  # vLLM answers with the first prompt's kv/ec_transfer_params
     async for p, delta in merged(runs):
         prompts[p].observe_first(delta)
+        if p == 0:
+            for name in ("kv_transfer_params", "ec_transfer_params"):
+                if getattr(delta, name) is not None:
+                    transfer[name] = getattr(delta, name)
         i = p * n + delta.index
         ids[i].extend(delta.token_ids)
         if delta.text:
@@ -121,7 +126,7 @@ async def collect_completion(runs: list[Generation], view: ResponseView, rendere
     body = CompletionResponse(
         id=rendered[0].generate["request_id"], created=now(), model=model, choices=choices,
         usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt + completion, completion_tokens=completion),
-        metrics=request_metrics(runs, view, completion))
+        metrics=request_metrics(runs, view, completion), **transfer)
     return json_encoder.encode(body)
 
 

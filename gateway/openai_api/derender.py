@@ -67,6 +67,7 @@ class _Generated(msgspec.Struct):
     prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
     metrics: Optional[PerRequestMetrics] = None
     kv_transfer_params: Optional[dict] = None
+    ec_transfer_params: Optional[dict] = None
 
 
 def _generated(raw: Optional[dict], name: str) -> _Generated:
@@ -203,7 +204,8 @@ class Derenderer:
             id=gen.request_id, created=now(), model=self._model(body.model, served_model), choices=choices,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                             total_tokens=prompt_tokens + completion),
-            prompt_logprobs=gen.prompt_logprobs, kv_transfer_params=gen.kv_transfer_params, metrics=gen.metrics))
+            prompt_logprobs=gen.prompt_logprobs, kv_transfer_params=gen.kv_transfer_params,
+            ec_transfer_params=gen.ec_transfer_params, metrics=gen.metrics))
 
     def chat_stream(self, body: DerenderRequest, served_model: str) -> bytes:
         gen = _generated(body.generate_chunk, "generate_chunk")
@@ -316,11 +318,12 @@ class Derenderer:
         prompt_tokens = sum(counts) if counts else 0
         first = gens[0]
         kv = first.kv_transfer_params if all(g.kv_transfer_params == first.kv_transfer_params for g in gens) else None
+        ec = first.ec_transfer_params if all(g.ec_transfer_params == first.ec_transfer_params for g in gens) else None
         return msgspec.json.encode(CompletionResponse(
             id=first.request_id, created=now(), model=self._model(body.model, served_model), choices=choices,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                             total_tokens=prompt_tokens + completion),
-            kv_transfer_params=kv, metrics=first.metrics if len(gens) == 1 else None))
+            kv_transfer_params=kv, ec_transfer_params=ec, metrics=first.metrics if len(gens) == 1 else None))
 
     def completion_stream(self, body: DerenderRequest, served_model: str) -> bytes:
         gen = _generated(body.generate_chunk, "generate_chunk")

@@ -65,7 +65,7 @@ def _generate_request(request_id: str, token_ids: list[int], params: dict,
         "reasoning_parser_kwargs": {"chat_template_kwargs": reasoning_kwargs} if reasoning_kwargs is not None else None,
         "return_token_ids": None, "output_mode": "tokens", "stream": bool(request.stream),
         "stream_options": stream_options, "cache_salt": request.cache_salt, "priority": request.priority,
-        "kv_transfer_params": request.kv_transfer_params, "ec_transfer_params": None,
+        "kv_transfer_params": request.kv_transfer_params, "ec_transfer_params": request.ec_transfer_params,
     }
 
 

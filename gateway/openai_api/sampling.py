@@ -36,7 +36,7 @@ _SAMPLING_EPS = 1e-5
 
 # Request fields vLLM serves that this server does not: refused by name when set.
 _UNSERVED = ("watermarking", "structured_outputs", "logprob_token_ids", "vllm_xargs", "repetition_detection",
-             "thinking_token_budget", "ec_transfer_params", "mm_processor_kwargs", "media_io_kwargs")
+             "thinking_token_budget", "mm_processor_kwargs", "media_io_kwargs")
 
 
 def refuse_unserved(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
