@@ -22,8 +22,8 @@ from typing import Any, Optional
 import numpy as np
 
 from common.errors import BadRequest
-from common.multimodal import (MediaError, cache_key, check_patchable, load_image, mm_hash, num_placeholder_tokens,
-                               resize_image)
+from common.multimodal import (MediaError, cache_key, check_patchable, features_hash, load_image, mm_hash,
+                               num_placeholder_tokens, resize_image)
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import MultiModalItem
 from gateway.mm_features import feature_items
@@ -34,6 +34,7 @@ NO_IMAGE_MODEL = ("`content_parts` is not supported by this server. Reason: this
 
 
 DEFAULT_MM_LIMIT = 999  # vLLM's per-modality default
+MAX_UUID_CHARS = 256
 
 
 def parse_mm_limits(text: Optional[str]) -> dict[str, int]:
@@ -80,9 +81,23 @@ def _image_url(i: int, part: dict) -> str:
     if url is None:
         inner = part.get("image_url")
         url = inner.get("url") if isinstance(inner, dict) else inner
+    if url is None and part.get("uuid") is not None:
+        raise BadRequest(f"content_parts[{i}]: an image given only by its uuid (a reference to a cached item) is "
+                         "not supported: this server keeps no multimodal processor cache; send the image's `url`, "
+                         "or the item as `features`.", f"{PARAM}[{i}]")
     if not isinstance(url, str) or not url:
         raise BadRequest(f"content_parts[{i}]: image_url needs a non-empty `url` string.", f"{PARAM}[{i}]")
     return url
+
+
+def _uuid(i: int, part: dict) -> Optional[str]:
+    """vLLM's ``uuid`` of a content part: the client's identifier of the item, used as its
+    mm_hash instead of hashing the image (so caches and ec_transfer_params know it by it)."""
+    uuid = part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not uuid or len(uuid) > MAX_UUID_CHARS):
+        raise BadRequest(f"content_parts[{i}]: `uuid` must be a non-empty string of at most {MAX_UUID_CHARS} "
+                         "characters.", f"{PARAM}[{i}].uuid")
+    return uuid
 
 
 def placeholder_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -128,16 +143,20 @@ def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool,
     return out
 
 
-def _items(runs, processed, spec) -> list[MultiModalItem]:
+def _items(runs, processed, spec, uuids: Optional[list] = None) -> list[MultiModalItem]:
     items = []
-    for i, ((offset, length), (image, grid)) in enumerate(zip(runs, processed)):
+    uuids = uuids or [None] * len(processed)
+    for i, ((offset, length), (image, grid), uuid) in enumerate(zip(runs, processed, uuids)):
         need = num_placeholder_tokens(grid, spec.merge_size)
         if length != need:
             raise BadRequest(
                 f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
                 f"its grid {list(grid)} needs {need}.", PARAM)
         image = np.ascontiguousarray(image, dtype=np.uint8)
-        items.append(MultiModalItem(modality="image", mm_hash=mm_hash(image, grid, model_id=spec.model_id),
+        # A client's uuid lives in the namespace of client-named hashes (features'), so it can
+        # never alias the content hash of someone else's image.
+        key = features_hash(uuid) if uuid is not None else mm_hash(image, grid, model_id=spec.model_id)
+        items.append(MultiModalItem(modality="image", mm_hash=key,
                                     offset=offset, length=length, grid_thw=[int(v) for v in grid],
                                     pixel_values=image.tobytes(), shape=list(image.shape), encoding="uint8_hwc"))
     return items
@@ -172,6 +191,7 @@ async def attach_images(mapped, spec, settings, processed: Optional[list] = None
     if spec is None:
         raise BadRequest(NO_IMAGE_MODEL, PARAM)
     urls = [_image_url(i, part) for i, part in enumerate(parts)]
+    uuids = [_uuid(i, part) for i, part in enumerate(parts)]
     check_item_count(settings, "image", len(urls))  # before any image is loaded
     runs = placeholder_runs(mapped.wire.prompt_token_ids, spec.image_token_id)
     if len(runs) != len(urls):
@@ -181,7 +201,7 @@ async def attach_images(mapped, spec, settings, processed: Optional[list] = None
     if processed is None or len(processed) != len(urls):
         processed = await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
                                             settings.allow_remote_media)
-    _set_items(mapped, _items(runs, processed, spec))
+    _set_items(mapped, _items(runs, processed, spec, uuids))
 
 
 # ---------------------------------------------------------------- chat messages

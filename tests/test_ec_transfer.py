@@ -214,10 +214,46 @@ def test_exports_drop_the_least_recent_and_announce_what_they_hold():
     assert exports.get("a#1x4x4")[0, 0] == 1
     exports.put("b#1x4x8", b)  # 12 rows > 10: "a" goes
     assert "a#1x4x4" not in exports and exports.get("b#1x4x8") is not None
+    # A client-named item ("features:b") is announced and exported under the client's name.
     items = [MultiModalItem("image", cache_key(h, g), 3 + 10 * i, n, g, b"", [], "remote")
              for i, (h, g, n) in enumerate([("features:a", [1, 4, 4], 4), ("features:b", [1, 4, 8], 8)])]
-    items[1] = MultiModalItem("image", "b#1x4x8", 13, 8, [1, 4, 8], b"", [], "remote")
-    out = announce(items, ["features:a", "b"], exports, "h", 7)
+    out = announce(items, ["features:a", "features:b"], exports, "h", 7)
     assert out["a"] == {"item_indices": [0], "metadata": {}}  # gone: no address, media stays on the request
     assert out["b"] == {"item_indices": [1], "metadata": {"image_grid_thw": [1, 4, 8]}, "peer_host": "h",
                         "peer_port": 7, "size_bytes": 8 * 3 * 4, "shape": [8, 3]}
+
+
+def test_uuid_names_the_item_across_workers(stack):
+    """vLLM's content-part ``uuid``: the client's identifier of the item is its mm_hash, so
+    the encoder worker announces it under that name and features can use it."""
+    http = stack
+    pngs = [_png(61, 56, 56)]
+    ids = _prompt([4])
+    body = _body(ids, [{**_part(_data_url(pngs[0])), "uuid": "img-61"}], return_token_ids=True)
+    body["sampling_params"]["max_tokens"] = 1
+    r = _post(http, 0, body)
+    assert r.status_code == 200, r.text
+    encoded = r.json()
+    assert list(encoded["ec_transfer_params"]) == ["img-61"]
+    features, ec = _metadata_only(encoded)
+    assert features["mm_hashes"] == {"image": ["img-61"]}
+    plain = _post(http, 1, {**_body(ids, [_part(_data_url(pngs[0]))]), "cache_salt": "uuid-plain"})
+    got = _post(http, 1, _fbody(ids, features, ec))
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+    # Only a uuid (a reference to a cached item) is refused by name; so is a uuid that is no string.
+    msg = _error(_post(http, 1, _body(ids, [{"type": "image_url", "uuid": "img-61"}])), 400)["message"]
+    assert "given only by its uuid" in msg
+    msg = _error(_post(http, 1, _body(ids, [{**_part(_data_url(pngs[0])), "uuid": 7}])), 400)["message"]
+    assert "`uuid` must be a non-empty string" in msg
+
+
+def test_chat_image_uuid_reaches_the_rendered_content_parts(stack):
+    parts = [{"type": "text", "text": "see "}, {**_img(_data_url(_png(62, 56, 56))), "uuid": "img-62"}]
+    r = stack.post("/v1/chat/completions/render", json={"messages": _chat(parts)["messages"]})
+    assert r.status_code == 200, r.text
+    assert [p.get("uuid") for p in r.json()["content_parts"]] == ["img-62"]
+    enc = _post_chat(stack, 0, {**_chat(parts), "max_tokens": 1})
+    assert list(enc["ec_transfer_params"]) == ["img-62"]
+    r = stack.post("/v1/chat/completions", json=_chat([{"type": "image_url", "uuid": "img-62"}]))
+    assert r.status_code == 400 and "given only by its uuid" in r.text, r.text

@@ -7,7 +7,7 @@ tool_calls, reasoning, tool_call_id, developer tools); other fields are dropped,
 vLLM drops them.  Content becomes one string ("string" format, text parts joined with
 "\\n") or a list of ``{"type": "text", "text": ...}`` parts ("openai" format).
 Multimodal parts are refused by name, except ``image_url`` parts for a model that takes
-images (``images``: a list that collects their URLs in order): in the "openai" format
+images (``images``: a list that collects them, in order, as /generate content parts): in the "openai" format
 they become ``{"type": "image"}``, as vLLM hands them to the template.
 """
 from __future__ import annotations
@@ -56,12 +56,19 @@ def _err(message: str, param: str = "messages") -> ChatTemplateError:
 def _image_part(part: dict, where: str, wrap: bool, images: list) -> dict:
     inner = part.get("image_url")
     url = inner.get("url") if isinstance(inner, dict) else inner
+    if url is None and part.get("uuid") is not None:
+        raise _err(f"{where}: an image given only by its uuid (a reference to a cached item) is not supported: this "
+                   "server keeps no multimodal processor cache; send the image's url")
     if not isinstance(url, str) or not url:
         raise _err(f"{where}: an image_url part needs a non-empty `image_url.url` string")
     if not wrap:
         raise _err(f"{where}: image input needs a chat template that reads content parts "
                    f"(the 'openai' content format)")
-    images.append(url)
+    uuid = part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not uuid):
+        raise _err(f"{where}: `uuid` must be a non-empty string")
+    # The image as a /generate content part (its uuid, when given, identifies it as vLLM's does).
+    images.append({"type": "image_url", "url": url, **({"uuid": uuid} if uuid is not None else {})})
     return {"type": "image"}
 
 
@@ -278,7 +285,7 @@ def parse_messages(messages: Any, fmt: ContentFormat, *, developer_role_supporte
                    images: Optional[list] = None) -> list[dict]:
     """The conversation vLLM hands ``apply_chat_template`` for these request messages.
     ``messages`` must already be a plain-JSON copy: tool-call arguments are parsed in place.
-    ``images``: given (a list), image_url parts are kept and their URLs appended to it."""
+    ``images``: given (a list), image_url parts are kept and appended to it as content parts."""
     if not isinstance(messages, list):
         raise _err(f"messages must be a list of message objects, got {type(messages).__name__}")
     if not messages:

@@ -124,8 +124,8 @@ class Renderer:
 
     def expand_images(self, ids: list[int], image_urls: Optional[list], images: Optional[list]) -> list[int]:
         """The rendered prompt's ids with each image's single placeholder expanded to its
-        tokens (vLLM's processed prompt_token_ids); ``image_urls``: what render_messages
-        collected, ``images``: load_chat_images' result for the same messages."""
+        tokens (vLLM's processed prompt_token_ids); ``image_urls``: the content parts
+        render_messages collected, ``images``: load_chat_images' result for the same messages."""
         if not image_urls:
             return ids
         if images is None or len(images) != len(image_urls):
@@ -190,7 +190,7 @@ class Renderer:
         generate = _generate_request(f"chatcmpl-{base_id}", ids, params, request, reasoning_ended=reasoning_ended,
                                      reasoning_kwargs=reasoning_kwargs)
         if image_urls:
-            generate["content_parts"] = [{"type": "image_url", "url": url} for url in image_urls]
+            generate["content_parts"] = image_urls
         last = request.messages[-1] if isinstance(request.messages[-1], dict) else {}
         last_text = ""
         if last.get("role") == "assistant":

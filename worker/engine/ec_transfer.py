@@ -77,8 +77,10 @@ def parse_ec_transfer_config(text: Optional[str]) -> Optional[str]:
 
 # --- producer ------------------------------------------------------------------------------
 class EncoderExports:
-    """Host copies of encoder outputs by cache key, for consumers to pull (the engine
-    thread adds, the transfer server's thread reads)."""
+    """Host copies of encoder outputs for consumers to pull (the engine thread adds, the
+    transfer server's thread reads), keyed as consumers name them: the client's hash
+    with the grid, ``cache_key(client_hash(wire hash), grid)`` (= ``client_hash`` of the
+    engine's keyed hash)."""
 
     def __init__(self, max_rows: int = DEFAULT_EXPORT_ROWS):
         self.max_rows = max_rows
@@ -128,7 +130,7 @@ def announce(items: Sequence[MultiModalItem], wire_hashes: Sequence[str], export
     for index, (it, wire) in enumerate(zip(items, wire_hashes)):
         entry = out.setdefault(client_hash(wire), {"item_indices": []})
         entry["item_indices"].append(index)
-        data = exports.get(it.mm_hash)
+        data = exports.get(client_hash(it.mm_hash))
         if data is None:  # dropped since: no address, so no orchestrator strips the media
             entry["metadata"] = {}
             continue

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from common.errors import BadRequest
-from common.multimodal import Qwen2VLImageConfig, cache_key
+from common.multimodal import Qwen2VLImageConfig, cache_key, client_hash
 from common.protocol import GenerateRequest, MultiModalItem
 from worker.engine.models.mrope import mrope_positions
 
@@ -344,9 +344,9 @@ class EncoderCache:
             patches += n
         if group:
             self._encode(group, out)
-        if self.exports is not None:
+        if self.exports is not None:  # under the name consumers pull it by
             for key, emb in out.items():
-                self.exports.put(key, emb)
+                self.exports.put(client_hash(key), emb)
         return out
 
     def __contains__(self, key: str) -> bool:
