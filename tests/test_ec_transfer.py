@@ -257,3 +257,35 @@ def test_chat_image_uuid_reaches_the_rendered_content_parts(stack):
     assert list(enc["ec_transfer_params"]) == ["img-62"]
     r = stack.post("/v1/chat/completions", json=_chat([{"type": "image_url", "uuid": "img-62"}]))
     assert r.status_code == 400 and "given only by its uuid" in r.text, r.text
+
+
+def test_malformed_announcements_never_hurt_a_worker(stack, model_dir):
+    """Random ec_transfer_params on image requests (metadata-only items, and items with
+    pixels): 200, 400 or 503, never a 500, and both workers keep serving."""
+    import random
+
+    http = stack
+    rnd = random.Random(7)
+    pngs = [_png(71, 56, 56)]
+    ids = _prompt([4])
+    meta_only, ec = _metadata_only(_encode(http, ids, pngs))
+    (h, entry), = ec.items()
+    with_pixels = _features(model_dir, ids, pngs)  # hash "hash0"
+    junk = [None, True, 0, -1, 1.5, "", "x" * 300, [], [1], {}, {"a": 1}, [entry["shape"][0], "64"],
+            [entry["shape"][0], entry["shape"][1], 1], [True, entry["shape"][1]], 70000, "127.0.0.1", "::1", "a b"]
+    statuses = set()
+    for k in range(60):
+        bad = dict(entry)
+        for field in rnd.sample(["peer_host", "peer_port", "shape", "size_bytes", "metadata", "item_indices"],
+                                rnd.randint(1, 3)):
+            bad[field] = rnd.choice(junk)
+        features, name = (with_pixels, "hash0") if rnd.random() < 0.3 else (meta_only, h)
+        params = rnd.choice([{name: bad}, {name: [bad]}, [bad], "x", {name: bad, "other": bad}])
+        body = _fbody(ids, features, params)
+        body["sampling_params"]["max_tokens"] = 2
+        r = _post(http, 1, body)
+        assert r.status_code in (200, 400, 503), (k, params, r.text)
+        statuses.add(r.status_code)
+    assert 400 in statuses
+    for rank in (0, 1):  # both workers still answer
+        assert _post(http, rank, {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}).status_code == 200
