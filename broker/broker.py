@@ -286,6 +286,8 @@ class Broker:
             live = self.workers.dispatchable()
             if entry.roles:
                 live = [w for w in live if w.role in entry.roles]
+            elif entry.rank is None:  # encoder-only workers produce no tokens: only pinned requests go there
+                live = [w for w in live if w.role != disagg.ENCODE_ROLE]
             if not live:
                 self._enqueue(entry)
                 return

@@ -25,6 +25,7 @@ PD_MODES = ("off", "auto")
 PREFILL_ROLES = ("prefill",)
 DECODE_ROLES = ("decode",)
 WHOLE_ROLES = ("both", "decode")  # requests served in one piece never go to prefill-only workers
+ENCODE_ROLE = "encode"  # --mm-encoder-only workers (encoder disaggregation): pinned requests only
 
 # vLLM's proxy asks the prefill instance for this (NixlConnector).
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

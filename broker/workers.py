@@ -29,7 +29,7 @@ class Worker:
     lora_adapters: dict = field(default_factory=dict)
     # Its prefix cache as its KV events describe it (cache-aware dispatch).
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
-    role: str = "both"  # prefill | decode | both (broker/disagg.py)
+    role: str = "both"  # prefill | decode | both (broker/disagg.py) | encode (pinned requests only)
 
     def score(self) -> int:
         """Least-loaded dispatch score (vLLM DP balancing: waiting weighs 4x running)."""

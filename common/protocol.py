@@ -260,6 +260,7 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     world_size: int = 1  # devices this worker drives (its tensor-parallel size)
     # Prefill/decode disaggregation (--role): "prefill" and "decode" workers serve the two
     # legs of a request whose KV blocks move between them; "both" serves whole requests.
+    # "encode": a --mm-encoder-only worker (encoder disaggregation), sent only pinned requests.
     role: str = "both"
 
 

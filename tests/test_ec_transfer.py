@@ -1,7 +1,8 @@
 """Encoder disaggregation (worker/engine/ec_transfer.py) through real processes.
 
-One broker (a tiny Qwen2-VL with a chat template), an encoder worker (rank 0, ``--ec-transfer-config`` ec_producer) and a plain
-worker (rank 1), a gateway; requests pinned with X-data-parallel-rank, as vLLM's E/P/D
+One broker (a tiny Qwen2-VL with a chat template), an encoder worker (rank 0,
+``--ec-transfer-config`` ec_producer), a plain worker (rank 1), an encoder-only worker
+(rank 2, ``--mm-encoder-only``), a gateway; requests pinned with X-data-parallel-rank, as vLLM's E/P/D
 proxy runs them: the images go to the encoder worker, whose response names where each
 encoder output can be read (ECCPUConnector's ec_transfer_params); the prompt then goes to
 the other worker with metadata-only ``features`` (the grid, no pixels) and those params,
@@ -38,7 +39,9 @@ def stack(tmp_path_factory, model_dir):
         broker = procs.broker()
         procs.worker(broker, 0, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", PRODUCER)
         procs.worker(broker, 1, "--model", str(model_dir), *WORKER_ARGS)
-        wait_for_workers(broker.frontend, 2, timeout=120)
+        procs.worker(broker, 2, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", PRODUCER,
+                     "--mm-encoder-only")
+        wait_for_workers(broker.frontend, 3, timeout=120)
         gw = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir))
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             yield http
@@ -194,7 +197,44 @@ def _post_chat(http, rank: int, body: dict) -> dict:
     return r.json()
 
 
+def test_encoder_only_worker_encodes_and_stops(stack):
+    http = stack
+    pngs = [_png(81, 56, 56), _png(82, 84, 56)]
+    ids = _prompt([4, 6])
+    r = _post(http, 2, _body(ids, [_part(_data_url(p)) for p in pngs], return_token_ids=True))
+    assert r.status_code == 200, r.text
+    encoded = r.json()
+    choice = encoded["choices"][0]
+    assert choice["token_ids"] == [] and choice["finish_reason"] == "stop"
+    assert encoded["usage"]["completion_tokens"] == 0 and encoded["usage"]["prompt_tokens"] == len(ids)
+    assert sorted(e["item_indices"][0] for e in encoded["ec_transfer_params"].values()) == [0, 1]
+    features, ec = _metadata_only(encoded)
+    plain = _post(http, 1, {**_body(ids, [_part(_data_url(p)) for p in pngs]), "cache_salt": "enc-only-plain"})
+    got = _post(http, 1, _fbody(ids, features, ec))
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+    # What needs the language model is refused by name.
+    body = _body(ids, [_part(_data_url(p)) for p in pngs])
+    body["sampling_params"].update(n=2, temperature=1.0)
+    err = _error(_post(http, 2, body), 400)
+    assert "--mm-encoder-only" in err["message"] and "n must be 1" in err["message"]
+    err = _error(_post(http, 2, _fbody(ids, features, ec)), 400)
+    assert "no metadata-only items" in err["message"]
+    # Unpinned requests never land on it (they would get no tokens).
+    for k in range(12):
+        r = http.post(GENERATE, json={"token_ids": [5, 6, 7 + k], "sampling_params": {"max_tokens": 2}})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+
+
 # --- units ---------------------------------------------------------------------------------
+def test_encoder_only_needs_an_ec_producer():
+    from worker.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--mm-encoder-only runs only the vision encoder"):
+        EngineConfig(model="m", mm_encoder_only=True)
+    assert EngineConfig(model="m", mm_encoder_only=True, ec_role="ec_both").enforce_eager
+
+
 def test_ec_transfer_config():
     assert parse_ec_transfer_config(None) is None
     assert parse_ec_transfer_config(PRODUCER) == "ec_producer"

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         '"ec_producer"} exports every encoder output (through the --kv-transfer-address server) and '
                         'answers image requests with ec_transfer_params naming them; any worker pulls what a '
                         "request's ec_transfer_params announce")
+    p.add_argument("--mm-encoder-only", action="store_true",
+                   help="vLLM's flag: run only the vision encoder of each request (no language-model step, no "
+                        "tokens) and answer with ec_transfer_params; needs an ec_producer --ec-transfer-config; "
+                        "the broker sends such a worker only requests pinned to it")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -146,7 +150,8 @@ def engine_config_from_args(args):
                         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
                         spec_max_step_tokens=args.spec_max_step_tokens,
                         kv_transfer_address=args.kv_transfer_address, kv_transfer_timeout=args.kv_transfer_timeout,
-                        ec_role=parse_ec_transfer_config(args.ec_transfer_config))
+                        ec_role=parse_ec_transfer_config(args.ec_transfer_config),
+                        mm_encoder_only=args.mm_encoder_only)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout, curve_server_key=server_key,
-                          curve_client_keys=client_keys, role=args.role)
+                          curve_client_keys=client_keys,
+                          role="encode" if args.mm_encoder_only else args.role)
     server.install_signal_handlers()
     return server.run()

@@ -74,6 +74,9 @@ class EngineConfig:
     # Encoder disaggregation (ec_transfer.py): vLLM's ec_role from --ec-transfer-config;
     # ec_producer / ec_both export every encoder output for consumers to pull.
     ec_role: Optional[str] = None
+    # vLLM's --mm-encoder-only: run the vision encoder of each request and finish it (no
+    # language model step, no tokens); an encoder worker of encoder disaggregation.
+    mm_encoder_only: bool = False
 
     def spec_step_token_cap(self, device) -> Optional[int]:
         cap = self.spec_max_step_tokens
@@ -94,6 +97,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.mm_encoder_only:
+            if self.ec_role not in ("ec_producer", "ec_both"):
+                raise ValueError("--mm-encoder-only runs only the vision encoder, whose outputs reach the language "
+                                 "model through encoder disaggregation: start it with --ec-transfer-config "
+                                 "'{\"ec_connector\": \"ECCPUConnector\", \"ec_role\": \"ec_producer\"}'")
+            self.enforce_eager = True  # no decode steps: nothing to capture
         if self.cpu_attention not in CPU_ATTENTION_CHOICES:
             raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION_CHOICES)}, "
                              f"got {self.cpu_attention!r}")

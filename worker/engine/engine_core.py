@@ -87,6 +87,8 @@ class EngineCore(RLControl):
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
         self.ec_pulls = EcPulls()
+        self.encoder_only = config.mm_encoder_only
+        self._to_encode: list[EngineSequence] = []  # encoder-only: admitted, not yet encoded
         self.ec_exports: Optional[EncoderExports] = None
         if config.ec_role in PRODUCER_ROLES:
             self._start_encoder_exports()
@@ -203,6 +205,8 @@ class EngineCore(RLControl):
         leg = parse_params(req.kv_transfer_params)
         if leg is not None:
             self._check_kv_leg(req, leg)
+        if self.encoder_only:
+            self._check_encoder_only(req, mm)
         lora_key = None
         if req.lora_name is not None:
             if self.lora is None or req.lora_name not in self.lora.keys:
@@ -232,6 +236,10 @@ class EngineCore(RLControl):
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
         request.kv_leg = leg
+        if self.encoder_only:
+            request.echo_ec = mm is None
+            self._to_encode.append(seq)
+            return
         if mm is not None and self._needs_encoder_pull(request, seq):
             return  # scheduled once its encoder outputs are pulled
         if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
@@ -261,6 +269,42 @@ class EngineCore(RLControl):
             return False
         self.ec_pulls.start(request, seq, sources)
         return True
+
+    def _check_encoder_only(self, req: GenerateRequest, mm) -> None:
+        """What an encoder-only worker (it samples nothing) refuses."""
+        why = None
+        if req.params.n != 1:
+            why = "n must be 1"
+        elif req.params.prompt_logprobs is not None or req.params.prompt_logprob_token_ids:
+            why = "prompt logprobs need the language model"
+        elif req.kv_transfer_params is not None:
+            why = "kv_transfer_params need the language model"
+        elif mm is not None and any(it.encoding == "remote" for it in mm.items):
+            why = "it encodes images itself, so every item needs its pixels (no metadata-only items)"
+        if why:
+            raise BadRequest(f"this worker runs only the vision encoder (--mm-encoder-only): {why}", "mm_encoder_only")
+
+    def _encode_step(self) -> list[SequenceOutput]:
+        """Encoder-only: encode every admitted request's images (one batched fetch, which
+        exports them) and finish the requests with no tokens and their announcement."""
+        batch = [s for s in self._to_encode if s.request.request_id in self.requests]
+        self._to_encode = []
+        if not batch:
+            return []
+        now = time.time()
+        items = [it for s in batch if s.request.mm is not None for it in s.request.mm.items]
+        if items:
+            self.runner.encoder_cache.fetch(items)
+        outs = []
+        for seq in batch:
+            request = seq.request
+            request.first_scheduled_time = request.first_scheduled_time or now
+            seq.finish(FinishReason.STOP)
+            if request.mm is not None:
+                self._announce_encodings(request)
+            self._forget(request)
+            outs.append(SequenceOutput(request, seq.index, seq, []))
+        return outs
 
     def _finish_encoder_pull(self, rid: str, token: int, pulled: dict, failed: dict) -> None:
         entry = self.ec_pulls.pending.get(rid)
@@ -471,6 +515,8 @@ class EngineCore(RLControl):
         if self.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
         self.kv_transfer_tick()
+        if self.encoder_only:
+            return self._encode_step()
         if self.kv_transfer.pending and not self.scheduler.has_unfinished():
             try:  # only pulls in flight: wait for one a little instead of spinning
                 done = self.kv_transfer.pulled.get(timeout=0.02)

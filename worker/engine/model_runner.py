@@ -146,6 +146,8 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype) + self.extra_bytes_per_block
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
+        if cfg.mm_encoder_only:  # no language-model step ever runs: one sequence's worth keeps the invariants
+            return self.max_blocks_per_seq
         if cfg.kv_cache_memory_bytes is not None:
             return _cap_blocks(max(1, cfg.kv_cache_memory_bytes // per_block))
         if cfg.kv_cache_memory_gb is not None:
