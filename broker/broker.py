@@ -43,7 +43,8 @@ class Entry:
     lora_name: Optional[str] = None  # adapter-aware dispatch prefers workers holding it
     prefix_hashes: Optional[list] = None  # routing keys of the prompt's blocks (cache-aware dispatch)
     roles: tuple = ()  # worker roles that may serve it (empty: any)
-    pd_request: Optional[GenerateRequest] = None  # broker-native P/D: the request, while its prefill leg runs
+    pd_request: Optional[GenerateRequest] = None  # broker-native P/D / E/P/D: the request, while a leg runs
+    leg: Optional[str] = None  # that leg: "prefill" | "encode" (broker/disagg.py)
     worker: Optional[Worker] = None  # None while pending
     started: bool = False  # a delta reached the client: cannot be retried elsewhere
     orphaned: bool = False  # client vanished; abort already sent
@@ -67,6 +68,7 @@ class BrokerConfig:
     curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
     routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
     pd: str = "off"  # broker/disagg.py: "auto" splits requests over prefill and decode workers
+    epd: str = "off"  # broker/disagg.py: "auto" runs image requests' encoders on encode workers first
 
 
 class Broker:
@@ -235,9 +237,21 @@ class Broker:
         self.by_client[client].add(rid)
         self._assign(entry)
 
-    # ------------------------------------------------------------ P/D legs
+    # ------------------------------------------------------------ P/D and E/P/D legs
     def _plan_legs(self, entry: Entry, req: GenerateRequest) -> None:
-        """Broker-native P/D: a prefill leg first when prefill and decode workers are up."""
+        """Broker-native disaggregation: an encode leg first for an image request when
+        encode workers are up (E/P/D); a prefill leg first when prefill and decode
+        workers are up (P/D)."""
+        if self.cfg.epd == "auto" and disagg.encode_eligible(req) and \
+                any(w.role == disagg.ENCODE_ROLE for w in self.workers.dispatchable()):
+            entry.pd_request, entry.leg = req, "encode"
+            entry.roles = (disagg.ENCODE_ROLE,)
+            entry.body = framing.encode(disagg.encode_leg(req))
+            return
+        self._plan_whole_or_prefill(entry, req)
+
+    def _plan_whole_or_prefill(self, entry: Entry, req: GenerateRequest) -> None:
+        entry.roles = ()
         if not self.workers.num_prefill:  # the common pool: nothing to plan
             return
         live = self.workers.dispatchable()
@@ -245,20 +259,33 @@ class Broker:
         if "prefill" not in roles:
             return
         if self.cfg.pd == "auto" and "decode" in roles and disagg.eligible(req, live[0].model.kv_block_size):
-            entry.pd_request = req
+            entry.pd_request, entry.leg = req, "prefill"
             entry.roles = disagg.PREFILL_ROLES
             entry.body = framing.encode(disagg.prefill_leg(req))
         elif any(w.role != "prefill" for w in live):
             entry.roles = disagg.WHOLE_ROLES
 
-    def _on_prefill_outputs(self, worker: Worker, body: bytes) -> None:
-        """Deltas of prefill legs: a finished leg hands its request to a decode worker."""
+    def _after_encode(self, entry: Entry, ec_transfer_params) -> None:
+        """The encode leg is over (answered, or failed: then the request encodes its own
+        pixels): the request itself runs next."""
+        req = disagg.after_encode(entry.pd_request, ec_transfer_params)
+        entry.pd_request, entry.leg = None, None
+        entry.body = framing.encode(req)
+        self._plan_whole_or_prefill(entry, req)
+        self._assign(entry)
+
+    def _on_leg_outputs(self, worker: Worker, body: bytes) -> None:
+        """Deltas of legs: a finished prefill leg hands its request to a decode worker, a
+        finished encode leg to a worker that pulls the encodings."""
         for delta in framing.decode(body, Outputs).deltas:
             entry = self.requests.get(delta.request_id)
             if delta.finish_reason is None or entry is None or entry.pd_request is None or entry.worker is not worker:
                 continue
             worker.requests.discard(entry.request_id)
             entry.worker = None
+            if entry.leg == "encode" and not entry.orphaned and delta.finish_reason != "abort":
+                self._after_encode(entry, delta.ec_transfer_params)
+                continue
             transfer = disagg.transfer_params(delta.kv_transfer_params)
             if entry.orphaned:
                 self._finish(entry)
@@ -273,7 +300,7 @@ class Broker:
                                 _E_INTERNAL)
             else:
                 entry.body = framing.encode(disagg.decode_leg(entry.pd_request, transfer))
-                entry.pd_request = None
+                entry.pd_request, entry.leg = None, None
                 entry.roles = disagg.DECODE_ROLES
                 self._assign(entry)
 
@@ -516,7 +543,7 @@ class Broker:
         for i in range(1, len(rest), 2):
             client = rest[i]
             if client == disagg.PD_CLIENT:
-                self._on_prefill_outputs(worker, rest[i + 1])
+                self._on_leg_outputs(worker, rest[i + 1])
                 continue
             try:
                 send(frontend, (client, magic, msg_type, rest[i + 1]))
@@ -589,7 +616,10 @@ class Broker:
             else:
                 worker.requests.discard(rid)
                 entry.worker = None
-                self._assign(entry)
+                if entry.leg == "encode":  # the request has its pixels: it runs without the leg
+                    self._after_encode(entry, None)
+                else:
+                    self._assign(entry)
                 retried += 1
         self.stats.workers_removed += 1
         self.stats.failed_worker_death += failed

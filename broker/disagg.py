@@ -1,4 +1,5 @@
-"""Broker-native prefill/decode disaggregation (``--pd auto``).
+"""Broker-native prefill/decode disaggregation (``--pd auto``) and encoder disaggregation
+(``--epd auto``).
 
 With workers registered as ``--role prefill`` and ``--role decode``, the broker runs an
 ordinary generate request as vLLM's disaggregated proxy would, with no proxy: a
@@ -11,6 +12,13 @@ KV blocks instead of recomputing them.  Both legs are picked by the dispatch pol
 The request keeps one broker entry across both legs: its prefill leg is sent with
 ``PD_CLIENT`` as the reply identity, so that leg's deltas come back here (never to the
 client) and finishing it starts the decode leg instead of finishing the request.
+
+Encoder disaggregation is the same shape: with ``--mm-encoder-only`` workers registered
+(role ``encode``), an image request first runs as an encode leg there, whose final delta
+carries ec_transfer_params (worker/engine/ec_transfer.py); the request then runs whole on
+another worker with them, which pulls the images' encodings instead of running the vision
+tower.  The request keeps its pixels, so it still runs (encoding them itself) if the
+encode leg fails.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from common.protocol import GenerateRequest
 
 PD_CLIENT = b"\x00tokserve-broker-pd"  # reply identity of prefill legs: their deltas stay in the broker
 PD_MODES = ("off", "auto")
+EPD_MODES = ("off", "auto")
 PREFILL_ROLES = ("prefill",)
 DECODE_ROLES = ("decode",)
 WHOLE_ROLES = ("both", "decode")  # requests served in one piece never go to prefill-only workers
@@ -49,6 +58,29 @@ def prefill_leg(req: GenerateRequest) -> GenerateRequest:
 
 def decode_leg(req: GenerateRequest, transfer: dict) -> GenerateRequest:
     return msgspec.structs.replace(req, kv_transfer_params=transfer)
+
+
+def encode_eligible(req: GenerateRequest) -> bool:
+    """Image requests the broker runs an encode leg for: every item has its pixels (an
+    encoder worker encodes them) and the client sent no encoder transfer of its own."""
+    return bool(req.mm_items) and req.ec_transfer_params is None and req.data_parallel_rank is None \
+        and all(it.encoding != "remote" for it in req.mm_items)
+
+
+def encode_leg(req: GenerateRequest) -> GenerateRequest:
+    """What an encoder-only worker serves: the prompt and its images, nothing to sample."""
+    params = msgspec.structs.replace(req.params, n=1, max_tokens=1, max_tokens_is_default=False, min_tokens=0,
+                                     logprobs=None, prompt_logprobs=None, prompt_logprob_token_ids=None, stop=[],
+                                     include_stop_str_in_output=False)
+    return msgspec.structs.replace(req, params=params, output_text=False, kv_transfer_params=None,
+                                   ec_transfer_params=None, lora_name=None)
+
+
+def after_encode(req: GenerateRequest, ec_transfer_params: Optional[dict]) -> GenerateRequest:
+    """The request with the encode leg's answer (unchanged without one: it encodes itself)."""
+    if isinstance(ec_transfer_params, dict) and ec_transfer_params:
+        return msgspec.structs.replace(req, ec_transfer_params=ec_transfer_params)
+    return req
 
 
 def transfer_params(kv_transfer_params: Optional[dict]) -> Optional[dict]:

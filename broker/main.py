@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd", default="off", choices=["off", "auto"],
                    help="auto: run requests as a prefill leg on a --role prefill worker, then the decode on a "
                         "--role decode worker that pulls the prompt's KV blocks (no proxy needed)")
+    p.add_argument("--epd", default="off", choices=["off", "auto"],
+                   help="auto: run an image request's vision encoder on a --mm-encoder-only worker first, then the "
+                        "request on another worker that pulls the encodings (no proxy needed)")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                        liveness=args.liveness, max_pending=args.max_pending,
                        no_worker_timeout=args.no_worker_timeout,
                        max_inflight_per_worker=args.max_inflight_per_worker,
-                       max_client_frame_bytes=args.max_frame_bytes, routing=args.routing, pd=args.pd)
+                       max_client_frame_bytes=args.max_frame_bytes, routing=args.routing, pd=args.pd,
+                       epd=args.epd)
     if args.curve_authorized_keys and not args.curve_secret_file:
         raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
     if args.curve_secret_file:

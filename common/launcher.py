@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-workers", type=int, default=0,
                    help="prefill/decode disaggregation: the first N workers run --role prefill, the rest --role "
                         "decode, and the broker splits each request over them (--pd auto)")
+    p.add_argument("--encoder-workers", type=int, default=0,
+                   help="encoder disaggregation: the last N workers run only the vision encoder (--mm-encoder-only, "
+                        "an ec_producer), and the broker runs each image request's encoder there first (--epd auto)")
     p.add_argument("--broker-args", default="",
                    help="extra arguments passed to the broker, e.g. '--curve-secret-file S --curve-authorized-keys DIR'")
     p.add_argument("--worker-args", default="", help="extra arguments passed to every worker, e.g. '--max-num-seqs 64'")
@@ -157,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0, help="seconds children get to exit on shutdown")
     p.add_argument("--log-level", default=None)
     return p
+
+
+EC_PRODUCER = '{"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"}'
 
 
 def cpu_worker_threads(num_workers: int, cpus: Optional[int] = None) -> int:
@@ -173,9 +179,13 @@ def cpu_worker_threads(num_workers: int, cpus: Optional[int] = None) -> int:
 def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list[Child], list[Child]]:
     if args.prefill_workers and not 0 < args.prefill_workers < args.workers:
         raise SystemExit("--prefill-workers must leave at least one decode worker (0 < N < --workers)")
+    if args.encoder_workers and not 0 < args.encoder_workers + args.prefill_workers < args.workers:
+        raise SystemExit("--encoder-workers must leave at least one worker for the language model "
+                         "(0 < N + --prefill-workers < --workers)")
     log_args = ["--log-level", args.log_level] if args.log_level else []
     broker = Child("broker", tokserve_cmd("broker", "--frontend", args.frontend, "--backend", args.backend,
                                           "--routing", args.routing, *(["--pd", "auto"] if args.prefill_workers else []),
+                                          *(["--epd", "auto"] if args.encoder_workers else []),
                                           *log_args, *shlex.split(args.broker_args)))
     workers = []
     cuda = args.device.startswith("cuda")
@@ -207,7 +217,9 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                             "--device", "cuda" if cuda else args.device, *log_args, *worker_args)
         if args.tokens_only:
             argv.append("--tokens-only")
-        if args.prefill_workers:
+        if rank >= args.workers - args.encoder_workers:
+            argv += ["--mm-encoder-only", "--ec-transfer-config", EC_PRODUCER]
+        elif args.prefill_workers:
             argv += ["--role", "prefill" if rank < args.prefill_workers else "decode"]
         workers.append(Child(f"worker[{rank}]", argv, env))
     gateways = []

@@ -292,3 +292,22 @@ def test_kernel_build_is_announced_on_a_cold_cache(tmp_path):
     assert proc.returncode == 0, proc.stderr
     notice = proc.stderr.index("first start on this machine, about a minute")
     assert notice < proc.stderr.index("native CPU kernels unavailable (no compiler in this test)")
+
+
+def test_disaggregation_roles_reach_broker_and_workers():
+    from common.launcher import build_parser, plan_children
+    from worker.engine.ec_transfer import parse_ec_transfer_config
+
+    broker, workers, _ = plan_children(build_parser().parse_args(
+        ["--workers", "4", "--prefill-workers", "1", "--encoder-workers", "1"]), "/m")
+    assert "--pd" in broker.argv and "--epd" in broker.argv
+    assert workers[0].argv[workers[0].argv.index("--role") + 1] == "prefill"
+    assert [w.argv[w.argv.index("--role") + 1] for w in workers[1:3]] == ["decode", "decode"]
+    enc = workers[3].argv
+    assert "--mm-encoder-only" in enc and "--role" not in enc
+    assert parse_ec_transfer_config(enc[enc.index("--ec-transfer-config") + 1]) == "ec_producer"
+    broker, workers, _ = plan_children(build_parser().parse_args(["--workers", "2"]), "/m")
+    assert "--epd" not in broker.argv and not any("--mm-encoder-only" in w.argv for w in workers)
+    for argv in (["--encoder-workers", "1"], ["--workers", "2", "--prefill-workers", "1", "--encoder-workers", "1"]):
+        with pytest.raises(SystemExit, match="at least one worker for the language model"):
+            plan_children(build_parser().parse_args(argv), "/m")
