@@ -3,7 +3,7 @@
 Requests carry 1-4 images each (sizes 112x112 .. 224x224, distinct per request unless
 ``--repeat-images``), ``max_tokens`` 16, ``ignore_eos``, temperature 0.
 
-- ours: ``tokserve serve`` (broker, one worker, gateway given the model folder) on private
+- ours: ``tokserve serve`` (broker, ``--workers`` workers (1), gateway given the model folder) on private
   ipc endpoints; the images go as data-URL ``content_parts`` to ``/inference/v1/generate``
   (streaming), so the gateway's image decode + preprocessing is part of the measurement.
 - HF: the same model folder loaded with transformers; the same prompts and the same pixel
@@ -25,6 +25,8 @@ never asserted.
     python -m benchmarks.mm_throughput --repeat-images      # the same images every request
     python -m benchmarks.mm_throughput --device cuda        # both sides on the GPU
     python -m benchmarks.mm_throughput --images-per-request 1,2,3,4   # a row per image count
+    python -m benchmarks.mm_throughput --workers 2 --skip-engine      # two data-parallel workers
+    python -m benchmarks.mm_throughput --workers 2 --encoder-workers 1 --skip-engine   # broker-run E/P/D
 """
 from __future__ import annotations
 
@@ -141,7 +143,9 @@ def request_body(r: Req, max_tokens: int) -> bytes:
 
 # ----------------------------------------------------------------------------- ours
 def bench_ours(model_dir: Path, levels: list[tuple[int, list[Req]]], warm: list[Req], args) -> dict[int, dict]:
-    stack = Stack(str(model_dir), 1, args.worker_args, args.device)
+    stack = Stack(str(model_dir), args.workers, args.worker_args, args.device)
+    if args.encoder_workers:
+        stack.argv += ["--encoder-workers", str(args.encoder_workers)]
     out = {}
     with stack:
         asyncio.run(run_http(stack.url, [request_body(r, args.max_tokens) for r in warm], 2, "warmup"))
@@ -288,6 +292,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     help="1-4: requests cycle through 1..4 images (one table row per concurrency); a comma list "
                          "such as 1,2,3,4: a row per count, every request of a row carrying that many")
     ap.add_argument("--hf-threads", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1, help="our stack's workers (tokserve serve --workers)")
+    ap.add_argument("--encoder-workers", type=int, default=0,
+                    help="of those, encoder-only ones (tokserve serve --encoder-workers: broker-run E/P/D)")
     ap.add_argument("--worker-args", default="--max-model-len 1024 --max-num-seqs 8 --num-kv-blocks 512 --tokens-only")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-engine", action="store_true", help="skip the in-process engine ceiling")
