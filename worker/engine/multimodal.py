@@ -178,9 +178,7 @@ def patches_from_image(image: torch.Tensor, cfg: Qwen2VLImageConfig) -> torch.Te
     device, equal to ``common.multimodal.patchify`` (same operations in the same order)."""
     x = image.permute(2, 0, 1)
     if cfg.do_rescale:
-        # HF's float64 rescale, then float32 (a 256-entry lookup table gives the same bits
-        # but measured slower on the CPU; datacenter GPUs run float64 at full rate)
-        x = (x.double() * cfg.rescale_factor).float()
+        x = (x.double() * cfg.rescale_factor).float()  # HF's float64 rescale, then float32
     x = x.float()
     if cfg.do_normalize:
         mean = torch.tensor(cfg.image_mean, dtype=torch.float32, device=x.device)[:, None, None]
