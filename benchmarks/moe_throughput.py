@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch

@@ -4,7 +4,6 @@ model folders loading in our engine."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import textwrap
 import time

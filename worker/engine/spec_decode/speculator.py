@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from common.protocol import SpecDecodeStats
-from worker.engine.request import EngineSequence, Request
+from worker.engine.request import EngineSequence
 from worker.engine.sampling_metadata import SamplingRow
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.ngram import propose_ngram
