@@ -329,3 +329,10 @@ def test_malformed_announcements_never_hurt_a_worker(stack, model_dir):
     assert 400 in statuses
     for rank in (0, 1):  # both workers still answer
         assert _post(http, rank, {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}).status_code == 200
+
+
+def test_a_model_without_vision_cannot_export_encodings(llama_dir):
+    from tests.engine_helpers import make_engine
+
+    with pytest.raises(ValueError, match="has no vision encoder to export outputs of"):
+        make_engine(llama_dir, ec_role="ec_producer")
