@@ -212,7 +212,11 @@ def decode_image_bytes(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
         raise
     except Image.DecompressionBombError as e:
         raise MediaError(f"Failed to load image: {e}") from e
-    except (OSError, SyntaxError, ValueError, Image.UnidentifiedImageError) as e:
+    except Image.UnidentifiedImageError as e:
+        # Pillow names the in-memory file by its repr (an object address): say what it means.
+        raise MediaError("Failed to load image: cannot identify image file (not an image in a format Pillow "
+                         "reads, e.g. PNG, JPEG, GIF, BMP, WebP)") from e
+    except (OSError, SyntaxError, ValueError) as e:
         # Pillow raises SyntaxError/ValueError from some truncated/corrupt files.
         raise MediaError(f"Failed to load image: {e}") from e
 
