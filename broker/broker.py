@@ -361,7 +361,7 @@ class Broker:
         reply_to = disagg.PD_CLIENT if entry.pd_request is not None else entry.client
         if not self._to_worker(worker, framing.message(MsgType.GENERATE, entry.body, reply_to)):
             return False
-        if entry.prefix_hashes:
+        if entry.prefix_hashes and entry.leg != "encode":  # an encode leg caches no KV there
             worker.prefix_index.expect(entry.prefix_hashes)
         entry.worker = worker
         worker.sent += 1
