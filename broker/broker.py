@@ -315,6 +315,9 @@ class Broker:
                 live = [w for w in live if w.role in entry.roles]
             elif entry.rank is None:  # encoder-only workers produce no tokens: only pinned requests go there
                 live = [w for w in live if w.role != disagg.ENCODE_ROLE]
+            if not live and entry.leg == "encode":  # no encoder worker (any more): it encodes its own pixels
+                self._after_encode(entry, None)
+                return
             if not live:
                 self._enqueue(entry)
                 return
@@ -497,7 +500,15 @@ class Broker:
             worker.last_seen = time.monotonic()
             err = framing.decode(rest[0], ErrorMsg)
             entry = self.requests.get(err.request_id)
-            if entry is not None and entry.worker is worker:
+            if entry is not None and entry.worker is worker and entry.leg == "encode" and not entry.orphaned:
+                # The request has its pixels: it runs without the encode leg (an error of its
+                # own comes back from that run).
+                worker.requests.discard(entry.request_id)
+                entry.worker = None
+                self._after_encode(entry, None)
+                if self.pending:
+                    self._dispatch_pending()
+            elif entry is not None and entry.worker is worker:
                 self._finish(entry)
                 if not entry.orphaned:
                     self._to_client(entry.client, framing.message(MsgType.ERROR, rest[0]))

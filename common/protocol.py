@@ -169,7 +169,7 @@ class CompletionDelta(msgspec.Struct, **_STRUCT):
     prompt_token_id_scores: Optional[bytes] = None  # float32 [rows, max_ids] C-order, -inf pad
     prompt_token_id_shape: Optional[list[int]] = None
     kv_transfer_params: Optional[Any] = None
-    ec_transfer_params: Optional[Any] = None  # an encoder worker's answer (final delta), else echoed
+    ec_transfer_params: Optional[Any] = None  # an encoder worker's answer (its final delta), as vLLM
     # Timestamps (time.time()) for /metrics and the response's metrics field.
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None

@@ -30,7 +30,7 @@ from tests.test_mm_http import MAX_TOKENS, _body, _data_url, _part, _png, _promp
 from worker.engine.ec_transfer import EncoderExports, announce, parse_ec_transfer_config  # noqa: E402
 
 PRODUCER = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"})
-ENTRY_KEYS = {"item_indices", "metadata", "peer_host", "peer_port", "size_bytes", "shape"}
+ENTRY_KEYS = {"item_indices", "metadata", "peer_host", "peer_port", "size_bytes", "shape", "remote_key"}
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +118,12 @@ def test_metadata_only_request_pulls_the_encoder_output(stack):
     assert again.json()["choices"][0]["token_ids"] == ref["token_ids"]
 
 
-def test_text_only_requests_echo_ec_transfer_params(stack):
-    r = _post(stack, 0, {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2},
-                         "ec_transfer_params": {"k": 1}})
-    assert r.status_code == 200, r.text
-    assert r.json()["ec_transfer_params"] == {"k": 1}
+def test_only_an_encoder_worker_answers_with_ec_transfer_params(stack):
+    for rank in (0, 1):  # as vLLM: a request's own params are never echoed
+        r = _post(stack, rank, {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2},
+                                "ec_transfer_params": {"k": 1}})
+        assert r.status_code == 200, r.text
+        assert r.json()["ec_transfer_params"] is None
 
 
 def test_unknown_output_is_a_400_and_a_gone_producer_a_503(stack):
@@ -132,10 +133,13 @@ def test_unknown_output_is_a_400_and_a_gone_producer_a_503(stack):
     features, ec = _metadata_only(_encode(http, ids, pngs))
     (h, entry), = ec.items()
 
-    # A hash the encoder worker never exported.
+    # An output the encoder worker never exported.
     features_x = {**features, "mm_hashes": {"image": ["never-encoded"]}}
-    err = _error(_post(http, 1, _fbody(ids, features_x, {"never-encoded": entry})), 400)
+    err = _error(_post(http, 1, _fbody(ids, features_x, {"never-encoded": {**entry, "remote_key": "nope#1x4x4"}})),
+                 400)
     assert "unknown or evicted encoder output" in err["message"] and err["param"] == "ec_transfer_params"
+    bad = {h: {k: v for k, v in entry.items() if k != "remote_key"}}
+    assert "remote_key must be" in _error(_post(http, 1, _fbody(ids, features, bad)), 400)["message"]
 
     # Nobody listens at the announced port.
     t = time.monotonic()
@@ -163,7 +167,8 @@ def test_failed_pull_falls_back_to_the_pixels(stack, model_dir):
     # The announcement points nowhere: the worker encodes the pixels it was sent.
     hidden = next(iter(_encode(http, ids, pngs)["ec_transfer_params"].values()))["shape"][1]
     dead = {"hash0": {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 6]}, "peer_host": "127.0.0.1",
-                      "peer_port": free_port(), "size_bytes": 6 * hidden * 4, "shape": [6, hidden]}}
+                      "peer_port": free_port(), "size_bytes": 6 * hidden * 4, "shape": [6, hidden],
+                      "remote_key": "features:hash0#1x4x6"}}
     t = time.monotonic()
     r = _post(http, 1, {**_fbody(ids, full, dead), "cache_salt": "fallback"})
     assert r.status_code == 200, r.text
@@ -249,18 +254,59 @@ def test_ec_transfer_config():
 def test_exports_drop_the_least_recent_and_announce_what_they_hold():
     exports = EncoderExports(max_rows=10)
     a, b = torch.ones(4, 3), torch.full((8, 3), 2.0)
-    exports.put("a#1x4x4", a)
+    exports.put("features:a#1x4x4", a)
     a[0, 0] = 9  # a host copy: the encoder cache's tensor may change or go
-    assert exports.get("a#1x4x4")[0, 0] == 1
+    assert exports.get("features:a#1x4x4")[0, 0] == 1
     exports.put("b#1x4x8", b)  # 12 rows > 10: "a" goes
-    assert "a#1x4x4" not in exports and exports.get("b#1x4x8") is not None
-    # A client-named item ("features:b") is announced and exported under the client's name.
+    assert "features:a#1x4x4" not in exports and exports.get("b#1x4x8") is not None
     items = [MultiModalItem("image", cache_key(h, g), 3 + 10 * i, n, g, b"", [], "remote")
-             for i, (h, g, n) in enumerate([("features:a", [1, 4, 4], 4), ("features:b", [1, 4, 8], 8)])]
-    out = announce(items, ["features:a", "features:b"], exports, "h", 7)
+             for i, (h, g, n) in enumerate([("features:a", [1, 4, 4], 4), ("b", [1, 4, 8], 8)])]
+    out = announce(items, ["features:a", "b"], exports, "h", 7)
     assert out["a"] == {"item_indices": [0], "metadata": {}}  # gone: no address, media stays on the request
     assert out["b"] == {"item_indices": [1], "metadata": {"image_grid_thw": [1, 4, 8]}, "peer_host": "h",
-                        "peer_port": 7, "size_bytes": 8 * 3 * 4, "shape": [8, 3]}
+                        "peer_port": 7, "size_bytes": 8 * 3 * 4, "shape": [8, 3], "remote_key": "b#1x4x8"}
+
+
+def test_a_client_named_item_never_takes_an_images_export():
+    """An image a client named H (features / uuid) and the image whose content hash is H
+    are exported, announced and pulled under different keys (a client cannot plant an
+    encoding under another image's name)."""
+    exports = EncoderExports()
+    planted, real = torch.full((4, 3), 7.0), torch.ones(4, 3)
+    exports.put(cache_key("features:H", [1, 4, 4]), planted)
+    exports.put(cache_key("H", [1, 4, 4]), real)
+    item = MultiModalItem("image", cache_key("H", [1, 4, 4]), 3, 4, [1, 4, 4], b"", [], "uint8_hwc")
+    key = announce([item], ["H"], exports, "h", 7)["H"]["remote_key"]
+    assert torch.equal(exports.get(key), real)
+
+
+def test_a_malformed_announcement_leaves_nothing_behind(model_dir):
+    """A 400 at admission (bad ec_transfer_params) registers nothing: the same id can be
+    sent again and the engine goes idle."""
+    import numpy as np
+
+    from common.errors import BadRequest
+    from common.multimodal import Qwen2VLImageConfig, load_image, resize_image
+    from common.protocol import GenerateRequest, SamplingParams
+    from tests.engine_helpers import make_engine
+    from tests.test_qwen2_vl_engine import IMAGE
+
+    engine = make_engine(model_dir, tokens_only=True)
+    cfg = Qwen2VLImageConfig.from_model_dir(model_dir)
+    image = np.ascontiguousarray(resize_image(load_image(_data_url(_png(91, 56, 56)),
+                                                         allowed_local_media_path=None), cfg))
+    ids = _prompt([4])
+    item = MultiModalItem("image", "content-91", ids.index(IMAGE), 4, [1, 4, 4], image.tobytes(), list(image.shape),
+                          "uint8_hwc")
+
+    def req(ec):
+        return GenerateRequest(request_id="x", prompt_token_ids=ids, mm_items=[item], ec_transfer_params=ec,
+                               params=SamplingParams(temperature=0.0, max_tokens=2))
+    with pytest.raises(BadRequest, match="ec_transfer_params"):
+        engine.add_request(req([1]))
+    assert not engine.requests and not engine.has_unfinished()
+    out = engine.generate([req(None)])
+    assert len(out["x"][0].token_ids) == 2
 
 
 def test_uuid_names_the_item_across_workers(stack):

@@ -8,11 +8,17 @@ producer, whose response names, per item, where its encoder output can be read
 has ECCPUConnector's shape, one entry per mm_hash::
 
     {mm_hash: {"item_indices": [i, ...], "metadata": {"image_grid_thw": [t, h, w]},
-               "peer_host": str, "peer_port": int, "size_bytes": int, "shape": [rows, hidden]}}
+               "peer_host": str, "peer_port": int, "size_bytes": int, "shape": [rows, hidden],
+               "remote_key": str}}
+
+``remote_key`` (ours; a proxy passes the entry through whole) is the producer's own key of
+the output: its encoder-cache key, in which an image a client named (``features`` hash,
+``uuid``) and an image hashed by content never share a name, so no client can plant an
+output under another image's name.
 
 The bytes travel over this worker's transfer server (kv_transfer.py, the ROUTER that
 also serves KV blocks) instead of NIXL:
-  request  {"op": "ec_pull", "key": cache_key(mm_hash, grid)}
+  request  {"op": "ec_pull", "key": remote_key}
   reply    {"ok": true, "key", "shape": [rows, hidden], "dtype"} + one raw frame
            {"ok": false, "key", "status": 400, "error": "..."}
 
@@ -40,7 +46,7 @@ import zmq
 
 from common.errors import BadRequest
 from common.logging import get_logger
-from common.multimodal import cache_key, client_hash
+from common.multimodal import client_hash
 from common.protocol import MultiModalItem
 from worker.engine.kv_transfer import PULL_TIMEOUT_S, TransferError, ask
 
@@ -78,9 +84,7 @@ def parse_ec_transfer_config(text: Optional[str]) -> Optional[str]:
 # --- producer ------------------------------------------------------------------------------
 class EncoderExports:
     """Host copies of encoder outputs for consumers to pull (the engine thread adds, the
-    transfer server's thread reads), keyed as consumers name them: the client's hash
-    with the grid, ``cache_key(client_hash(wire hash), grid)`` (= ``client_hash`` of the
-    engine's keyed hash)."""
+    transfer server's thread reads), by the engine's keyed mm_hash (``remote_key``)."""
 
     def __init__(self, max_rows: int = DEFAULT_EXPORT_ROWS):
         self.max_rows = max_rows
@@ -130,13 +134,13 @@ def announce(items: Sequence[MultiModalItem], wire_hashes: Sequence[str], export
     for index, (it, wire) in enumerate(zip(items, wire_hashes)):
         entry = out.setdefault(client_hash(wire), {"item_indices": []})
         entry["item_indices"].append(index)
-        data = exports.get(client_hash(it.mm_hash))
+        data = exports.get(it.mm_hash)
         if data is None:  # dropped since: no address, so no orchestrator strips the media
             entry["metadata"] = {}
             continue
         entry["metadata"] = {"image_grid_thw": [int(v) for v in it.grid_thw]}
         entry.update(peer_host=host, peer_port=port, size_bytes=data.numel() * data.element_size(),
-                     shape=list(data.shape))
+                     shape=list(data.shape), remote_key=it.mm_hash)
     return out
 
 
@@ -173,7 +177,11 @@ def remote_sources(params: Any, items: Sequence[MultiModalItem], wire_hashes: Se
                                  f"{PARAM} names no producer for it (an entry with peer_host and peer_port)", PARAM)
             continue
         host, port, shape = entry.get("peer_host"), entry.get("peer_port"), entry.get("shape")
+        key = entry.get("remote_key")
         where = f"{PARAM}[{name!r}]"
+        if not isinstance(key, str) or not key or len(key) > 1024:
+            raise BadRequest(f"{where}: remote_key must be the non-empty string an encoder worker's answer gives",
+                             PARAM)
         if not isinstance(host, str) or not host:
             raise BadRequest(f"{where}: peer_host must be a non-empty string", PARAM)
         if not _is_int(port) or not 0 < port < 65536:
@@ -183,13 +191,14 @@ def remote_sources(params: Any, items: Sequence[MultiModalItem], wire_hashes: Se
         if shape != [it.length, hidden]:
             raise BadRequest(f"{where}: shape {shape} does not fit the image's {it.length} placeholder tokens of "
                              f"this model's hidden size {hidden} (expected {[it.length, hidden]})", PARAM)
-        out[it.mm_hash] = RemoteEncoding(host, port, cache_key(name, it.grid_thw), it.length, hidden, remote)
+        out[it.mm_hash] = RemoteEncoding(host, port, key, it.length, hidden, remote)
     return out
 
 
 def _tensor_from_reply(header: dict, raw, src: RemoteEncoding) -> torch.Tensor:
     where = f"{src.host}:{src.port}"
-    dtype = _DTYPES.get(header.get("dtype"))
+    dtype = header.get("dtype")
+    dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
     if header.get("shape") != [src.rows, src.hidden] or dtype is None:
         raise TransferError(400, f"{PARAM}: the encoder output at {where} is {header.get('shape')} "
                                  f"{header.get('dtype')}, not the announced [{src.rows}, {src.hidden}] "

@@ -8,6 +8,7 @@ encodings a request's ``ec_transfer_params`` announce before scheduling it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional
 
@@ -15,8 +16,9 @@ from common.errors import BadRequest
 from common.protocol import GenerateRequest
 from worker.engine.config import EngineConfig
 from worker.engine.ec_transfer import PARAM as EC_PARAM
-from worker.engine.ec_transfer import PRODUCER_ROLES, EcPulls, EncoderExports, announce, remote_sources
-from worker.engine.multimodal import REMOTE
+from worker.engine.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
+                                       remote_sources)
+from worker.engine.multimodal import MAX_ENCODE_PATCHES, REMOTE
 from worker.engine.outputs import SequenceOutput
 from worker.engine.request import EngineSequence, FinishReason, Request
 
@@ -45,20 +47,17 @@ class EncoderDisaggregation:
         self.ec_exports = cache.exports = self.kv_transfer.encodings = EncoderExports()
         self.kv_transfer.server()
 
-    def _needs_encoder_pull(self, request: Request, seq: EngineSequence) -> bool:
-        """Admission of an image request: an encoder worker answers with its exports; a
-        request whose ec_transfer_params announce items' encoder outputs pulls those its
-        encoder cache lacks (True: it waits for them)."""
+    def _encoder_sources(self, req: GenerateRequest, mm) -> dict[str, RemoteEncoding]:
+        """The encodings ``req.ec_transfer_params`` announce for its items (BadRequest
+        when malformed; checked at admission, before the request is registered)."""
+        return remote_sources(req.ec_transfer_params, mm.items, mm.wire_hashes, self.model_config.hidden_size)
+
+    def _pull_encodings(self, request: Request, seq: EngineSequence, sources: dict[str, RemoteEncoding]) -> bool:
+        """Pull the announced encodings this engine's encoder cache lacks (True: the
+        request waits for them); cached ones are held by the request meanwhile."""
         mm, cache = request.mm, self.runner.encoder_cache
-        if self.ec_exports is not None:
-            request.echo_ec = False
-        sources = remote_sources(request.req.ec_transfer_params, mm.items, mm.wire_hashes,
-                                 self.model_config.hidden_size)
-        if not sources:
-            return False
-        request.echo_ec = False  # a consumer answers with none (as vLLM)
         for key in [k for k in sources if k in cache]:
-            mm.embeds[key] = cache.get(next(it for it in mm.items if it.mm_hash == key))
+            mm.embeds[key] = cache.peek(key)
             del sources[key]
         if not sources:
             return False
@@ -80,10 +79,18 @@ class EncoderDisaggregation:
             raise BadRequest(f"this worker runs only the vision encoder (--mm-encoder-only): {why}", "mm_encoder_only")
 
     def _encode_step(self) -> list[SequenceOutput]:
-        """Encoder-only: encode every admitted request's images (one batched fetch, which
-        exports them) and finish the requests with no tokens and their announcement."""
-        batch = [s for s in self._to_encode if s.request.request_id in self.requests]
-        self._to_encode = []
+        """Encoder-only: encode admitted requests' images (one batched fetch of at most
+        about ``MAX_ENCODE_PATCHES`` patches, which exports them) and finish those requests
+        with no tokens and their announcement."""
+        queue = [s for s in self._to_encode if s.request.request_id in self.requests]
+        batch, patches = [], 0
+        for seq in queue:
+            if batch and patches >= MAX_ENCODE_PATCHES:
+                break
+            batch.append(seq)
+            mm = seq.request.mm
+            patches += sum(math.prod(int(v) for v in it.grid_thw) for it in mm.items) if mm is not None else 0
+        self._to_encode = queue[len(batch):]
         if not batch:
             return []
         now = time.time()

@@ -191,6 +191,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
             self._check_kv_leg(req, leg)
         if self.encoder_only:
             self._check_encoder_only(req, mm)
+        # validated before anything is registered (a 400 here leaves nothing behind)
+        ec_sources = self._encoder_sources(req, mm) if mm is not None and not self.encoder_only else None
         lora_key = None
         if req.lora_name is not None:
             if self.lora is None or req.lora_name not in self.lora.keys:
@@ -221,10 +223,9 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self.requests[req.request_id] = request
         request.kv_leg = leg
         if self.encoder_only:
-            request.echo_ec = mm is None
             self._to_encode.append(seq)
             return
-        if mm is not None and self._needs_encoder_pull(request, seq):
+        if ec_sources and self._pull_encodings(request, seq, ec_sources):
             return  # scheduled once its encoder outputs are pulled
         if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
             self.kv_transfer.start_pull(request, seq, leg)

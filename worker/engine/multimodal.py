@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from common.errors import BadRequest
-from common.multimodal import Qwen2VLImageConfig, cache_key, client_hash
+from common.multimodal import Qwen2VLImageConfig, cache_key
 from common.protocol import GenerateRequest, MultiModalItem
 from worker.engine.models.mrope import mrope_positions
 
@@ -341,13 +341,17 @@ class EncoderCache:
             patches += n
         if group:
             self._encode(group, out)
-        if self.exports is not None:  # under the name consumers pull it by
+        if self.exports is not None:
             for key, emb in out.items():
-                self.exports.put(client_hash(key), emb)
+                self.exports.put(key, emb)
         return out
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
+
+    def peek(self, key: str) -> torch.Tensor:
+        """A cached entry, without counting a query or touching its recency."""
+        return self._entries[key]
 
     def _pixels(self, item: MultiModalItem) -> torch.Tensor:
         if item.encoding == UINT8_HWC:

@@ -53,9 +53,8 @@ class Request:
         self.kv_leg: Any = None
         self.kv_transfer_out: Optional[dict] = None
         # Encoder disaggregation (ec_transfer.py): an encoder worker's answer (its final
-        # delta's ec_transfer_params); echo_ec: params that engaged nothing are echoed.
+        # delta's ec_transfer_params; as vLLM, nothing else ever answers with any).
         self.ec_transfer_out: Optional[dict] = None
-        self.echo_ec = True
         self.prompt_token_ids = req.prompt_token_ids
         self.mm: Any = None  # MultiModalState (multimodal.py) of a request with images
         self.num_prompt_tokens = len(req.prompt_token_ids)

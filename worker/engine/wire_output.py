@@ -50,7 +50,6 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         # P/D legs answer with their own params (a prefill leg's on its final delta, below;
         # a decode leg's none, as vLLM); other params are echoed.
         delta.kv_transfer_params = request.req.kv_transfer_params if request.kv_leg is None else None
-        delta.ec_transfer_params = request.req.ec_transfer_params if request.echo_ec else None
         delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.prompt_token_id_rows:
             scores = _stack_padded(request.prompt_token_id_rows)
