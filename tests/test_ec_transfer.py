@@ -252,7 +252,7 @@ def test_ec_transfer_config():
 
 
 def test_exports_drop_the_least_recent_and_announce_what_they_hold():
-    exports = EncoderExports(max_rows=10)
+    exports = EncoderExports(max_bytes=10 * 3 * 4)  # 10 rows of 3 floats
     a, b = torch.ones(4, 3), torch.full((8, 3), 2.0)
     exports.put("features:a#1x4x4", a)
     a[0, 0] = 9  # a host copy: the encoder cache's tensor may change or go

@@ -56,7 +56,9 @@ PARAM = "ec_transfer_params"
 CONNECTOR = "ECCPUConnector"  # the vLLM connector whose ec_transfer_params we speak
 ROLES = ("ec_producer", "ec_consumer", "ec_both")
 PRODUCER_ROLES = ("ec_producer", "ec_both")
-DEFAULT_EXPORT_ROWS = 65536  # encoder outputs a producer keeps readable (rows of hidden size)
+# Host memory a producer keeps its exported outputs in: hundreds of images of a 7B model's
+# width, so an announced output outlives the round trip to its consumer.
+DEFAULT_EXPORT_BYTES = 4 << 30
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -86,11 +88,11 @@ class EncoderExports:
     """Host copies of encoder outputs for consumers to pull (the engine thread adds, the
     transfer server's thread reads), by the engine's keyed mm_hash (``remote_key``)."""
 
-    def __init__(self, max_rows: int = DEFAULT_EXPORT_ROWS):
-        self.max_rows = max_rows
+    def __init__(self, max_bytes: int = DEFAULT_EXPORT_BYTES):
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._entries: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-        self._rows = 0
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -110,10 +112,10 @@ class EncoderExports:
             host = host.clone()  # the encoder cache's own tensor must not be shared with a reader thread
         with self._lock:
             self._entries[key] = host
-            self._rows += host.shape[0]
-            while self._rows > self.max_rows and len(self._entries) > 1:
+            self._bytes += _nbytes(host)
+            while self._bytes > self.max_bytes and len(self._entries) > 1:
                 _, dropped = self._entries.popitem(last=False)
-                self._rows -= dropped.shape[0]
+                self._bytes -= _nbytes(dropped)
 
     def get(self, key: str) -> Optional[torch.Tensor]:
         with self._lock:
@@ -123,7 +125,11 @@ class EncoderExports:
         """New weights: the outputs no longer match the model."""
         with self._lock:
             self._entries.clear()
-            self._rows = 0
+            self._bytes = 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def announce(items: Sequence[MultiModalItem], wire_hashes: Sequence[str], exports: EncoderExports,
