@@ -268,6 +268,9 @@ class Broker:
     def _after_encode(self, entry: Entry, ec_transfer_params) -> None:
         """The encode leg is over (answered, or failed: then the request encodes its own
         pixels): the request itself runs next."""
+        if entry.worker is not None:
+            entry.worker.requests.discard(entry.request_id)
+            entry.worker = None
         req = disagg.after_encode(entry.pd_request, ec_transfer_params)
         entry.pd_request, entry.leg = None, None
         entry.body = framing.encode(req)
@@ -503,8 +506,6 @@ class Broker:
             if entry is not None and entry.worker is worker and entry.leg == "encode" and not entry.orphaned:
                 # The request has its pixels: it runs without the encode leg (an error of its
                 # own comes back from that run).
-                worker.requests.discard(entry.request_id)
-                entry.worker = None
                 self._after_encode(entry, None)
                 if self.pending:
                     self._dispatch_pending()

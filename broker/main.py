@@ -6,6 +6,7 @@ import signal
 
 import zmq
 
+from broker import disagg
 from broker.broker import Broker, BrokerConfig
 from common import config
 from common.logging import get_logger, setup_logging
@@ -37,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="dispatch: cache-aware (longest cached prompt prefix within a load guard; sessions sticky "
                         "unless their worker is full), session (sticky sessions, else least-loaded), least-loaded")
-    p.add_argument("--pd", default="off", choices=["off", "auto"],
+    p.add_argument("--pd", default="off", choices=disagg.PD_MODES,
                    help="auto: run requests as a prefill leg on a --role prefill worker, then the decode on a "
                         "--role decode worker that pulls the prompt's KV blocks (no proxy needed)")
-    p.add_argument("--epd", default="off", choices=["off", "auto"],
+    p.add_argument("--epd", default="off", choices=disagg.EPD_MODES,
                    help="auto: run an image request's vision encoder on a --mm-encoder-only worker first, then the "
                         "request on another worker that pulls the encodings (no proxy needed)")
     p.add_argument("--log-level", default=None)

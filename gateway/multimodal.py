@@ -90,14 +90,21 @@ def _image_url(i: int, part: dict) -> str:
     return url
 
 
-def _uuid(i: int, part: dict) -> Optional[str]:
-    """vLLM's ``uuid`` of a content part: the client's identifier of the item, used as its
-    mm_hash instead of hashing the image (so caches and ec_transfer_params know it by it)."""
+def image_uuid(part: dict) -> Optional[str]:
+    """vLLM's ``uuid`` of an image part (content part or chat message part): the client's
+    identifier of the item, used as its mm_hash instead of hashing the image (so caches
+    and ec_transfer_params know it by it).  ValueError when it is not a usable one."""
     uuid = part.get("uuid")
     if uuid is not None and (not isinstance(uuid, str) or not uuid or len(uuid) > MAX_UUID_CHARS):
-        raise BadRequest(f"content_parts[{i}]: `uuid` must be a non-empty string of at most {MAX_UUID_CHARS} "
-                         "characters.", f"{PARAM}[{i}].uuid")
+        raise ValueError(f"`uuid` must be a non-empty string of at most {MAX_UUID_CHARS} characters")
     return uuid
+
+
+def _uuid(i: int, part: dict) -> Optional[str]:
+    try:
+        return image_uuid(part)
+    except ValueError as exc:
+        raise BadRequest(f"content_parts[{i}]: {exc}.", f"{PARAM}[{i}].uuid") from None
 
 
 def placeholder_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional
 
 from gateway.chat.errors import ChatTemplateError
 from gateway.chat.jinja_env import ContentFormat
+from gateway.multimodal import image_uuid
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ def _image_part(part: dict, where: str, wrap: bool, images: list) -> dict:
     if not wrap:
         raise _err(f"{where}: image input needs a chat template that reads content parts "
                    f"(the 'openai' content format)")
-    uuid = part.get("uuid")
-    if uuid is not None and (not isinstance(uuid, str) or not uuid):
-        raise _err(f"{where}: `uuid` must be a non-empty string")
+    try:
+        uuid = image_uuid(part)
+    except ValueError as exc:
+        raise _err(f"{where}: {exc}") from None
     # The image as a /generate content part (its uuid, when given, identifies it as vLLM's does).
     images.append({"type": "image_url", "url": url, **({"uuid": uuid} if uuid is not None else {})})
     return {"type": "image"}

@@ -23,7 +23,7 @@ also serves KV blocks) instead of NIXL:
            {"ok": false, "key", "status": 400, "error": "..."}
 
 Producer (``ec_producer`` / ``ec_both``): every encoder output a request uses is copied
-to host memory (``EncoderExports``, least recently used dropped past a row budget) as
+to host memory (``EncoderExports``, least recently used dropped past a byte budget) as
 the encoder cache hands it out; a finished request answers with the entries above (an
 item no longer exported is announced with empty metadata and no address, as vLLM).
 Consumer: any worker pulls what a request's ``ec_transfer_params`` announce for its
@@ -48,7 +48,8 @@ from common.errors import BadRequest
 from common.logging import get_logger
 from common.multimodal import client_hash
 from common.protocol import MultiModalItem
-from worker.engine.kv_transfer import PULL_TIMEOUT_S, TransferError, ask
+from worker.engine.kv_transfer import PULL_TIMEOUT_S, TransferError, ask, is_int
+from worker.engine.multimodal import REMOTE
 
 log = get_logger("tokserve.ec_transfer")
 
@@ -145,7 +146,7 @@ def announce(items: Sequence[MultiModalItem], wire_hashes: Sequence[str], export
             entry["metadata"] = {}
             continue
         entry["metadata"] = {"image_grid_thw": [int(v) for v in it.grid_thw]}
-        entry.update(peer_host=host, peer_port=port, size_bytes=data.numel() * data.element_size(),
+        entry.update(peer_host=host, peer_port=port, size_bytes=_nbytes(data),
                      shape=list(data.shape), remote_key=it.mm_hash)
     return out
 
@@ -161,10 +162,6 @@ class RemoteEncoding:
     required: bool  # the item has no pixels: a failed pull fails the request
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def remote_sources(params: Any, items: Sequence[MultiModalItem], wire_hashes: Sequence[str],
                    hidden: int) -> dict[str, RemoteEncoding]:
     """The items (keyed, by their cache key) whose encoder output ``params`` announce on
@@ -176,7 +173,7 @@ def remote_sources(params: Any, items: Sequence[MultiModalItem], wire_hashes: Se
     for it, wire in zip(items, wire_hashes):
         name = client_hash(wire)
         entry = (params or {}).get(name)
-        remote = it.encoding == "remote"
+        remote = it.encoding == REMOTE
         if not isinstance(entry, dict) or "peer_host" not in entry:
             if remote:
                 raise BadRequest(f"{PARAM}: image at offset {it.offset} (mm_hash {name!r}) has no pixels and "
@@ -190,9 +187,9 @@ def remote_sources(params: Any, items: Sequence[MultiModalItem], wire_hashes: Se
                              PARAM)
         if not isinstance(host, str) or not host:
             raise BadRequest(f"{where}: peer_host must be a non-empty string", PARAM)
-        if not _is_int(port) or not 0 < port < 65536:
+        if not is_int(port) or not 0 < port < 65536:
             raise BadRequest(f"{where}: peer_port must be an integer port (1..65535)", PARAM)
-        if not (isinstance(shape, list) and len(shape) == 2 and all(_is_int(v) for v in shape)):
+        if not (isinstance(shape, list) and len(shape) == 2 and all(is_int(v) for v in shape)):
             raise BadRequest(f"{where}: shape must be [rows, hidden]", PARAM)
         if shape != [it.length, hidden]:
             raise BadRequest(f"{where}: shape {shape} does not fit the image's {it.length} placeholder tokens of "

@@ -78,7 +78,8 @@ class DecodeLeg:
     block_ids: list[int]
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """A JSON integer (bool excluded): ports, block ids, shapes in transfer parameters."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -107,12 +108,12 @@ def parse_params(params: Any):
     for name, v in (("remote_engine_id", engine_id), ("remote_request_id", request_id), ("remote_host", host)):
         if not isinstance(v, str) or not v:
             raise _bad(f"{name} must be a non-empty string with do_remote_prefill")
-    if not _is_int(port) or not 0 < port < 65536:
+    if not is_int(port) or not 0 < port < 65536:
         raise _bad("remote_port must be an integer port (1..65535)")
     # vLLM sends one list per KV cache group; a flat list is taken too.
     if isinstance(blocks, list) and len(blocks) == 1 and isinstance(blocks[0], list):
         blocks = blocks[0]
-    if not isinstance(blocks, list) or not all(_is_int(b) and b >= 0 for b in blocks):
+    if not isinstance(blocks, list) or not all(is_int(b) and b >= 0 for b in blocks):
         raise _bad("remote_block_ids must be a list of block ids (non-negative integers), or one such list")
     tp = params.get("tp_size", 1)
     if tp is not None and tp != 1:
@@ -240,7 +241,7 @@ class TransferServer(threading.Thread):
                 self.held.freed.put(rid)
             return
         blocks = msg.get("block_ids")
-        if not isinstance(blocks, list) or not all(_is_int(b) for b in blocks):
+        if not isinstance(blocks, list) or not all(is_int(b) for b in blocks):
             self._bad.warning("kv transfer: dropped a PULL with malformed block ids")
             return
         try:
@@ -306,7 +307,7 @@ def ask(ctx: zmq.Context, host: str, port: int, msg: dict, timeout: float, what:
             raise TransferError(502, f"{what}: malformed reply from {where}") from None
         if not ok:
             status = header.get("status", 400)
-            raise TransferError(status if _is_int(status) else 400, f"{what}: {header.get('error')}",
+            raise TransferError(status if is_int(status) else 400, f"{what}: {header.get('error')}",
                                 refusal=str(header.get("error")))
         if len(frames) != 2:
             raise TransferError(502, f"{what}: malformed reply from {where}")
