@@ -60,9 +60,8 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
         return render_only_app(settings, state, renderer), state
     middleware = [ClientLifecycle(client)]
     if settings.api_key:
-        # vLLM leaves its RL routes open; here they need the key like everything else.
-        extra = tuple(rl.ROUTES) if settings.enable_rl else ()
-        middleware.append(ApiKeyMiddleware(settings.api_key, extra))
+        # vLLM guards only /v1; here every route but the probes needs the key (gateway/auth.py).
+        middleware.append(ApiKeyMiddleware(settings.api_key))
     app = falcon.asgi.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
@@ -106,7 +105,7 @@ class _Alive:
 
 def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) -> falcon.asgi.App:
     """No broker: render, derender and tokenize, plus /health and /version."""
-    middleware = [ApiKeyMiddleware(settings.api_key, ())] if settings.api_key else []
+    middleware = [ApiKeyMiddleware(settings.api_key)] if settings.api_key else []
     app = falcon.asgi.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)

@@ -1,31 +1,59 @@
-"""``--api-key``: Bearer token on /v1 and /inference paths (vLLM's AuthenticationMiddleware).
+"""``--api-key``: a Bearer token on every route but the probes (vLLM's AuthenticationMiddleware, wider).
 
-/health, /metrics and /version stay open so probes and scrapers need no secret; the
-RL control routes (``--enable-rl``) are guarded too.
+vLLM checks only paths starting with ``/v1``; here every route the gateway serves needs
+the key except :data:`OPEN_ROUTES` (``/health``, ``/metrics``, ``/version``), so that
+probes and scrapers need no secret while the RL, LoRA, tokenize and generate routes
+all do.
+
+Protection is decided from the route Falcon actually matched (``req.uri_template``,
+in ``process_resource``), never from the raw path: the router ignores empty
+segments and decodes percent-escapes, so ``//pause``, ``///v1/models`` and
+``/%70ause`` reach the same resources as their plain spellings and must get the same
+answer.  A path that matches no route is a 404 whatever the key, so nothing is
+served without it.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+from typing import Iterable
 
 import falcon
 
-PROTECTED_PREFIXES = ("/v1", "/inference")
+OPEN_ROUTES = frozenset({"/health", "/metrics", "/version"})
 UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'
 
 
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
 class ApiKeyMiddleware:
-    def __init__(self, api_key: str, extra_paths: tuple[str, ...] = ()):
-        self._expected = f"Bearer {api_key}".encode()
-        self._extra = frozenset(extra_paths)
+    def __init__(self, api_keys: str | Iterable[str]):
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+        if not keys or not all(keys):
+            raise ValueError("--api-key needs a non-empty key")
+        # Hashes of equal length: compare_digest's time depends on neither the key's
+        # length nor where a guess differs.
+        self._digests = [_digest(k) for k in keys]
 
-    def _authorized(self, header: str | None) -> bool:
-        # compare_digest keeps the comparison time independent of where the strings differ.
-        return header is not None and hmac.compare_digest(header.encode(), self._expected)
+    def authorized(self, header: str | None) -> bool:
+        if not header:
+            return False
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":  # RFC 7235: the scheme is case-insensitive
+            return False
+        presented = _digest(token)
+        match = False
+        for expected in self._digests:  # no early exit: every key is compared
+            match |= hmac.compare_digest(presented, expected)
+        return match
 
-    async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if req.method == "OPTIONS" or not (req.path.startswith(PROTECTED_PREFIXES) or req.path in self._extra):
+    async def process_resource(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, resource,
+                               params) -> None:
+        if req.method == "OPTIONS" or req.uri_template in OPEN_ROUTES:
             return
-        if not self._authorized(req.get_header("Authorization")):
+        if not self.authorized(req.get_header("Authorization")):
             resp.status = falcon.HTTP_401
             resp.content_type = falcon.MEDIA_JSON
             resp.data = UNAUTHORIZED_BODY

@@ -16,8 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--broker", default=None,
                    help="broker frontend address (default: $TOKSERVE_FRONTEND or tcp://127.0.0.1:5555)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 and /inference (default: $TOKSERVE_API_KEY)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any of the keys) on every route but /health, "
+                        "/metrics and /version (default: $TOKSERVE_API_KEY, else $VLLM_API_KEY)")
     p.add_argument("--tokens-only", action="store_true",
                    help="no tokenizer: detokenization off, text mode and stop strings refused")
     p.add_argument("--served-model-name", nargs="+", default=[],
@@ -72,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
+
+
+def _env_api_key() -> Optional[list[str]]:
+    import os
+
+    key = os.environ.get("TOKSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return [key] if key else None
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -134,7 +142,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         broker=args.broker,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("TOKSERVE_API_KEY") or None,
+        api_key=args.api_key or _env_api_key(),
         tokens_only=args.tokens_only,
         served_model_names=list(args.served_model_name),
         max_body_bytes=args.max_body_bytes,

@@ -10,7 +10,7 @@ class GatewaySettings:
     broker: Optional[str] = None  # None: common.client's default address
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: Optional[str] = None
+    api_key: Optional[list[str]] = None  # any of these Bearer keys (gateway/auth.py)
     tokens_only: bool = False
     # Names the model answers to; empty: the name the workers report.
     served_model_names: list[str] = field(default_factory=list)
