@@ -29,7 +29,7 @@ from typing import Optional
 
 import zmq
 
-from common import config, framing, security
+from common import config, framing, runtime_dir, security
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -163,8 +163,10 @@ class WorkerServer:
     def __init__(self, engine, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
-                 ctx: Optional[zmq.Context] = None, role: str = "both"):
+                 ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = ""):
+        runtime_dir.check_before_connect(broker)  # never serve a socket someone else planted
         self.engine = engine
+        self.worker_token = worker_token  # proves to the broker that we are one of its workers
         self.rank = rank
         self.role = role  # P/D disaggregation: what the broker sends here (prefill | decode | both)
         self.drain_timeout = drain_timeout
@@ -200,7 +202,8 @@ class WorkerServer:
         self._refresh_load()
         ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
                             weight_version=self.engine.weight_version,
-                            world_size=self.engine.config.tensor_parallel_size, role=self.role)
+                            world_size=self.engine.config.tensor_parallel_size, role=self.role,
+                            worker_token=self.worker_token)
         self._send(framing.message(MsgType.READY, ready))
         snapshot = getattr(self.engine, "snapshot_kv_events", None)
         if snapshot is not None:  # the broker's view of our cache starts exact (cleared + all keys)
