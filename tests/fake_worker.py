@@ -6,7 +6,7 @@ choice ``i`` of a request served by rank ``r`` emits tokens
 ``r * 1000 + i * 100 + k`` for k = 0..max_tokens-1, one per step, then finishes
 with "length".  So tests can tell which worker served a request from its tokens.
 
-    python -m tests.fake_worker --broker tcp://127.0.0.1:5556 --rank 0 [--step-delay 0.01]
+    python -m tests.fake_worker [--broker tcp://127.0.0.1:5556] --rank 0 [--step-delay 0.01]
 """
 from __future__ import annotations
 
