@@ -368,7 +368,7 @@ def test_tcp_with_curve_and_token_files(tmp_path):
             procs.fake_worker(broker, 0, *curve, "--worker-token-file", str(tokens / "worker.token"),
                               env={"TOKSERVE_RUNTIME_DIR": str(hosts[1])})
             # Authorized by CURVE, but with its own host's worker token: not the broker's.
-            procs.fake_worker(broker, 1, *curve, env={"TOKSERVE_RUNTIME_DIR": str(hosts[2])})
+            stranger = procs.fake_worker(broker, 1, *curve, env={"TOKSERVE_RUNTIME_DIR": str(hosts[2])})
             trainer_keys = security.load_keypair(certs["trainer"])
             with Client(broker.frontend, curve_server_key=server_key, curve_client_keys=trainer_keys,
                         control_token_file=str(tokens / "control.token")) as trainer, \
@@ -376,6 +376,8 @@ def test_tcp_with_curve_and_token_files(tmp_path):
                            read_control_token=False) as tokenless:
                 wait_for(lambda: _ranks(trainer) == [0], 30, "the worker with the token file")
                 wait_for(lambda: trainer.info().stats.workers_refused >= 1, 30, "the other worker refused")
+                wait_for(lambda: "refused our registration" in stranger.log_path.read_text(), 30,
+                         "the refused worker to say why")  # an operator sees it on the worker's side too
                 assert _ranks(trainer) == [0]
                 assert [d.token_ids[0] for d in trainer.generate(_req("curve"))] == [0, 1, 2, 3]
                 assert [d.token_ids[0] for d in tokenless.generate(_req("curve2"))] == [0, 1, 2, 3]

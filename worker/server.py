@@ -62,6 +62,8 @@ class BrokerLink(threading.Thread):
         self.curve_client_keys = curve_client_keys
         self.load = WorkerLoad()  # latest snapshot, replaced (never mutated) by the engine loop
         self.registered = False  # READY sent: heartbeats may flow
+        self.welcomed = False  # the broker answered our last READY (it heartbeats a worker it registers)
+        self._refused = RateLimitedLog(log, 30.0)
         self._bad = RateLimitedLog(log)
 
     def _connect(self) -> zmq.Socket:
@@ -126,6 +128,7 @@ class BrokerLink(threading.Thread):
                                 continue
                             if frames[1] == MsgType.READY:
                                 self.registered = True
+                                self.welcomed = False
                             elif frames[1] == MsgType.KV_EVENTS and not self.registered:
                                 # Changes made before a re-registration the engine loop has
                                 # not sent yet: the snapshot after its READY supersedes them.
@@ -144,9 +147,17 @@ class BrokerLink(threading.Thread):
         if msg_type in (MsgType.GENERATE, MsgType.ABORT, MsgType.CONTROL):
             _send(pipe, frames)
         elif msg_type == MsgType.DISCONNECT:  # the broker does not know us (restart, or declared us dead)
+            if self.registered and not self.welcomed:
+                # Sent straight back for our READY: a broker that refuses to register us, whose
+                # log says why; the usual reason is a worker token that is not the broker's.
+                self._refused.warning("the broker refused our registration: is our worker token the broker's? "
+                                      "(--worker-token-file, TOKSERVE_WORKER_TOKEN_FILE, or the same runtime "
+                                      "directory)")
             self.registered = False
             pipe.send_multipart([_CTL, _RESET])
-        elif msg_type != MsgType.HEARTBEAT:
+        elif msg_type == MsgType.HEARTBEAT:
+            self.welcomed = True
+        else:
             self._bad.warning("unexpected message type %r from broker", msg_type)
 
 
