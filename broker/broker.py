@@ -93,6 +93,8 @@ class Broker:
     def __init__(self, cfg: BrokerConfig, ctx: Optional[zmq.Context] = None):
         self.cfg = cfg
         self.ctx = ctx or zmq.Context.instance()
+        for flag, endpoint in (("--frontend", cfg.frontend), ("--backend", cfg.backend)):
+            security.refuse_plaintext_beyond_host(flag, endpoint, bool(cfg.curve_secret_key))
         # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
         self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
                       if cfg.curve_secret_key and cfg.curve_authorized_dir else None)

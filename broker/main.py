@@ -8,7 +8,7 @@ import zmq
 
 from broker import disagg
 from broker.broker import Broker, BrokerConfig
-from common import config, runtime_dir
+from common import config, runtime_dir, security
 from common.logging import get_logger, setup_logging
 
 log = get_logger("tokserve.broker")
@@ -71,12 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                        epd=args.epd)
     if args.curve_authorized_keys and not args.curve_secret_file:
         raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
-    for flag, endpoint in (("--frontend", args.frontend), ("--backend", args.backend)):
-        if not args.curve_secret_file and not runtime_dir.is_local_endpoint(endpoint):
-            # Plaintext beyond the host: anyone on the network could read prompts and tokens.
-            raise SystemExit(f"refusing to bind {flag} {endpoint} without encryption: it is reachable from other "
-                             f"hosts; pass --curve-secret-file (and --curve-authorized-keys to admit only known "
-                             f"peers), or bind ipc:// or a loopback address")
+    try:  # before the tokens are created: a refused command line leaves nothing behind
+        for flag, endpoint in (("--frontend", args.frontend), ("--backend", args.backend)):
+            security.refuse_plaintext_beyond_host(flag, endpoint, bool(args.curve_secret_file))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     try:
         cfg.worker_token = runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file,
                                                             create_explicit=True)
@@ -85,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     except (runtime_dir.RuntimeDirError, OSError) as exc:
         raise SystemExit(f"cannot load the broker's tokens: {exc}") from None
     if args.curve_secret_file:
-        from common import security
         try:
             keys = security.load_keypair(args.curve_secret_file)
         except ValueError as exc:

@@ -253,12 +253,16 @@ def test_non_loopback_bind_without_curve_refuses_to_start(tmp_path, flag, endpoi
         assert "--curve-secret-file" in broker.log_path.read_text()
 
 
-def test_is_local_endpoint():
+def test_is_local_endpoint_and_the_in_process_broker_refuses_too():
     local = ["ipc:///tmp/x.sock", "tcp://127.0.0.1:5", "tcp://127.8.9.1:5", "tcp://[::1]:5", "tcp://localhost:5"]
     remote = ["tcp://0.0.0.0:5", "tcp://*:5", "tcp://10.1.2.3:5", "tcp://[::]:5", "tcp://host.example:5",
               "tcp://eth0:5"]
     assert all(runtime_dir.is_local_endpoint(e) for e in local)
     assert not any(runtime_dir.is_local_endpoint(e) for e in remote)
+    from broker.broker import Broker, BrokerConfig
+
+    with pytest.raises(ValueError, match="--curve-secret-file"):  # embedding the broker is no way around it
+        Broker(BrokerConfig(frontend="tcp://127.0.0.1:0", backend="tcp://0.0.0.0:0"))
 
 
 def test_second_broker_on_a_live_ipc_socket_refuses_to_start(tmp_path, private_dir):
