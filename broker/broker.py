@@ -7,6 +7,7 @@ clients) decodes only the small OutputsHeader and forwards delta bodies as-is.
 from __future__ import annotations
 
 import collections
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -42,6 +43,8 @@ class _OutputsIds(msgspec.Struct, array_like=True, gc=False):
 # The request ids of an OUTPUTS body, to check that its sender serves them: about a
 # third of decoding the body (its tokens, logprobs, ... are never materialized).
 _outputs_ids = msgspec.msgpack.Decoder(_OutputsIds)
+_request_id = operator.attrgetter("request_id")
+_NONE: frozenset = frozenset()
 
 
 @dataclass(eq=False)
@@ -586,19 +589,21 @@ class Broker:
         for i in range(1, len(rest), 2):
             client = rest[i]
             # Every delta of the body must be of a request dispatched to this worker, for
-            # the client it names: else a worker could answer other workers' users.
+            # the client it names: else a worker could answer other workers' users.  Set
+            # comparisons (C loops): ``worker.requests`` holds exactly the ids whose entry's
+            # worker it is, ``by_client`` each client's ids.
             try:
-                ids = _outputs_ids.decode(rest[i + 1]).deltas
+                rids = set(map(_request_id, _outputs_ids.decode(rest[i + 1]).deltas))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self._bad_frame.warning("dropped a malformed OUTPUTS body from worker rank %d: %s", worker.rank, exc)
                 continue
-            foreign = None
-            for d in ids:
-                entry = requests.get(d.request_id)
-                if entry is None or entry.worker is not worker or (
-                        entry.client != client and not (client == pd_client and entry.pd_request is not None)):
-                    foreign = d.request_id
-                    break
+            if client == pd_client:  # legs answer the broker itself: each must still be a leg
+                foreign = next((rid for rid in rids if rid not in worker.requests or
+                                requests[rid].pd_request is None), None)
+            elif rids <= worker.requests and rids <= self.by_client.get(client, _NONE):
+                foreign = None
+            else:
+                foreign = next(iter(rids - worker.requests - self.by_client.get(client, _NONE)), None) or min(rids)
             if foreign is not None:
                 self._drop_foreign(worker, "outputs", foreign)
                 continue
