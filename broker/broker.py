@@ -599,11 +599,11 @@ class Broker:
                 continue
             if client == pd_client:  # legs answer the broker itself: each must still be a leg
                 foreign = next((rid for rid in rids if rid not in worker.requests or
-                                requests[rid].pd_request is None), None)
+                                getattr(requests.get(rid), "pd_request", None) is None), None)
             elif rids <= worker.requests and rids <= self.by_client.get(client, _NONE):
                 foreign = None
-            else:
-                foreign = next(iter(rids - worker.requests - self.by_client.get(client, _NONE)), None) or min(rids)
+            else:  # one of them, for the log
+                foreign = min(rids - (worker.requests & self.by_client.get(client, _NONE)))
             if foreign is not None:
                 self._drop_foreign(worker, "outputs", foreign)
                 continue

@@ -227,9 +227,9 @@ class AsyncClient:
         if self._sock is None:
             await self.start()
         nonce = next(self._nonces)
+        body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank, token=self._token()))
         fut = asyncio.get_running_loop().create_future()
         self._info_waiters[nonce] = fut
-        body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank, token=self._token()))
         try:
             frames = [framing.MAGIC, MsgType.CONTROL, body, *payload]
             nbytes = sum(len(f) for f in payload)
