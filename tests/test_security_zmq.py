@@ -20,7 +20,7 @@ import zmq
 
 from common import framing, runtime_dir, security
 from common.client import AsyncClient, Client, RequestError
-from common.protocol import (MAGIC, CompletionDelta, ErrorMsg, GenerateRequest, ModelInfo, MsgType, Outputs,
+from common.protocol import (MAGIC, Abort, CompletionDelta, ErrorMsg, GenerateRequest, ModelInfo, MsgType, Outputs,
                              OutputsHeader, SamplingParams, WorkerLoad, WorkerReady)
 from tests.gateway_helpers import metric_value, start_gateway
 from tests.procs import ProcGroup, cluster_info, free_endpoint, wait_for, wait_for_workers
@@ -156,6 +156,41 @@ def test_outputs_for_another_workers_request_are_dropped_and_counted(tmp_path):
             assert metric_value(text, "tokserve:broker_outputs_foreign_dropped_total") >= 3
         finally:
             rogue.close()
+
+
+def test_a_client_cannot_abort_another_clients_request(tmp_path):
+    """ABORT is open to every peer, so it only reaches the sender's own requests (the
+    cross-client abort is the control op, behind the token)."""
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        procs.fake_worker(broker, 0, "--step-delay", "0.02")
+        wait_for_workers(broker.frontend, 1)
+        with Client(broker.frontend) as victim_client:
+            stream = victim_client.generate(_req("theirs", 30))
+            first = next(stream)
+            other = zmq.Context.instance().socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            try:
+                other.connect(broker.frontend)
+                other.send_multipart(framing.message(MsgType.ABORT, Abort(["theirs"])))
+                # The broker handles one peer's messages in order: the INFO answer means the ABORT was handled.
+                other.send_multipart(framing.message(MsgType.INFO, framing.nonce_bytes(1)))
+                assert other.poll(10_000)
+            finally:
+                other.close(0)
+            rest = list(stream)
+        assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 30
+        assert rest[-1].finish_reason == "length"
+
+
+def test_only_a_gateway_with_control_routes_reads_the_control_token():
+    from gateway.app import make_client
+    from gateway.settings import GatewaySettings
+
+    token = runtime_dir.load_or_create_token(runtime_dir.CONTROL)
+    assert make_client(GatewaySettings())._token() == ""  # never even reads the file
+    assert make_client(GatewaySettings(enable_rl=True))._token() == token
+    assert make_client(GatewaySettings(allow_runtime_lora=True))._token() == token
 
 
 # ----------------------------------------------------------------------------- control plane
