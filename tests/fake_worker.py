@@ -114,7 +114,7 @@ class FakeEngine:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fake_worker")
-    p.add_argument("--broker", default=None, help="default: as tokserve worker (TOKSERVE_BACKEND, else the runtime dir)")
+    p.add_argument("--broker", default=None, help="default: as tokserve worker's")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per engine step")

@@ -288,6 +288,22 @@ def test_non_loopback_bind_without_curve_refuses_to_start(tmp_path, flag, endpoi
         assert "--curve-secret-file" in broker.log_path.read_text()
 
 
+def test_non_loopback_bind_with_curve_starts(tmp_path):
+    """The refusal is about plaintext: with CURVE (and only known peers) the broker listens on every interface."""
+    keys = tmp_path / "keys"
+    secret = security.generate(keys, "broker")[1]
+    public = security.generate(keys, "peer")[0]
+    (tmp_path / "authorized").mkdir()
+    shutil.copy(public, tmp_path / "authorized")
+    port = free_endpoint().rsplit(":", 1)[1]
+    with ProcGroup(tmp_path / "logs") as procs:
+        broker = procs.broker("--curve-secret-file", str(secret), "--curve-authorized-keys",
+                              str(tmp_path / "authorized"), frontend=f"tcp://0.0.0.0:{port}", wait=False)
+        wait_for(lambda: "broker frontend=tcp://0.0.0.0" in broker.log_path.read_text() or not broker.alive(), 30,
+                 "the broker to listen")
+        assert broker.alive(), broker.tail()
+
+
 def test_is_local_endpoint_and_the_in_process_broker_refuses_too():
     local = ["ipc:///tmp/x.sock", "tcp://127.0.0.1:5", "tcp://127.8.9.1:5", "tcp://[::1]:5", "tcp://localhost:5"]
     remote = ["tcp://0.0.0.0:5", "tcp://*:5", "tcp://10.1.2.3:5", "tcp://[::]:5", "tcp://host.example:5",
