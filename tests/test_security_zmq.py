@@ -344,10 +344,15 @@ def test_runtime_dir_is_created_private_and_tokens_are_owner_only(monkeypatch, p
         runtime_dir.read_token(runtime_dir.CONTROL)
 
 
-@pytest.mark.parametrize("kind", ["world-writable", "group-readable", "symlink"])
+@pytest.mark.parametrize("kind", ["world-writable", "group-readable", "symlink", "other-owner"])
 def test_unsafe_runtime_dir_is_refused(tmp_path, private_dir, kind):
     unsafe = private_dir / "rt"
-    if kind == "symlink":
+    if kind == "other-owner":
+        if os.getuid() != 0:
+            pytest.skip("giving a folder to another user needs root")
+        unsafe.mkdir(mode=0o700)
+        os.chown(unsafe, 65534, 65534)  # as pre-created by another user (nobody), with private permissions
+    elif kind == "symlink":
         (private_dir / "elsewhere").mkdir(mode=0o700)
         unsafe.symlink_to(private_dir / "elsewhere")
     else:
@@ -360,7 +365,7 @@ def test_unsafe_runtime_dir_is_refused(tmp_path, private_dir, kind):
         assert broker.popen.wait(30) != 0 and worker.popen.wait(30) != 0
         for proc in (broker, worker):
             log = proc.log_path.read_text()
-            assert str(unsafe) in log and ("private" in log or "symlink" in log), log
+            assert str(unsafe) in log and ("private" in log or "symlink" in log or "not to us" in log), log
     assert not (private_dir / "elsewhere" / "worker.token").exists()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKSERVE_RUNTIME_DIR", str(unsafe))
@@ -377,11 +382,14 @@ def test_default_ipc_stack_serves_with_no_endpoint_or_token_given(tmp_path, priv
     for var in ("TOKSERVE_FRONTEND", "TOKSERVE_BACKEND", "TOKSERVE_CONTROL_TOKEN_FILE", "TOKSERVE_WORKER_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
     with ProcGroup(tmp_path) as procs:
+        # Workers first, all at once: they race the broker to create the worker token, and
+        # every one of them must end up with the same (atomically created) file.
+        for rank in range(3):
+            procs.spawn(f"fake-worker{rank}", ["-m", "tests.fake_worker", "--rank", str(rank)])
         procs.spawn("broker", ["-m", "common.cli", "broker"])
-        procs.spawn("fake-worker", ["-m", "tests.fake_worker"])
         with Client() as client:
-            wait_for(lambda: _ranks(client) == [0], 30, "the worker over the default ipc sockets")
-            assert [d.token_ids[0] for d in client.generate(_req("ipc"))] == [0, 1, 2, 3]
+            wait_for(lambda: _ranks(client) == [0, 1, 2], 60, "the workers over the default ipc sockets")
+            assert [d.token_ids[0] for d in client.generate(_req("ipc", rank=2))] == [2000, 2001, 2002, 2003]
             client.pause()  # the control token was found in the runtime directory
             assert client.is_paused()
             client.resume()
