@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zmq  # noqa: E402
 
-from common import framing  # noqa: E402
+from common import framing, runtime_dir  # noqa: E402
 from common.protocol import (MAGIC, CompletionDelta, GenerateRequest, ModelInfo, MsgType, Outputs,  # noqa: E402
                              OutputsHeader, SamplingParams, WorkerLoad, WorkerReady)
 from tests.procs import ProcGroup, free_endpoint, wait_for_workers  # noqa: E402
@@ -40,6 +40,11 @@ MODEL = ModelInfo(name="bench", vocab_size=1000, max_model_len=100_000, max_num_
 
 
 # ------------------------------------------------------------------ workers
+def _worker_token() -> str:
+    """The broker registers only workers that know its token (common/runtime_dir.py)."""
+    return runtime_dir.load_or_create_token(runtime_dir.WORKER)
+
+
 def _step_bodies(rids: list[str], steps: int) -> tuple[bytes, bytes]:
     mid = framing.encode(Outputs([CompletionDelta(r, 0, [7]) for r in rids]))
     last = framing.encode(Outputs([CompletionDelta(r, 0, [7], finish_reason="length") for r in rids]))
@@ -51,7 +56,8 @@ def blaster_via_broker(backend: str, concurrency: int, steps: int) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.connect(backend)
-    sock.send_multipart(framing.message(MsgType.READY, WorkerReady(0, MODEL, WorkerLoad(max_num_seqs=100_000))))
+    sock.send_multipart(framing.message(MsgType.READY, WorkerReady(0, MODEL, WorkerLoad(max_num_seqs=100_000),
+                                                                     worker_token=_worker_token())))
     last_beat = time.monotonic()
     while True:
         rids, client = [], None
@@ -94,7 +100,7 @@ def echo_worker_via_broker(backend: str) -> None:
     """Answers each GENERATE at once with a 1-token finished delta."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(backend)
-    sock.send_multipart(framing.message(MsgType.READY, WorkerReady(0, MODEL)))
+    sock.send_multipart(framing.message(MsgType.READY, WorkerReady(0, MODEL, worker_token=_worker_token())))
     last_beat = time.monotonic()
     while True:
         if sock.poll(200):

@@ -7,10 +7,12 @@ clients) decodes only the small OutputsHeader and forwards delta bodies as-is.
 from __future__ import annotations
 
 import collections
+import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
 import zmq
 
 from broker.control import ControlPlane
@@ -18,7 +20,7 @@ from broker import disagg
 from broker.dispatch import make_policy, sticky_worker
 from broker.prefix_index import PrefixIndex
 from broker.workers import Worker, WorkerRegistry
-from common import config, framing, security
+from common import config, framing, runtime_dir, security
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
 from common.protocol import (Abort, BrokerStats, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest,
@@ -28,6 +30,21 @@ log = get_logger("tokserve.broker")
 
 _E_OVERLOADED = "ServiceUnavailableError"
 _E_INTERNAL = "InternalServerError"
+
+
+class _DeltaId(msgspec.Struct, array_like=True, gc=False):
+    request_id: str  # CompletionDelta's first field; the rest of each delta is skipped, not built
+
+
+class _OutputsIds(msgspec.Struct, array_like=True, gc=False):
+    deltas: list[_DeltaId]
+
+
+# The request ids of an OUTPUTS body, to check that its sender serves them: about a
+# third of decoding the body (its tokens, logprobs, ... are never materialized).
+_outputs_ids = msgspec.msgpack.Decoder(_OutputsIds)
+_request_id = operator.attrgetter("request_id")
+_NONE: frozenset = frozenset()
 
 
 @dataclass(eq=False)
@@ -54,8 +71,8 @@ class Entry:
 
 @dataclass
 class BrokerConfig:
-    frontend: str = config.DEFAULT_FRONTEND
-    backend: str = config.DEFAULT_BACKEND
+    frontend: str = field(default_factory=config.frontend_address)
+    backend: str = field(default_factory=config.backend_address)
     heartbeat_interval: float = config.HEARTBEAT_INTERVAL_S
     liveness: int = config.HEARTBEAT_LIVENESS
     max_pending: int = config.MAX_PENDING
@@ -69,12 +86,18 @@ class BrokerConfig:
     routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
     pd: str = "off"  # broker/disagg.py: "auto" splits requests over prefill and decode workers
     epd: str = "off"  # broker/disagg.py: "auto" runs image requests' encoders on encode workers first
+    # Shared secrets (common/runtime_dir.py).  None: nothing matches, so no worker
+    # registers and every CONTROL command is refused (fail closed).
+    worker_token: Optional[str] = None
+    control_token: Optional[str] = None
 
 
 class Broker:
     def __init__(self, cfg: BrokerConfig, ctx: Optional[zmq.Context] = None):
         self.cfg = cfg
         self.ctx = ctx or zmq.Context.instance()
+        for flag, endpoint in (("--frontend", cfg.frontend), ("--backend", cfg.backend)):
+            security.refuse_plaintext_beyond_host(flag, endpoint, bool(cfg.curve_secret_key))
         # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
         self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
                       if cfg.curve_secret_key and cfg.curve_authorized_dir else None)
@@ -91,6 +114,8 @@ class Broker:
         self.control = ControlPlane(self)
         self._bad_frame = RateLimitedLog(log)
         self._unreachable = RateLimitedLog(log)
+        self._refused = RateLimitedLog(log)  # READY / CONTROL without the right token
+        self._foreign = RateLimitedLog(log)  # outputs for requests the sender does not serve
         self._stop = False
         self._rejected: dict[bytes, float] = {}  # identity -> last DISCONNECT sent to an unknown worker
 
@@ -103,6 +128,11 @@ class Broker:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         if self.cfg.curve_secret_key:
             security.configure_server(sock, security.CurveKeys(self.cfg.curve_public_key, self.cfg.curve_secret_key))
+        try:
+            runtime_dir.prepare_ipc_bind(endpoint)  # never steal a live broker's socket path
+        except runtime_dir.RuntimeDirError:
+            sock.close(0)
+            raise
         sock.bind(endpoint)
         return sock
 
@@ -515,6 +545,8 @@ class Broker:
                     self._to_client(entry.client, framing.message(MsgType.ERROR, rest[0]))
                 if self.pending:
                     self._dispatch_pending()
+            else:  # another worker's request (or one no longer in flight): never reaches its client
+                self._drop_foreign(worker, "an error", err.request_id)
         elif msg_type == MsgType.KV_EVENTS:
             if worker is None:
                 return  # its snapshot follows its next READY
@@ -547,14 +579,35 @@ class Broker:
         requests = self.requests
         for rid in header.started:
             entry = requests.get(rid)
-            if entry is not None and entry.pd_request is None:  # a prefill leg can still be retried
+            # A prefill leg can still be retried; another worker's request is not this one's to mark.
+            if entry is not None and entry.pd_request is None and entry.worker is worker:
                 entry.started = True
         msg_type = MsgType.OUTPUTS
         magic = framing.MAGIC
         send, frontend = framing.send_frames, self.frontend
+        pd_client = disagg.PD_CLIENT
         for i in range(1, len(rest), 2):
             client = rest[i]
-            if client == disagg.PD_CLIENT:
+            # Every delta of the body must be of a request dispatched to this worker, for
+            # the client it names: else a worker could answer other workers' users.  Set
+            # comparisons (C loops): ``worker.requests`` holds exactly the ids whose entry's
+            # worker it is, ``by_client`` each client's ids.
+            try:
+                rids = set(map(_request_id, _outputs_ids.decode(rest[i + 1]).deltas))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._bad_frame.warning("dropped a malformed OUTPUTS body from worker rank %d: %s", worker.rank, exc)
+                continue
+            if client == pd_client:  # legs answer the broker itself: each must still be a leg
+                foreign = next((rid for rid in rids if rid not in worker.requests or
+                                getattr(requests.get(rid), "pd_request", None) is None), None)
+            elif rids <= worker.requests and rids <= self.by_client.get(client, _NONE):
+                foreign = None
+            else:  # one of them, for the log
+                foreign = min(rids - (worker.requests & self.by_client.get(client, _NONE)))
+            if foreign is not None:
+                self._drop_foreign(worker, "outputs", foreign)
+                continue
+            if client == pd_client:
                 self._on_leg_outputs(worker, rest[i + 1])
                 continue
             try:
@@ -573,7 +626,22 @@ class Broker:
         if self.pending and header.finished:
             self._dispatch_pending()
 
+    def _drop_foreign(self, worker: Worker, what: str, request_id: str) -> None:
+        self.stats.outputs_foreign_dropped += 1
+        self._foreign.warning("dropped %s from worker rank %d (pid %d) for request %r, which is not dispatched to "
+                              "it", what, worker.rank, worker.pid, request_id)
+
     def _on_ready(self, identity: bytes, worker: Optional[Worker], ready: WorkerReady) -> None:
+        if not runtime_dir.token_matches(self.cfg.worker_token, ready.worker_token):
+            # Not one of ours: it must never receive a prompt.  Checked first, so that a
+            # forged READY from a registered worker's identity changes nothing either.
+            self.stats.workers_refused += 1
+            self._refused.warning("refused a worker registration (rank %d, pid %d): %s worker token; workers read "
+                                  "it from the runtime directory or --worker-token-file", ready.rank, ready.pid,
+                                  "wrong" if ready.worker_token else "no")
+            if worker is None:
+                self._reject_unknown(identity)
+            return
         if worker is not None:  # re-registration: it dropped whatever it was running
             self._worker_gone(worker, "re-registered", notify=False)
         holder = self.workers.by_rank(ready.rank)

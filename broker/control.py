@@ -23,11 +23,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from common import framing
+from common import framing, runtime_dir
 from common.logging import get_logger
 from common.protocol import ControlReply, ControlRequest, MsgType, RankReply
 
 log = get_logger("tokserve.broker")
+
+UNAUTHORIZED = ("control commands need the control token: a client of the same user on the broker's host reads it "
+                "from the runtime directory (control.token) by itself; elsewhere give it a copy of that file "
+                "(control_token_file= / --control-token-file / TOKSERVE_CONTROL_TOKEN_FILE)")
 
 # Commands that pause dispatch before they fan out (their workers stop serving).
 _PAUSING = ("pause", "sleep")
@@ -63,6 +67,16 @@ class ControlPlane:
     # ------------------------------------------------------------ clients
     def on_client(self, client: bytes, rest: list) -> None:
         req = framing.decode(rest[0], ControlRequest)
+        # Before anything else: a command without the control token changes nothing (not
+        # even the paused flag) and learns nothing.  Any local process may reach the
+        # frontend; only holders of the token (trainers, an --enable-rl gateway) steer it.
+        if not runtime_dir.token_matches(self.broker.cfg.control_token, req.token):
+            self.broker.stats.control_refused += 1
+            self.broker._refused.warning("refused CONTROL %r from client %s: %s control token", req.op[:64],
+                                         client.hex(), "wrong" if req.token else "no")
+            self._reply(client, ControlReply(req.nonce, ok=False, status=401, error_type="Unauthorized",
+                                             message=UNAUTHORIZED))
+            return
         payload = rest[1:]
         local = getattr(self, "local_" + req.op, None) if req.op.isidentifier() else None
         if local is not None:

@@ -8,7 +8,7 @@ import zmq
 
 from broker import disagg
 from broker.broker import Broker, BrokerConfig
-from common import config
+from common import config, runtime_dir, security
 from common.logging import get_logger, setup_logging
 
 log = get_logger("tokserve.broker")
@@ -17,9 +17,16 @@ log = get_logger("tokserve.broker")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokserve broker", description=__doc__)
     p.add_argument("--frontend", default=config.frontend_address(),
-                   help="endpoint clients/gateways connect to (env TOKSERVE_FRONTEND)")
+                   help="endpoint clients/gateways connect to (env TOKSERVE_FRONTEND; default: ipc://RUNTIME_DIR/"
+                        "frontend.sock); TCP beyond loopback needs --curve-secret-file")
     p.add_argument("--backend", default=config.backend_address(),
-                   help="endpoint workers connect to (env TOKSERVE_BACKEND)")
+                   help="endpoint workers connect to (env TOKSERVE_BACKEND; default: ipc://RUNTIME_DIR/backend.sock)")
+    p.add_argument("--control-token-file", default=None,
+                   help="the token CONTROL commands must carry (env TOKSERVE_CONTROL_TOKEN_FILE; default: "
+                        "RUNTIME_DIR/control.token, created if missing)")
+    p.add_argument("--worker-token-file", default=None,
+                   help="the token a worker's READY must carry (env TOKSERVE_WORKER_TOKEN_FILE; default: "
+                        "RUNTIME_DIR/worker.token, created if missing)")
     p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
     p.add_argument("--liveness", type=int, default=config.heartbeat_liveness(),
                    help="missed heartbeats before a worker counts as dead")
@@ -64,8 +71,19 @@ def main(argv: list[str] | None = None) -> int:
                        epd=args.epd)
     if args.curve_authorized_keys and not args.curve_secret_file:
         raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
+    try:  # before the tokens are created: a refused command line leaves nothing behind
+        for flag, endpoint in (("--frontend", args.frontend), ("--backend", args.backend)):
+            security.refuse_plaintext_beyond_host(flag, endpoint, bool(args.curve_secret_file))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    try:
+        cfg.worker_token = runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file,
+                                                            create_explicit=True)
+        cfg.control_token = runtime_dir.load_or_create_token(runtime_dir.CONTROL, args.control_token_file,
+                                                             create_explicit=True)
+    except (runtime_dir.RuntimeDirError, OSError) as exc:
+        raise SystemExit(f"cannot load the broker's tokens: {exc}") from None
     if args.curve_secret_file:
-        from common import security
         try:
             keys = security.load_keypair(args.curve_secret_file)
         except ValueError as exc:
@@ -77,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as exc:  # bad scheme, address in use, ...
         log.error("cannot bind %s / %s: %s", cfg.frontend, cfg.backend, exc)
         return 1
-    except ValueError as exc:  # e.g. a missing --curve-authorized-keys folder
-        raise SystemExit(str(exc)) from None
+    except (ValueError, runtime_dir.RuntimeDirError) as exc:  # a missing --curve-authorized-keys folder, a
+        raise SystemExit(str(exc)) from None  # live broker on the ipc path, an unsafe runtime directory
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     signal.signal(signal.SIGINT, lambda *_: broker.stop())
     try:

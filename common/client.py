@@ -21,7 +21,7 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 import zmq
 import zmq.asyncio
 
-from common import config, framing, security, tensor_frames
+from common import config, framing, runtime_dir, security, tensor_frames
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -69,13 +69,24 @@ class _Stream:
 
 
 class AsyncClient:
-    """asyncio client; use inside one event loop (``async with AsyncClient(...)``)."""
+    """asyncio client; use inside one event loop (``async with AsyncClient(...)``).
+
+    Control commands carry the broker's control token: ``control_token``, else the file
+    ``control_token_file`` / $TOKSERVE_CONTROL_TOKEN_FILE / the runtime directory's
+    control.token, read at the first command (so a client that only generates never
+    touches it).  ``read_control_token=False``: never read it (a gateway without control
+    routes holds no more privilege than it needs)."""
 
     def __init__(self, address: str | None = None, *, identity: bytes | None = None,
                  curve_server_key: bytes | None = None, curve_client_keys: security.CurveKeys | None = None,
                  heartbeat_interval: float | None = None,
-                 liveness: int | None = None, context: zmq.asyncio.Context | None = None):
+                 liveness: int | None = None, context: zmq.asyncio.Context | None = None,
+                 control_token: str | None = None, control_token_file: str | None = None,
+                 read_control_token: bool = True):
         self.address = address or config.frontend_address()
+        self._control_token = control_token
+        self._control_token_file = control_token_file
+        self._read_control_token = read_control_token
         self.identity = identity
         self.curve_server_key = curve_server_key
         self.curve_client_keys = curve_client_keys  # needed when the broker authenticates peers
@@ -97,6 +108,7 @@ class AsyncClient:
     async def start(self) -> None:
         if self._sock is not None:
             return
+        runtime_dir.check_before_connect(self.address)  # never talk to a socket someone else planted
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a missing connection: fail fast instead
@@ -215,9 +227,9 @@ class AsyncClient:
         if self._sock is None:
             await self.start()
         nonce = next(self._nonces)
+        body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank, token=self._token()))
         fut = asyncio.get_running_loop().create_future()
         self._info_waiters[nonce] = fut
-        body = framing.encode(ControlRequest(nonce, op, dict(args or {}), rank))
         try:
             frames = [framing.MAGIC, MsgType.CONTROL, body, *payload]
             nbytes = sum(len(f) for f in payload)
@@ -327,6 +339,15 @@ class AsyncClient:
         return len(self._streams)
 
     # ------------------------------------------------------------- internals
+    def _token(self) -> str:
+        """The control token, read once found; "" (the broker refuses with 401) when none."""
+        if self._control_token is None and self._read_control_token:
+            try:
+                self._control_token = runtime_dir.read_token(runtime_dir.CONTROL, self._control_token_file)
+            except (runtime_dir.RuntimeDirError, OSError) as exc:
+                raise RequestError(f"cannot read the control token: {exc}", 401, "Unauthorized") from None
+        return self._control_token or ""
+
     def _send(self, frames: list, copy: bool = True) -> bool:
         """Non-blocking send (never waits on HWM); False when no broker connection exists.
         ``copy=False`` hands the buffers to libzmq (they must stay unchanged until sent)."""

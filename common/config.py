@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import os
 
-# Loopback by default: exposing ZeroMQ endpoints beyond the host is an explicit choice.
-DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"  # clients (gateways, scripts) -> broker
-DEFAULT_BACKEND = "tcp://127.0.0.1:5556"  # workers -> broker
+from common import runtime_dir
+
+# Unix sockets in the private runtime directory (common/runtime_dir.py) by default: only
+# our own uid can connect, nothing is reachable from another host.  TCP (and beyond the
+# host, CURVE) is an explicit choice: --frontend / --backend, TOKSERVE_FRONTEND / _BACKEND.
+# Functions, not constants: the directory follows TOKSERVE_RUNTIME_DIR / XDG_RUNTIME_DIR.
+def default_frontend() -> str:
+    """clients (gateways, scripts) -> broker"""
+    return runtime_dir.ipc_endpoint(runtime_dir.FRONTEND_SOCKET)
+
+
+def default_backend() -> str:
+    """workers -> broker"""
+    return runtime_dir.ipc_endpoint(runtime_dir.BACKEND_SOCKET)
+
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 3  # missed intervals before a peer counts as dead
@@ -36,11 +48,11 @@ def _env(name: str, default):
 
 
 def frontend_address() -> str:
-    return _env("TOKSERVE_FRONTEND", DEFAULT_FRONTEND)
+    return _env("TOKSERVE_FRONTEND", default_frontend())
 
 
 def backend_address() -> str:
-    return _env("TOKSERVE_BACKEND", DEFAULT_BACKEND)
+    return _env("TOKSERVE_BACKEND", default_backend())
 
 
 def heartbeat_interval() -> float:

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common import config
+from common import config, runtime_dir
 from common.logging import get_logger, setup_logging
 
 log = get_logger("tokserve.launcher")
@@ -118,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
-    p.add_argument("--frontend", default=config.frontend_address(), help="broker endpoint for clients")
-    p.add_argument("--backend", default=config.backend_address(), help="broker endpoint for workers")
+    p.add_argument("--frontend", default=config.frontend_address(),
+                   help="broker endpoint for clients (default: ipc://RUNTIME_DIR/frontend.sock)")
+    p.add_argument("--backend", default=config.backend_address(),
+                   help="broker endpoint for workers (default: ipc://RUNTIME_DIR/backend.sock)")
     p.add_argument("--api-key", default=None, help="gateways require this Bearer key (or set $TOKSERVE_API_KEY)")
     p.add_argument("--tokens-only", action="store_true")
     p.add_argument("--enable-rl", action="store_true",
@@ -375,6 +377,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info("building the demo model (once per machine, a few seconds)")
         model_dir = build_demo_model_dir()
         log.info("serving the demo model from %s", model_dir)
+    try:
+        # The private runtime directory and both tokens exist before any child starts: the
+        # broker, workers and (with --enable-rl / --allow-runtime-lora) gateways read them
+        # from there, and an unsafe directory is reported once, here.
+        for kind in (runtime_dir.WORKER, runtime_dir.CONTROL):
+            runtime_dir.load_or_create_token(kind, create_explicit=True)
+    except (runtime_dir.RuntimeDirError, OSError) as exc:
+        raise SystemExit(f"cannot prepare the runtime directory: {exc}") from None
     launcher = Launcher(args, model_dir)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)

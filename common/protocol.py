@@ -262,6 +262,9 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     # legs of a request whose KV blocks move between them; "both" serves whole requests.
     # "encode": a --mm-encoder-only worker (encoder disaggregation), sent only pinned requests.
     role: str = "both"
+    # The worker token (common/runtime_dir.py): the broker registers only a worker that
+    # knows it, so no other process can pose as a worker and receive users' prompts.
+    worker_token: str = ""
 
 
 class WorkerStatus(msgspec.Struct, **_STRUCT):
@@ -283,6 +286,9 @@ class BrokerStats(msgspec.Struct, **_STRUCT):
     rejected_overloaded: int = 0  # 503s: no worker, or the pending queue full
     workers_removed: int = 0  # workers dropped (missed heartbeats, disconnect)
     prefix_routed: int = 0  # dispatches that chose a worker for the prompt prefix it caches
+    workers_refused: int = 0  # READY messages without the right worker token: never registered
+    outputs_foreign_dropped: int = 0  # output bodies / errors for a request not dispatched to their sender
+    control_refused: int = 0  # CONTROL commands without the right control token
 
 
 class ClusterInfo(msgspec.Struct, **_STRUCT):
@@ -327,6 +333,9 @@ class ControlRequest(msgspec.Struct, **_STRUCT):
     op: str
     args: dict[str, Any] = msgspec.field(default_factory=dict)
     rank: Optional[int] = None
+    # Client -> broker: the control token (common/runtime_dir.py); the broker refuses any
+    # command without it.  Never forwarded to workers.
+    token: str = ""
 
 
 class RankReply(msgspec.Struct, **_STRUCT):

@@ -1,7 +1,9 @@
 """CURVE encryption and authentication for the broker's ZeroMQ endpoints (zmq.auth).
 
-Everything binds to 127.0.0.1 by default (common/config.py); CURVE is for endpoints
-that have to cross hosts.
+By default the broker listens on Unix sockets in the private runtime directory
+(common/config.py, common/runtime_dir.py); CURVE is for endpoints that have to cross
+hosts, and the broker refuses to listen beyond loopback without it
+(``refuse_plaintext_beyond_host``).
 
 * The broker holds a server certificate (``--curve-secret-file``).  Every peer
   (gateway, worker, script) must know its public key (``--curve-server-key``, the Z85
@@ -107,6 +109,17 @@ def start_authenticator(ctx: zmq.Context, authorized_dir: Union[str, Path]) -> T
     auth.start()
     auth.configure_curve(domain="*", location=str(directory))
     return auth
+
+
+def refuse_plaintext_beyond_host(flag: str, endpoint: str, curve: bool) -> None:
+    """ValueError when ``endpoint`` is reachable from other hosts and ``curve`` is off:
+    anyone on the network could read prompts and tokens, or talk to the broker."""
+    from common.runtime_dir import is_local_endpoint
+
+    if not curve and not is_local_endpoint(endpoint):
+        raise ValueError(f"refusing to bind {flag} {endpoint} without encryption: it is reachable from other hosts; "
+                         f"pass --curve-secret-file (and --curve-authorized-keys to admit only known peers), or bind "
+                         f"ipc:// or a loopback address")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

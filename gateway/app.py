@@ -42,7 +42,11 @@ def make_client(settings: GatewaySettings):
     from common.client import AsyncClient  # imported late: tests may pass their own client
 
     keys = security.load_keypair(settings.curve_client_key_file) if settings.curve_client_key_file else None
-    return AsyncClient(settings.broker, curve_server_key=settings.curve_server_key, curve_client_keys=keys)
+    # Only a gateway serving control routes reads the control token: a plain one cannot
+    # pause the pool or touch weights even if its process is compromised.
+    return AsyncClient(settings.broker, curve_server_key=settings.curve_server_key, curve_client_keys=keys,
+                       control_token_file=settings.control_token_file,
+                       read_control_token=settings.needs_control())
 
 
 def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.asgi.App, GatewayState]:

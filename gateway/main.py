@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--broker", default=None,
-                   help="broker frontend address (default: $TOKSERVE_FRONTEND or tcp://127.0.0.1:5555)")
+                   help="broker frontend address (default: $TOKSERVE_FRONTEND, else ipc://RUNTIME_DIR/frontend.sock)")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any of the keys) on every route but /health, "
                         "/metrics and /version (default: $TOKSERVE_API_KEY, else $VLLM_API_KEY)")
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="broker's CURVE public key (Z85 text or its .key file): encrypt the broker link")
     p.add_argument("--curve-client-key-file", default=None,
                    help="this gateway's CURVE certificate (.key_secret), for a broker that authenticates peers")
+    p.add_argument("--control-token-file", default=None,
+                   help="the broker's control token, read only with --enable-rl / --allow-runtime-lora (env "
+                        "TOKSERVE_CONTROL_TOKEN_FILE; default: RUNTIME_DIR/control.token of a local broker)")
     p.add_argument("--enable-rl", action="store_true",
                    help="serve vLLM's RL control routes (pause/resume, weight transfer, sleep/wake, prefix cache "
                         "reset) across the worker pool; also on with VLLM_SERVER_DEV_MODE=1")
@@ -151,6 +154,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         log_level=(args.log_level or "info").lower(),
         curve_server_key=curve_server_key,
         curve_client_key_file=args.curve_client_key_file,
+        control_token_file=args.control_token_file,
         enable_rl=args.enable_rl or os.environ.get("VLLM_SERVER_DEV_MODE", "") == "1",
         enable_return_routed_experts=args.enable_return_routed_experts,
         return_sampling_mask=args.return_sampling_mask,

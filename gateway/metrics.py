@@ -40,6 +40,12 @@ class BrokerCollector:
         ("workers_removed", "tokserve:broker_workers_removed", "Workers dropped (missed heartbeats, disconnects)."),
         ("prefix_routed", "tokserve:broker_requests_prefix_routed",
          "Requests sent to a worker for the prompt prefix it has cached (cache-aware routing)."),
+        ("outputs_foreign_dropped", "tokserve:broker_outputs_foreign_dropped",
+         "Outputs or errors a worker sent for a request not dispatched to it (dropped, never reach the client)."),
+        ("workers_refused", "tokserve:broker_workers_refused",
+         "Worker registrations refused for a missing or wrong worker token."),
+        ("control_refused", "tokserve:broker_control_refused",
+         "Control commands refused for a missing or wrong control token."),
     )
 
     def __init__(self) -> None:

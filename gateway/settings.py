@@ -27,6 +27,9 @@ class GatewaySettings:
     # CURVE to the broker (common/security.py): its public key, and ours when it authenticates peers.
     curve_server_key: Optional[bytes] = None
     curve_client_key_file: Optional[str] = None
+    # The broker's control token (common/runtime_dir.py), read only when a control route is
+    # served (needs_control); None: $TOKSERVE_CONTROL_TOKEN_FILE, else the runtime directory's.
+    control_token_file: Optional[str] = None
     # vLLM's RL / dev routes (/pause, /update_weights, /sleep, ...): --enable-rl or VLLM_SERVER_DEV_MODE=1.
     enable_rl: bool = False
     # RL replay fields the workers compute with the same flags: the gateway relays them
@@ -61,3 +64,7 @@ class GatewaySettings:
     allow_remote_media: bool = False
     # vLLM's --limit-mm-per-prompt: items of a modality one prompt may carry (999 unset).
     limit_mm_per_prompt: dict = field(default_factory=dict)
+
+    def needs_control(self) -> bool:
+        """Whether any served route sends CONTROL commands (RL routes, runtime LoRA)."""
+        return self.enable_rl or self.allow_runtime_lora

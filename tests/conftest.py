@@ -2,12 +2,29 @@
 session (tests/model_factory.py); append new fixtures below."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import model_factory
+
+# A private runtime directory (common/runtime_dir.py: default ipc sockets, control and
+# worker tokens) per test session, inherited by every process the tests start: sessions
+# never share sockets or tokens, nor touch the user's real one.  Short (under /tmp): a
+# Unix socket path must fit 107 bytes.
+_OWN_RUNTIME_DIR = None
+if not os.environ.get("TOKSERVE_RUNTIME_DIR"):
+    _OWN_RUNTIME_DIR = tempfile.mkdtemp(prefix="tsrt-")  # mode 0700
+    os.environ["TOKSERVE_RUNTIME_DIR"] = _OWN_RUNTIME_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_RUNTIME_DIR is not None:
+        shutil.rmtree(_OWN_RUNTIME_DIR, ignore_errors=True)
 
 
 def pytest_sessionstart(session):

@@ -6,7 +6,7 @@ choice ``i`` of a request served by rank ``r`` emits tokens
 ``r * 1000 + i * 100 + k`` for k = 0..max_tokens-1, one per step, then finishes
 with "length".  So tests can tell which worker served a request from its tokens.
 
-    python -m tests.fake_worker --broker tcp://127.0.0.1:5556 --rank 0 [--step-delay 0.01]
+    python -m tests.fake_worker [--broker tcp://127.0.0.1:5556] --rank 0 [--step-delay 0.01]
 """
 from __future__ import annotations
 
@@ -114,29 +114,33 @@ class FakeEngine:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fake_worker")
-    p.add_argument("--broker", required=True)
+    p.add_argument("--broker", default=None, help="default: as tokserve worker's")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per engine step")
     p.add_argument("--first-delay", type=float, default=0.0, help="seconds a request waits before its first token")
     p.add_argument("--curve-server-key", default=None, help="broker's CURVE public key (Z85)")
     p.add_argument("--curve-client-key-file", default=None, help="this worker's CURVE certificate (.key_secret)")
+    p.add_argument("--worker-token-file", default=None, help="as tokserve worker's flag")
     p.add_argument("--hold-token", type=int, default=None, help="prompts starting with it never start here")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     args = p.parse_args(argv)
     setup_logging(f"fake-worker{args.rank}")
+    from common import config, runtime_dir
     from common.security import load_keypair
     from worker.server import WorkerServer
 
     client_keys = load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
     engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay,
                         hold_token=args.hold_token)
-    server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
+    server = WorkerServer(engine, args.broker or config.backend_address(), args.rank,
+                          interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout,
                           curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
-                          curve_client_keys=client_keys)
+                          curve_client_keys=client_keys,
+                          worker_token=runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file))
     server.install_signal_handlers()
     return server.run()
 

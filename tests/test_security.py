@@ -1,4 +1,4 @@
-"""Security: loopback-only defaults (configuration and the sockets actually listening),
+"""Security: local-only defaults (configuration and the sockets actually listening),
 CURVE authentication of broker peers (common/security.py), and no pickle anywhere."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -30,22 +30,27 @@ def _req(rid: str) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4))
 
 
-# ----------------------------------------------------------------------------- loopback by default
-def test_default_addresses_are_loopback(monkeypatch):
+# ----------------------------------------------------------------------------- local-only by default
+def test_default_addresses_are_private_ipc_sockets(monkeypatch, tmp_path):
+    """Nothing reachable off-host by default: every default endpoint is a Unix socket in
+    the private (0700) runtime directory, and the gateway binds loopback."""
     from broker.main import build_parser as broker_parser
+    from common import runtime_dir
     from common.launcher import build_parser as launcher_parser
     from gateway.main import build_parser as gateway_parser
     from worker.main import build_parser as worker_parser
 
     for var in ("TOKSERVE_FRONTEND", "TOKSERVE_BACKEND"):
         monkeypatch.delenv(var, raising=False)
-    assert urlsplit(config.frontend_address()).hostname == "127.0.0.1"
-    assert urlsplit(config.backend_address()).hostname == "127.0.0.1"
+    monkeypatch.setenv("TOKSERVE_RUNTIME_DIR", str(tmp_path / "rt"))
     broker = broker_parser().parse_args([])
     launcher = launcher_parser().parse_args([])
-    endpoints = [broker.frontend, broker.backend, worker_parser().parse_args([]).broker,
-                 launcher.frontend, launcher.backend]
-    assert {urlsplit(e).hostname for e in endpoints} == {"127.0.0.1"}
+    endpoints = [config.frontend_address(), config.backend_address(), broker.frontend, broker.backend,
+                 worker_parser().parse_args([]).broker, launcher.frontend, launcher.backend]
+    assert {e.split("://")[0] for e in endpoints} == {"ipc"}
+    assert {Path(runtime_dir.ipc_path(e)).parent for e in endpoints} == {tmp_path / "rt"}
+    assert runtime_dir.ensure() == tmp_path / "rt"
+    assert (tmp_path / "rt").stat().st_mode & 0o777 == 0o700
     assert gateway_parser().parse_args([]).host == "127.0.0.1"
     assert launcher.host == "127.0.0.1"
 
@@ -74,39 +79,36 @@ def _listening(pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def test_processes_started_with_defaults_listen_on_loopback_only(tmp_path):
-    """Broker, worker and gateway started without any address flag."""
+def test_processes_started_with_defaults_listen_on_no_tcp_port(tmp_path):
+    """Broker, worker and gateway started without any address flag: the broker listens on
+    Unix sockets in the private runtime directory only, the gateway on loopback."""
     if os.environ.get("TOKSERVE_FRONTEND") or os.environ.get("TOKSERVE_BACKEND"):
         pytest.skip("TOKSERVE_FRONTEND/BACKEND set in the environment")
-    default_ports = [urlsplit(config.DEFAULT_FRONTEND).port, urlsplit(config.DEFAULT_BACKEND).port]
-    if not all(_port_free(p) for p in default_ports):
-        pytest.skip("default broker ports in use on this machine")
+    rt = Path(tempfile.mkdtemp(prefix="tsrt-"))  # short: a Unix socket path must fit 107 bytes
+    env = {"TOKSERVE_RUNTIME_DIR": str(rt)}
     port = free_port()  # the gateway's port is always explicit; its host is left to the default
-    with ProcGroup(tmp_path) as procs:
-        broker = procs.spawn("broker", ["-m", "common.cli", "broker"])
-        worker = procs.spawn("fake-worker", ["-m", "tests.fake_worker", "--broker", config.DEFAULT_BACKEND])
-        gateway = procs.spawn("gateway", ["-m", "common.cli", "gateway", "--port", str(port), "--info-ttl", "0.2"])
-        url = f"http://127.0.0.1:{port}"
+    try:
+        with ProcGroup(tmp_path) as procs:
+            broker = procs.spawn("broker", ["-m", "common.cli", "broker"], env=env)
+            worker = procs.spawn("fake-worker", ["-m", "tests.fake_worker"], env=env)
+            gateway = procs.spawn("gateway", ["-m", "common.cli", "gateway", "--port", str(port), "--info-ttl", "0.2"],
+                                  env=env)
+            url = f"http://127.0.0.1:{port}"
 
-        def healthy():
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
+            def healthy():
+                try:
+                    return httpx.get(url + "/health", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
 
-        wait_for(healthy, 60, "default stack healthy", interval=0.2)
-        assert sorted(_listening(broker.pid)) == sorted(("127.0.0.1", p) for p in default_ports)
-        assert _listening(worker.pid) == []  # workers only connect out
-        assert _listening(gateway.pid) == [("127.0.0.1", port)]
+            wait_for(healthy, 60, "default stack healthy", interval=0.2)
+            assert _listening(broker.pid) == []
+            assert _listening(worker.pid) == []  # workers only connect out
+            assert _listening(gateway.pid) == [("127.0.0.1", port)]
+            assert rt.stat().st_mode & 0o777 == 0o700
+            assert {p.name for p in rt.iterdir() if p.is_socket()} == {"frontend.sock", "backend.sock"}
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- CURVE

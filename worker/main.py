@@ -15,7 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--rank", type=int, default=0, help="data-parallel rank (X-data-parallel-rank pins to it)")
     p.add_argument("--broker", default=config.backend_address(),
-                   help="broker backend endpoint (env TOKSERVE_BACKEND)")
+                   help="broker backend endpoint (env TOKSERVE_BACKEND; default: ipc://RUNTIME_DIR/backend.sock)")
+    p.add_argument("--worker-token-file", default=None,
+                   help="the broker's worker token, without which it does not register this worker (env "
+                        "TOKSERVE_WORKER_TOKEN_FILE; default: RUNTIME_DIR/worker.token, shared with a local broker)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -172,10 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     from worker.engine import Engine
     from worker.server import WorkerServer
 
+    from common import runtime_dir
+
     try:
         server_key = security.load_public_key(args.curve_server_key) if args.curve_server_key else None
         client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
-    except ValueError as exc:
+        worker_token = runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file)
+        runtime_dir.check_before_connect(args.broker)  # before the (slow) model load
+    except (ValueError, OSError, runtime_dir.RuntimeDirError) as exc:
         raise SystemExit(str(exc)) from None
     if cfg.torch_device.type == "cpu":
         from worker.malloc_tuning import keep_freed_memory
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout, curve_server_key=server_key,
-                          curve_client_keys=client_keys,
+                          curve_client_keys=client_keys, worker_token=worker_token,
                           role="encode" if args.mm_encoder_only else args.role)
     server.install_signal_handlers()
     return server.run()

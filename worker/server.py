@@ -29,7 +29,7 @@ from typing import Optional
 
 import zmq
 
-from common import config, framing, security
+from common import config, framing, runtime_dir, security
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -62,6 +62,8 @@ class BrokerLink(threading.Thread):
         self.curve_client_keys = curve_client_keys
         self.load = WorkerLoad()  # latest snapshot, replaced (never mutated) by the engine loop
         self.registered = False  # READY sent: heartbeats may flow
+        self.welcomed = False  # the broker answered our last READY (it heartbeats a worker it registers)
+        self._refused = RateLimitedLog(log, 30.0)
         self._bad = RateLimitedLog(log)
 
     def _connect(self) -> zmq.Socket:
@@ -126,6 +128,7 @@ class BrokerLink(threading.Thread):
                                 continue
                             if frames[1] == MsgType.READY:
                                 self.registered = True
+                                self.welcomed = False
                             elif frames[1] == MsgType.KV_EVENTS and not self.registered:
                                 # Changes made before a re-registration the engine loop has
                                 # not sent yet: the snapshot after its READY supersedes them.
@@ -144,9 +147,17 @@ class BrokerLink(threading.Thread):
         if msg_type in (MsgType.GENERATE, MsgType.ABORT, MsgType.CONTROL):
             _send(pipe, frames)
         elif msg_type == MsgType.DISCONNECT:  # the broker does not know us (restart, or declared us dead)
+            if self.registered and not self.welcomed:
+                # Sent straight back for our READY: a broker that refuses to register us, whose
+                # log says why; the usual reason is a worker token that is not the broker's.
+                self._refused.warning("the broker refused our registration: is our worker token the broker's? "
+                                      "(--worker-token-file, TOKSERVE_WORKER_TOKEN_FILE, or the same runtime "
+                                      "directory)")
             self.registered = False
             pipe.send_multipart([_CTL, _RESET])
-        elif msg_type != MsgType.HEARTBEAT:
+        elif msg_type == MsgType.HEARTBEAT:
+            self.welcomed = True
+        else:
             self._bad.warning("unexpected message type %r from broker", msg_type)
 
 
@@ -163,8 +174,10 @@ class WorkerServer:
     def __init__(self, engine, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
-                 ctx: Optional[zmq.Context] = None, role: str = "both"):
+                 ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = ""):
+        runtime_dir.check_before_connect(broker)  # never serve a socket someone else planted
         self.engine = engine
+        self.worker_token = worker_token  # proves to the broker that we are one of its workers
         self.rank = rank
         self.role = role  # P/D disaggregation: what the broker sends here (prefill | decode | both)
         self.drain_timeout = drain_timeout
@@ -200,7 +213,8 @@ class WorkerServer:
         self._refresh_load()
         ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
                             weight_version=self.engine.weight_version,
-                            world_size=self.engine.config.tensor_parallel_size, role=self.role)
+                            world_size=self.engine.config.tensor_parallel_size, role=self.role,
+                            worker_token=self.worker_token)
         self._send(framing.message(MsgType.READY, ready))
         snapshot = getattr(self.engine, "snapshot_kv_events", None)
         if snapshot is not None:  # the broker's view of our cache starts exact (cleared + all keys)
