@@ -93,6 +93,8 @@ def decode(data, type_: Type[T]) -> T:
         return _decoders[type_].decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(f"bad {type_.__name__} body: {exc}") from None
+    except RecursionError:  # e.g. kv_transfer_params nested thousands deep: garbage, not a bug
+        raise FrameError(f"bad {type_.__name__} body: nested too deeply") from None
 
 
 class _RequestIdOnly(msgspec.Struct, array_like=True):
