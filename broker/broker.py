@@ -310,6 +310,17 @@ class Broker:
         self._plan_whole_or_prefill(entry, req)
         self._assign(entry)
 
+    def _run_whole(self, entry: Entry) -> None:
+        """A prefill leg that could not run: the request itself goes to a whole/decode worker."""
+        if entry.worker is not None:
+            entry.worker.requests.discard(entry.request_id)
+            entry.worker = None
+        req = entry.pd_request
+        entry.pd_request, entry.leg = None, None
+        entry.body = framing.encode(req)
+        entry.roles = disagg.WHOLE_ROLES
+        self._assign(entry)
+
     def _on_leg_outputs(self, worker: Worker, body: bytes) -> None:
         """Deltas of legs: a finished prefill leg hands its request to a decode worker, a
         finished encode leg to a worker that pulls the encodings."""
@@ -540,6 +551,13 @@ class Broker:
                 # The request has its pixels: it runs without the encode leg (an error of its
                 # own comes back from that run).
                 self._after_encode(entry, None)
+                if self.pending:
+                    self._dispatch_pending()
+            elif entry is not None and entry.worker is worker and entry.leg == "prefill" and err.status == 503 \
+                    and not entry.orphaned:
+                # The prefill worker holds all the KV blocks it may for remote decode
+                # (--kv-transfer-max-held): the request runs whole instead of failing.
+                self._run_whole(entry)
                 if self.pending:
                     self._dispatch_pending()
             elif entry is not None and entry.worker is worker:

@@ -247,3 +247,22 @@ def test_deeply_nested_params_are_a_400_at_the_broker(stack):
     assert kind == "error" and err.status == 400 and "nested too deeply" in err.message, err
     for rank in (0, 1):
         assert _gen(http, rank, _prompt(6), max_tokens=2).status_code == 200
+
+
+def test_broker_runs_a_request_whole_when_its_prefill_worker_is_at_the_cap(tmp_path, llama_dir):
+    """--pd auto: a prefill worker that may hold nothing for remote decode (cap 0) answers
+    every prefill leg with 503; the broker then runs the request whole on the decode worker."""
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker("--pd", "auto")
+        procs.worker(broker, 0, "--model", str(llama_dir), *WORKER_ARGS, "--role", "prefill",
+                     "--kv-transfer-max-held", "0")
+        procs.worker(broker, 1, "--model", str(llama_dir), *WORKER_ARGS, "--role", "decode")
+        wait_for_workers(broker.frontend, 2, timeout=120)
+        gw = start_gateway(procs, broker.frontend)
+        with httpx.Client(base_url=gw.url, timeout=60) as http:
+            r = http.post(GENERATE, json={"token_ids": _prompt(7), "sampling_params": {"max_tokens": 5,
+                                                                                       "temperature": 0}})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert len(body["choices"][0]["token_ids"]) == 5
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed whole, not pulled
