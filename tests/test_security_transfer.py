@@ -266,3 +266,39 @@ def test_broker_runs_a_request_whole_when_its_prefill_worker_is_at_the_cap(tmp_p
             body = r.json()
             assert len(body["choices"][0]["token_ids"]) == 5
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed whole, not pulled
+
+
+# --- units ---------------------------------------------------------------------------------
+def test_kv_transfer_config_and_max_held_are_checked_at_start_up():
+    from worker.engine.config import EngineConfig
+    from worker.engine.kv_transfer import parse_kv_transfer_config
+
+    assert parse_kv_transfer_config(None) is None
+    assert parse_kv_transfer_config(KV_CONFIG) == "kv_both"
+    for bad, words in (('{"kv_connector": "LMCacheConnectorV1"}', "not supported"), ("[1]", "JSON object"),
+                       ('{"kv_connector": "NixlConnector", "kv_role": "x"}', "kv_role must be"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=words):
+            parse_kv_transfer_config(bad)
+    with pytest.raises(ValueError, match="kv_transfer_max_held"):
+        EngineConfig(model="m", kv_transfer_max_held=1.5)
+
+
+def test_transfer_param_shapes_are_bounded_without_recursion():
+    from common.errors import BadRequest
+    from common.transfer_peers import check_shape, ec_peers, kv_peer, parse_address
+
+    deep: list = []
+    for _ in range(100000):  # far past Python's recursion limit: checked iteratively
+        deep = [deep]
+    for bad, words in (({"a": deep}, "nested deeper"), ([1], "JSON object"), ({"a": list(range(70000))}, "too large"),
+                       ({1: 2}, "keys must be strings"), ({"a": b"x"}, "unsupported value")):
+        with pytest.raises(BadRequest, match=words):
+            check_shape(bad, "kv_transfer_params")
+    check_shape({"remote_block_ids": [[1, 2]], "x": {"y": None}}, "kv_transfer_params")
+    assert kv_peer({"do_remote_prefill": True, "remote_host": "h", "remote_port": 5}) == ("h", 5)
+    assert kv_peer({"do_remote_decode": True, "remote_host": "h"}) is None
+    with pytest.raises(BadRequest, match="remote_port"):
+        kv_peer({"do_remote_prefill": True, "remote_host": "h", "remote_port": True})
+    assert ec_peers({"a": {"peer_host": "h", "peer_port": 7}, "b": {"k": 1}, "c": [1]}) == [("h", 7)]
+    assert parse_address("127.0.0.1:5555") == ("127.0.0.1", 5555) and parse_address("[::1]:80") == ("::1", 80)
+    assert parse_address("nope") is None and parse_address(None) is None and parse_address("h:0") is None
