@@ -221,12 +221,23 @@ def test_unknown_transfer_peers_are_refused_and_never_contacted(stack, host):
 
 def test_a_wrong_engine_id_learns_nothing(stack):
     _, http, transfer_port = stack
-    kv = _gen(http, 1, _prompt(4), dict(PREFILL), max_tokens=1).json()["kv_transfer_params"]
+    r = _gen(http, 1, _prompt(4), dict(PREFILL), max_tokens=1)
+    kv = r.json()["kv_transfer_params"]
     real = kv["remote_engine_id"]
     reply = _transfer(transfer_port, {"op": "pull", "engine_id": "0" * 32, "request_id": kv["remote_request_id"],
                                       "block_ids": kv["remote_block_ids"][0]})
     assert reply["ok"] is False and "unknown engine id" in reply["error"]
     assert real not in msgspec.json.encode(reply).decode()
+    # The request id alone (clients may choose those) does not name the transfer: its handle
+    # carries a secret only the prefill leg's answer has.
+    rid = r.json()["request_id"]
+    assert kv["remote_request_id"].startswith(rid + ".") and len(kv["remote_request_id"]) >= len(rid) + 33
+    reply = _transfer(transfer_port, {"op": "pull", "engine_id": real, "request_id": rid,
+                                      "block_ids": kv["remote_block_ids"][0]})
+    assert reply["ok"] is False and "unknown or expired transfer" in reply["error"]
+    reply = _transfer(transfer_port, {"op": "pull", "engine_id": real, "request_id": kv["remote_request_id"],
+                                      "block_ids": kv["remote_block_ids"][0]})
+    assert reply["ok"] is True
     _transfer(transfer_port, {"op": "free", "engine_id": real, "request_id": kv["remote_request_id"]}, answer=False)
 
 

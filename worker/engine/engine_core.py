@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import secrets
 import logging
 import time
 from typing import Any, Optional
@@ -301,16 +302,19 @@ class EngineCore(RLControl, EncoderDisaggregation):
         num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // bs
         blocks = list(seq.block_ids[:num_full])
         kv.reserved.pop(request.request_id, None)  # the reservation becomes the held blocks
+        # The transfer's name on the transfer server: the request id (clients may choose
+        # those) plus a secret, so only whoever got this answer can PULL or FREE the blocks.
+        handle = f"{request.request_id}.{secrets.token_hex(16)}"
         if blocks:
             self.block_manager.hold_blocks(blocks)
-            old = kv.held.hold(request.request_id, blocks, kv.timeout)
+            old = kv.held.hold(handle, blocks, kv.timeout)
             if old:
                 self.block_manager.release_blocks(old)
         server = kv.server()
         request.kv_transfer_out = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [blocks], "remote_engine_id": kv.engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": handle,
             "remote_host": server.host, "remote_port": server.port,
             "tp_size": 1, "dcp_size": 1, "pp_size": 1,
             "remote_num_tokens": seq.num_computed_tokens,

@@ -19,6 +19,9 @@ Wire (one ROUTER per worker, ``--kv-transfer-address``; every message one msgpac
             "dtype": "float32"} + one raw frame (the blocks' K/V, C order)
            {"ok": false, "request_id", "status": 400, "error": "..."}
 ``FREE`` is not answered.  Malformed messages are dropped (and logged, rate-limited).
+``request_id`` is the answer's ``remote_request_id``: the prefill request's id plus a
+secret, so PULL / FREE work only for whoever got that answer (anyone may reach the port);
+refusals never name this worker's engine id.
 
 Threads: the transfer server reads held blocks under ``HeldTransfers.lock``; the
 engine thread removes an entry under the same lock before its blocks are released, so
