@@ -22,7 +22,10 @@ from broker.prefix_index import PrefixIndex
 from broker.workers import Worker, WorkerRegistry
 from common import config, framing, runtime_dir, security
 from common.framing import FrameError
+from common.errors import BadRequest
 from common.logging import RateLimitedLog, get_logger
+from common.transfer_peers import (EC_PARAM, KV_PARAM, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers, kv_peer,
+                                   parse_address)
 from common.protocol import (Abort, BrokerStats, ClusterInfo, CompletionDelta, Disconnect, ErrorMsg, GenerateRequest,
                              KvEvents, MsgType, Outputs, OutputsHeader, RankReply, WorkerLoad, WorkerReady)
 
@@ -258,6 +261,10 @@ class Broker:
             self._error(client, rid, 400, f"request_id {rid!r} is already in flight", "BadRequestError",
                         "request_id")
             return
+        vetted = self._vet_transfer(client, req, body)
+        if vetted is None:
+            return
+        req, body = vetted
         session = req.session_id if self.cfg.routing != "least-loaded" else None
         entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, session, req.lora_name,
                       prefix_hashes=req.prefix_hashes if self.cfg.routing == "cache-aware" else None)
@@ -266,6 +273,31 @@ class Broker:
         self.requests[rid] = entry
         self.by_client[client].add(rid)
         self._assign(entry)
+
+    def _vet_transfer(self, client: bytes, req: GenerateRequest, body: bytes):
+        """A client's transfer parameters (common/transfer_peers.py): bounded JSON naming
+        only registered workers' transfer servers, or a 400 before anything is dispatched
+        (naming no host or port: no port-scan oracle).  Returns (request, body) with
+        ``transfer_trust`` as this broker vouches for it: a client's own value is never
+        kept, so only the broker's legs carry TRUST_KV / TRUST_EC."""
+        try:
+            check_shape(req.kv_transfer_params, KV_PARAM)
+            check_shape(req.ec_transfer_params, EC_PARAM)
+            peers = [(KV_PARAM, p) for p in [kv_peer(req.kv_transfer_params)] if p is not None]
+            peers += [(EC_PARAM, p) for p in ec_peers(req.ec_transfer_params)]
+            if peers:
+                known = {w.transfer_peer for w in self.workers.all() if w.transfer_peer is not None}
+                for param, peer in peers:
+                    if peer not in known:
+                        raise BadRequest(f"{param}: {UNKNOWN_PEER}", param)
+        except BadRequest as exc:
+            self._error(client, req.request_id, 400, exc.message, "BadRequestError", exc.param)
+            return None
+        trust = TRUST_PEERS if peers else 0
+        if trust != req.transfer_trust:
+            req = msgspec.structs.replace(req, transfer_trust=trust)
+            body = framing.encode(req)
+        return req, body
 
     # ------------------------------------------------------------ P/D and E/P/D legs
     def _plan_legs(self, entry: Entry, req: GenerateRequest) -> None:
@@ -305,6 +337,17 @@ class Broker:
         entry.pd_request, entry.leg = None, None
         entry.body = framing.encode(req)
         self._plan_whole_or_prefill(entry, req)
+        self._assign(entry)
+
+    def _run_whole(self, entry: Entry) -> None:
+        """A prefill leg that could not run: the request itself goes to a whole/decode worker."""
+        if entry.worker is not None:
+            entry.worker.requests.discard(entry.request_id)
+            entry.worker = None
+        req = entry.pd_request
+        entry.pd_request, entry.leg = None, None
+        entry.body = framing.encode(req)
+        entry.roles = disagg.WHOLE_ROLES
         self._assign(entry)
 
     def _on_leg_outputs(self, worker: Worker, body: bytes) -> None:
@@ -539,6 +582,13 @@ class Broker:
                 self._after_encode(entry, None)
                 if self.pending:
                     self._dispatch_pending()
+            elif entry is not None and entry.worker is worker and entry.leg == "prefill" and err.status == 503 \
+                    and not entry.orphaned:
+                # The prefill worker holds all the KV blocks it may for remote decode
+                # (--kv-transfer-max-held): the request runs whole instead of failing.
+                self._run_whole(entry)
+                if self.pending:
+                    self._dispatch_pending()
             elif entry is not None and entry.worker is worker:
                 self._finish(entry)
                 if not entry.orphaned:
@@ -657,6 +707,7 @@ class Broker:
                         # A worker caches at most its KV blocks; the slack absorbs event lag.
                         prefix_index=PrefixIndex(capacity=max(4096, 2 * ready.load.total_kv_blocks)),
                         role=ready.role)
+        worker.transfer_peer = parse_address(ready.transfer_address)
         self.workers.add(worker)
         self.control.on_worker_ready(worker)
         log.info("worker rank %d registered (pid %d, model %s, max_num_seqs %d)", ready.rank, ready.pid,

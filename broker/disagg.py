@@ -27,6 +27,7 @@ from typing import Optional
 import msgspec
 
 from common.protocol import GenerateRequest
+from common.transfer_peers import TRUST_EC, TRUST_KV, TRUST_PEERS
 
 PD_CLIENT = b"\x00tokserve-broker-pd"  # reply identity of prefill legs: their deltas stay in the broker
 PD_MODES = ("off", "auto")
@@ -53,11 +54,15 @@ def eligible(req: GenerateRequest, block_size: int) -> bool:
 def prefill_leg(req: GenerateRequest) -> GenerateRequest:
     params = msgspec.structs.replace(req.params, n=1, max_tokens=1, max_tokens_is_default=False, min_tokens=0,
                                      logprobs=None, stop=[], include_stop_str_in_output=False)
-    return msgspec.structs.replace(req, params=params, output_text=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    # TRUST_KV: the broker's own leg, served by any worker (client parameters need a P/D role there).
+    return msgspec.structs.replace(req, params=params, output_text=False, kv_transfer_params=dict(PREFILL_PARAMS),
+                                   transfer_trust=req.transfer_trust | TRUST_KV)
 
 
 def decode_leg(req: GenerateRequest, transfer: dict) -> GenerateRequest:
-    return msgspec.structs.replace(req, kv_transfer_params=transfer)
+    # The peer is the prefill worker's own answer (this broker's registered worker).
+    return msgspec.structs.replace(req, kv_transfer_params=transfer,
+                                   transfer_trust=req.transfer_trust | TRUST_KV | TRUST_PEERS)
 
 
 def encode_eligible(req: GenerateRequest) -> bool:
@@ -73,13 +78,15 @@ def encode_leg(req: GenerateRequest) -> GenerateRequest:
                                      logprobs=None, prompt_logprobs=None, prompt_logprob_token_ids=None, stop=[],
                                      include_stop_str_in_output=False)
     return msgspec.structs.replace(req, params=params, output_text=False, kv_transfer_params=None,
-                                   ec_transfer_params=None, lora_name=None)
+                                   ec_transfer_params=None, lora_name=None, transfer_trust=0)
 
 
 def after_encode(req: GenerateRequest, ec_transfer_params: Optional[dict]) -> GenerateRequest:
     """The request with the encode leg's answer (unchanged without one: it encodes itself)."""
     if isinstance(ec_transfer_params, dict) and ec_transfer_params:
-        return msgspec.structs.replace(req, ec_transfer_params=ec_transfer_params)
+        # The encoder worker's own answer: its peers are its transfer server.
+        return msgspec.structs.replace(req, ec_transfer_params=ec_transfer_params,
+                                       transfer_trust=req.transfer_trust | TRUST_EC | TRUST_PEERS)
     return req
 
 

@@ -30,6 +30,8 @@ class Worker:
     # Its prefix cache as its KV events describe it (cache-aware dispatch).
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     role: str = "both"  # prefill | decode | both (broker/disagg.py) | encode (pinned requests only)
+    # (host, port) of its transfer server, from READY: transfer parameters may name only these.
+    transfer_peer: Optional[tuple] = None
 
     def score(self) -> int:
         """Least-loaded dispatch score (vLLM DP balancing: waiting weighs 4x running)."""

@@ -93,6 +93,8 @@ def decode(data, type_: Type[T]) -> T:
         return _decoders[type_].decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(f"bad {type_.__name__} body: {exc}") from None
+    except RecursionError:  # e.g. kv_transfer_params nested thousands deep: garbage, not a bug
+        raise FrameError(f"bad {type_.__name__} body: nested too deeply") from None
 
 
 class _RequestIdOnly(msgspec.Struct, array_like=True):
@@ -109,6 +111,33 @@ def request_id_of(data) -> Optional[str]:
     try:
         return _rid_decoder.decode(data).request_id
     except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    except RecursionError:  # skipping the rest recursed too deep: read the first field by hand
+        return _leading_str(bytes(data))
+
+
+def _leading_str(data: bytes) -> Optional[str]:
+    """The first element of a msgpack array when it is a string (GenerateRequest's
+    request_id), without looking further into the body."""
+    if not data:
+        return None
+    head = data[0]
+    at = 1 if 0x90 <= head <= 0x9f else 3 if head == 0xdc else 5 if head == 0xdd else None
+    if at is None or len(data) <= at:
+        return None
+    tag = data[at]
+    if 0xa0 <= tag <= 0xbf:
+        start, size = at + 1, tag - 0xa0
+    elif tag in (0xd9, 0xda, 0xdb):
+        width = {0xd9: 1, 0xda: 2, 0xdb: 4}[tag]
+        start, size = at + 1 + width, int.from_bytes(data[at + 1:at + 1 + width], "big")
+    else:
+        return None
+    if len(data) < start + size:
+        return None
+    try:
+        return data[start:start + size].decode()
+    except UnicodeDecodeError:
         return None
 
 

@@ -117,6 +117,10 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     prefix_hashes: Optional[list[bytes]] = None
     # Multimodal input, in prompt order (no two placeholder ranges overlap).
     mm_items: Optional[list[MultiModalItem]] = None
+    # What the broker vouches for in this request's transfer parameters (bits of
+    # common/transfer_peers.py: TRUST_KV / TRUST_EC its own legs, TRUST_PEERS peers
+    # checked against its registry).  The broker resets it on every client GENERATE.
+    transfer_trust: int = 0
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -265,6 +269,9 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     # The worker token (common/runtime_dir.py): the broker registers only a worker that
     # knows it, so no other process can pose as a worker and receive users' prompts.
     worker_token: str = ""
+    # "host:port" of this worker's KV / encoder-output transfer server (None: it runs
+    # none): the only peers the broker lets transfer parameters name.
+    transfer_address: Optional[str] = None
 
 
 class WorkerStatus(msgspec.Struct, **_STRUCT):

@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--role", default="both", help="the role READY reports (encode: pinned requests only)")
+    p.add_argument("--transfer-address", default=None,
+                   help="host:port READY announces as its transfer server (a registered peer nothing answers on)")
     args = p.parse_args(argv)
     setup_logging(f"fake-worker{args.rank}")
     from common import config, runtime_dir
@@ -135,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     client_keys = load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
     engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay,
                         hold_token=args.hold_token)
+    engine.transfer_address = lambda: args.transfer_address
     server = WorkerServer(engine, args.broker or config.backend_address(), args.rank,
                           interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout,
                           curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
-                          curve_client_keys=client_keys,
+                          curve_client_keys=client_keys, role=args.role,
                           worker_token=runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file))
     server.install_signal_handlers()
     return server.run()

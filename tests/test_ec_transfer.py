@@ -33,17 +33,28 @@ PRODUCER = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer
 ENTRY_KEYS = {"item_indices", "metadata", "peer_host", "peer_port", "size_bytes", "shape", "remote_key"}
 
 
+CONSUMER = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_consumer"})
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_dir):
     with ProcGroup(tmp_path_factory.mktemp("epd-stack")) as procs:
         broker = procs.broker()
+        # A registered worker whose announced transfer server never answers (a producer that
+        # is gone, as far as a pull can tell): the broker admits only registered peers.
+        # Registered first, so that the model the broker reports is the real workers'.
+        silent = free_port()
+        procs.fake_worker(broker, 9, "--role", "encode", "--transfer-address", f"127.0.0.1:{silent}")
+        wait_for_workers(broker.frontend, 1)
         procs.worker(broker, 0, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", PRODUCER)
-        procs.worker(broker, 1, "--model", str(model_dir), *WORKER_ARGS)
+        # Takes client ec_transfer_params only as an ec_consumer.
+        procs.worker(broker, 1, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", CONSUMER)
         procs.worker(broker, 2, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", PRODUCER,
                      "--mm-encoder-only")
-        wait_for_workers(broker.frontend, 3, timeout=120)
+        wait_for_workers(broker.frontend, 4, timeout=120)
         gw = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir))
         with httpx.Client(base_url=gw.url, timeout=60) as http:
+            http.silent_port = silent
             yield http
 
 
@@ -141,10 +152,16 @@ def test_unknown_output_is_a_400_and_a_gone_producer_a_503(stack):
     bad = {h: {k: v for k, v in entry.items() if k != "remote_key"}}
     assert "remote_key must be" in _error(_post(http, 1, _fbody(ids, features, bad)), 400)["message"]
 
-    # Nobody listens at the announced port.
+    # A registered worker's transfer server that does not answer.
     t = time.monotonic()
-    err = _error(_post(http, 1, _fbody(ids, features, {h: {**entry, "peer_port": free_port()}})), 503)
+    err = _error(_post(http, 1, _fbody(ids, features, {h: {**entry, "peer_port": http.silent_port}})), 503)
     assert "did not answer" in err["message"] and time.monotonic() - t < 8
+    assert str(http.silent_port) not in err["message"]
+    # A port no worker registered: refused by the broker, nothing echoed.
+    port = free_port()
+    err = _error(_post(http, 1, _fbody(ids, features, {h: {**entry, "peer_port": port}})), 400)
+    assert "unknown transfer peer" in err["message"] and err["param"] == "ec_transfer_params"
+    assert str(port) not in err["message"] and "127.0.0.1" not in err["message"]
 
     # An announcement that does not fit the placeholder.
     bad = {h: {**entry, "shape": [entry["shape"][0] + 1, entry["shape"][1]]}}
@@ -167,7 +184,7 @@ def test_failed_pull_falls_back_to_the_pixels(stack, model_dir):
     # The announcement points nowhere: the worker encodes the pixels it was sent.
     hidden = next(iter(_encode(http, ids, pngs)["ec_transfer_params"].values()))["shape"][1]
     dead = {"hash0": {"item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 6]}, "peer_host": "127.0.0.1",
-                      "peer_port": free_port(), "size_bytes": 6 * hidden * 4, "shape": [6, hidden],
+                      "peer_port": http.silent_port, "size_bytes": 6 * hidden * 4, "shape": [6, hidden],
                       "remote_key": "features:hash0#1x4x6"}}
     t = time.monotonic()
     r = _post(http, 1, {**_fbody(ids, full, dead), "cache_salt": "fallback"})

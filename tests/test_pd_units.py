@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from common.errors import BadRequest
+from common.transfer_peers import TRUST_PEERS
 from tests.engine_helpers import make_engine, request
 
 PROMPT = list(range(5, 45))
@@ -16,7 +17,7 @@ PROMPT = list(range(5, 45))
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    eng = make_engine(llama_dir, num_kv_blocks=32)
+    eng = make_engine(llama_dir, num_kv_blocks=32, kv_transfer_enabled=True)  # --kv-transfer-config
     yield eng
     eng.close()
 
@@ -53,7 +54,9 @@ def test_abort_while_pulling_leaks_nothing(engine):
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     free = engine.block_manager.num_free_blocks
-    engine.add_request(request("d", PROMPT, max_tokens=4, kv_transfer_params=_decode_params(port)))
+    req = request("d", PROMPT, max_tokens=4, kv_transfer_params=_decode_params(port))
+    req.transfer_trust = TRUST_PEERS  # as the broker forwards it after checking the peer
+    engine.add_request(req)
     assert engine.has_unfinished() and "d" in engine.kv_transfer.pending
     assert silent.poll(3000)
     ident, _ = silent.recv_multipart()

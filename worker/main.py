@@ -84,7 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refused: expert parallelism is not implemented (one worker serves every expert)")
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
                    help="prefill/decode disaggregation: which legs the broker sends here (reported in READY); "
-                        "any worker serves either leg when a request's kv_transfer_params ask for it")
+                        "prefill or decode also lets clients' kv_transfer_params ask this worker for either leg "
+                        "(with the default, both, only the broker's own legs or a --kv-transfer-config do)")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='vLLM\'s flag: {"kv_connector": "NixlConnector", "kv_role": "kv_both"} lets clients\' '
+                        "kv_transfer_params (NixlConnector's shape; blocks move over --kv-transfer-address) ask "
+                        "this worker for prefill or decode legs; without it (or a --role prefill|decode) they are "
+                        "refused (400)")
+    p.add_argument("--kv-transfer-max-held", type=float, default=0.5, metavar="FRACTION",
+                   help="fraction of the KV cache that prefill legs may hold for their decode side (finished and "
+                        "running ones together); a prefill leg past it is refused with 503, so held blocks never "
+                        "starve ordinary requests")
     p.add_argument("--kv-transfer-address", default="tcp://127.0.0.1:*",
                    help="ZeroMQ endpoint of this worker's KV transfer server (prefill legs' blocks are pulled "
                         "from it; its host and port go into kv_transfer_params); default: a random local port")
@@ -129,6 +139,7 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 def engine_config_from_args(args):
     from worker.engine import EngineConfig
     from worker.engine.ec_transfer import parse_ec_transfer_config
+    from worker.engine.kv_transfer import parse_kv_transfer_config
 
     model = args.model
     if model is None:
@@ -153,6 +164,9 @@ def engine_config_from_args(args):
                         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
                         spec_max_step_tokens=args.spec_max_step_tokens,
                         kv_transfer_address=args.kv_transfer_address, kv_transfer_timeout=args.kv_transfer_timeout,
+                        kv_transfer_enabled=args.role in ("prefill", "decode") or
+                        parse_kv_transfer_config(args.kv_transfer_config) is not None,
+                        kv_transfer_max_held=args.kv_transfer_max_held,
                         ec_role=parse_ec_transfer_config(args.ec_transfer_config),
                         mm_encoder_only=args.mm_encoder_only)
 

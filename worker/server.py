@@ -214,11 +214,15 @@ class WorkerServer:
         ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
                             weight_version=self.engine.weight_version,
                             world_size=self.engine.config.tensor_parallel_size, role=self.role,
-                            worker_token=self.worker_token)
+                            worker_token=self.worker_token, transfer_address=self._transfer_address())
         self._send(framing.message(MsgType.READY, ready))
         snapshot = getattr(self.engine, "snapshot_kv_events", None)
         if snapshot is not None:  # the broker's view of our cache starts exact (cleared + all keys)
             self._send_kv_events(snapshot())
+
+    def _transfer_address(self) -> Optional[str]:
+        address = getattr(self.engine, "transfer_address", None)
+        return address() if address is not None else None
 
     def _send_kv_events(self, events: Optional[KvEvents]) -> None:
         if events is not None:

@@ -71,6 +71,13 @@ class EngineConfig:
     # finished prefill leg's blocks wait for their decode side (vLLM's 480 s).
     kv_transfer_address: Optional[str] = None
     kv_transfer_timeout: float = 480.0
+    # Client kv_transfer_params are honoured only with this set (--role prefill|decode or
+    # --kv-transfer-config, as vLLM needs a KV connector); the broker's own legs always are.
+    kv_transfer_enabled: bool = False
+    # At most this fraction of the KV blocks may be held for remote decode (finished
+    # prefill legs' blocks plus those of prefill legs running): the rest stays for
+    # ordinary requests, whatever clients ask for.
+    kv_transfer_max_held: float = 0.5
     # Encoder disaggregation (ec_transfer.py): vLLM's ec_role from --ec-transfer-config;
     # ec_producer / ec_both export every encoder output for consumers to pull.
     ec_role: Optional[str] = None
@@ -111,6 +118,9 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0, got {self.kv_transfer_timeout}")
+        if not 0.0 <= self.kv_transfer_max_held <= 1.0:
+            raise ValueError(f"kv_transfer_max_held must be a fraction of the KV cache in [0, 1], "
+                             f"got {self.kv_transfer_max_held}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -199,16 +199,16 @@ def remote_sources(params: Any, items: Sequence[MultiModalItem], wire_hashes: Se
 
 
 def _tensor_from_reply(header: dict, raw, src: RemoteEncoding) -> torch.Tensor:
-    where = f"{src.host}:{src.port}"
+    # Messages reach clients: they never name the producer's host or port.
     dtype = header.get("dtype")
     dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
     if header.get("shape") != [src.rows, src.hidden] or dtype is None:
-        raise TransferError(400, f"{PARAM}: the encoder output at {where} is {header.get('shape')} "
+        raise TransferError(400, f"{PARAM}: the encoder output on the transfer peer is {header.get('shape')} "
                                  f"{header.get('dtype')}, not the announced [{src.rows}, {src.hidden}] "
                                  "(another model?)")
     data = bytearray(raw)  # one copy: writable memory torch can wrap
     if len(data) != src.rows * src.hidden * dtype.itemsize:
-        raise TransferError(502, f"{PARAM}: truncated encoder output from {where}")
+        raise TransferError(502, f"{PARAM}: truncated encoder output from the transfer peer")
     return torch.frombuffer(data, dtype=dtype).view(src.rows, src.hidden)
 
 

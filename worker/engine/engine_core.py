@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import itertools
 import queue
+import secrets
 import logging
 import time
 from typing import Any, Optional
 
 import torch
 
-from common.errors import BadRequest, NotFound
+from common.errors import BadRequest, NotFound, Overloaded
+from common.transfer_peers import (EC_PARAM, KV_PARAM, TRUST_EC, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER, check_shape,
+                                   ec_peers, format_address)
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
-from worker.engine.kv_transfer import DecodeLeg, KvTransfer, PrefillLeg, TransferError, blocks_from_reply, parse_params
+from worker.engine.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
+                                       blocks_from_reply, parse_params)
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
@@ -85,6 +89,9 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self._arrivals = itertools.count()
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
+        self.kv_transfer.max_held_blocks = int(config.kv_transfer_max_held * self.block_manager.num_blocks)
+        if config.kv_transfer_enabled:
+            self.kv_transfer.server()  # bound now: READY announces it (the broker admits only known peers)
         self._init_encoder_disaggregation(config)
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
@@ -186,6 +193,10 @@ class EngineCore(RLControl, EncoderDisaggregation):
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
         cache = self.runner.encoder_cache
         mm = check_mm_items(req, self.model_config, cache.max_image_patches if cache is not None else None)
+        # Bounded, plain JSON before anything reads (or later echoes) them.
+        check_shape(req.kv_transfer_params, KV_PARAM)
+        check_shape(req.ec_transfer_params, EC_PARAM)
+        self._check_ec_params(req)
         leg = parse_params(req.kv_transfer_params)
         if leg is not None:
             self._check_kv_leg(req, leg)
@@ -222,6 +233,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
         request.kv_leg = leg
+        if isinstance(leg, PrefillLeg):
+            self.kv_transfer.reserved[req.request_id] = self._prefill_leg_blocks(req)
         if self.encoder_only:
             self._to_encode.append(seq)
             return
@@ -234,8 +247,31 @@ class EngineCore(RLControl, EncoderDisaggregation):
             self.kv_transfer.server()  # bound before the answer names its host and port
         self.scheduler.add(seq)
 
+    def _check_ec_params(self, req: GenerateRequest) -> None:
+        """ec_transfer_params announcing producers make this worker connect to them and cache
+        what they send: only with an E/P/D role (--ec-transfer-config) or on the broker's own
+        legs, and only to peers the broker vouched for."""
+        if not ec_peers(req.ec_transfer_params):
+            return  # nothing to pull: ignored, as before
+        if self.config.ec_role is None and not req.transfer_trust & TRUST_EC:
+            raise BadRequest(f"{EC_PARAM}: this worker does not take part in encoder disaggregation; start it with "
+                             "--ec-transfer-config '{\"ec_connector\": \"ECCPUConnector\", \"ec_role\": "
+                             "\"ec_consumer\"}'", EC_PARAM)
+        if not req.transfer_trust & TRUST_PEERS:
+            raise BadRequest(f"{EC_PARAM}: {UNKNOWN_PEER}", EC_PARAM)
+
+    def _prefill_leg_blocks(self, req: GenerateRequest) -> int:
+        """The full prompt blocks a prefill leg keeps for its decode side."""
+        return len(req.prompt_token_ids) // self.block_manager.block_size
+
     def _check_kv_leg(self, req: GenerateRequest, leg) -> None:
         """Requests whose KV blocks move between workers: what this engine refuses."""
+        if not self.config.kv_transfer_enabled and not req.transfer_trust & TRUST_KV:
+            # vLLM honours kv_transfer_params only with a KV connector configured.
+            raise BadRequest(f"{KV_PARAM}: this worker does not take part in KV transfer (prefill/decode "
+                             f"disaggregation); {ENABLE_HINT}", KV_PARAM)
+        if isinstance(leg, DecodeLeg) and not req.transfer_trust & TRUST_PEERS:
+            raise BadRequest(f"{KV_PARAM}: {UNKNOWN_PEER}", KV_PARAM)
         if self.config.tensor_parallel_size > 1:
             raise BadRequest("kv_transfer_params: KV transfer is not supported with tensor parallelism "
                              f"(this worker has tensor_parallel_size {self.config.tensor_parallel_size})",
@@ -248,6 +284,14 @@ class EngineCore(RLControl, EncoderDisaggregation):
         if not self.config.enable_prefix_caching:
             raise BadRequest("kv_transfer_params: KV transfer needs prefix caching (this worker runs with "
                              "--no-prefix-caching)", "kv_transfer_params")
+        if isinstance(leg, PrefillLeg):
+            kv, need = self.kv_transfer, self._prefill_leg_blocks(req)
+            if kv.committed_blocks() + need > kv.max_held_blocks:
+                # Held blocks are pinned until their decode side pulls them (or the timeout):
+                # past the cap they would starve ordinary requests of the KV cache.
+                raise Overloaded(f"{KV_PARAM}: too many KV blocks are held for remote decode on this worker "
+                                 f"({kv.committed_blocks()} held or reserved, this prompt needs {need}, the cap is "
+                                 f"{kv.max_held_blocks}: --kv-transfer-max-held); retry later", KV_PARAM)
 
     # --- KV transfer (prefill/decode disaggregation) -------------------------------------
     def _hold_for_transfer(self, seq: EngineSequence) -> None:
@@ -257,16 +301,20 @@ class EngineCore(RLControl, EncoderDisaggregation):
         bs = self.block_manager.block_size
         num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // bs
         blocks = list(seq.block_ids[:num_full])
+        kv.reserved.pop(request.request_id, None)  # the reservation becomes the held blocks
+        # The transfer's name on the transfer server: the request id (clients may choose
+        # those) plus a secret, so only whoever got this answer can PULL or FREE the blocks.
+        handle = f"{request.request_id}.{secrets.token_hex(16)}"
         if blocks:
             self.block_manager.hold_blocks(blocks)
-            old = kv.held.hold(request.request_id, blocks, kv.timeout)
+            old = kv.held.hold(handle, blocks, kv.timeout)
             if old:
                 self.block_manager.release_blocks(old)
         server = kv.server()
         request.kv_transfer_out = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [blocks], "remote_engine_id": kv.engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": handle,
             "remote_host": server.host, "remote_port": server.port,
             "tp_size": 1, "dcp_size": 1, "pp_size": 1,
             "remote_num_tokens": seq.num_computed_tokens,
@@ -328,6 +376,37 @@ class EngineCore(RLControl, EncoderDisaggregation):
         kv_cache.index_copy_(2, dst, data.index_select(2, src).to(kv_cache.device))
         bm.release_blocks([b for _, b in taken])
 
+    def _stalled(self) -> None:
+        """Requests wait but none can start, nothing runs: only blocks held for remote
+        decode (or a request bigger than the whole cache) can cause it.  Held blocks come
+        back (FREE or the timeout), so a request that fits the cache then waits for them,
+        never spinning; one that can never fit fails alone with a 503, not every request
+        with a 500."""
+        seq = self.scheduler.head_waiting()
+        bm, kv = self.block_manager, self.kv_transfer
+        if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
+            request = seq.request
+            self.scheduler.remove(seq)
+            self._forget(request)
+            self._request_errors.append((request.request_id, 503, f"the request needs "
+                                         f"{bm.blocks_needed(seq.num_tokens)} KV blocks; this worker's KV cache "
+                                         f"holds {bm.num_blocks}", "prompt"))
+            return
+        if not kv.held.num_blocks:
+            raise RuntimeError("scheduler stalled: waiting requests but nothing can run")  # a bug: fail loudly
+        try:  # wait a little for a FREE instead of spinning (expiry is checked every step)
+            rid = kv.held.freed.get(timeout=0.05)
+        except queue.Empty:
+            return
+        blocks = kv.held.take(rid)
+        if blocks:
+            bm.release_blocks(blocks)
+
+    def transfer_address(self) -> Optional[str]:
+        """"host:port" of the transfer server (READY announces it), None when not bound."""
+        server = self.kv_transfer.bound()
+        return format_address(server.host, server.port) if server is not None else None
+
     def take_request_errors(self) -> list[tuple[str, int, str, str]]:
         """Requests that failed outside a step's outputs (a decode leg's KV pull, an
         encoder output's pull): (request id, HTTP status, message, param); they are gone
@@ -338,6 +417,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
     def _forget(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
         self.kv_transfer.pending.pop(request.request_id, None)
+        self.kv_transfer.reserved.pop(request.request_id, None)
         self.ec_pulls.pending.pop(request.request_id, None)
         if self.requests.pop(request.request_id, None) is not None and request.lora_key is not None:
             self.lora.release(request.lora_key)
@@ -440,8 +520,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
-                # Cannot happen while one max_model_len sequence fits the KV cache; fail loudly, never spin.
-                raise RuntimeError("scheduler stalled: waiting requests but nothing can run")
+                self._stalled()
             return []
         if self.lora is not None:
             # Each adapter's rows contiguous: the CPU path multiplies views instead of

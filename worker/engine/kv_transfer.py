@@ -19,6 +19,9 @@ Wire (one ROUTER per worker, ``--kv-transfer-address``; every message one msgpac
             "dtype": "float32"} + one raw frame (the blocks' K/V, C order)
            {"ok": false, "request_id", "status": 400, "error": "..."}
 ``FREE`` is not answered.  Malformed messages are dropped (and logged, rate-limited).
+``request_id`` is the answer's ``remote_request_id``: the prefill request's id plus a
+secret, so PULL / FREE work only for whoever got that answer (anyone may reach the port);
+refusals never name this worker's engine id.
 
 Threads: the transfer server reads held blocks under ``HeldTransfers.lock``; the
 engine thread removes an entry under the same lock before its blocks are released, so
@@ -27,6 +30,7 @@ request id: the release runs on the engine thread (``EngineCore._kv_transfer_tic
 """
 from __future__ import annotations
 
+import json
 import queue
 import socket
 import threading
@@ -61,6 +65,34 @@ class TransferError(Exception):
         self.status = status
         self.message = message
         self.refusal = refusal  # the peer's own error text, when it answered with a refusal
+
+
+# --- --kv-transfer-config ----------------------------------------------------------------
+KV_CONNECTOR = "NixlConnector"  # the vLLM connector whose kv_transfer_params we speak
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+ENABLE_HINT = ("start it with --kv-transfer-config '{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}' "
+               "or --role prefill|decode")
+
+
+def parse_kv_transfer_config(text: Optional[str]) -> Optional[str]:
+    """``--kv-transfer-config`` (vLLM's JSON) -> its kv_role, or None without one;
+    ValueError for a connector or role this worker does not serve."""
+    if not text:
+        return None
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config: not JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("--kv-transfer-config: expected a JSON object")
+    connector, role = cfg.get("kv_connector"), cfg.get("kv_role", "kv_both")
+    if connector != KV_CONNECTOR:
+        raise ValueError(f"--kv-transfer-config: kv_connector {connector!r} is not supported; KV blocks move over "
+                         f"the workers' own transfer servers in {KV_CONNECTOR}'s kv_transfer_params form "
+                         f"(use \"kv_connector\": \"{KV_CONNECTOR}\")")
+    if role not in KV_ROLES:
+        raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+    return role
 
 
 # --- kv_transfer_params ------------------------------------------------------------------
@@ -134,6 +166,7 @@ class HeldTransfers:
     def __init__(self):
         self.lock = threading.Lock()
         self._held: dict[str, _Held] = {}
+        self.num_blocks = 0  # blocks held, all entries together (the cap's measure)
         self.freed: "queue.SimpleQueue[str]" = queue.SimpleQueue()  # FREE received (transfer thread -> engine)
 
     def __len__(self) -> int:
@@ -144,23 +177,28 @@ class HeldTransfers:
         with self.lock:
             old = self._held.pop(request_id, None)
             self._held[request_id] = _Held(list(block_ids), time.monotonic() + timeout)
+            self.num_blocks += len(block_ids) - (len(old.block_ids) if old is not None else 0)
         return old.block_ids if old is not None else None
 
     def take(self, request_id: str) -> Optional[list[int]]:
         """Engine thread: forget an entry; its blocks are the caller's to release."""
         with self.lock:
             held = self._held.pop(request_id, None)
+            if held is not None:
+                self.num_blocks -= len(held.block_ids)
         return held.block_ids if held is not None else None
 
     def take_expired(self, now: float) -> list[tuple[str, list[int]]]:
         with self.lock:
-            gone = [rid for rid, h in self._held.items() if h.deadline <= now]
-            return [(rid, self._held.pop(rid).block_ids) for rid in gone]
+            gone = [(rid, self._held.pop(rid).block_ids) for rid, h in list(self._held.items()) if h.deadline <= now]
+            self.num_blocks -= sum(len(blocks) for _, blocks in gone)
+            return gone
 
     def take_all(self) -> list[list[int]]:
         with self.lock:
             out = [h.block_ids for h in self._held.values()]
             self._held.clear()
+            self.num_blocks = 0
         return out
 
     def export(self, request_id: str, block_ids: list[int], kv_cache: Optional[torch.Tensor]) -> torch.Tensor:
@@ -246,7 +284,8 @@ class TransferServer(threading.Thread):
             return
         try:
             if msg["engine_id"] != self.engine_id:
-                raise TransferError(400, f"unknown engine id {msg['engine_id']!r} (this worker is {self.engine_id})")
+                # Never this worker's own id: whoever can reach the port must not learn it.
+                raise TransferError(400, "unknown engine id")
             data = self.held.export(rid, blocks, self.kv_cache())
         except TransferError as exc:
             self._reply(identity, {"ok": False, "request_id": rid, "status": exc.status, "error": exc.message})
@@ -286,7 +325,8 @@ def ask(ctx: zmq.Context, host: str, port: int, msg: dict, timeout: float, what:
     """One request to a worker's transfer server: (reply header, raw payload buffer).
     ``then``: sent after a good reply (not answered).  TransferError: 503 when the peer
     does not answer in time, its status when it refuses, 502 on a malformed reply;
-    messages start with ``what`` (the request field they concern)."""
+    messages start with ``what`` (the request field they concern) and never name the
+    peer's host or port (they reach clients: no port-scan oracle)."""
     where = f"{host}:{port}"
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -294,23 +334,24 @@ def ask(ctx: zmq.Context, host: str, port: int, msg: dict, timeout: float, what:
         try:
             sock.connect(f"tcp://{where}")
         except zmq.ZMQError as exc:
-            raise TransferError(400, f"{what}: cannot connect to remote {where}: {exc}") from None
+            log.warning("%s: cannot connect to transfer peer %s: %s", what, where, exc)
+            raise TransferError(400, f"{what}: transfer peer unreachable") from None
         sock.send(_encoder.encode(msg))
         if not sock.poll(int(timeout * 1000)):
-            raise TransferError(503, f"{what}: the worker at {where} did not answer within {timeout:g} s "
+            raise TransferError(503, f"{what}: the transfer peer did not answer within {timeout:g} s "
                                      "(unreachable or gone)")
         frames = sock.recv_multipart(copy=False)
         try:
             header = _decoder.decode(frames[0].buffer)
             ok = header["ok"]
         except Exception:
-            raise TransferError(502, f"{what}: malformed reply from {where}") from None
+            raise TransferError(502, f"{what}: malformed reply from the transfer peer") from None
         if not ok:
             status = header.get("status", 400)
             raise TransferError(status if is_int(status) else 400, f"{what}: {header.get('error')}",
                                 refusal=str(header.get("error")))
         if len(frames) != 2:
-            raise TransferError(502, f"{what}: malformed reply from {where}")
+            raise TransferError(502, f"{what}: malformed reply from the transfer peer")
         if then is not None:
             sock.setsockopt(zmq.LINGER, 1000)
             sock.send(_encoder.encode(then))
@@ -359,6 +400,10 @@ class KvTransfer:
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         self.engine_id = uuid.uuid4().hex
         self.held = HeldTransfers()
+        self.max_held_blocks = 0  # the engine sets it: a fraction of its KV blocks (--kv-transfer-max-held)
+        # Prefill legs admitted and not finished: request id -> prompt blocks they will hold.
+        # Counted against the cap at admission, so a burst cannot overshoot it.
+        self.reserved: dict[str, int] = {}
         self._kv_cache = kv_cache
         self._server: Optional[TransferServer] = None
         self.encodings: Optional[Any] = None  # ec_transfer.EncoderExports served alongside (encoder workers)
@@ -366,6 +411,13 @@ class KvTransfer:
         self.pending: dict[str, tuple] = {}  # request id -> (request, seq, leg, token): pull in flight
         self.pulled: "queue.Queue[tuple[str, object, Optional[tuple], Optional[TransferError]]]" = queue.Queue()
         self._token = 0
+
+    def committed_blocks(self) -> int:
+        """Blocks held for remote decode plus those running prefill legs will hold."""
+        return self.held.num_blocks + sum(self.reserved.values())
+
+    def bound(self) -> Optional[TransferServer]:
+        return self._server
 
     def server(self) -> TransferServer:
         if self._server is None:

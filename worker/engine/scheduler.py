@@ -81,6 +81,10 @@ class Scheduler:
         waiting = {entry[-1].request.lora_key for entry in self._waiting}
         return sorted(running - {None}), sorted(waiting - {None})
 
+    def head_waiting(self) -> Optional[EngineSequence]:
+        """The waiting sequence admitted next (None: none waits)."""
+        return self._waiting[0][3] if self._waiting else None
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
 
