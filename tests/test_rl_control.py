@@ -210,15 +210,16 @@ def _catch(fn, errors):
 
 # ---------------------------------------------------------------------- pause modes
 class _Stream(threading.Thread):
-    def __init__(self, client, prompt, max_tokens, rank=0):
+    def __init__(self, client, prompt, max_tokens, rank=0, rid=None):
         super().__init__(daemon=True)
         self.client, self.prompt, self.max_tokens, self.rank = client, prompt, max_tokens, rank
+        self.rid = rid or f"s-{time.monotonic_ns()}"
         self.tokens: list[int] = []
         self.deltas = []
         self.error = None
 
     def run(self):
-        req = GenerateRequest(request_id=f"s-{time.monotonic_ns()}", prompt_token_ids=list(self.prompt),
+        req = GenerateRequest(request_id=self.rid, prompt_token_ids=list(self.prompt),
                               params=SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True),
                               data_parallel_rank=self.rank)
         try:
@@ -391,3 +392,65 @@ def test_restarted_worker_is_brought_to_the_pool_version(pool, models, reference
     client.update_weights(_state_dict(models[0]).items(), "v-wire-A", rank=1)
     assert {r["rank"]: r["stale"] for r in client.weight_info()["ranks"]} == {0: False, 1: False}
     assert served_by_each_rank(client)[1] == references["A"]
+
+
+# --------------------------------------------------------- a rank lost mid-update
+def test_rank_killed_during_a_disk_update_does_not_split_the_pool(pool, models, references):
+    """pause(keep) -> start -> update from disk -> kill -9 rank 1 -> finish: the survivor
+    commits, the pool's version is the new one, the finish says so and names rank 1, and
+    rank 1's replacement is replayed to the new weights before it serves."""
+    procs, broker, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    total = 200
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 4)] for i in range(24)]
+    streams = [_Stream(client, p, total, rank=i % 2, rid=f"lost-{i}") for i, p in enumerate(prompts)]
+    for s in streams:
+        s.start()
+    # Eight seats per worker: 16 streams decode, the others wait in the workers.
+    wait_for(lambda: sum(1 for s in streams if s.tokens) >= 16, 120, "16 streams to produce a token")
+    client.pause("keep")
+    client.control("start_weight_update")
+    client.control("update_weights", {"update_info": {"path": str(models[1])}})
+    victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
+    victim.kill9()
+    reply = client.control("finish_weight_update", {"weight_version": "v-after-loss"})
+    assert reply.result == {"committed": True, "weight_version": "v-after-loss", "lost_ranks": [1],
+                            "reproducible_from_disk": True}
+    assert [r.rank for r in reply.ranks] == [0]
+    info = client.weight_info()
+    assert info["weight_version"] == "v-after-loss"
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "v-after-loss", False)]
+
+    procs.worker(broker, 1, "--model", str(models[0]), *WORKER_ARGS)  # a replacement: boots from A
+    wait_for(lambda: [(r["rank"], r["weight_version"], r["stale"]) for r in client.weight_info()["ranks"]] ==
+             [(0, "v-after-loss", False), (1, "v-after-loss", False)], 180, "rank 1 replayed to v-after-loss")
+    client.resume()
+    for s in streams:
+        s.join(120)
+        assert not s.is_alive()
+    # Rank 1's streams were pinned there: those not done before the kill end with its death.
+    for s in streams[1::2]:
+        assert (s.error is None and len(s.tokens) == total) or (
+            isinstance(s.error, RequestError) and s.error.status == 500 and "died" in s.error.message), s.error
+    assert any(s.error is not None for s in streams[1::2])
+    # Rank 0's streams were frozen and continue on the new weights: their tokens before the
+    # switch are A's, every token after it is what B samples for that prefix.
+    survivors = streams[0::2]
+    assert all(s.error is None and len(s.tokens) == total for s in survivors)
+    a_engine, b_engine = make_engine(models[0]), make_engine(models[1])
+    boundaries = []
+    for i, s in enumerate(survivors):
+        spans = s.deltas[-1].weight_versions
+        assert [v for v, _, _ in spans] in (["A", "v-after-loss"], ["v-after-loss"]), spans
+        boundaries.append(spans[0][2] if len(spans) == 2 else 0)
+    a_ref = a_engine.generate([request(f"a{i}", s.prompt, max_tokens=b, ignore_eos=True)
+                               for i, (s, b) in enumerate(zip(survivors, boundaries)) if b])
+    b_ref = b_engine.generate([request(f"b{i}", s.prompt + s.tokens[:b], max_tokens=total - b, ignore_eos=True)
+                               for i, (s, b) in enumerate(zip(survivors, boundaries))])
+    for i, (s, b) in enumerate(zip(survivors, boundaries)):
+        if b:
+            assert s.tokens[:b] == a_ref[f"a{i}"][0].token_ids
+        assert s.tokens[b:] == b_ref[f"b{i}"][0].token_ids
+    assert any(boundaries), "no stream was frozen across the update"
+    # Both ranks serve the new weights.
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
