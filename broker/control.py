@@ -243,6 +243,8 @@ class ControlPlane:
         """A bucket of a pool-wide update: a member that died does not fail it (the update
         goes on with the survivors; see the module docstring)."""
         if out.ok:
+            if self._update_lost:  # lost before this bucket went out
+                out.result = {"lost_ranks": sorted(self._update_lost)}
             self._reply(fan.client, out)
             return
         live = [r for r in out.ranks if r.rank not in fan.lost]

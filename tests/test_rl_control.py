@@ -332,6 +332,7 @@ def test_sleep_releases_and_wake_up_restores(pool, references, models):
 # -------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("path, kwargs, needle", [
     ("/pause", {"params": {"mode": "later"}}, "unknown pause mode"),
+    ("/pause", {"params": {"mode": "keep", "rank": "7"}}, "no live worker has rank 7"),
     ("/finish_weight_update", {"json": {"weight_version": "x"}}, "no weight update in progress"),
     ("/update_weights", {"json": {"update_info": {"names": ["model.nope.weight"], "dtype_names": ["float32"],
                                                   "shapes": [[4]]}}}, "unknown weight 'model.nope.weight'"),
@@ -351,6 +352,7 @@ def test_bad_control_input_is_a_400_and_nothing_changes(pool, references, path, 
     r = http.post(path, **kwargs)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+    assert http.get("/is_paused").json() == {"is_paused": False}  # else the generate below would wait
     assert generate(client, PROMPTS[0], 1)[0] == references["A"][0]
 
 
@@ -454,3 +456,59 @@ def test_rank_killed_during_a_disk_update_does_not_split_the_pool(pool, models, 
     assert any(boundaries), "no stream was frozen across the update"
     # Both ranks serve the new weights.
     assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+
+
+def test_rank_killed_between_start_and_finish(pool, models, references):
+    """The death lands on a bucket (staged: the pool is not paused): the bucket still counts
+    for the survivors, finish commits there and the replacement is replayed."""
+    procs, broker, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    client.control("start_weight_update")
+    victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
+    victim.kill9()
+    reply = client.control("update_weights", {"update_info": {"path": str(models[1])}})
+    assert reply.result == {"lost_ranks": [1]} and [r.rank for r in reply.ranks] == [0]
+    assert generate(client, PROMPTS[0], 0)[0] == references["A"][0]  # staged until finish
+    r = http.post("/finish_weight_update", json={"weight_version": "v-b"})
+    assert r.status_code == 200 and r.json() == {"message": "Weight update finished", "committed": True,
+                                                 "weight_version": "v-b", "lost_ranks": [1],
+                                                 "reproducible_from_disk": True}
+    procs.worker(broker, 1, "--model", str(models[0]), *WORKER_ARGS)
+    wait_for(lambda: [(r["rank"], r["weight_version"], r["stale"]) for r in client.weight_info()["ranks"]] ==
+             [(0, "v-b", False), (1, "v-b", False)], 180, "rank 1 replayed to v-b")
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_refused_bucket_aborts_the_update_on_every_rank(pool, models, references, paused):
+    """Rank 1 refuses a bucket, rank 0 took its bucket (staged, or written in place while
+    paused): finish commits nowhere, rank 0 is back on A, the pool's version unchanged."""
+    _, _, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    sd_a = _state_dict(models[0])
+    if paused:
+        client.pause("keep")
+    client.control("start_weight_update")
+    client.control("update_weights", {"update_info": {"path": str(models[1])}}, rank=0)
+    with pytest.raises(RequestError) as err:
+        client.control("update_weights", {"update_info": {"path": "/nonexistent/ckpt"}}, rank=1)
+    assert err.value.status == 400
+    r = http.post("/finish_weight_update", json={"weight_version": "v-never"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "rank 1" in message and "nothing was committed" in message
+    info = client.weight_info()
+    assert info["weight_version"] == "A"
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "A", False), (1, "A", False)]
+    baseline = {}
+    for rank in (0, 1):
+        baseline.update(weight_checksums(sd_a.items(), prefix=f"dp{rank}:pp0:pcp0:tp0:"))
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": baseline}).json() == {
+        "match": True, "mismatches": []}
+    if paused:
+        client.resume()  # nothing is left open: resume is not refused
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+    # Nothing stays open on any rank: a finish now has nothing to commit.
+    with pytest.raises(RequestError) as err:
+        client.control("finish_weight_update")
+    assert err.value.status == 400 and "no weight update in progress" in err.value.message
