@@ -14,6 +14,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
+from common import tensor_frames
 from common.client import Client, RequestError
 from common.dist_weight_transfer import TrainerWeightSender, weight_checksums
 from common.protocol import GenerateRequest, SamplingParams
@@ -512,3 +513,30 @@ def test_a_refused_bucket_aborts_the_update_on_every_rank(pool, models, referenc
     with pytest.raises(RequestError) as err:
         client.control("finish_weight_update")
     assert err.value.status == 400 and "no weight update in progress" in err.value.message
+
+
+def test_rank_killed_during_an_update_over_the_wire(pool, models, references):
+    """Tensors over ZMQ cannot be replayed: the survivor still commits and the pool records
+    the version (never a survivor on weights the pool does not know); the finish says the
+    update is not reproducible, and rank 1's replacement is held out until it gets them."""
+    procs, broker, http, client = pool
+    sd_b = _state_dict(models[1])
+    client.control("start_weight_update")
+    for info, frames in tensor_frames.buckets(sd_b.items(), 50_000):
+        client.control("update_weights", {"update_info": info}, payload=frames)
+    victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
+    victim.kill9()
+    reply = client.control("finish_weight_update", {"weight_version": "v-wire-b"})
+    assert reply.result == {"committed": True, "weight_version": "v-wire-b", "lost_ranks": [1],
+                            "reproducible_from_disk": False}
+    procs.worker(broker, 1, "--model", str(models[0]), *WORKER_ARGS)
+    wait_for_workers(broker.frontend, 2, timeout=180)
+    info = client.weight_info()
+    assert info["weight_version"] == "v-wire-b" and not info["reproducible_from_disk"]
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "v-wire-b", False),
+                                                                                    (1, "default", True)]
+    for i in range(3):  # only the rank on the pool's weights serves
+        assert generate(client, PROMPTS[i], None)[0] == references["B"][i]
+    client.update_weights(sd_b.items(), "v-wire-b", rank=1)  # the trainer brings rank 1 current
+    assert [r["stale"] for r in client.weight_info()["ranks"]] == [False, False]
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
