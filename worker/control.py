@@ -13,6 +13,11 @@ group (after ``init_weight_transfer_engine``: gloo on CPU, NCCL on CUDA), and a
 checkpoint folder (``update_info: {"path": ...}``).  While paused, buckets are
 written in place as they arrive (no extra memory); otherwise they are staged and
 written together by ``finish_weight_update``, so serving never sees half an update.
+
+A pool-wide finish is the broker's two-phase commit (broker/control.py):
+``prepare_weight_update`` only checks this rank could commit, then every rank gets
+``finish_weight_update``, or, when one refused, ``abort_weight_update`` (staged
+buckets dropped, in-place ones undone from the checkpoints the weights came from).
 """
 from __future__ import annotations
 
