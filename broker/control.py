@@ -155,17 +155,16 @@ class ControlPlane:
     @staticmethod
     def _refuse(req: ControlRequest) -> Optional[ControlReply]:
         """The arguments the broker can judge alone (the workers check them again)."""
-        args, why, param = req.args, None, None
+        args, why = req.args, None
         if req.op in _PAUSING and args.get("mode", "abort") not in PAUSE_MODES:
-            why, param = (f"unknown pause mode {args.get('mode')!r}: expected one of "
-                          f"{', '.join(PAUSE_MODES)}"), "mode"
+            why = f"unknown pause mode {args.get('mode')!r}: expected one of {', '.join(PAUSE_MODES)}"
         elif req.op == "sleep" and not (isinstance(args.get("level", 1), int)
                                         and not isinstance(args.get("level", 1), bool)
                                         and 0 <= args.get("level", 1) <= 2):
-            why, param = f"sleep level must be 0, 1 or 2, got {args.get('level')!r}", "level"
+            why = f"sleep level must be 0, 1 or 2, got {args.get('level')!r}"
         elif req.op == "finish_weight_update" and args.get("weight_version") is not None and not (
                 isinstance(args["weight_version"], str) and args["weight_version"]):
-            why, param = "weight_version must be a non-empty string", "weight_version"
+            why = "weight_version must be a non-empty string"
         if why is None:
             return None
         log.info("control %s refused: %s", req.op, why)
