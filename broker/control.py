@@ -68,6 +68,9 @@ log = get_logger("tokserve.broker")
 _PAUSING = ("pause", "sleep")
 # What puts back a rank that did a pausing command another rank failed.
 _UNDO_PAUSING = {"pause": "resume", "sleep": "wake_up"}
+# Pool-wide commands whose effect on the survivors the pool must follow when a rank dies before
+# answering (else a resumed pool stays paused in the broker, relabelled ranks are held out as stale).
+_SURVIVABLE = ("resume", "wake_up", "update_weight_version")
 # worker/control.py's modes, checked here too so that a bad one is refused before dispatch stops.
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -130,6 +133,8 @@ class ControlPlane:
             return
         elif req.rank is None and req.op == "start_weight_update":
             on_done = self._start_done
+        elif req.rank is None and req.op in _SURVIVABLE:
+            on_done = self._survivors_done
         elif req.rank is None and req.op == "update_weights" and self._in_update:
             targets = self._members()
             if not targets:
@@ -162,6 +167,9 @@ class ControlPlane:
                                         and not isinstance(args.get("level", 1), bool)
                                         and 0 <= args.get("level", 1) <= 2):
             why = f"sleep level must be 0, 1 or 2, got {args.get('level')!r}"
+        elif req.op == "update_weight_version" and not (isinstance(args.get("new_version"), str)
+                                                        and args["new_version"]):
+            why = "new_version must be a non-empty string"
         elif req.op == "finish_weight_update" and args.get("weight_version") is not None and not (
                 isinstance(args["weight_version"], str) and args["weight_version"]):
             why = "weight_version must be a non-empty string"
@@ -237,6 +245,15 @@ class ControlPlane:
             self._reply(fan.client, out)
 
         self.fan_out(None, ControlRequest(0, "abort_weight_update", {}, None), [], started, on_done=dropped)
+
+    def _survivors_done(self, fan: Fanout, out: ControlReply) -> None:
+        """A rank that died before answering does not fail the command: what the live ranks
+        did is the pool's state (the reply names the lost ranks)."""
+        live = [r for r in out.ranks if r.rank not in fan.lost]
+        if not out.ok and live and all(r.ok for r in live):
+            self._after(fan.req, live)
+            out = ControlReply(fan.client_nonce, ranks=live, result={"lost_ranks": sorted(set(fan.lost))})
+        self._reply(fan.client, out)
 
     def _bucket_done(self, fan: Fanout, out: ControlReply) -> None:
         """A bucket of a pool-wide update: a member that died does not fail it (the update

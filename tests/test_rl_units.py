@@ -296,3 +296,30 @@ def _gen_prompt(client, rid, prompt, rank=None):
     req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=3),
                           data_parallel_rank=rank)
     return [t for d in client.generate(req) for t in d.token_ids]
+
+
+def test_a_rank_lost_during_resume_or_relabel_does_not_leave_the_pool_behind(tmp_path):
+    """A rank that stops answering (SIGSTOP: the broker only learns it is gone when its
+    heartbeats stop) must not keep the survivors paused in the broker or held out as stale."""
+    import signal
+
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        workers = {rank: procs.fake_worker(broker, rank) for rank in (0, 1, 2)}
+        wait_for_workers(broker.frontend, 3)
+        with Client(broker.frontend) as client:
+            workers[2].popen.send_signal(signal.SIGSTOP)
+            reply = client.control("update_weight_version", {"new_version": "v5"})
+            assert reply.result == {"lost_ranks": [2]} and [r.rank for r in reply.ranks] == [0, 1]
+            info = client.weight_info()
+            assert info["weight_version"] == "v5"
+            assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "v5", False),
+                                                                                            (1, "v5", False)]
+            client.pause("keep")
+            workers[1].popen.send_signal(signal.SIGSTOP)
+            reply = client.control("resume")
+            assert reply.result == {"lost_ranks": [1]} and [r.rank for r in reply.ranks] == [0]
+            assert not client.is_paused()
+            assert _gen(client, "after-resume") == [0, 1, 2]
+            for rank in (1, 2):
+                workers[rank].kill9()
