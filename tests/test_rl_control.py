@@ -540,3 +540,15 @@ def test_rank_killed_during_an_update_over_the_wire(pool, models, references):
     client.update_weights(sd_b.items(), "v-wire-b", rank=1)  # the trainer brings rank 1 current
     assert [r["stale"] for r in client.weight_info()["ranks"]] == [False, False]
     assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+
+
+def test_a_start_refused_on_one_rank_is_dropped_on_the_others(pool, references):
+    """An update session left open on rank 0 would make it stage what rank 1 writes at once."""
+    _, _, http, client = pool
+    assert http.post("/sleep", params={"level": 2, "rank": 1}).status_code == 200  # weights released
+    r = http.post("/start_weight_update")
+    assert r.status_code == 400 and "rank 1" in r.json()["error"]["message"], r.text
+    r = http.post("/finish_weight_update", params={"rank": 0})
+    assert r.status_code == 400 and "no weight update in progress" in r.json()["error"]["message"], r.text
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
