@@ -25,7 +25,11 @@ A refused or failed command leaves the pool as it was:
   serving); when they fail, dispatch is restored, and the ranks that did pause or
   sleep are resumed / woken first (unless the pool was paused already);
 * a ``start_weight_update`` that some rank refused is dropped on the ranks that
-  started it (an open session would make their later updates stage).
+  started it (an open session would make their later updates stage);
+* a rank that dies before answering ``resume``, ``wake_up`` or
+  ``update_weight_version`` does not fail it: the pool follows what the survivors did
+  (else a resumed pool would stay paused here, relabelled ranks be held out as stale),
+  and the result names ``lost_ranks``.
 
 A pool-wide weight update is a transaction over the ranks that started it (its
 members).  ``update_weights`` goes to the members only (a worker that joins mid-update
