@@ -325,6 +325,8 @@ class ControlPlane:
             status, message = 503, f"every rank of this weight update died (ranks {lost})"
         else:
             status, message = out.status, out.message
+        if lost and status != 503:
+            message += f"; ranks {lost} died during the update"
         message += "; nothing was committed (the update is dropped on every rank): start over with " \
                    "/start_weight_update"
         before = next((r.weight_version for r in out.ranks if r.ok), None)

@@ -552,3 +552,28 @@ def test_a_start_refused_on_one_rank_is_dropped_on_the_others(pool, references):
     assert r.status_code == 400 and "no weight update in progress" in r.json()["error"]["message"], r.text
     assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
     assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+
+
+def test_an_abort_that_cannot_undo_in_place_writes_holds_the_rank_out(pool, models, references):
+    """The weights came over the wire before the update: rank 0's in-place writes cannot be
+    rebuilt from disk, so after the abort it is labelled apart and held out, never served."""
+    _, _, http, client = pool
+    sd_a = _state_dict(models[0])
+    client.update_weights(sd_a.items(), "A-wire")  # A again, but over the wire: not reproducible
+    client.pause("keep")
+    client.control("start_weight_update")
+    client.control("update_weights", {"update_info": {"path": str(models[1])}}, rank=0)  # in place
+    with pytest.raises(RequestError):
+        client.control("update_weights", {"update_info": {"path": "/nonexistent/ckpt"}}, rank=1)
+    r = http.post("/finish_weight_update", json={"weight_version": "v-never"})
+    assert r.status_code == 400 and "nothing was committed" in r.json()["error"]["message"], r.text
+    info = client.weight_info()
+    assert info["weight_version"] == "A-wire"
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [
+        (0, "A-wire+partial-update", True), (1, "A-wire", False)]
+    client.resume()
+    for i in range(3):  # only rank 1 serves
+        assert generate(client, PROMPTS[i], None)[0] == references["A"][i]
+    client.update_weights(sd_a.items(), "A-wire", rank=0)  # the trainer repairs rank 0
+    assert [r["stale"] for r in client.weight_info()["ranks"]] == [False, False]
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
