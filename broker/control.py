@@ -147,6 +147,9 @@ class ControlPlane:
                     f"start over with /start_weight_update")))
                 return
             on_done = self._bucket_done
+        elif req.rank is None and req.op == "update_weights":
+            self._lone_update(client, req, payload, targets)
+            return
         self.fan_out(client, req, payload, targets, on_done=on_done)
 
     def _targets(self, rank: Optional[int]):
@@ -275,6 +278,33 @@ class ControlPlane:
             return
         self._reply(fan.client, out)
 
+    def _lone_update(self, client, req: ControlRequest, payload: list, workers: list) -> None:
+        """A pool-wide update_weights outside start/finish (written at once, vLLM) runs as
+        its own transaction: start, the bucket, then finish's prepare and commit (no new
+        label) or abort, so a rank that refuses it leaves no other rank on other weights."""
+
+        def started(fan: Fanout, out: ControlReply) -> None:
+            if not out.ok:
+                out.message += "; nothing was committed (the update is dropped on every rank): send it again"
+                self._start_done(fan, out)  # dropped where it started; the client gets the refusal
+                return
+            self._in_update, self._update_paths, self._update_restarts = True, [], False
+            self._update_members, self._update_lost = set(fan.done_ok), set()
+            self.fan_out(None, req, payload, self._members(), on_done=bucketed)
+
+        def bucketed(fan: Fanout, out: ControlReply) -> None:
+            live = [r for r in out.ranks if r.rank not in fan.lost]
+            if not (live and all(r.ok for r in live)):
+                self._abort_update(client, req.nonce, out, sorted(self._update_lost), self._members(),
+                                   retry="send it again")
+                return
+            if not out.ok:  # only deaths: the bucket stands for the survivors
+                self._after(req, live)
+            self._finish_update(client, ControlRequest(req.nonce, "finish_weight_update", {}, None), label=False)
+
+        self.fan_out(client, ControlRequest(req.nonce, "start_weight_update", {}, None), [], workers,
+                     on_done=started)
+
     # ------------------------------------------------- finishing an update
     def _members(self) -> list:
         return self._live(self._update_members)
@@ -284,7 +314,7 @@ class ControlPlane:
         self._update_members, self._update_lost = set(), set()
         self._update_paths, self._update_restarts = [], False
 
-    def _finish_update(self, client: bytes, req: ControlRequest) -> None:
+    def _finish_update(self, client: bytes, req: ControlRequest, label: bool = True) -> None:
         """Pool-wide finish: prepare on every live member, then commit (module docstring)."""
         if self._in_update:
             members, lost = self._members(), sorted(self._update_lost)
@@ -301,7 +331,7 @@ class ControlPlane:
             self._reply(client, ControlReply(req.nonce, ok=False, status=503, message=message))
             return
         args = dict(req.args)
-        if not args.get("weight_version"):
+        if label and not args.get("weight_version"):
             # The label is how a restarted rank's weights are told from the committed ones.
             args["weight_version"] = f"update-{next(self._labels)}"
         ids = [w.identity for w in members]
@@ -319,7 +349,8 @@ class ControlPlane:
         self.fan_out(None, ControlRequest(0, "finish_weight_update", args, None), [], ready,
                      on_done=lambda f, o: self._committed(client, nonce, args, lost, f, o))
 
-    def _abort_update(self, client, nonce: int, out: ControlReply, lost: list, workers: list) -> None:
+    def _abort_update(self, client, nonce: int, out: ControlReply, lost: list, workers: list,
+                      retry: str = "start over with /start_weight_update") -> None:
         """Nothing commits: the update is dropped on every live rank that may hold part of it."""
         if not out.ok and not any(r.ok for r in out.ranks) and all(r.rank in lost for r in out.ranks):
             status, message = 503, f"every rank of this weight update died (ranks {lost})"
@@ -327,8 +358,7 @@ class ControlPlane:
             status, message = out.status, out.message
         if lost and status != 503:
             message += f"; ranks {lost} died during the update"
-        message += "; nothing was committed (the update is dropped on every rank): start over with " \
-                   "/start_weight_update"
+        message += f"; nothing was committed (the update is dropped on every rank): {retry}"
         before = next((r.weight_version for r in out.ranks if r.ok), None)
 
         def aborted(_: Optional[Fanout], res: ControlReply) -> None:

@@ -577,3 +577,22 @@ def test_an_abort_that_cannot_undo_in_place_writes_holds_the_rank_out(pool, mode
     client.update_weights(sd_a.items(), "A-wire", rank=0)  # the trainer repairs rank 0
     assert [r["stale"] for r in client.weight_info()["ranks"]] == [False, False]
     assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+
+
+def test_update_weights_without_start_is_all_or_nothing(pool, models, references):
+    """A lone /update_weights (written at once, as vLLM) that one rank refuses leaves every
+    rank on the old weights; accepted, it reaches every rank."""
+    _, _, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    assert http.post("/sleep", params={"level": 2, "rank": 1}).status_code == 200  # rank 1 cannot take weights
+    r = http.post("/update_weights", json={"update_info": {"path": str(models[1])}})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "rank 1" in message and "nothing was committed" in message
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+    assert http.post("/update_weights", json={"update_info": {"path": str(models[1])}}).json() == {
+        "message": "Weights updated"}
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+    info = client.weight_info()
+    assert info["weight_version"] == "A" and info["reproducible_from_disk"]  # no new label, as vLLM
