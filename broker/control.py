@@ -54,7 +54,9 @@ stays ``stale`` in weight_info until the trainer pushes the weights to that rank
 never left on weights the pool does not record.  Only when no member is left does the
 finish fail (503, nothing committed).  A pool-wide finish without ``weight_version``
 is labelled ``update-N`` by the broker: the version is how a restarted rank is told
-from the committed ones.
+from the committed ones.  A pool-wide ``update_weights`` outside start/finish (applied at
+once, as vLLM) runs as such a transaction of its own (start, the bucket, prepare, commit
+without a new label, or abort).
 """
 from __future__ import annotations
 
