@@ -16,6 +16,47 @@ state that outlives any one worker:
 * the LoRA adapters the pool serves (name -> path): a worker that registers
   without some of them (restarted after a runtime load) is sent the loads, and
   unloads of those the pool dropped since it started.
+
+A refused or failed command leaves the pool as it was:
+
+* the broker checks what it can before anything moves (the rank exists, a live
+  worker to run it, pause / sleep arguments): a refusal sends nothing;
+* ``pause`` / ``sleep`` stop dispatch before they fan out (their workers stop
+  serving); when they fail, dispatch is restored, and the ranks that did pause or
+  sleep are resumed / woken first (unless the pool was paused already);
+* a ``start_weight_update`` that some rank refused is dropped on the ranks that
+  started it (an open session would make their later updates stage);
+* a rank that dies before answering ``resume``, ``wake_up`` or
+  ``update_weight_version`` does not fail it: the pool follows what the survivors did
+  (else a resumed pool would stay paused here, relabelled ranks be held out as stale),
+  and the result names ``lost_ranks``.
+
+A pool-wide weight update is a transaction over the ranks that started it (its
+members).  ``update_weights`` goes to the members only (a worker that joins mid-update
+is brought current after the commit), and ``finish_weight_update`` runs in two phases:
+
+1. prepare: every live member checks it can commit (its session exists, no bucket was
+   refused).  Any refusal aborts the update on every member (staged weights dropped,
+   weights written in place while paused restored from their checkpoints) and the
+   reply is an error that says nothing was committed: retry from
+   ``start_weight_update``.
+2. commit: the members swap the update in.  From the moment one rank committed the
+   pool's version is the new one.
+
+A member that dies (or is lost at any point of the update) does not abort it: the
+survivors commit, the pool version advances, and the reply is a success whose result
+says ``{"committed": true, "weight_version", "lost_ranks": [...],
+"reproducible_from_disk"}``.  The lost rank's replacement registers with other
+weights and is held out of dispatch: when the update came from disk the broker
+replays the lineage to it (so the pool heals by itself); when it came over the wire it
+stays ``stale`` in weight_info until the trainer pushes the weights to that rank
+(``?rank=N``), which ``reproducible_from_disk: false`` tells it to do.  Survivors are
+never left on weights the pool does not record.  Only when no member is left does the
+finish fail (503, nothing committed).  A pool-wide finish without ``weight_version``
+is labelled ``update-N`` by the broker: the version is how a restarted rank is told
+from the committed ones.  A pool-wide ``update_weights`` outside start/finish (applied at
+once, as vLLM) runs as such a transaction of its own (start, the bucket, prepare, commit
+without a new label, or abort).
 """
 from __future__ import annotations
 
@@ -35,6 +76,13 @@ UNAUTHORIZED = ("control commands need the control token: a client of the same u
 
 # Commands that pause dispatch before they fan out (their workers stop serving).
 _PAUSING = ("pause", "sleep")
+# What puts back a rank that did a pausing command another rank failed.
+_UNDO_PAUSING = {"pause": "resume", "sleep": "wake_up"}
+# Pool-wide commands whose effect on the survivors the pool must follow when a rank dies before
+# answering (else a resumed pool stays paused in the broker, relabelled ranks are held out as stale).
+_SURVIVABLE = ("resume", "wake_up", "update_weight_version")
+# worker/control.py's modes, checked here too so that a bad one is refused before dispatch stops.
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 @dataclass(eq=False)
@@ -46,7 +94,10 @@ class Fanout:
     req: ControlRequest
     waiting: dict  # worker identity -> rank
     replies: list[RankReply] = field(default_factory=list)
+    # Called with the aggregate instead of replying to ``client``: it answers when it is done.
     on_done: Optional[Callable[["Fanout", ControlReply], None]] = None
+    done_ok: list[bytes] = field(default_factory=list)  # identities that answered ok
+    lost: list[int] = field(default_factory=list)  # ranks that died before answering
 
 
 class ControlPlane:
@@ -58,6 +109,9 @@ class ControlPlane:
         self._update_paths: Optional[list[str]] = []  # of the pool-wide update in progress
         self._in_update = False  # between start_weight_update and finish_weight_update
         self._update_restarts = False  # the update includes a whole checkpoint: lineage starts over
+        self._update_members: set[bytes] = set()  # identities of the ranks that started the update
+        self._update_lost: set[int] = set()  # ranks of members that died since
+        self._labels = itertools.count(1)  # names of pool-wide updates finished without a version
         self.fanouts: dict[int, Fanout] = {}
         self._nonces = itertools.count(1)
         # LoRA adapters the pool serves (name -> path): the first worker's startup
@@ -82,14 +136,37 @@ class ControlPlane:
         if local is not None:
             self._reply(client, local(req))
             return
-        if req.op in _PAUSING:
-            self.paused = True
+        # Everything the broker can check is checked before any state moves: a refusal changes nothing.
         targets = self._targets(req.rank)
+        if not isinstance(targets, ControlReply):
+            targets = self._refuse(req) or targets
         if isinstance(targets, ControlReply):
             targets.nonce = req.nonce
             self._reply(client, targets)
             return
-        self.fan_out(client, req, payload, targets)
+        on_done = None
+        if req.op in _PAUSING:
+            on_done = self._pausing_done(self.paused)
+            self.paused = True
+        elif req.rank is None and req.op == "finish_weight_update":
+            self._finish_update(client, req)
+            return
+        elif req.rank is None and req.op == "start_weight_update":
+            on_done = self._start_done
+        elif req.rank is None and req.op in _SURVIVABLE:
+            on_done = self._survivors_done
+        elif req.rank is None and req.op == "update_weights" and self._in_update:
+            targets = self._members()
+            if not targets:
+                self._reply(client, ControlReply(req.nonce, ok=False, status=503, message=(
+                    f"every rank of this weight update died (ranks {sorted(self._update_lost)}): "
+                    f"start over with /start_weight_update")))
+                return
+            on_done = self._bucket_done
+        elif req.rank is None and req.op == "update_weights":
+            self._lone_update(client, req, payload, targets)
+            return
+        self.fan_out(client, req, payload, targets, on_done=on_done)
 
     def _targets(self, rank: Optional[int]):
         workers = sorted(self.broker.workers.all(), key=lambda w: w.rank)
@@ -102,6 +179,27 @@ class ControlPlane:
         if not workers:
             return ControlReply(0, ok=False, status=503, message="no worker available")
         return workers
+
+    @staticmethod
+    def _refuse(req: ControlRequest) -> Optional[ControlReply]:
+        """The arguments the broker can judge alone (the workers check them again)."""
+        args, why = req.args, None
+        if req.op in _PAUSING and args.get("mode", "abort") not in PAUSE_MODES:
+            why = f"unknown pause mode {args.get('mode')!r}: expected one of {', '.join(PAUSE_MODES)}"
+        elif req.op == "sleep" and not (isinstance(args.get("level", 1), int)
+                                        and not isinstance(args.get("level", 1), bool)
+                                        and 0 <= args.get("level", 1) <= 2):
+            why = f"sleep level must be 0, 1 or 2, got {args.get('level')!r}"
+        elif req.op == "update_weight_version" and not (isinstance(args.get("new_version"), str)
+                                                        and args["new_version"]):
+            why = "new_version must be a non-empty string"
+        elif req.op == "finish_weight_update" and args.get("weight_version") is not None and not (
+                isinstance(args["weight_version"], str) and args["weight_version"]):
+            why = "weight_version must be a non-empty string"
+        if why is None:
+            return None
+        log.info("control %s refused: %s", req.op, why)
+        return ControlReply(0, ok=False, status=400, message=why, error_type="BadRequestError")
 
     def fan_out(self, client: Optional[bytes], req: ControlRequest, payload: list, workers: list,
                 on_done: Optional[Callable] = None) -> None:
@@ -118,6 +216,220 @@ class ControlPlane:
         if client is not None:
             self.broker._to_client(client, framing.message(MsgType.CONTROL, reply))
 
+    def _live(self, identities) -> list:
+        return sorted((w for i in identities if (w := self.broker.workers.get(i)) is not None), key=lambda w: w.rank)
+
+    # ------------------------------------------------- undoing failed commands
+    def _pausing_done(self, was_paused: bool) -> Callable:
+        """pause / sleep: a failure leaves dispatch as it was, and the ranks that did stop
+        are put back first (resumed / woken), unless the pool was paused already."""
+
+        def done(fan: Fanout, out: ControlReply) -> None:
+            if out.ok or was_paused:
+                self._reply(fan.client, out)
+                return
+            did = self._live(fan.done_ok)
+
+            def restored(undo: Optional[Fanout], res: ControlReply) -> None:
+                self.paused = False
+                self.broker._dispatch_pending()
+                if not res.ok:
+                    log.error("undoing a failed %s on ranks %s failed: %s", fan.req.op, [w.rank for w in did],
+                              res.message)
+                    out.message += f" (putting back rank(s) {[w.rank for w in did]} failed: {res.message})"
+                self._reply(fan.client, out)
+
+            if not did:
+                restored(None, ControlReply(0))
+                return
+            log.info("%s failed on some ranks: %s on ranks %s", fan.req.op, _UNDO_PAUSING[fan.req.op],
+                     [w.rank for w in did])
+            self.fan_out(None, ControlRequest(0, _UNDO_PAUSING[fan.req.op], {}, fan.req.rank), [], did,
+                         on_done=restored)
+
+        return done
+
+    def _start_done(self, fan: Fanout, out: ControlReply) -> None:
+        """A pool-wide start: its members, or (refused somewhere) dropped where it started,
+        since an open session makes a rank stage what the others write at once."""
+        if out.ok:
+            self._update_members, self._update_lost = set(fan.done_ok), set()
+            self._reply(fan.client, out)
+            return
+        self._end_update()
+        started = self._live(fan.done_ok)
+        if not started:
+            self._reply(fan.client, out)
+            return
+
+        def dropped(_: Fanout, res: ControlReply) -> None:
+            if not res.ok:
+                out.message += f" (dropping it on the other ranks failed: {res.message})"
+            self._reply(fan.client, out)
+
+        self.fan_out(None, ControlRequest(0, "abort_weight_update", {}, None), [], started, on_done=dropped)
+
+    def _survivors_done(self, fan: Fanout, out: ControlReply) -> None:
+        """A rank that died before answering does not fail the command: what the live ranks
+        did is the pool's state (the reply names the lost ranks)."""
+        live = [r for r in out.ranks if r.rank not in fan.lost]
+        if not out.ok and live and all(r.ok for r in live):
+            self._after(fan.req, live)
+            out = ControlReply(fan.client_nonce, ranks=live, result={"lost_ranks": sorted(set(fan.lost))})
+        self._reply(fan.client, out)
+
+    def _bucket_done(self, fan: Fanout, out: ControlReply) -> None:
+        """A bucket of a pool-wide update: a member that died does not fail it (the update
+        goes on with the survivors; see the module docstring)."""
+        if out.ok:
+            if self._update_lost:  # lost before this bucket went out
+                out.result = {"lost_ranks": sorted(self._update_lost)}
+            self._reply(fan.client, out)
+            return
+        live = [r for r in out.ranks if r.rank not in fan.lost]
+        if live and all(r.ok for r in live):
+            self._after(fan.req, live)
+            self._reply(fan.client, ControlReply(fan.client_nonce, ranks=live,
+                                                 result={"lost_ranks": sorted(self._update_lost)}))
+            return
+        self._reply(fan.client, out)
+
+    def _lone_update(self, client, req: ControlRequest, payload: list, workers: list) -> None:
+        """A pool-wide update_weights outside start/finish (written at once, vLLM) runs as
+        its own transaction: start, the bucket, then finish's prepare and commit (no new
+        label) or abort, so a rank that refuses it leaves no other rank on other weights."""
+
+        def started(fan: Fanout, out: ControlReply) -> None:
+            if not out.ok:
+                out.message += "; nothing was committed (the update is dropped on every rank): send it again"
+                self._start_done(fan, out)  # dropped where it started; the client gets the refusal
+                return
+            self._in_update, self._update_paths, self._update_restarts = True, [], False
+            self._update_members, self._update_lost = set(fan.done_ok), set()
+            self.fan_out(None, req, payload, self._members(), on_done=bucketed)
+
+        def bucketed(fan: Fanout, out: ControlReply) -> None:
+            live = [r for r in out.ranks if r.rank not in fan.lost]
+            if not (live and all(r.ok for r in live)):
+                self._abort_update(client, req.nonce, out, sorted(self._update_lost), self._members(),
+                                   retry="send it again")
+                return
+            if not out.ok:  # only deaths: the bucket stands for the survivors
+                self._after(req, live)
+            self._finish_update(client, ControlRequest(req.nonce, "finish_weight_update", {}, None), label=False)
+
+        self.fan_out(client, ControlRequest(req.nonce, "start_weight_update", {}, None), [], workers,
+                     on_done=started)
+
+    # ------------------------------------------------- finishing an update
+    def _members(self) -> list:
+        return self._live(self._update_members)
+
+    def _end_update(self) -> None:
+        self._in_update = False
+        self._update_members, self._update_lost = set(), set()
+        self._update_paths, self._update_restarts = [], False
+
+    def _finish_update(self, client: bytes, req: ControlRequest, label: bool = True) -> None:
+        """Pool-wide finish: prepare on every live member, then commit (module docstring)."""
+        if self._in_update:
+            members, lost = self._members(), sorted(self._update_lost)
+        else:
+            # No pool-wide start seen (e.g. per-rank starts): every live worker is asked, and
+            # the prepare phase refuses for all of them if any has nothing to commit.
+            members, lost = sorted(self.broker.workers.all(), key=lambda w: w.rank), []
+        if not members:
+            if self._in_update:
+                self._end_update()
+                message = f"every rank of this weight update died (ranks {lost}): nothing committed"
+            else:
+                message = "no worker available"
+            self._reply(client, ControlReply(req.nonce, ok=False, status=503, message=message))
+            return
+        args = dict(req.args)
+        if label and not args.get("weight_version"):
+            # The label is how a restarted rank's weights are told from the committed ones.
+            args["weight_version"] = f"update-{next(self._labels)}"
+        ids = [w.identity for w in members]
+        self.fan_out(None, ControlRequest(0, "prepare_weight_update", args, None), [], members,
+                     on_done=lambda fan, out: self._prepared(client, req.nonce, args, lost, ids, fan, out))
+
+    def _prepared(self, client, nonce: int, args: dict, lost: list, ids: list, fan: Fanout,
+                  out: ControlReply) -> None:
+        lost = sorted(set(lost) | set(fan.lost))
+        refused = [r for r in out.ranks if not r.ok and r.rank not in fan.lost]
+        ready = self._live(fan.done_ok)
+        if refused or not ready:
+            self._abort_update(client, nonce, out, lost, self._live(ids))
+            return
+        self.fan_out(None, ControlRequest(0, "finish_weight_update", args, None), [], ready,
+                     on_done=lambda f, o: self._committed(client, nonce, args, lost, f, o))
+
+    def _abort_update(self, client, nonce: int, out: ControlReply, lost: list, workers: list,
+                      retry: str = "start over with /start_weight_update") -> None:
+        """Nothing commits: the update is dropped on every live rank that may hold part of it."""
+        if not out.ok and not any(r.ok for r in out.ranks) and all(r.rank in lost for r in out.ranks):
+            status, message = 503, f"every rank of this weight update died (ranks {lost})"
+        else:
+            status, message = out.status, out.message
+        if lost and status != 503:
+            message += f"; ranks {lost} died during the update"
+        message += f"; nothing was committed (the update is dropped on every rank): {retry}"
+        before = next((r.weight_version for r in out.ranks if r.ok), None)
+
+        def aborted(_: Optional[Fanout], res: ControlReply) -> None:
+            self._end_update()
+            # A rank whose in-place writes could not be undone labels itself apart: the pool
+            # must have a version for it to be held out.
+            if self.pool_version is None and before is not None and any(
+                    r.ok and not r.result.get("restored", True) for r in res.ranks):
+                self.pool_version = before
+            self.refresh_stale()
+            if not res.ok:
+                log.error("dropping a refused weight update failed: %s", res.message)
+            self._reply(client, ControlReply(nonce, ok=False, status=status, message=message,
+                                             error_type=out.error_type if status == out.status else "",
+                                             ranks=out.ranks))
+
+        if not workers:
+            aborted(None, ControlReply(0))
+            return
+        self.fan_out(None, ControlRequest(0, "abort_weight_update", {}, None), [], workers, on_done=aborted)
+
+    def _committed(self, client, nonce: int, args: dict, lost: list, fan: Fanout, out: ControlReply) -> None:
+        lost = sorted(set(lost) | set(fan.lost))
+        committed = [r for r in out.ranks if r.ok]
+        failed = [r.rank for r in out.ranks if not r.ok and r.rank not in fan.lost]
+        if not committed:
+            self._end_update()
+            self.refresh_stale()
+            self._reply(client, ControlReply(nonce, ok=False, status=out.status, ranks=out.ranks,
+                                             message=out.message + "; nothing was committed"))
+            return
+        if not out.ok:  # (a full success was recorded by _after already)
+            self._commit_update(args)
+        self.refresh_stale()
+        # Ranks that are not on the committed version (replacements of lost ones, workers that
+        # joined mid-update) are brought to it where the pool can rebuild it from disk.
+        members = {r.rank for r in committed} | set(failed)
+        for w in self.broker.workers.all():
+            if w.stale and not w.replaying and w.rank not in members:
+                self._bring_current(w)
+        if lost or failed:
+            log.warning("weight update %r committed on ranks %s; lost ranks %s, failed ranks %s",
+                        self.pool_version, [r.rank for r in committed], lost, failed)
+        result = {"committed": True, "weight_version": self.pool_version, "lost_ranks": lost,
+                  "reproducible_from_disk": self.lineage is not None}
+        if failed:
+            result["failed_ranks"] = failed
+        self._reply(client, ControlReply(nonce, result=result, ranks=committed))
+
+    def _commit_update(self, args: dict) -> None:
+        self._commit_lineage()
+        if args.get("weight_version"):
+            self.pool_version = args["weight_version"]
+        self._end_update()
+
     # ------------------------------------------------------------ workers
     def on_worker_reply(self, worker, reply: RankReply) -> None:
         worker.weight_version = reply.weight_version
@@ -129,8 +441,12 @@ class ControlPlane:
         self.refresh_stale()
 
     def on_worker_gone(self, worker) -> None:
+        if worker.identity in self._update_members:
+            self._update_members.discard(worker.identity)
+            self._update_lost.add(worker.rank)
         for nonce, fan in list(self.fanouts.items()):
             if worker.identity in fan.waiting:
+                fan.lost.append(worker.rank)
                 self._answered(fan, nonce, worker.identity,
                                RankReply(nonce, worker.rank, ok=False, status=500,
                                          message=f"worker rank {worker.rank} died before answering"))
@@ -144,12 +460,16 @@ class ControlPlane:
         if self.pool_version is None or worker.weight_version == self.pool_version:
             return
         worker.stale = True
+        self._bring_current(worker)
+
+    def _bring_current(self, worker) -> None:
+        """Replay the pool's disk lineage to a worker on other weights (else it stays stale)."""
         if self.lineage is None:
-            log.warning("worker rank %d registered with weights %r, the pool serves %r (updated over the wire): "
+            log.warning("worker rank %d holds weights %r, the pool serves %r (updated over the wire): "
                         "held out of dispatch until it is updated", worker.rank, worker.weight_version,
                         self.pool_version)
             return
-        log.info("worker rank %d registered with weights %r: replaying %d disk update(s) to reach %r",
+        log.info("worker rank %d holds weights %r: replaying %d disk update(s) to reach %r",
                  worker.rank, worker.weight_version, len(self.lineage), self.pool_version)
         worker.replaying = True
         req = ControlRequest(0, "reload_weights", {"paths": list(self.lineage), "weight_version": self.pool_version},
@@ -159,6 +479,8 @@ class ControlPlane:
             worker.replaying = False
             if not reply.ok:
                 log.error("replaying the weights to worker rank %d failed: %s", worker.rank, reply.message)
+            elif self.broker.workers.get(worker.identity) is worker and worker.stale:
+                self._bring_current(worker)  # the pool moved on while it replayed
 
         self.fan_out(None, req, [], [worker], on_done=done)
 
@@ -196,6 +518,8 @@ class ControlPlane:
         if fan.waiting.pop(identity, None) is None:
             return
         fan.replies.append(reply)
+        if reply.ok:
+            fan.done_ok.append(identity)
         if fan.waiting:
             return
         del self.fanouts[nonce]
@@ -210,8 +534,9 @@ class ControlPlane:
         else:
             self._after(fan.req, replies)
         if fan.on_done is not None:
-            fan.on_done(fan, out)
-        self._reply(fan.client, out)
+            fan.on_done(fan, out)  # it answers the client (if any) once it is done
+        else:
+            self._reply(fan.client, out)
 
     def _after(self, req: ControlRequest, replies: list[RankReply]) -> None:
         """Pool state once every targeted worker did ``req``."""
@@ -238,9 +563,7 @@ class ControlPlane:
             if not self._in_update:
                 self._commit_lineage()
         elif op == "finish_weight_update":
-            self._commit_lineage()
-            if args.get("weight_version"):
-                self.pool_version = args["weight_version"]
+            self._commit_update(args)
         elif op == "update_weight_version":
             self.pool_version = args.get("new_version")
         elif op == "load_lora_adapter" and self.lora_adapters is not None:
@@ -251,8 +574,6 @@ class ControlPlane:
             self.lineage = None
         if op == "start_weight_update":
             self._in_update = True
-        elif op == "finish_weight_update":
-            self._in_update = False
         self.refresh_stale()
 
     def _commit_lineage(self) -> None:

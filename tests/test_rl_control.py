@@ -14,6 +14,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
+from common import tensor_frames
 from common.client import Client, RequestError
 from common.dist_weight_transfer import TrainerWeightSender, weight_checksums
 from common.protocol import GenerateRequest, SamplingParams
@@ -210,15 +211,16 @@ def _catch(fn, errors):
 
 # ---------------------------------------------------------------------- pause modes
 class _Stream(threading.Thread):
-    def __init__(self, client, prompt, max_tokens, rank=0):
+    def __init__(self, client, prompt, max_tokens, rank=0, rid=None):
         super().__init__(daemon=True)
         self.client, self.prompt, self.max_tokens, self.rank = client, prompt, max_tokens, rank
+        self.rid = rid or f"s-{time.monotonic_ns()}"
         self.tokens: list[int] = []
         self.deltas = []
         self.error = None
 
     def run(self):
-        req = GenerateRequest(request_id=f"s-{time.monotonic_ns()}", prompt_token_ids=list(self.prompt),
+        req = GenerateRequest(request_id=self.rid, prompt_token_ids=list(self.prompt),
                               params=SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True),
                               data_parallel_rank=self.rank)
         try:
@@ -331,6 +333,7 @@ def test_sleep_releases_and_wake_up_restores(pool, references, models):
 # -------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("path, kwargs, needle", [
     ("/pause", {"params": {"mode": "later"}}, "unknown pause mode"),
+    ("/pause", {"params": {"mode": "keep", "rank": "7"}}, "no live worker has rank 7"),
     ("/finish_weight_update", {"json": {"weight_version": "x"}}, "no weight update in progress"),
     ("/update_weights", {"json": {"update_info": {"names": ["model.nope.weight"], "dtype_names": ["float32"],
                                                   "shapes": [[4]]}}}, "unknown weight 'model.nope.weight'"),
@@ -350,6 +353,7 @@ def test_bad_control_input_is_a_400_and_nothing_changes(pool, references, path, 
     r = http.post(path, **kwargs)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+    assert http.get("/is_paused").json() == {"is_paused": False}  # else the generate below would wait
     assert generate(client, PROMPTS[0], 1)[0] == references["A"][0]
 
 
@@ -391,3 +395,204 @@ def test_restarted_worker_is_brought_to_the_pool_version(pool, models, reference
     client.update_weights(_state_dict(models[0]).items(), "v-wire-A", rank=1)
     assert {r["rank"]: r["stale"] for r in client.weight_info()["ranks"]} == {0: False, 1: False}
     assert served_by_each_rank(client)[1] == references["A"]
+
+
+# --------------------------------------------------------- a rank lost mid-update
+def test_rank_killed_during_a_disk_update_does_not_split_the_pool(pool, models, references):
+    """pause(keep) -> start -> update from disk -> kill -9 rank 1 -> finish: the survivor
+    commits, the pool's version is the new one, the finish says so and names rank 1, and
+    rank 1's replacement is replayed to the new weights before it serves."""
+    procs, broker, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    total = 200
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 4)] for i in range(24)]
+    streams = [_Stream(client, p, total, rank=i % 2, rid=f"lost-{i}") for i, p in enumerate(prompts)]
+    for s in streams:
+        s.start()
+    # Eight seats per worker: 16 streams decode, the others wait in the workers.
+    wait_for(lambda: sum(1 for s in streams if s.tokens) >= 16, 120, "16 streams to produce a token")
+    client.pause("keep")
+    client.control("start_weight_update")
+    client.control("update_weights", {"update_info": {"path": str(models[1])}})
+    victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
+    victim.kill9()
+    reply = client.control("finish_weight_update", {"weight_version": "v-after-loss"})
+    assert reply.result == {"committed": True, "weight_version": "v-after-loss", "lost_ranks": [1],
+                            "reproducible_from_disk": True}
+    assert [r.rank for r in reply.ranks] == [0]
+    info = client.weight_info()
+    assert info["weight_version"] == "v-after-loss"
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "v-after-loss", False)]
+
+    procs.worker(broker, 1, "--model", str(models[0]), *WORKER_ARGS)  # a replacement: boots from A
+    wait_for(lambda: [(r["rank"], r["weight_version"], r["stale"]) for r in client.weight_info()["ranks"]] ==
+             [(0, "v-after-loss", False), (1, "v-after-loss", False)], 180, "rank 1 replayed to v-after-loss")
+    client.resume()
+    for s in streams:
+        s.join(120)
+        assert not s.is_alive()
+    # Rank 1's streams were pinned there: those not done before the kill end with its death.
+    for s in streams[1::2]:
+        assert (s.error is None and len(s.tokens) == total) or (
+            isinstance(s.error, RequestError) and s.error.status == 500 and "died" in s.error.message), s.error
+    assert any(s.error is not None for s in streams[1::2])
+    # Rank 0's streams were frozen and continue on the new weights: their tokens before the
+    # switch are A's, every token after it is what B samples for that prefix.
+    survivors = streams[0::2]
+    assert all(s.error is None and len(s.tokens) == total for s in survivors)
+    a_engine, b_engine = make_engine(models[0]), make_engine(models[1])
+    boundaries = []
+    for i, s in enumerate(survivors):
+        spans = s.deltas[-1].weight_versions
+        assert [v for v, _, _ in spans] in (["A", "v-after-loss"], ["v-after-loss"]), spans
+        boundaries.append(spans[0][2] if len(spans) == 2 else 0)
+    a_ref = a_engine.generate([request(f"a{i}", s.prompt, max_tokens=b, ignore_eos=True)
+                               for i, (s, b) in enumerate(zip(survivors, boundaries)) if b])
+    b_ref = b_engine.generate([request(f"b{i}", s.prompt + s.tokens[:b], max_tokens=total - b, ignore_eos=True)
+                               for i, (s, b) in enumerate(zip(survivors, boundaries))])
+    for i, (s, b) in enumerate(zip(survivors, boundaries)):
+        if b:
+            assert s.tokens[:b] == a_ref[f"a{i}"][0].token_ids
+        assert s.tokens[b:] == b_ref[f"b{i}"][0].token_ids
+    assert any(boundaries), "no stream was frozen across the update"
+    # Both ranks serve the new weights.
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+
+
+def test_rank_killed_between_start_and_finish(pool, models, references):
+    """The death lands on a bucket (staged: the pool is not paused): the bucket still counts
+    for the survivors, finish commits there and the replacement is replayed."""
+    procs, broker, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    client.control("start_weight_update")
+    victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
+    victim.kill9()
+    reply = client.control("update_weights", {"update_info": {"path": str(models[1])}})
+    assert reply.result == {"lost_ranks": [1]} and [r.rank for r in reply.ranks] == [0]
+    assert generate(client, PROMPTS[0], 0)[0] == references["A"][0]  # staged until finish
+    r = http.post("/finish_weight_update", json={"weight_version": "v-b"})
+    assert r.status_code == 200 and r.json() == {"message": "Weight update finished", "committed": True,
+                                                 "weight_version": "v-b", "lost_ranks": [1],
+                                                 "reproducible_from_disk": True}
+    procs.worker(broker, 1, "--model", str(models[0]), *WORKER_ARGS)
+    wait_for(lambda: [(r["rank"], r["weight_version"], r["stale"]) for r in client.weight_info()["ranks"]] ==
+             [(0, "v-b", False), (1, "v-b", False)], 180, "rank 1 replayed to v-b")
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_refused_bucket_aborts_the_update_on_every_rank(pool, models, references, paused):
+    """Rank 1 refuses a bucket, rank 0 took its bucket (staged, or written in place while
+    paused): finish commits nowhere, rank 0 is back on A, the pool's version unchanged."""
+    _, _, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    sd_a = _state_dict(models[0])
+    if paused:
+        client.pause("keep")
+    client.control("start_weight_update")
+    client.control("update_weights", {"update_info": {"path": str(models[1])}}, rank=0)
+    with pytest.raises(RequestError) as err:
+        client.control("update_weights", {"update_info": {"path": "/nonexistent/ckpt"}}, rank=1)
+    assert err.value.status == 400
+    r = http.post("/finish_weight_update", json={"weight_version": "v-never"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "rank 1" in message and "nothing was committed" in message
+    info = client.weight_info()
+    assert info["weight_version"] == "A"
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "A", False), (1, "A", False)]
+    baseline = {}
+    for rank in (0, 1):
+        baseline.update(weight_checksums(sd_a.items(), prefix=f"dp{rank}:pp0:pcp0:tp0:"))
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": baseline}).json() == {
+        "match": True, "mismatches": []}
+    if paused:
+        client.resume()  # nothing is left open: resume is not refused
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+    # Nothing stays open on any rank: a finish now has nothing to commit.
+    with pytest.raises(RequestError) as err:
+        client.control("finish_weight_update")
+    assert err.value.status == 400 and "no weight update in progress" in err.value.message
+
+
+def test_rank_killed_during_an_update_over_the_wire(pool, models, references):
+    """Tensors over ZMQ cannot be replayed: the survivor still commits and the pool records
+    the version (never a survivor on weights the pool does not know); the finish says the
+    update is not reproducible, and rank 1's replacement is held out until it gets them."""
+    procs, broker, http, client = pool
+    sd_b = _state_dict(models[1])
+    client.control("start_weight_update")
+    for info, frames in tensor_frames.buckets(sd_b.items(), 50_000):
+        client.control("update_weights", {"update_info": info}, payload=frames)
+    victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
+    victim.kill9()
+    reply = client.control("finish_weight_update", {"weight_version": "v-wire-b"})
+    assert reply.result == {"committed": True, "weight_version": "v-wire-b", "lost_ranks": [1],
+                            "reproducible_from_disk": False}
+    procs.worker(broker, 1, "--model", str(models[0]), *WORKER_ARGS)
+    wait_for_workers(broker.frontend, 2, timeout=180)
+    info = client.weight_info()
+    assert info["weight_version"] == "v-wire-b" and not info["reproducible_from_disk"]
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "v-wire-b", False),
+                                                                                    (1, "default", True)]
+    for i in range(3):  # only the rank on the pool's weights serves
+        assert generate(client, PROMPTS[i], None)[0] == references["B"][i]
+    client.update_weights(sd_b.items(), "v-wire-b", rank=1)  # the trainer brings rank 1 current
+    assert [r["stale"] for r in client.weight_info()["ranks"]] == [False, False]
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+
+
+def test_a_start_refused_on_one_rank_is_dropped_on_the_others(pool, references):
+    """An update session left open on rank 0 would make it stage what rank 1 writes at once."""
+    _, _, http, client = pool
+    assert http.post("/sleep", params={"level": 2, "rank": 1}).status_code == 200  # weights released
+    r = http.post("/start_weight_update")
+    assert r.status_code == 400 and "rank 1" in r.json()["error"]["message"], r.text
+    r = http.post("/finish_weight_update", params={"rank": 0})
+    assert r.status_code == 400 and "no weight update in progress" in r.json()["error"]["message"], r.text
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+
+
+def test_an_abort_that_cannot_undo_in_place_writes_holds_the_rank_out(pool, models, references):
+    """The weights came over the wire before the update: rank 0's in-place writes cannot be
+    rebuilt from disk, so after the abort it is labelled apart and held out, never served."""
+    _, _, http, client = pool
+    sd_a = _state_dict(models[0])
+    client.update_weights(sd_a.items(), "A-wire")  # A again, but over the wire: not reproducible
+    client.pause("keep")
+    client.control("start_weight_update")
+    client.control("update_weights", {"update_info": {"path": str(models[1])}}, rank=0)  # in place
+    with pytest.raises(RequestError):
+        client.control("update_weights", {"update_info": {"path": "/nonexistent/ckpt"}}, rank=1)
+    r = http.post("/finish_weight_update", json={"weight_version": "v-never"})
+    assert r.status_code == 400 and "nothing was committed" in r.json()["error"]["message"], r.text
+    info = client.weight_info()
+    assert info["weight_version"] == "A-wire"
+    assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [
+        (0, "A-wire+partial-update", True), (1, "A-wire", False)]
+    client.resume()
+    for i in range(3):  # only rank 1 serves
+        assert generate(client, PROMPTS[i], None)[0] == references["A"][i]
+    client.update_weights(sd_a.items(), "A-wire", rank=0)  # the trainer repairs rank 0
+    assert [r["stale"] for r in client.weight_info()["ranks"]] == [False, False]
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+
+
+def test_update_weights_without_start_is_all_or_nothing(pool, models, references):
+    """A lone /update_weights (written at once, as vLLM) that one rank refuses leaves every
+    rank on the old weights; accepted, it reaches every rank."""
+    _, _, http, client = pool
+    client.control("update_weight_version", {"new_version": "A"})
+    assert http.post("/sleep", params={"level": 2, "rank": 1}).status_code == 200  # rank 1 cannot take weights
+    r = http.post("/update_weights", json={"update_info": {"path": str(models[1])}})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "rank 1" in message and "nothing was committed" in message
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+    assert http.post("/update_weights", json={"update_info": {"path": str(models[1])}}).json() == {
+        "message": "Weights updated"}
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+    info = client.weight_info()
+    assert info["weight_version"] == "A" and info["reproducible_from_disk"]  # no new label, as vLLM

@@ -202,3 +202,124 @@ def test_level2_wake_reloads_a_whole_checkpoint_update(tiny_model_root):
     assert engine.wake_up(None) and engine.disk_lineage == [str(b)]
     reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
     assert engine.generate(reqs())["x"][0].token_ids == fresh_b.generate(reqs())["x"][0].token_ids
+
+
+# ------------------------------------------------ refused / failed commands change nothing
+def test_refused_pause_leaves_the_pool_serving(fake_pool):
+    procs, broker, client = fake_pool
+    for call, status, needle in [
+        (lambda: client.pause("keep", rank=7), 400, "no live worker has rank 7"),
+        (lambda: client.pause("later"), 400, "unknown pause mode"),
+        (lambda: client.control("sleep", {"level": 5}), 400, "sleep level must be"),
+        (lambda: client.control("sleep", {"level": 1, "mode": "soon"}), 400, "unknown pause mode"),
+    ]:
+        with pytest.raises(RequestError) as err:
+            call()
+        assert err.value.status == status and needle in err.value.message
+        assert not client.is_paused() and not cluster_info(broker.frontend).paused
+        # Nothing reached a worker: none of them paused either.
+        assert not any(r.result["is_sleeping"] for r in client.control("is_sleeping").ranks)
+        assert len(_gen(client, f"after-refusal-{time.monotonic_ns()}")) == 3  # served, not queued
+
+
+def test_pause_without_a_worker_changes_nothing(tmp_path):
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        with Client(broker.frontend) as client:
+            with pytest.raises(RequestError) as err:
+                client.pause("keep")
+            assert err.value.status == 503 and "no worker" in err.value.message
+            assert not client.is_paused() and not cluster_info(broker.frontend).paused
+            procs.fake_worker(broker, 0)
+            wait_for_workers(broker.frontend, 1)
+            assert _gen(client, "first") == [0, 1, 2]  # dispatched at once: the broker is not paused
+
+
+class _Call(threading.Thread):
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.error, self.result = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except RequestError as exc:
+            self.error = exc
+
+
+def test_failed_pause_is_undone_on_the_ranks_that_paused(tmp_path):
+    """pause(wait) waits on a request that never finishes on its rank; that rank dies: the
+    pause fails, the ranks that did pause are resumed and dispatch goes on."""
+    held = [7, 1]  # --hold-token 7: never starts, so a pause(wait) there never answers
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        workers = {rank: procs.fake_worker(broker, rank, "--hold-token", "7") for rank in (0, 1)}
+        wait_for_workers(broker.frontend, 2)
+        with Client(broker.frontend) as client:
+            def paused_on(rank):
+                return client.control("is_sleeping", rank=rank).ranks[0].result["is_sleeping"]
+
+            # One rank fails (dies), the other paused: it is resumed.
+            sent = cluster_info(broker.frontend).stats.dispatched
+            stuck = _Call(lambda: _gen_prompt(client, "held-1", held, 1))
+            # Dispatched: the pause reaches rank 1 after it (one ordered connection per worker).
+            wait_for(lambda: cluster_info(broker.frontend).stats.dispatched > sent, 10, "the held request")
+            pause = _Call(lambda: client.pause("wait"))
+            wait_for(lambda: paused_on(0), 10, "rank 0 to pause")
+            assert pause.is_alive() and client.is_paused()
+            workers[1].kill9()
+            pause.join(30)
+            assert pause.error is not None and pause.error.status == 500 and "rank 1" in pause.error.message
+            stuck.join(30)
+            assert stuck.error is not None  # pinned to the rank that died
+            assert not client.is_paused() and not paused_on(0)
+            assert _gen(client, "after-partial") == [0, 1, 2]
+
+            # Every rank fails: dispatch is back as well.
+            sent = cluster_info(broker.frontend).stats.dispatched
+            stuck = _Call(lambda: _gen_prompt(client, "held-0", held, 0))
+            # Dispatched: the pause reaches rank 0 after it (one ordered connection per worker).
+            wait_for(lambda: cluster_info(broker.frontend).stats.dispatched > sent, 10, "the held request")
+            pause = _Call(lambda: client.pause("wait"))
+            wait_for(lambda: cluster_info(broker.frontend).paused, 10, "the broker to pause")
+            workers[0].kill9()
+            pause.join(30)
+            assert pause.error is not None and pause.error.status == 500
+            assert not client.is_paused()
+            procs.fake_worker(broker, 2)
+            wait_for_workers(broker.frontend, 1, ranks={2})
+            assert _gen(client, "after-total") == [2000, 2001, 2002]
+
+
+def _gen_prompt(client, rid, prompt, rank=None):
+    req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=3),
+                          data_parallel_rank=rank)
+    return [t for d in client.generate(req) for t in d.token_ids]
+
+
+def test_a_rank_lost_during_resume_or_relabel_does_not_leave_the_pool_behind(tmp_path):
+    """A rank that stops answering (SIGSTOP: the broker only learns it is gone when its
+    heartbeats stop) must not keep the survivors paused in the broker or held out as stale."""
+    import signal
+
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        workers = {rank: procs.fake_worker(broker, rank) for rank in (0, 1, 2)}
+        wait_for_workers(broker.frontend, 3)
+        with Client(broker.frontend) as client:
+            workers[2].popen.send_signal(signal.SIGSTOP)
+            reply = client.control("update_weight_version", {"new_version": "v5"})
+            assert reply.result == {"lost_ranks": [2]} and [r.rank for r in reply.ranks] == [0, 1]
+            info = client.weight_info()
+            assert info["weight_version"] == "v5"
+            assert [(r["rank"], r["weight_version"], r["stale"]) for r in info["ranks"]] == [(0, "v5", False),
+                                                                                            (1, "v5", False)]
+            client.pause("keep")
+            workers[1].popen.send_signal(signal.SIGSTOP)
+            reply = client.control("resume")
+            assert reply.result == {"lost_ranks": [1]} and [r.rank for r in reply.ranks] == [0]
+            assert not client.is_paused()
+            assert _gen(client, "after-resume") == [0, 1, 2]
+            for rank in (1, 2):
+                workers[rank].kill9()

@@ -13,6 +13,11 @@ group (after ``init_weight_transfer_engine``: gloo on CPU, NCCL on CUDA), and a
 checkpoint folder (``update_info: {"path": ...}``).  While paused, buckets are
 written in place as they arrive (no extra memory); otherwise they are staged and
 written together by ``finish_weight_update``, so serving never sees half an update.
+
+A pool-wide finish is the broker's two-phase commit (broker/control.py):
+``prepare_weight_update`` only checks this rank could commit, then every rank gets
+``finish_weight_update``, or, when one refused, ``abort_weight_update`` (staged
+buckets dropped, in-place ones undone from the checkpoints the weights came from).
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ class _UpdateSession:
     from_disk: Optional[str] = None  # the checkpoint folder, when every bucket came from one
     over_wire: bool = False
     failed: Optional[str] = None  # why a bucket was refused: the update cannot finish
+    # The checkpoints the weights came from when it started (None: not reproducible): what an
+    # abort rebuilds them from once buckets were written in place.
+    lineage_before: Optional[list] = None
 
 
 @dataclass
@@ -187,7 +195,8 @@ class WorkerControl:
         if self.session is not None and self.session.staged:
             log.warning("start_weight_update: dropping %d staged tensor(s) of an unfinished update",
                         len(self.session.staged))
-        self.session = _UpdateSession()
+        lineage = getattr(self.engine, "disk_lineage", None)
+        self.session = _UpdateSession(lineage_before=list(lineage) if lineage is not None else None)
 
     def op_update_weights(self, req: ControlRequest, payload: list):
         if self.session is not None and self.session.failed:
@@ -268,13 +277,51 @@ class WorkerControl:
             elif s.from_disk is None and not s.over_wire:
                 s.from_disk = from_disk
 
-    def op_finish_weight_update(self, req: ControlRequest):
+    def op_prepare_weight_update(self, req: ControlRequest):
+        """Phase one of a pool-wide finish (the broker's): can this rank commit?  Changes nothing."""
+        s = self._finishable(req)
+        if s.failed:
+            raise BadRequest(f"a bucket of this update was refused ({s.failed})", None)
+        return {"staged": len(s.staged), "written": s.written}
+
+    def _finishable(self, req: ControlRequest) -> _UpdateSession:
         version = req.args.get("weight_version")
         if version is not None and (not isinstance(version, str) or not version):
             raise BadRequest("weight_version must be a non-empty string", "weight_version")
-        s = self.session
-        if s is None:
+        if self.session is None:
             raise BadRequest("no weight update in progress: POST /start_weight_update first", None)
+        return self.session
+
+    def op_abort_weight_update(self, req: ControlRequest):
+        """Drop the open update (another rank refused it): staged tensors go; tensors written
+        in place (while paused) are undone by reloading the checkpoints the weights came from.
+        When they came over the wire that is impossible: the rank then labels its weights as
+        partial, so the broker holds it out of dispatch until it gets the weights again."""
+        s, self.session = self.session, None
+        if s is None:
+            return {"dropped": 0, "restored": True}
+        restored = True
+        if s.written:
+            restored = False
+            if s.lineage_before is not None:
+                try:
+                    for path in s.lineage_before:
+                        self.engine.write_weights(self.engine.read_checkpoint(path), from_disk=path,
+                                                  more_to_come=True)
+                    restored = True
+                except ServingError as exc:
+                    log.error("abort_weight_update: cannot restore the weights from %s: %s", s.lineage_before,
+                              exc.message)
+            self.engine.end_weight_writes()
+            if not restored:
+                self.engine.set_weight_version(f"{self.engine.weight_version}+partial-update")
+        log.info("weight update dropped: %d staged tensor(s), %d written in place (%s)", len(s.staged), s.written,
+                 "restored" if restored else "NOT restored")
+        return {"dropped": len(s.staged) + s.written, "restored": restored}
+
+    def op_finish_weight_update(self, req: ControlRequest):
+        version = req.args.get("weight_version")
+        s = self._finishable(req)
         if s.failed:
             self.engine.end_weight_writes()
             self.session = None if not s.written else s

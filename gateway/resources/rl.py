@@ -132,8 +132,14 @@ class FinishWeightUpdate(_Route):
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise BadRequest("weight_version must be a string", "weight_version")
-        await self.control(req, "finish_weight_update", {"weight_version": version} if version else {})
-        _respond(resp, {"message": "Weight update finished"})
+        reply = await self.control(req, "finish_weight_update", {"weight_version": version} if version else {})
+        body = {"message": "Weight update finished"}
+        result = reply.result if isinstance(reply.result, dict) else {}
+        if result.get("lost_ranks") or result.get("failed_ranks"):
+            # Committed without some ranks (they died): vLLM's body plus what the trainer needs
+            # to know (which ranks, and whether the pool rebuilds them from disk by itself).
+            body.update(result)
+        _respond(resp, body)
 
 
 class UpdateWeightVersion(_Route):
