@@ -1,4 +1,6 @@
-"""Keep the CPU worker's freed activation memory in the process (glibc malloc).
+"""glibc malloc tuning: the CPU worker keeps freed memory, the gateway gives it back.
+
+``keep_freed_memory`` (CPU workers): keep freed activation memory in the process.
 
 A prefill step's activations are tens of MB.  glibc gives large frees back to the
 kernel (heap-top trimming, munmap of mmapped chunks), so the next big step faults
@@ -9,12 +11,20 @@ reason; this is the glibc equivalent from inside the process: the largest mmap
 threshold glibc allows (bigger blocks come from the heap) and no trimming.  The
 cost is that the worker's resident memory stays at its peak step's, as it would
 with tcmalloc.
+
+``trim_freed_memory`` (the gateway, after decoding large images): the opposite.  A decode
+allocates hundreds of MB from the decoding thread's malloc arena; freed, most of it stays
+in the arena (glibc returns only the top of the main heap), so one burst of large images
+left the gateway at ~2.5 GB for good.  ``malloc_trim(0)`` hands every arena's free pages
+back to the kernel.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import threading
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -35,3 +45,30 @@ def keep_freed_memory() -> bool:
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     log.debug("malloc tuning %s", "applied" if ok else "refused")
     return ok
+
+
+_trim = None
+_trim_lock = threading.Lock()
+
+
+def _malloc_trim():
+    global _trim
+    if _trim is None:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc: nothing to trim with
+            fn = False
+        _trim = fn
+    return _trim
+
+
+def trim_freed_memory() -> Optional[bool]:
+    """glibc ``malloc_trim(0)``: free pages of every arena back to the kernel.  True when
+    something was released, False when nothing was, None without glibc.  Costs a walk of
+    the arenas (about a millisecond per GB of free memory): callers rate-limit it."""
+    fn = _malloc_trim()
+    if not fn:
+        return None
+    with _trim_lock:  # concurrent trims would only walk the same arenas twice
+        return bool(fn(0))
