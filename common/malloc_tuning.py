@@ -12,11 +12,17 @@ threshold glibc allows (bigger blocks come from the heap) and no trimming.  The
 cost is that the worker's resident memory stays at its peak step's, as it would
 with tcmalloc.
 
-``trim_freed_memory`` (the gateway, after decoding large images): the opposite.  A decode
+``return_large_allocations`` and ``trim_freed_memory`` (the gateway, which decodes large
+images): the opposite.  A decode
 allocates hundreds of MB from the decoding thread's malloc arena; freed, most of it stays
 in the arena (glibc returns only the top of the main heap), so one burst of large images
 left the gateway at ~2.5 GB for good.  ``malloc_trim(0)`` hands every arena's free pages
-back to the kernel.
+back to the kernel.  The request's later buffers (resized image, its bytes, the encoded
+wire request: a few MB each with a real processor) are made on the event loop's thread,
+where glibc's *dynamic* mmap threshold, raised to 32 MB by the first large free, puts them
+on the heap: fixing the threshold at 1 MB sends every such buffer to its own mapping,
+returned whole when freed (measured: 3 concurrent 13000x13000 images on /generate left
+the gateway at +85 MB without, +0 with).
 """
 from __future__ import annotations
 
@@ -45,6 +51,20 @@ def keep_freed_memory() -> bool:
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     log.debug("malloc tuning %s", "applied" if ok else "refused")
     return ok
+
+
+GATEWAY_MMAP_THRESHOLD = 1 << 20
+
+
+def return_large_allocations(threshold: int = GATEWAY_MMAP_THRESHOLD) -> bool:
+    """Allocations of ``threshold`` bytes or more get their own mapping, unmapped on free
+    (and glibc stops moving the threshold).  False where mallopt is missing or refuses."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
 _trim = None

@@ -25,7 +25,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from common.errors import BadRequest, Overloaded
-from common.malloc_tuning import trim_freed_memory
+from common.malloc_tuning import return_large_allocations, trim_freed_memory
 from common.multimodal import FetchPolicy, MediaError, parse_networks, read_image_bytes
 
 # A decode job of at least this many pixels trims afterwards: smaller ones free memory
@@ -49,6 +49,13 @@ class MediaPools:
                                   private_networks=parse_networks(settings.media_private_networks),
                                   timeout_s=settings.image_fetch_timeout_s)
         self.max_bytes = settings.max_image_bytes
+        # --max-image-decoded-pixels replaces Pillow's own bomb check (a warning past 89 M
+        # pixels, an error past 179 M with Pillow's numbers): ours runs on the header before
+        # any decode and names the flag, whatever the operator set it to.
+        from PIL import Image
+
+        Image.MAX_IMAGE_PIXELS = None
+        return_large_allocations()  # common/malloc_tuning.py: image-sized buffers go back when freed
         self._lock = threading.Lock()
         self._decode_jobs = 0  # submitted and not finished (running or queued)
         self._running = 0  # decode jobs running now
