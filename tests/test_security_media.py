@@ -233,6 +233,33 @@ def test_concurrent_bombs_give_memory_back(procs, broker, tmp_path_factory):
             raise AssertionError(f"RSS {_rss_mb(pid):.0f} MB, idle {idle:.0f} MB") from None
 
 
+def test_decode_pool_is_bounded(procs, model_dir, tmp_path):
+    """One decode thread, no queue: while an image is being read and decoded, another image
+    request gets a 503 at once (naming the flags) instead of waiting unbounded; requests
+    without images are not in that pool at all.  The busy image is a FIFO under
+    --allowed-local-media-path: the gateway's decode thread blocks reading it until the
+    test writes, and the test's open() returns only once the gateway has opened it."""
+    media = tmp_path / "media"
+    media.mkdir()
+    fifo = media / "slow.png"
+    os.mkfifo(fifo)
+    gw = _render_gateway(procs, model_dir, "--allowed-local-media-path", str(media),
+                         "--image-decode-threads", "1", "--image-decode-queue", "0")
+    small = _data_url(_small_png())
+    with httpx.Client(base_url=gw.url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(http.post, "/tokenize", json=_chat(fifo.as_uri()))
+        with open(fifo, "wb") as writer:  # returns once the decode thread opened the FIFO
+            msg = _error(http.post("/tokenize", json=_chat(small)), 503)
+            assert "--image-decode-threads" in msg and "--image-decode-queue" in msg, msg
+            assert http.get("/health").status_code == 200
+            assert http.post("/tokenize", json={"prompt": "no image"}).status_code == 200
+            writer.write(_small_png())
+        first = busy.result()
+        assert first.status_code == 200, first.text
+        again = http.post("/tokenize", json=_chat(small))
+        assert again.status_code == 200 and again.json()["tokens"] == first.json()["tokens"], again.text
+
+
 # ----------------------------------------------------------------------------- remote
 class _Media(http.server.BaseHTTPRequestHandler):
     """/img.png; /to?url=X: 302 to X; /slow: an image body at one byte a second."""
