@@ -8,6 +8,11 @@ model's processor does (common/multimodal) and attaches the resized uint8 image 
 request as a ``MultiModalItem`` over its run of placeholders; the worker normalises,
 patchifies and encodes it.
 
+Hostile images: everything an image's header decides (placeholder run, patch grid, the
+decoded-pixel bounds per image and per request) is checked for every image of a request
+before any is decoded, so a request of image bombs costs the gateway a header read each;
+reading, decoding and fetching run in gateway/media_pools.py's bounded pools.
+
 ``features`` (pre-processed tensors, vLLM's wire form) is served too: gateway/mm_features.py.
 
 Only ``image_url`` parts are served; other modalities are refused by name.  A part's URL

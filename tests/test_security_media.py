@@ -342,7 +342,7 @@ def test_redirects_are_checked_at_every_hop(procs, model_dir, media_servers):
         msg = _error(tokenize(f"{public}/to?url={internal}/img.png"))  # a redirect into the private network
         assert "resolves to a blocked address: 127.0.0.1" in msg, msg
         msg = _error(tokenize(f"{public}/to?url=file:///etc/hostname"))
-        assert "redirect to a file: URL is not allowed" in msg, msg
+        assert "file: URLs are not fetched (only http and https, redirects included)" in msg, msg
         msg = _error(tokenize(f"{public}/to?url=http://[::1]:{port}/img.png"))
         assert "blocked address: ::1" in msg, msg
         msg = _error(tokenize(f"{public}/to?url=http://0x7f000001:{port}/img.png"))  # 127.0.0.1 spelled in hex

@@ -238,8 +238,9 @@ def _check_hop(url: str, policy: FetchPolicy):
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        raise MediaError(f"Failed to fetch media from URL: a redirect to a {scheme or 'relative'}: URL is not "
-                         "allowed (only http and https).")
+        # checked on every hop: a redirect to file:, ftp:, gopher:... is refused like the first URL
+        raise MediaError(f"Failed to fetch media from URL: {scheme or 'scheme-less'}: URLs are not fetched "
+                         "(only http and https, redirects included).")
     try:
         host, port = parts.hostname, parts.port or (443 if scheme == "https" else 80)
     except ValueError as e:  # a port that is not a number or out of range
