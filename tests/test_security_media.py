@@ -278,6 +278,16 @@ class _Media(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", parse_qs(parts.query)["url"][0])
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif parts.path == "/loop":
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif parts.path == "/host":  # the image only for the right Host header
+            if self.headers.get("Host") == self.server.expect_host:
+                self._send(200, self.png, "image/png")
+            else:
+                self._send(421, b"wrong host", "text/plain")
         elif parts.path == "/slow":
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
@@ -347,6 +357,7 @@ def test_redirects_are_checked_at_every_hop(procs, model_dir, media_servers):
         assert "blocked address: ::1" in msg, msg
         msg = _error(tokenize(f"{public}/to?url=http://0x7f000001:{port}/img.png"))  # 127.0.0.1 spelled in hex
         assert "blocked address: 127.0.0.1" in msg, msg
+        assert "more than 5 redirects" in _error(tokenize(f"{public}/loop"))
 
     # vLLM's --allowed-media-domains: exact host names, on the first URL and every hop
     listed = _render_gateway(procs, model_dir, "--allow-remote-media", "--allow-media-private-networks",
@@ -357,6 +368,48 @@ def test_redirects_are_checked_at_every_hop(procs, model_dir, media_servers):
         assert msg.endswith("allowed domains: ['127.0.0.2']. Input URL domain: localhost"), msg
         msg = _error(http.post("/tokenize", json=_chat(f"{public}/to?url=http://localhost:{port}/img.png")))
         assert "Input URL domain: localhost" in msg, msg
+
+
+def test_fetch_connects_to_the_address_it_checked(monkeypatch):
+    """DNS rebinding: the host is resolved once per hop and the connection goes to the
+    address the policy checked (with the URL's Host header), never to a second answer.
+    In-process (no DNS to rebind otherwise): a resolver answering the allowed 127.0.0.2
+    first and the refused 127.0.0.1 after, two servers on one port of each."""
+    import socket
+
+    from common.multimodal import FetchPolicy, parse_networks
+    from common.multimodal.media import fetch_http
+
+    allowed = http.server.ThreadingHTTPServer(("127.0.0.2", 0), _Media)
+    port = allowed.server_address[1]
+    try:
+        internal = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Media)
+    except OSError:
+        allowed.server_close()
+        pytest.skip(f"port {port} is taken on 127.0.0.1")
+    _Media.png = _small_png()
+    for srv in (allowed, internal):
+        srv.expect_host = f"images.example:{port}"
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    internal.RequestHandlerClass = type("Internal", (_Media,), {"png": b"internal secret"})
+    answers = []
+    real = socket.getaddrinfo
+
+    def resolver(host, *args, **kwargs):
+        if host == "images.example":
+            answers.append(host)
+            host = "127.0.0.2" if len(answers) == 1 else "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    policy = FetchPolicy(allow_remote=True, private_networks=parse_networks(["127.0.0.2/32"]), timeout_s=5)
+    try:
+        data = fetch_http(f"http://images.example:{port}/host", policy, 1 << 20, time.monotonic() + 5)
+        assert data == _Media.png and answers == ["images.example"]
+    finally:
+        for srv in (allowed, internal):
+            srv.shutdown()
+            srv.server_close()
 
 
 def test_slow_server_meets_the_deadline_and_delays_nothing_else(procs, model_dir, media_servers):
