@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from common.errors import BadRequest, Overloaded
 from common.malloc_tuning import return_large_allocations, trim_freed_memory
-from common.multimodal import FetchPolicy, MediaError, parse_networks, read_image_bytes
+from common.multimodal import FetchPolicy, parse_networks, read_image_bytes
 
 # A decode job of at least this many pixels trims afterwards: smaller ones free memory
 # that glibc reuses for the next request anyway.
@@ -39,6 +39,7 @@ FETCH_GRACE_S = 1.0
 
 class MediaPools:
     def __init__(self, settings):
+        self.settings = settings
         self.decode_threads = settings.image_decode_threads
         self.decode_queue = settings.image_decode_queue
         self.decoder = concurrent.futures.ThreadPoolExecutor(self.decode_threads, thread_name_prefix="image-decode")
@@ -60,7 +61,6 @@ class MediaPools:
         self._decode_jobs = 0  # submitted and not finished (running or queued)
         self._running = 0  # decode jobs running now
         self._last_trim = 0.0
-        self.trims = 0
 
     # ------------------------------------------------------------------ fetch
 
@@ -131,7 +131,6 @@ class MediaPools:
                     self._last_trim = now
             if trim:
                 trim_freed_memory()
-                self.trims += 1
 
 
 class _IndexedError(Exception):
@@ -160,6 +159,5 @@ def media_pools(settings) -> MediaPools:
         pools = _POOLS.get(id(settings))
         if pools is None or pools.settings is not settings:
             pools = MediaPools(settings)
-            pools.settings = settings
             _POOLS[id(settings)] = pools
         return pools
