@@ -153,7 +153,9 @@ def _header_checks(i: int, data: bytes, spec, settings, run: Optional[tuple[int,
                          f"{settings.max_image_decoded_pixels} pixels one image may decode to "
                          "(--max-image-decoded-pixels)")
     proc = spec.processor
-    grid = grid_thw_for_size(height, width, proc)  # smart_resize's aspect-ratio refusal included
+    # smart_resize's aspect-ratio refusal included; a processor that does not resize takes
+    # only sides that are multiples of the patch cell, as after decoding
+    grid = grid_thw_for_size(height, width, proc) if proc.do_resize else check_patchable(height, width, proc)
     # EXIF orientation may swap the sides; smart_resize is symmetric in them, so the patch
     # and placeholder counts below hold either way.
     _check_size(grid[1] * proc.patch_size, grid[2] * proc.patch_size, grid, proc)
