@@ -70,6 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="content_parts may load file:// images from under DIR (default: no local files)")
     p.add_argument("--allow-remote-media", action="store_true",
                    help="content_parts may load http(s) image URLs (default: data: URLs and allowed files only)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="with --allow-remote-media: fetch only from these host names (vLLM's flag; exact match, "
+                        "checked on every redirect hop; default: any public host)")
+    p.add_argument("--allow-media-private-networks", nargs="+", default=[], metavar="CIDR",
+                   help="with --allow-remote-media: let fetches reach these private/loopback/link-local networks "
+                        "(default: none; VLLM_MEDIA_EGRESS_BLOCK_PRIVATE=0 allows all)")
+    p.add_argument("--image-fetch-timeout", type=float, default=None, metavar="SECONDS",
+                   help="deadline for a whole http(s) image fetch, redirects included (default: "
+                        "$VLLM_IMAGE_FETCH_TIMEOUT or 5)")
+    p.add_argument("--media-fetch-threads", type=int, default=8, help="threads fetching http(s) images")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
+                   help="encoded bytes one image may have (data:, file:, http)")
+    p.add_argument("--max-image-decoded-pixels", type=int, default=50_000_000,
+                   help="pixels one image may decode to, checked on its header before decoding (default 50M)")
+    p.add_argument("--max-request-decoded-pixels", type=int, default=200_000_000,
+                   help="pixels all images of one request may decode to (default 200M)")
+    p.add_argument("--image-decode-threads", type=int, default=2, help="threads decoding and resizing images")
+    p.add_argument("--image-decode-queue", type=int, default=16,
+                   help="requests that may wait for an image decode thread; past that, 503")
     p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                    help='images one prompt may carry, vLLM\'s flag: \'{"image": 4}\' or \'{"image": {"count": 4}}\' '
                         '(default 999)')
@@ -124,11 +143,14 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise SystemExit(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     from gateway.multimodal import parse_mm_limits
 
+    media = _media_settings(args)
+
     try:
         mm_limits = parse_mm_limits(args.limit_mm_per_prompt)
     except ValueError as exc:
         raise SystemExit(f"--limit-mm-per-prompt: {exc}") from None
     return GatewaySettings(
+        **media,
         limit_mm_per_prompt=mm_limits,
         allowed_local_media_path=args.allowed_local_media_path,
         allow_remote_media=args.allow_remote_media,
@@ -163,6 +185,40 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         allow_runtime_lora=args.allow_runtime_lora
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )
+
+
+def _media_settings(args: argparse.Namespace) -> dict:
+    """The image input bounds and the remote media policy (checked here: a typo fails at startup)."""
+    import ipaddress
+    import os
+
+    for flag in ("media_fetch_threads", "image_decode_threads", "max_image_bytes", "max_image_decoded_pixels",
+                 "max_request_decoded_pixels"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    if args.image_decode_queue < 0:
+        raise SystemExit("--image-decode-queue must be >= 0")
+    timeout = args.image_fetch_timeout
+    if timeout is None:
+        try:
+            timeout = float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
+        except ValueError:
+            raise SystemExit("VLLM_IMAGE_FETCH_TIMEOUT must be a number of seconds") from None
+    if not timeout > 0:
+        raise SystemExit("--image-fetch-timeout must be positive")
+    networks = list(args.allow_media_private_networks)
+    if os.environ.get("VLLM_MEDIA_EGRESS_BLOCK_PRIVATE", "").lower() in ("0", "false"):
+        networks += ["0.0.0.0/0", "::/0"]  # vLLM's switch: private destinations allowed
+    for net in networks:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError as exc:
+            raise SystemExit(f"--allow-media-private-networks: {exc}") from None
+    return dict(allowed_media_domains=list(args.allowed_media_domains), media_private_networks=networks,
+                image_fetch_timeout_s=timeout, media_fetch_threads=args.media_fetch_threads,
+                max_image_bytes=args.max_image_bytes, max_image_decoded_pixels=args.max_image_decoded_pixels,
+                max_request_decoded_pixels=args.max_request_decoded_pixels,
+                image_decode_threads=args.image_decode_threads, image_decode_queue=args.image_decode_queue)
 
 
 def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:

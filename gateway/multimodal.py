@@ -8,6 +8,11 @@ model's processor does (common/multimodal) and attaches the resized uint8 image 
 request as a ``MultiModalItem`` over its run of placeholders; the worker normalises,
 patchifies and encodes it.
 
+Hostile images: everything an image's header decides (placeholder run, patch grid, the
+decoded-pixel bounds per image and per request) is checked for every image of a request
+before any is decoded, so a request of image bombs costs the gateway a header read each;
+reading, decoding and fetching run in gateway/media_pools.py's bounded pools.
+
 ``features`` (pre-processed tensors, vLLM's wire form) is served too: gateway/mm_features.py.
 
 Only ``image_url`` parts are served; other modalities are refused by name.  A part's URL
@@ -16,16 +21,18 @@ shape (``{"type": "image_url", "image_url": {"url": ...}}``).
 """
 from __future__ import annotations
 
-import asyncio
+import functools
 from typing import Any, Optional
 
 import numpy as np
 
 from common.errors import BadRequest
-from common.multimodal import (MediaError, cache_key, check_patchable, features_hash, load_image, mm_hash,
-                               num_placeholder_tokens, resize_image)
+from common.multimodal import (MediaError, cache_key, check_patchable, decode_image_bytes, features_hash,
+                               grid_thw_for_size, image_size, mm_hash, num_placeholder_tokens, read_image_bytes,
+                               resize_image)
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import MultiModalItem
+from gateway.media_pools import media_pools
 from gateway.mm_features import feature_items
 
 PARAM = "content_parts"
@@ -135,19 +142,85 @@ def _check_size(height: int, width: int, grid, proc) -> None:
                          "preprocessor)")
 
 
-def _load_all(urls: list[str], spec, allowed: Optional[str], allow_remote: bool, where: str = PARAM):
-    """Each URL's image resized for the model: ``[(uint8 [H, W, 3], grid_thw)]``."""
-    out = []
+def _header_checks(i: int, data: bytes, spec, settings, run: Optional[tuple[int, int]]):
+    """What the image's header alone decides, before any pixel is decoded: its pixel count
+    against ``--max-image-decoded-pixels``, its patch grid (aspect ratio, max_pixels) and,
+    for content_parts, its run of placeholders.  -> (pixels, grid)."""
+    width, height = image_size(data)
+    pixels = width * height
+    if pixels > settings.max_image_decoded_pixels:
+        raise ValueError(f"the image is {width}x{height} ({pixels} pixels), more than the "
+                         f"{settings.max_image_decoded_pixels} pixels one image may decode to "
+                         "(--max-image-decoded-pixels)")
+    proc = spec.processor
+    # smart_resize's aspect-ratio refusal included; a processor that does not resize takes
+    # only sides that are multiples of the patch cell, as after decoding
+    grid = grid_thw_for_size(height, width, proc) if proc.do_resize else check_patchable(height, width, proc)
+    # EXIF orientation may swap the sides; smart_resize is symmetric in them, so the patch
+    # and placeholder counts below hold either way.
+    _check_size(grid[1] * proc.patch_size, grid[2] * proc.patch_size, grid, proc)
+    if run is not None:
+        need = num_placeholder_tokens(grid, spec.merge_size)
+        if run[1] != need:
+            raise _Mismatch(_mismatch(i, run[1], grid, need))
+    return pixels, grid
+
+
+class _Mismatch(Exception):
+    """A placeholder-count mismatch: its message names the image, not the part."""
+
+
+def _mismatch(i: int, length: int, grid, need: int) -> str:
+    return (f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
+            f"its grid {list(grid)} needs {need}.")
+
+
+def _prepare(urls: list[str], fetched: dict, spec, settings, runs: Optional[list], where: str):
+    """The decode job: every image's bytes and header checked first (nothing decoded
+    if any is refused, nor if their total is over ``--max-request-decoded-pixels``),
+    then each decoded and resized for the model.  -> ([(uint8 [H, W, 3], grid_thw)], pixels)."""
+    policy = media_pools(settings).policy
+    sources = []
+    total = 0
     for i, url in enumerate(urls):
         try:
-            image = load_image(url, allowed_local_media_path=allowed, allow_remote=allow_remote)
+            data = fetched.get(i)
+            if data is None:
+                data = read_image_bytes(url, allowed_local_media_path=settings.allowed_local_media_path,
+                                        policy=policy, max_bytes=settings.max_image_bytes)
+            pixels, grid = _header_checks(i, data, spec, settings, runs[i] if runs is not None else None)
+        except _Mismatch as exc:
+            raise BadRequest(str(exc), PARAM) from None
+        except (MediaError, ValueError) as exc:
+            raise BadRequest(f"{where}[{i}]: {exc}", f"{where}[{i}]") from None
+        total += pixels
+        sources.append(data)
+    if total > settings.max_request_decoded_pixels:
+        raise BadRequest(f"{where}: the images decode to {total} pixels in all, more than the "
+                         f"{settings.max_request_decoded_pixels} one request may decode to "
+                         "(--max-request-decoded-pixels)", where)
+    out = []
+    for i in range(len(sources)):
+        data, sources[i] = sources[i], None  # each encoded image freed once decoded
+        try:
+            image = decode_image_bytes(data, max_pixels=settings.max_image_decoded_pixels)
+            del data
             resized = resize_image(image, spec.processor)
+            del image  # the full-size decode, before the next one is made
             grid = check_patchable(resized.shape[0], resized.shape[1], spec.processor)
             _check_size(resized.shape[0], resized.shape[1], grid, spec.processor)
         except (MediaError, ValueError) as exc:
             raise BadRequest(f"{where}[{i}]: {exc}", f"{where}[{i}]") from None
         out.append((resized, grid))
-    return out
+    return out, total
+
+
+async def _load_all(urls: list[str], spec, settings, runs: Optional[list] = None, where: str = PARAM):
+    """Each URL's image resized for the model: ``[(uint8 [H, W, 3], grid_thw)]``.  ``runs``:
+    the images' placeholder runs (content_parts), checked against their headers first."""
+    pools = media_pools(settings)
+    fetched = await pools.fetch_remote(urls, where)
+    return await pools.decode(functools.partial(_prepare, urls, fetched, spec, settings, runs, where))
 
 
 def _items(runs, processed, spec, uuids: Optional[list] = None) -> list[MultiModalItem]:
@@ -155,10 +228,8 @@ def _items(runs, processed, spec, uuids: Optional[list] = None) -> list[MultiMod
     uuids = uuids or [None] * len(processed)
     for i, ((offset, length), (image, grid), uuid) in enumerate(zip(runs, processed, uuids)):
         need = num_placeholder_tokens(grid, spec.merge_size)
-        if length != need:
-            raise BadRequest(
-                f"placeholder count mismatch: image {i} has {length} placeholder tokens in token_ids, "
-                f"its grid {list(grid)} needs {need}.", PARAM)
+        if length != need:  # checked on the header already; this is the decoded image's word
+            raise BadRequest(_mismatch(i, length, grid, need), PARAM)
         image = np.ascontiguousarray(image, dtype=np.uint8)
         # A client's uuid lives in the namespace of client-named hashes (features'), so it can
         # never alias the content hash of someone else's image.
@@ -206,8 +277,7 @@ async def attach_images(mapped, spec, settings, processed: Optional[list] = None
             f"content_parts has {len(urls)} image(s) but token_ids has {len(runs)} run(s) of the image "
             f"placeholder token {spec.image_token_id}; each image needs one contiguous run, in order.", PARAM)
     if processed is None or len(processed) != len(urls):
-        processed = await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
-                                            settings.allow_remote_media)
+        processed = await _load_all(urls, spec, settings, runs)
     _set_items(mapped, _items(runs, processed, spec, uuids))
 
 
@@ -244,8 +314,7 @@ async def load_chat_images(messages: Any, spec, settings) -> Optional[list]:
     if not urls:
         return None
     check_item_count(settings, "image", len(urls))  # before any image is loaded
-    return await asyncio.to_thread(_load_all, urls, spec, settings.allowed_local_media_path,
-                                   settings.allow_remote_media, "images")
+    return await _load_all(urls, spec, settings, where="images")
 
 
 def expand_image_placeholders(ids: list[int], spec, processed: list) -> list[int]:

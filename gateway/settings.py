@@ -64,6 +64,23 @@ class GatewaySettings:
     allow_remote_media: bool = False
     # vLLM's --limit-mm-per-prompt: items of a modality one prompt may carry (999 unset).
     limit_mm_per_prompt: dict = field(default_factory=dict)
+    # Image bombs (gateway/multimodal.py): bounds checked on each image's header, before any
+    # pixel is decoded.  Per image: 50 M pixels covers 48 MP photos (vLLM's own cap is
+    # Pillow's 179 M); a full decode costs ~3-4 bytes a pixel, RGB conversion on top.
+    max_image_decoded_pixels: int = 50_000_000
+    max_request_decoded_pixels: int = 200_000_000
+    max_image_bytes: int = 20 * 1024 * 1024  # encoded bytes of one image (data:, file:, http)
+    # gateway/media_pools.py: decoding runs on its own threads; past the queue, 503.
+    image_decode_threads: int = 2
+    image_decode_queue: int = 16
+    # http(s) media (--allow-remote-media): vLLM's --allowed-media-domains (exact host names,
+    # every redirect hop; empty: any host); private/loopback/link-local addresses refused
+    # unless inside these networks (CIDR; VLLM_MEDIA_EGRESS_BLOCK_PRIVATE=0: all of them);
+    # one deadline for the whole fetch (vLLM's VLLM_IMAGE_FETCH_TIMEOUT, default 5 s).
+    allowed_media_domains: list = field(default_factory=list)
+    media_private_networks: list = field(default_factory=list)
+    image_fetch_timeout_s: float = 5.0
+    media_fetch_threads: int = 8
 
     def needs_control(self) -> bool:
         """Whether any served route sends CONTROL commands (RL routes, runtime LoRA)."""

@@ -1,4 +1,4 @@
-"""The CPU worker keeps freed activation memory (worker/malloc_tuning.py): after the
+"""The CPU worker keeps freed activation memory (common/malloc_tuning.py): after the
 tuning a freed 24 MB buffer stays resident, so the next step reuses its pages
 instead of faulting them in again; without it glibc returns it at once."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import sys
-from worker.malloc_tuning import keep_freed_memory
+from common.malloc_tuning import keep_freed_memory
 tuned = sys.argv[1] == "1" and keep_freed_memory()
 import torch  # noqa: E402  (after the tuning, as in the worker)
 

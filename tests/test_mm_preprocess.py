@@ -360,12 +360,18 @@ def http_server():
 
 def test_http_allowed(http_server):
     base, png = http_server
-    out = load_image(f"{base}/a.png", allowed_local_media_path=None, allow_remote=True, timeout_s=5)
+    # the test server is on loopback, which remote fetches refuse unless its network is opted in
+    with pytest.raises(MediaError, match="resolves to a blocked address: 127.0.0.1"):
+        load_image(f"{base}/a.png", allowed_local_media_path=None, allow_remote=True, timeout_s=5)
+    loopback = {"allowed_local_media_path": None, "allow_remote": True, "private_networks": ["127.0.0.0/8"]}
+    out = load_image(f"{base}/a.png", timeout_s=5, **loopback)
     assert out.size == (8, 8) and out.mode == "RGB"
     with pytest.raises(MediaError, match="too large"):
-        load_image(f"{base}/a.png", allowed_local_media_path=None, allow_remote=True, max_bytes=len(png) - 1)
+        load_image(f"{base}/a.png", max_bytes=len(png) - 1, **loopback)
     with pytest.raises(MediaError, match="HTTP 404 error"):
-        load_image(f"{base}/nope.png", allowed_local_media_path=None, allow_remote=True)
+        load_image(f"{base}/nope.png", **loopback)
+    with pytest.raises(MediaError, match="allowed domains: \\['example.com'\\]. Input URL domain: 127.0.0.1"):
+        load_image(f"{base}/a.png", allowed_domains=["example.com"], **loopback)
 
 
 def test_package_imports_nothing_forbidden():

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, runtime_dir.RuntimeDirError) as exc:
         raise SystemExit(str(exc)) from None
     if cfg.torch_device.type == "cpu":
-        from worker.malloc_tuning import keep_freed_memory
+        from common.malloc_tuning import keep_freed_memory
 
         keep_freed_memory()  # before the model loads: every big CPU buffer stays in the heap
     try:

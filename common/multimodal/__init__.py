@@ -19,7 +19,8 @@ from common.multimodal.qwen2_vl_processor import (
 
 # Image loading needs Pillow; the workers never load media, so it is imported on first use
 # (a GPU box running only the engine need not have Pillow).
-_MEDIA = ("DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS", "MediaError", "decode_image_bytes", "load_image")
+_MEDIA = ("DEFAULT_FETCH_TIMEOUT_S", "DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS", "FetchPolicy", "MediaError",
+          "decode_image_bytes", "image_size", "load_image", "parse_networks", "read_image_bytes")
 
 
 def __getattr__(name: str):
@@ -31,6 +32,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DEFAULT_FETCH_TIMEOUT_S",
+    "FetchPolicy",
+    "image_size",
+    "parse_networks",
+    "read_image_bytes",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_PIXELS",
     "FEATURES_HASH_PREFIX",
