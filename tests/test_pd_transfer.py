@@ -19,6 +19,7 @@ import zmq
 
 from tests.gateway_helpers import GENERATE, start_gateway
 from tests.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
+from worker.engine import transfer_auth
 
 WORKER_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--threads", "1", "--max-model-len", "256")
 BLOCK = 16
@@ -192,13 +193,19 @@ def test_garbage_on_the_transfer_port_hurts_nobody(stack):
     big.setsockopt(zmq.LINGER, 0)
     big.connect(f"tcp://{host}:{port}")
     big.send(b"x" * (2 << 20))
-    # A wrong block list is answered (an error), not served.
-    sock.send(enc({"op": "pull", "engine_id": kv["remote_engine_id"], "request_id": kv["remote_request_id"],
-                   "block_ids": [0]}))
-    assert sock.poll(3000)
-    reply = msgspec.msgpack.decode(sock.recv_multipart()[0])
-    assert reply["ok"] is False and "not those held" in reply["error"]
     sock.close(0)
+    # A wrong block list from a member (a worker: it holds the worker token) is answered
+    # with an error, not served.
+    member = ctx.socket(zmq.DEALER)
+    member.setsockopt(zmq.LINGER, 0)
+    member.connect(f"tcp://{host}:{port}")
+    member.send(enc(transfer_auth.current().stamp(
+        {"op": "pull", "engine_id": kv["remote_engine_id"], "request_id": kv["remote_request_id"],
+         "block_ids": [0]})))
+    assert member.poll(3000)
+    reply = msgspec.msgpack.decode(member.recv_multipart()[0])
+    assert reply["ok"] is False and "not those held" in reply["error"]
+    member.close(0)
     big.close(0)
     with socket.create_connection((host, port), timeout=2) as raw:  # not even ZMTP
         raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)))

@@ -26,6 +26,7 @@ from common.protocol import MAGIC, ErrorMsg, GenerateRequest, MsgType, Outputs, 
 from common.transfer_peers import TRUST_EC, TRUST_KV, TRUST_PEERS
 from tests.gateway_helpers import GENERATE, start_gateway
 from tests.procs import ProcGroup, cluster_info, free_port, wait_for, wait_for_workers
+from worker.engine import transfer_auth
 
 WORKER_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--threads", "1", "--max-model-len", "256")
 BLOCK = 16
@@ -86,13 +87,14 @@ def _ec_params(host: str, port: int) -> dict:
                     "peer_port": port, "size_bytes": 64, "shape": [4, 4], "remote_key": "k"}}
 
 
-def _transfer(port: int, msg: dict, answer: bool = True):
-    """One message to a worker's transfer server (as a decode side would send it)."""
+def _transfer(port: int, msg: dict, answer: bool = True, auth: bool = True):
+    """One message to a worker's transfer server (as a decode side would send it: with
+    the cluster's worker token, which the test session's runtime directory holds)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send(msgspec.msgpack.encode(msg))
+        sock.send(msgspec.msgpack.encode(transfer_auth.current().stamp(msg) if auth else msg))
         if not answer:
             return None
         assert sock.poll(5000), "the transfer server did not answer"
@@ -239,6 +241,57 @@ def test_a_wrong_engine_id_learns_nothing(stack):
                                       "block_ids": kv["remote_block_ids"][0]})
     assert reply["ok"] is True
     _transfer(transfer_port, {"op": "free", "engine_id": real, "request_id": kv["remote_request_id"]}, answer=False)
+
+
+def test_the_transfer_server_serves_only_this_clusters_workers(stack):
+    """A process that reaches the port but lacks the worker token gets a bare 401 for
+    every op, learns nothing, and its attempts change nothing: the real holder's pull
+    still works afterwards."""
+    _, http, transfer_port = stack
+    r = _gen(http, 1, _prompt(5), dict(PREFILL), max_tokens=1)
+    kv = r.json()["kv_transfer_params"]
+    pull = {"op": "pull", "engine_id": kv["remote_engine_id"], "request_id": kv["remote_request_id"],
+            "block_ids": kv["remote_block_ids"][0]}
+    free = {"op": "free", "engine_id": kv["remote_engine_id"], "request_id": kv["remote_request_id"]}
+    refused = {"ok": False, "status": 401, "error": "unauthorized"}
+    assert _transfer(transfer_port, pull, auth=False) == refused
+    assert _transfer(transfer_port, {**pull, "auth": "not-the-token"}, auth=False) == refused
+    assert _transfer(transfer_port, {"op": "ec_pull", "key": "k"}, auth=False) == refused
+    assert _transfer(transfer_port, free, auth=False) == refused  # and the blocks stay held
+    reply = _transfer(transfer_port, pull)
+    assert reply["ok"] is True
+    _transfer(transfer_port, free, answer=False)
+
+
+def test_the_transfer_link_beyond_loopback_is_curve_keyed_by_the_token(monkeypatch):
+    """Across hosts the transfer server is a CURVE server whose key only token holders
+    can derive: a plaintext peer, or one guessing another key, never gets an answer
+    (not even a 401), while a worker's own pull goes through.  (Loopback stands in for a
+    routable address: the test makes every host count as remote.)"""
+    from worker.engine.kv_transfer import HeldTransfers, TransferError, TransferServer, ask
+
+    monkeypatch.setattr(transfer_auth.TransferAuth, "encrypts", lambda self, host: True)
+    ctx = zmq.Context.instance()
+    server = TransferServer(ctx, "tcp://127.0.0.1:*", "e" * 32, HeldTransfers(), lambda: None)
+    server.start()
+    try:
+        probe = {"op": "pull", "engine_id": "0" * 32, "request_id": "r", "block_ids": [0]}
+        with pytest.raises(TransferError) as refused:  # a member: the server answers (unknown engine)
+            ask(ctx, "127.0.0.1", server.port, probe, 5.0, "kv_transfer_params")
+        assert refused.value.status == 400 and "unknown engine id" in refused.value.message
+        for curve_key in (None, zmq.curve_keypair()[0]):  # plaintext; CURVE with a guessed key
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve_key is not None:
+                public, secret = zmq.curve_keypair()
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve_key, public, secret
+            sock.connect(f"tcp://127.0.0.1:{server.port}")
+            sock.send(msgspec.msgpack.encode(transfer_auth.current().stamp(probe)))  # even with the token
+            assert not sock.poll(1500), "an unencrypted or wrongly keyed peer got an answer"
+            sock.close()
+    finally:
+        server.stop()
+        server.join(5)
 
 
 def test_deeply_nested_params_are_a_400_at_the_broker(stack):

@@ -190,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     from worker.server import WorkerServer
 
     from common import runtime_dir
+    from worker.engine import transfer_auth
 
     try:
         server_key = security.load_public_key(args.curve_server_key) if args.curve_server_key else None
         client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
         worker_token = runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file)
+        transfer_auth.configure(worker_token)  # the transfer servers admit this cluster's workers only
         runtime_dir.check_before_connect(args.broker)  # before the (slow) model load
     except (ValueError, OSError, runtime_dir.RuntimeDirError) as exc:
         raise SystemExit(str(exc)) from None

@@ -13,14 +13,16 @@ thread imports them into its prefix cache under the prompt's block hashes, so th
 ordinary prefix-cache lookup serves the prompt from them (``num_cached_tokens``).
 
 Wire (one ROUTER per worker, ``--kv-transfer-address``; every message one msgpack frame):
-  request  {"op": "pull", "engine_id", "request_id", "block_ids": [int]}
-           {"op": "free", "engine_id", "request_id"}
+  request  {"op": "pull", "engine_id", "request_id", "block_ids": [int], "auth"}
+           {"op": "free", "engine_id", "request_id", "auth"}
   reply    {"ok": true, "request_id", "shape": [2, layers, n, block_size, kv_heads, head_dim],
             "dtype": "float32"} + one raw frame (the blocks' K/V, C order)
            {"ok": false, "request_id", "status": 400, "error": "..."}
+``auth`` is the cluster's worker token (transfer_auth.py: only workers may use the
+server; without it the answer is a bare 401; beyond loopback the link is CURVE).
 ``FREE`` is not answered.  Malformed messages are dropped (and logged, rate-limited).
 ``request_id`` is the answer's ``remote_request_id``: the prefill request's id plus a
-secret, so PULL / FREE work only for whoever got that answer (anyone may reach the port);
+secret, so PULL / FREE work only for whoever got that answer (even among workers);
 refusals never name this worker's engine id.
 
 Threads: the transfer server reads held blocks under ``HeldTransfers.lock``; the
@@ -45,6 +47,7 @@ import zmq
 
 from common.errors import BadRequest
 from common.logging import RateLimitedLog, get_logger
+from worker.engine import transfer_auth
 
 log = get_logger("tokserve.kv_transfer")
 
@@ -225,15 +228,25 @@ class TransferServer(threading.Thread):
         self.encodings = encodings  # ec_transfer.EncoderExports of an encoder worker, else None
         self._bad = RateLimitedLog(log)
         self._halt = threading.Event()
+        self.auth = transfer_auth.current()
+        self.refused = 0  # messages without the worker token (transfer_auth.py)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        bind_host = address.partition("://")[2].rpartition(":")[0].strip("[]")
+        self.auth.secure_server(self.sock, bind_host)
         self.sock.bind(address)
         endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
         host, _, port = endpoint.rpartition("//")[2].rpartition(":")
         if host in ("0.0.0.0", "*", "[::]", "::"):
             host = socket.gethostbyname(socket.gethostname())
+            if self.auth.encrypts(bind_host) and not self.auth.encrypts(host):
+                # Peers would dial the announced loopback address in the clear and fail
+                # the CURVE handshake this every-interface socket expects.
+                self.sock.close(0)
+                raise ValueError(f"--kv-transfer-address {address} listens on every interface, but this host's "
+                                 f"name resolves to the loopback address {host}: bind this host's routable address")
         self.host, self.port = host.strip("[]"), int(port)
 
     def stop(self) -> None:
@@ -266,7 +279,14 @@ class TransferServer(threading.Thread):
         except Exception as exc:
             self._bad.warning("kv transfer: dropped an undecodable message: %s", exc)
             return
-        if isinstance(msg, dict) and msg.get("op") == "ec_pull":
+        if not isinstance(msg, dict) or not self.auth.admits(msg):
+            # Only workers of this cluster hold the token; others learn nothing, not even
+            # whether the request id or engine id they sent exists.
+            self.refused += 1
+            self._bad.warning("kv transfer: refused a message without this cluster's worker token")
+            self._reply(identity, {"ok": False, "status": 401, "error": "unauthorized"})
+            return
+        if msg.get("op") == "ec_pull":
             self._ec_pull(identity, msg)
             return
         if not isinstance(msg, dict) or msg.get("op") not in ("pull", "free") \
@@ -327,11 +347,15 @@ def ask(ctx: zmq.Context, host: str, port: int, msg: dict, timeout: float, what:
     does not answer in time, its status when it refuses, 502 on a malformed reply;
     messages start with ``what`` (the request field they concern) and never name the
     peer's host or port (they reach clients: no port-scan oracle)."""
-    where = f"{host}:{port}"
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    auth = transfer_auth.current()
+    msg = auth.stamp(msg)
+    then = auth.stamp(then) if then is not None else None
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         try:
+            auth.secure_client(sock, host)
             sock.connect(f"tcp://{where}")
         except zmq.ZMQError as exc:
             log.warning("%s: cannot connect to transfer peer %s: %s", what, where, exc)
