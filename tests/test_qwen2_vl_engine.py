@@ -374,6 +374,7 @@ def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
     variant, path, _ = vl
     engine = _engine(path, enable_prefix_caching=False)
     runner, cache = engine.runner, engine.runner.encoder_cache
+    vision = next(h for h in runner.hooks if isinstance(h, multimodal.MultimodalInputs))
     vc = engine.model_config.vision_config
     # 24 merged cells (28x28 px each) per image at most; calls of at most 504 patches
     ic = dataclasses.replace(cache.image_config, max_pixels=28 * 28 * 24 + 100)
@@ -393,7 +394,7 @@ def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
     assert max_encode_grids(vc, ic, 2) == [big, big]
     assert max_encode_grids(vc, ic, 8, max_patches=50) == [big]
     # through the tower the way the encoder cache encodes; nothing is cached
-    patches, rows = runner.dummy_vision_run()
+    patches, rows = vision.dummy_vision_run()
     assert (patches, rows) == (sum(sizes), sum(sizes) // 4)
     assert len(cache) == 0 and cache.num_encode_calls == 0
     # the real cache groups the same images into one call (the bound is reachable) and
@@ -406,7 +407,7 @@ def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
         assert emb.shape == (it.length, 64)
         assert emb.untyped_storage().nbytes() == emb.numel() * emb.element_size()
     # the reserve: max_tokens rows of the LM hidden size in the model dtype (fp32 here)
-    assert runner.encoder_cache_reserve() == cache.max_tokens * 64 * 4 == multimodal.encoder_cache_bytes(
+    assert vision.profile_reserve() == cache.max_tokens * 64 * 4 == multimodal.encoder_cache_bytes(
         multimodal.DEFAULT_ENCODER_CACHE_TOKENS, 64, torch.float32)
 
 

@@ -36,7 +36,6 @@ import numpy as np
 
 from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, fold_mm_hashes, hash_block
 from common.protocol import KvEvents
-from worker.engine.multimodal import block_mm_hashes
 from worker.engine.request import EngineSequence
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
@@ -145,12 +144,14 @@ class BlockManager:
         tokens = seq.token_ids
         adapter = getattr(seq.request, "lora_key", None)
         mm = getattr(seq.request, "mm", None)
+        # Image requests: the cache keys of the items overlapping each block (by block index).
+        mm_keys = mm.block_keys(bs) if mm is not None else None
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else None
             extra = seq.request.cache_salt if i == 0 else None
             h = hash_block(parent, tokens[i * bs:(i + 1) * bs], extra, adapter)
-            if mm is not None:
-                images = block_mm_hashes(mm, i * bs, (i + 1) * bs)
+            if mm_keys:
+                images = mm_keys.get(i)
                 if images:
                     h = fold_mm_hashes(h, images)
             hashes.append(h)

@@ -31,12 +31,14 @@ from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logpro
                                     score_token_ids, to_token_logprobs)
 from worker.engine.model_config import ModelConfig, generation_defaults
 from worker.engine.model_runner import ModelRunner
-from worker.engine.multimodal import EncoderCache, check_mm_items, image_config_for
+from worker.engine.lora.step_inputs import LoRAStepInputs
+from worker.engine.multimodal import EncoderCache, MultimodalInputs, check_mm_items, image_config_for
 from worker.engine.model_setup import build_model
 from worker.engine.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
 from worker.engine.request import FinishReason, Request, EngineSequence
 from worker.engine.rl_control import RLControl
+from worker.engine.routing_capture import RoutingCapture
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
 from worker.engine.scheduler import ScheduledSeq, Scheduler
@@ -115,12 +117,17 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
-        self.runner.tp_leader = self.tp_leader
+        # Features reach the runner through its hooks (runner_hooks).
+        if self.tp_leader is not None:
+            self.runner.set_parallel(self.tp_leader)
+        if config.enable_return_routed_experts:
+            self.runner.install(RoutingCapture())
         if mc.is_multimodal:
             cache = EncoderCache(self.model, device, image_config=image_config_for(config.model, mc.vision_config))
-            self.runner.encoder_cache = cache
+            self.runner.install(MultimodalInputs(self.runner, cache))
         self.lora = self._start_lora(config, device)
-        self.runner.lora = self.lora
+        if self.lora is not None:
+            self.runner.install(LoRAStepInputs(self.lora))
         self.spec = self._start_speculation(config, mc, device, max_model_len)
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:

@@ -2,6 +2,10 @@
 (input ids, positions, KV slot mapping, block tables), runs the forward pass under
 ``torch.inference_mode`` and computes logits only for the rows that need them.
 
+Features (LoRA, images, routing capture, tensor parallelism) are not known here: they
+contribute through the small interfaces of ``runner_hooks`` (installed with
+``install`` / ``set_parallel``).
+
 Host-side layout is vectorised numpy over the whole batch (no per-token Python);
 on CUDA the arrays travel through pinned buffers and decode-only batches replay
 CUDA graphs captured per padded batch size.
@@ -21,7 +25,8 @@ from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import AttentionMetadata, StepLayout
 from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from worker.engine.models.llama import kv_bytes_per_block, kv_cache_shape
-from worker.engine.parallel.state import get_tp
+from worker.engine.runner_hooks import (LOCAL, InputContributor, KVCacheHook, MemoryProfileHook, ParallelHook,
+                                        StepExtras)
 from worker.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -99,8 +104,8 @@ class ModelRunner:
         self.model_config = model_config
         self.model = model
         self.device = device if device is not None else config.resolved_device
-        # Rank 0 under tensor parallelism: mirrors every model call to the followers.
-        self.tp_leader: Optional[Any] = None
+        # Tensor parallelism: the parallel package's hook (rank 0 mirrors model calls to the followers).
+        self.parallel: ParallelHook = LOCAL
         self.backend = backend if backend is not None else TorchSDPABackend()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -113,15 +118,39 @@ class ModelRunner:
         self._pinned: dict[str, torch.Tensor] = {}  # CUDA: host staging buffers
         self._copies_done: Optional[torch.cuda.Event] = None
         self._graphs: dict[int, "_DecodeGraph"] = {}
-        self._lora_graphs: dict[int, "_DecodeGraph"] = {}  # with LoRA serving: decode steps with adapter rows
+        # With a GraphInputs contributor (LoRA serving): decode steps that carry its inputs.
+        self._lora_graphs: dict[int, "_DecodeGraph"] = {}
         self._graph_pool = None
         # Routed experts of every KV slot ([slots, moe layers, top_k]), written by the
-        # MoE layers in the forward, read when a sequence finishes.
+        # MoE layers in the forward, read when a sequence finishes (set by routing capture).
         self.routing_store: Optional[torch.Tensor] = None
-        self.lora: Optional[Any] = None  # LoRAManager when LoRA serving is enabled
-        self._lora_batch: Optional[Any] = None  # the last forward's LoRABatch (its logits rows reuse it)
         self.extra_bytes_per_block = 0  # KV of another model per block (a draft model's): counted in sizing
-        self.encoder_cache: Optional[Any] = None  # vision-language models: multimodal.EncoderCache
+        self.encoder_cache: Optional[Any] = None  # vision-language models: set by multimodal.MultimodalInputs
+        self.hooks: list[Any] = []  # everything installed, in order
+        self._contributors: list[InputContributor] = []
+        self._graph_inputs: Optional[Any] = None  # the contributor whose inputs decode graphs take
+        self._kv_hooks: list[KVCacheHook] = []
+        self._profilers: list[MemoryProfileHook] = []
+        self._extras: Optional[StepExtras] = None  # the last forward's (its logits rows reuse them)
+
+    # --- features -----------------------------------------------------------
+    def install(self, hook: Any) -> None:
+        """Install a feature's hook: an ``InputContributor`` (and ``GraphInputs``), a
+        ``KVCacheHook`` and/or a ``MemoryProfileHook`` (see ``runner_hooks``)."""
+        self.hooks.append(hook)
+        if isinstance(hook, InputContributor):
+            self._contributors.append(hook)
+            if hasattr(hook, "static_inputs"):
+                assert self._graph_inputs is None, "one contributor gives decode graphs static inputs"
+                self._graph_inputs = hook
+        if isinstance(hook, KVCacheHook):
+            self._kv_hooks.append(hook)
+        if isinstance(hook, MemoryProfileHook):
+            self._profilers.append(hook)
+
+    def set_parallel(self, hook: ParallelHook) -> None:
+        """Tensor parallelism: the parallel package's hook for this rank."""
+        self.parallel = hook
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -132,14 +161,7 @@ class ModelRunner:
     def decide_num_blocks(self) -> int:
         """KV blocks to allocate; under tensor parallelism every rank sizes its own
         cache (in lockstep) and the smallest count wins."""
-        leader = self.tp_leader
-        if leader is None:
-            return self._decide_num_blocks()
-        from worker.engine.parallel.follower import OP_PROFILE, min_across_ranks
-
-        leader.send(OP_PROFILE)
-        with leader.paused():
-            return min_across_ranks(self._decide_num_blocks())
+        return self.parallel.decide_num_blocks(self._decide_num_blocks)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
@@ -177,7 +199,7 @@ class ModelRunner:
         self._dummy_run(self.token_budget)
         torch.cuda.synchronize(dev)
         activations = torch.cuda.max_memory_allocated(dev) - before
-        vision = self._profile_vision_peak()
+        vision = max((h.profile_peak() for h in self._profilers), default=0)
         graph_pool = self._profile_graph_pool()
         self.kv_cache = None
         torch.cuda.empty_cache()
@@ -185,56 +207,18 @@ class ModelRunner:
         # Sampler temporaries of a full batch: fp32 logits, probabilities, sorted values
         # and int64 sort indices for top-p/top-k, per row of the vocabulary.
         sampler = self.config.max_num_seqs * self.model_config.vocab_size * 24
-        encoder_cache = self.encoder_cache_reserve()
+        encoder_cache = sum(h.profile_reserve() for h in self._profilers)
         return kv_blocks_for_memory(total=total, free=free, activations=activations, graph_pool=graph_pool,
                                     sampler=sampler, utilization=self.config.gpu_memory_utilization,
                                     per_block=per_block, weights_hint=before - kv_bytes, vision=vision,
                                     encoder_cache=encoder_cache)
-
-    def encoder_cache_reserve(self) -> int:
-        """Bytes of a full encoder cache (0 without one)."""
-        if self.encoder_cache is None:
-            return 0
-        from worker.engine.multimodal import encoder_cache_bytes
-
-        return encoder_cache_bytes(self.encoder_cache.max_tokens, self.model_config.hidden_size, self.dtype)
-
-    def dummy_vision_run(self) -> tuple[int, int]:
-        """Encode the largest batch one vision-tower call can get (``max_encode_grids``),
-        as ``EncoderCache._encode`` does (per-image patches on the device, concatenated);
-        returns (patches, embedding rows).  Nothing is cached."""
-        from worker.engine.multimodal import dummy_vision_batch
-
-        cache = self.encoder_cache
-        pixels, grids = dummy_vision_batch(self.model_config.vision_config, cache.image_config, self.token_budget)
-        sizes = [int(t * h * w) for t, h, w in grids.tolist()]
-        on_device = torch.cat([p.to(self.device) for p in pixels.split(sizes)])
-        del pixels
-        embs = self.model.encode_image(on_device, grids)
-        return on_device.shape[0], embs.shape[0]
-
-    def _profile_vision_peak(self) -> int:
-        """CUDA: the vision tower's activation peak (pixels, tower and embeddings) on the
-        largest batch one call encodes; 0 for models without images."""
-        if self.encoder_cache is None:
-            return 0
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        patches, rows = self.dummy_vision_run()
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        log.info("vision tower: %d patches (%d embeddings) in one call peak at %.2f GiB", patches, rows,
-                 peak / _GIB)
-        return max(peak, 0)
 
     def _profile_graph_pool(self) -> int:
         """Memory the CUDA-graph pool takes: the largest decode graph captured once
         (smaller ones share its pool) on the temporary cache, then dropped."""
         if self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return 0
-        if get_tp().active:  # a lone capture would wait on the other ranks' all-reduces
+        if self.parallel.lockstep:  # a lone capture would wait on the other ranks' all-reduces
             log.info("graph-pool memory not profiled under tensor parallelism")
             return 0
         dev = self.device
@@ -254,27 +238,15 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """``num_blocks`` usable blocks; on CUDA one more, a scratch block that padded
         rows of a CUDA-graph batch write into (never handed to a sequence)."""
-        if self.tp_leader is not None and self.tp_leader.sending:
-            from worker.engine.parallel.follower import OP_ALLOC
-
-            self.tp_leader.send(OP_ALLOC, (num_blocks, self.max_model_len))
+        self.parallel.before_alloc(num_blocks, self.max_model_len)
         mc = self.model_config
         extra = 1 if self.device.type == "cuda" else 0
         self.kv_cache = torch.zeros(kv_cache_shape(mc, num_blocks + extra, self.block_size), dtype=self.dtype,
                                     device=self.device)
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
-        if self.config.enable_return_routed_experts:
-            self._allocate_routing_store(num_blocks + extra)
-
-    def _allocate_routing_store(self, num_blocks: int) -> None:
-        """One row per KV slot: a prefix-cache hit reads the routing its block was
-        computed with, and recompute after preemption rewrites it."""
-        moe = self.model_config.moe
-        dtype = torch.uint8 if moe.num_experts <= 256 else torch.int32
-        self.routing_store = torch.zeros((num_blocks * self.block_size, moe.num_moe_layers, moe.top_k), dtype=dtype,
-                                         device=self.device)
-        self.model.set_routing_store(self.routing_store)
+        for hook in self._kv_hooks:
+            hook.on_kv_allocated(self, num_blocks + extra)
 
     def routed_experts(self, block_ids: Sequence[int], num_positions: int, start: int = 0) -> np.ndarray:
         """Routed experts of positions ``[start, num_positions)`` of a sequence with
@@ -292,9 +264,8 @@ class ModelRunner:
         self._lora_graphs.clear()
         self._graph_pool = None
         self.kv_cache = None
-        if self.routing_store is not None:
-            self.model.set_routing_store(None)
-            self.routing_store = None
+        for hook in self._kv_hooks:
+            hook.on_kv_released(self)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -362,55 +333,39 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Hidden states [T, H] of the step's tokens (the K/V are written to the cache);
-        ``run_layout`` picks a CUDA graph for decode-only steps."""
+        decode-only steps replay a CUDA graph.  Installed contributors add their inputs
+        first: a step they mark eager runs without a graph, one with adapter inputs
+        replays the graph set captured with them."""
         layout = self.layout(scheduled)
-        if self.encoder_cache is not None:
-            from worker.engine.multimodal import prepare_step
-
-            # Image requests: decode positions shifted by their M-RoPE delta (in place);
-            # steps prefilling their prompts run eagerly with [3, T] positions and the
-            # image embeddings.
-            pos3, mm = prepare_step(scheduled, layout.positions, self.encoder_cache)
-            if pos3 is not None or mm is not None:
-                return self._forward_multimodal(scheduled, layout, pos3, mm)
-        if self.lora is not None:
-            batch = self._lora_batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled],
-                                                            layout.query_lens)
-            if batch is not None:
-                graph = self._graph_for(layout, self._lora_graphs)
-                if graph is not None:
-                    return graph.run(self, layout, batch)
-                return self.execute(self.to_inputs(layout), batch)
-        return self.run_layout(layout)
-
-    def _forward_multimodal(self, scheduled: Sequence[ScheduledSeq], layout: StepLayout,
-                            pos3: Optional[np.ndarray], mm: Optional[tuple]) -> torch.Tensor:
-        inputs = self.to_inputs(layout)
-        lora = None
-        if self.lora is not None:
-            lora = self._lora_batch = self.lora.step_batch([s.seq.request.lora_key for s in scheduled],
-                                                           layout.query_lens)
-        positions = inputs.positions
-        if pos3 is not None:
-            positions = torch.from_numpy(pos3).to(self.device)
-        mm_embeds = None
-        if mm is not None:
-            rows, embeds = mm
-            mm_embeds = (torch.from_numpy(rows).to(self.device), torch.cat(embeds))
-        return self.model(inputs.input_ids, positions, inputs.attn, self.kv_cache, lora, mm_embeds=mm_embeds)
+        if not self._contributors:
+            return self.run_layout(layout)
+        extras = self._extras = StepExtras()
+        for contributor in self._contributors:
+            contributor.contribute(scheduled, layout, extras)
+        if extras.eager:
+            inputs = self.to_inputs(layout)
+            positions = inputs.positions if extras.positions is None else \
+                torch.from_numpy(extras.positions).to(self.device)
+            return self.model(inputs.input_ids, positions, inputs.attn, self.kv_cache, extras.lora,
+                              **extras.model_kwargs)
+        if extras.lora is None:
+            return self.run_layout(layout)
+        graph = self._graph_for(layout, self._lora_graphs)
+        if graph is not None:
+            return graph.run(self, layout, extras)
+        return self.execute(self.to_inputs(layout), extras.lora)
 
     def run_layout(self, layout: StepLayout) -> torch.Tensor:
         """Hidden states of a step given as host arrays (tensor-parallel followers
         enter here with the layout rank 0 broadcast)."""
-        if self.tp_leader is not None and self.tp_leader.sending:
-            self.tp_leader.step(layout)
+        self.parallel.before_step(layout)
         graph = self._graph_for(layout)
         if graph is not None:
             return graph.run(self, layout)
         return self.execute(self.to_inputs(layout))
 
     def execute(self, inputs: StepInputs, lora: Optional[Any] = None) -> torch.Tensor:
-        """The forward pass of prepared inputs (``lora``: the step's LoRABatch)."""
+        """The forward pass of prepared inputs (``lora``: the step's adapter argument)."""
         if lora is None:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache)
         return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache, lora)
@@ -418,14 +373,12 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """float32 logits [len(rows), V] of the selected batch rows."""
-        if self.tp_leader is not None and self.tp_leader.sending:
-            self.tp_leader.logits(rows)
+        self.parallel.before_logits(rows)
         index = torch.tensor(rows, dtype=torch.long)
         if self.device.type != "cpu":
             index = index.to(self.device, non_blocking=True)
-        step_lora = self._lora_batch
-        lora = step_lora.rows(np.asarray(rows)) if step_lora is not None and step_lora.targets_any(("lm_head",)) \
-            else None
+        extras = self._extras
+        lora = None if extras is None or extras.logits_inputs is None else extras.logits_inputs(rows)
         return self.model.compute_logits(hidden.index_select(0, index), lora)
 
     @torch.inference_mode()
@@ -453,14 +406,10 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        if self.tp_leader is not None and self.tp_leader.sending:
-            from worker.engine.parallel.follower import OP_CAPTURE, agree_on_graphs
+        # Tensor parallelism: every rank captures the same graphs in the same order.
+        self.parallel.capture_cuda_graphs(self, self._capture_cuda_graphs)
 
-            self.tp_leader.send(OP_CAPTURE)  # every rank captures the same graphs in the same order
-            with self.tp_leader.paused():
-                self.capture_cuda_graphs()
-                agree_on_graphs(self)  # a rank that fell back to eager makes every rank eager
-            return
+    def _capture_cuda_graphs(self) -> None:
         if not self.backend.supports_cuda_graphs:
             log.info("%s attention plans on the host; decode runs without CUDA graphs", self.backend.name)
             return
@@ -476,8 +425,8 @@ class ModelRunner:
                 self._graphs[bs] = _DecodeGraph.capture(self, bs, self._graph_pool)
                 # With LoRA serving, a second set for steps with adapter rows (vLLM's
                 # cudagraph_specialize_lora): base-only steps skip the LoRA launches.
-                if self.lora is not None:
-                    self._lora_graphs[bs] = _DecodeGraph.capture(self, bs, self._graph_pool, lora=True)
+                if self._graph_inputs is not None:
+                    self._lora_graphs[bs] = _DecodeGraph.capture(self, bs, self._graph_pool, self._graph_inputs)
         except Exception as e:  # a model whose attention can't be captured falls back to eager
             log.warning("CUDA graph capture failed (%s); running decode eagerly", e)
             self._graphs.clear()
@@ -510,8 +459,10 @@ class _DecodeGraph:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner: ModelRunner, batch_size: int, pool: Any, lora: bool = False) -> "_DecodeGraph":
-        """``lora``: the step applies each row's adapter from a static LoRABatch."""
+    def capture(cls, runner: ModelRunner, batch_size: int, pool: Any, inputs: Optional[Any] = None
+                ) -> "_DecodeGraph":
+        """``inputs``: a ``GraphInputs`` contributor; the step applies its static
+        adapter argument (each row's LoRA adapter)."""
         self = cls(batch_size)
         dev = runner.device
         width = runner.max_blocks_per_seq
@@ -530,11 +481,8 @@ class _DecodeGraph:
             max_query_len=1, max_seq_len=runner.max_model_len,
             context_lens_cpu=[runner.max_model_len - 1] * batch_size, positions=self.positions)
         model, kv, backend = runner.model, runner.kv_cache, runner.backend
-        self.lora = None
-        if lora:
-            from worker.engine.lora.batch import LoRABatch
-
-            self.lora = LoRABatch.static(batch_size, runner.lora.max_loras, dev)
+        self.inputs = inputs
+        self.lora = None if inputs is None else inputs.static_inputs(batch_size, dev)
         # Warm up outside the graph (lazy initialisations, kernel compilation), then capture.
         self.attn.plan = backend.plan(self.attn, runner.block_size)
         model(self.input_ids, self.positions, self.attn, kv, self.lora)
@@ -547,11 +495,11 @@ class _DecodeGraph:
             self.output = model(self.input_ids, self.positions, self.attn, kv, self.lora)
         return self
 
-    def run(self, runner: ModelRunner, layout: StepLayout, lora: Optional[Any] = None) -> torch.Tensor:
-        """``lora``: the step's LoRABatch (graphs captured with ``lora=True``)."""
+    def run(self, runner: ModelRunner, layout: StepLayout, extras: Optional[StepExtras] = None) -> torch.Tensor:
+        """``extras``: the step's contributed inputs (graphs captured with ``inputs``)."""
         n = len(layout.query_lens)
-        if self.lora is not None:
-            self.lora.fill(lora.token_slots)
+        if extras is not None:
+            self.inputs.fill_static(self.lora, extras)
         if layout.block_tables.shape[1] != runner.max_blocks_per_seq:  # the graph's static table width
             table = np.zeros((n, runner.max_blocks_per_seq), dtype=np.int32)
             table[:, :layout.block_tables.shape[1]] = layout.block_tables

@@ -12,9 +12,12 @@
 * KV-cache sizing on CUDA: ``dummy_vision_batch`` (the largest batch one vision-tower
   call can get, ``max_encode_grids``) and ``encoder_cache_bytes`` (a full cache), which
   ``ModelRunner._profile_cuda_blocks`` keeps out of the KV cache.
+* ``MultimodalInputs``: the model runner's hook (``runner_hooks``): each step's
+  positions and image embeddings, and the vision tower's part of the KV sizing.
 
 Prefix caching: the block manager folds the cache key (``mm_hash`` + grid) of every
-item overlapping a block into that block's hash (``block_mm_hashes``); the gateway
+item overlapping a block into that block's hash (``MultiModalState.block_keys``, by
+block, computed once per request and block size: ``block_mm_hashes``); the gateway
 computes the same keys for routing (``common.prefix_hash.prompt_routing_hashes``).
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ from worker.engine.models.mrope import mrope_positions
 
 log = logging.getLogger(__name__)
 
+_GIB = 1 << 30
+
 DEFAULT_ENCODER_CACHE_TOKENS = 16384  # image embeddings kept (rows of hidden size)
 # Patches per vision-tower call: a step's new images are encoded together (one set of
 # GEMMs for all of them) in groups of at most this many patches, which bounds the
@@ -56,6 +61,22 @@ class MultiModalState:
     # Encoder outputs pulled from an encoder worker (ec_transfer.py), by keyed mm_hash:
     # the request's own, so a full encoder cache cannot evict them before its prefill.
     embeds: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    _block_keys: Optional[tuple[int, dict[int, tuple[str, ...]]]] = dataclasses.field(
+        default=None, compare=False, repr=False)  # (block size, keys)
+
+    def block_keys(self, block_size: int) -> dict[int, tuple[str, ...]]:
+        """Block index -> the cache keys of the items overlapping that block (blocks
+        without images absent): what prefix caching folds into each block's hash."""
+        if self._block_keys is None or self._block_keys[0] != block_size:
+            keys: dict[int, tuple[str, ...]] = {}
+            if self.items:
+                last = max(it.offset + it.length for it in self.items)
+                for i in range(last // block_size + 1):
+                    images = block_mm_hashes(self, i * block_size, (i + 1) * block_size)
+                    if images:
+                        keys[i] = images
+            self._block_keys = (block_size, keys)
+        return self._block_keys[1]
 
 
 def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = None) -> Optional[MultiModalState]:
@@ -440,3 +461,61 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
             pos3[:, t0:t0 + p.shape[1]] = p
     mm = (np.concatenate(rows), embeds) if rows else None
     return pos3, mm
+
+
+class MultimodalInputs:
+    """Vision-language models' hook on the model runner (``runner_hooks``).
+
+    Input contributor: image requests' decode positions shifted by their M-RoPE delta
+    (in place, so decode keeps its CUDA graphs); steps prefilling their prompts run
+    eagerly with ``[3, T]`` positions and the image embeddings.  Memory profile: the
+    vision tower's peak on its largest batch and a full encoder cache."""
+
+    def __init__(self, runner: Any, cache: EncoderCache):
+        self.runner = runner
+        self.cache = cache
+        runner.encoder_cache = cache  # what the engine's features reach the cache through
+
+    def contribute(self, scheduled: Sequence[Any], layout: Any, extras: Any) -> None:
+        pos3, mm = prepare_step(scheduled, layout.positions, self.cache)
+        if pos3 is None and mm is None:
+            return
+        extras.eager = True
+        extras.positions = pos3
+        mm_embeds = None
+        if mm is not None:
+            rows, embeds = mm
+            mm_embeds = (torch.from_numpy(rows).to(self.runner.device), torch.cat(embeds))
+        extras.model_kwargs["mm_embeds"] = mm_embeds
+
+    # --- KV-cache sizing (MemoryProfileHook) -----------------------------------------
+    def profile_reserve(self) -> int:
+        """Bytes of a full encoder cache."""
+        r = self.runner
+        return encoder_cache_bytes(self.cache.max_tokens, r.model_config.hidden_size, r.dtype)
+
+    def dummy_vision_run(self) -> tuple[int, int]:
+        """Encode the largest batch one vision-tower call can get (``max_encode_grids``),
+        as ``EncoderCache._encode`` does (per-image patches on the device, concatenated);
+        returns (patches, embedding rows).  Nothing is cached."""
+        r = self.runner
+        pixels, grids = dummy_vision_batch(r.model_config.vision_config, self.cache.image_config, r.token_budget)
+        sizes = [int(t * h * w) for t, h, w in grids.tolist()]
+        on_device = torch.cat([p.to(r.device) for p in pixels.split(sizes)])
+        del pixels
+        embs = r.model.encode_image(on_device, grids)
+        return on_device.shape[0], embs.shape[0]
+
+    def profile_peak(self) -> int:
+        """CUDA: the vision tower's activation peak (pixels, tower and embeddings) on the
+        largest batch one call encodes."""
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        patches, rows = self.dummy_vision_run()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        log.info("vision tower: %d patches (%d embeddings) in one call peak at %.2f GiB", patches, rows,
+                 peak / _GIB)
+        return max(peak, 0)

@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -100,8 +100,34 @@ def agree_on_graphs(runner) -> None:
         runner._graphs.clear()
 
 
+class TPFollower:
+    """A follower rank's runner hook (``runner_hooks.ParallelHook``): its calls come
+    from ``serve_follower``, in lockstep with rank 0."""
+
+    lockstep = True
+
+    def decide_num_blocks(self, decide: Callable[[], int]) -> int:
+        return decide()
+
+    def before_alloc(self, num_blocks: int, max_model_len: int) -> None:
+        pass
+
+    def before_step(self, layout: StepLayout) -> None:
+        pass
+
+    def before_logits(self, rows: Sequence[int]) -> None:
+        pass
+
+    def capture_cuda_graphs(self, runner, capture: Callable[[], None]) -> None:
+        capture()  # serve_follower then agrees on the graphs with every rank
+
+
 class TPLeader:
-    """Rank 0's handle on its followers."""
+    """Rank 0's handle on its followers, and its runner's hook
+    (``runner_hooks.ParallelHook``): every model call of rank 0's runner is mirrored
+    to the followers (sizing, allocation and capture run on every rank in lockstep)."""
+
+    lockstep = True
 
     def __init__(self, procs: list, init_dir: str):
         self.procs = procs
@@ -133,6 +159,34 @@ class TPLeader:
 
     def logits(self, rows: Sequence[int]) -> None:
         self.send(OP_LOGITS, (), np.asarray(rows, dtype=np.int64))
+
+    # --- the runner's hook ----------------------------------------------------------
+    def decide_num_blocks(self, decide: Callable[[], int]) -> int:
+        """KV blocks: every rank sizes its own cache (in lockstep) and the smallest count wins."""
+        self.send(OP_PROFILE)
+        with self.paused():
+            return min_across_ranks(decide())
+
+    def before_alloc(self, num_blocks: int, max_model_len: int) -> None:
+        if self.sending:
+            self.send(OP_ALLOC, (num_blocks, max_model_len))
+
+    def before_step(self, layout: StepLayout) -> None:
+        if self.sending:
+            self.step(layout)
+
+    def before_logits(self, rows: Sequence[int]) -> None:
+        if self.sending:
+            self.logits(rows)
+
+    def capture_cuda_graphs(self, runner, capture: Callable[[], None]) -> None:
+        if not self.sending:
+            capture()
+            return
+        self.send(OP_CAPTURE)  # every rank captures the same graphs in the same order
+        with self.paused():
+            capture()
+            agree_on_graphs(runner)  # a rank that fell back to eager makes every rank eager
 
     def shutdown(self, timeout: float = 10.0) -> None:
         try:
@@ -185,6 +239,7 @@ def follower_main(config: EngineConfig, rank: int, world: int, init_method: str)
         model, backend, _ = build_model(config, mc, device)
         runner = ModelRunner(config, mc, model, config.resolve_max_model_len(mc.max_position_embeddings), backend,
                              device=device)
+        runner.set_parallel(TPFollower())
         serve_follower(runner)
     except RuntimeError as e:  # rank 0 went away mid-collective
         log.warning("tensor-parallel rank %d stops: %s", rank, e)
