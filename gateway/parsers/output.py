@@ -46,15 +46,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from gateway.parsers.types import ParsedToolCall
+
 REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
 # llama4_json and qwen3_json are vLLM aliases of the same two parser classes
 TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "llama4_json", "qwen3_json")
-
-
-@dataclass(frozen=True)
-class ParsedToolCall:
-    name: str
-    arguments: str  # JSON text (json.dumps(..., ensure_ascii=False)), as function.arguments
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.parsers.output import ParsedToolCall
+from gateway.parsers.types import ParsedToolCall
 from gateway.parsers.reasoning import partial_suffix_len
 
 HERMES_START = "<tool_call>"
