@@ -27,6 +27,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.model_config import ModelConfig
 from worker.engine.parallel.sharding import head_shard, split
 from worker.engine.parallel.state import destroy_tensor_parallel, get_tp, init_tensor_parallel
+from worker.engine.runner_hooks import LocalRun
 
 log = logging.getLogger(__name__)
 
@@ -100,26 +101,12 @@ def agree_on_graphs(runner) -> None:
         runner._graphs.clear()
 
 
-class TPFollower:
-    """A follower rank's runner hook (``runner_hooks.ParallelHook``): its calls come
-    from ``serve_follower``, in lockstep with rank 0."""
+class TPFollower(LocalRun):
+    """A follower rank's runner hook (``runner_hooks.ParallelHook``): its runner's calls
+    come from ``serve_follower``, in lockstep with rank 0 (which also agrees on the
+    captured graphs after a capture)."""
 
     lockstep = True
-
-    def decide_num_blocks(self, decide: Callable[[], int]) -> int:
-        return decide()
-
-    def before_alloc(self, num_blocks: int, max_model_len: int) -> None:
-        pass
-
-    def before_step(self, layout: StepLayout) -> None:
-        pass
-
-    def before_logits(self, rows: Sequence[int]) -> None:
-        pass
-
-    def capture_cuda_graphs(self, runner, capture: Callable[[], None]) -> None:
-        capture()  # serve_follower then agrees on the graphs with every rank
 
 
 class TPLeader:
