@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from common.errors import BadRequest
+from gateway.chat.jinja_env import RenderLimits
 from gateway.chat_template import ChatTemplate, ChatTemplateError
 from gateway.multimodal import expand_image_placeholders
 from gateway.openai_api import sampling
@@ -30,6 +31,11 @@ class RenderOptions:
     enable_auto_tool_choice: bool = False
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    # --max-prompt-chars: the longest prompt text tokenized (each /tokenize or completion
+    # prompt, all of a completion request's prompts together, a rendered chat), and the
+    # most a chat template may build; refused before the tokenizer sees it.
+    max_prompt_chars: int = 8 * 1024 * 1024
+    chat_template_timeout_s: float = 5.0  # --chat-template-timeout
 
 
 @dataclass
@@ -87,10 +93,19 @@ class Renderer:
     def __init__(self, model: TextModel, options: RenderOptions = RenderOptions()):
         self.model = model
         self.options = options
+        self.limits = RenderLimits(timeout_s=options.chat_template_timeout_s, max_chars=options.max_prompt_chars)
         tok = model.tokenizer
         specials = [t for t in tok.convert_ids_to_tokens(tok.all_special_ids) if t]
         self.parser = (OutputParser(options.reasoning_parser, options.tool_call_parser, special_tokens=specials)
                        if options.reasoning_parser or options.tool_call_parser else None)
+
+    def check_prompt_chars(self, chars: int, param: Optional[str] = "prompt") -> None:
+        """Tokenizing costs time and memory in proportion to the text (a 20 MB prompt took
+        seconds and gigabytes): refuse text over --max-prompt-chars before it starts."""
+        limit = self.options.max_prompt_chars
+        if chars > limit:
+            raise BadRequest(f"The prompt has {chars} characters, more than the limit of {limit} "
+                             f"(--max-prompt-chars).", param)
 
     # ------------------------------------------------------------------ chat
     def chat_template_kwargs(self, request: ChatCompletionRequest) -> dict:
@@ -118,7 +133,8 @@ class Renderer:
             return template.render(messages, tools=tools, documents=documents,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs, images=image_urls)
+                                   chat_template_kwargs=chat_template_kwargs, images=image_urls,
+                                   limits=self.limits)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -212,6 +228,7 @@ class Renderer:
             items = [list(prompt)]
         else:
             items = list(prompt)
+        self.check_prompt_chars(sum(len(item) for item in items if isinstance(item, str)))
         out = []
         for item in items:
             if isinstance(item, str):
