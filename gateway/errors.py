@@ -24,7 +24,15 @@ class PayloadTooLarge(ServingError):
     type = "RequestEntityTooLarge"
 
 
+# Error messages that quote the request (a bad value, a decoder's path) are cut here,
+# whatever built them: a 400 must not be megabytes.
+MAX_ERROR_MESSAGE_CHARS = 4096
+
+
 def error_json(message: str, type: str, status: int, param: Optional[str] = None) -> bytes:
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        cut = len(message) - MAX_ERROR_MESSAGE_CHARS
+        message = f"{message[:MAX_ERROR_MESSAGE_CHARS]}... ({cut} more characters)"
     return json_encoder.encode(ErrorResponse(ErrorInfo(message=message, type=type, param=param, code=status)))
 
 
