@@ -43,10 +43,11 @@ def big(procs, chat_model):
 
 @pytest.fixture(scope="module")
 def small(procs, chat_model):
-    """Small limits: a 100k-character cap, request templates, 1 s header/body deadlines."""
+    """Small limits: a 100k-character cap, request templates, 1 s header/body deadlines,
+    2 s per template render."""
     return start_gateway(procs, NO_BROKER, "--render-only", "--tokenizer", str(chat_model),
                          "--trust-request-chat-template", "--max-prompt-chars", "100000",
-                         "--header-read-timeout", "1", "--body-read-timeout", "1")
+                         "--header-read-timeout", "1", "--body-read-timeout", "1", "--chat-template-timeout", "2")
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +199,37 @@ def test_runaway_chat_templates_are_stopped(small, template, limit):
     assert ok.status_code == 200, ok.text[:300]
 
 
+def test_slow_chat_template_hits_the_render_time_limit(small):
+    # Under the step budget (5 steps an iteration) but seconds of string work.
+    template = "{% for i in range(100000) %}{% set x = ('ab' * 40000).upper().lower().upper() %}{% endfor %}done"
+    r = post(small, {"messages": [{"role": "user", "content": "hi"}], "chat_template": template},
+             path="/v1/chat/completions/render")
+    assert r.status_code == 400, r.text[:300]
+    assert "--chat-template-timeout" in _error(r)["message"], r.text[:300]
+    assert httpx.get(small.url + "/health").status_code == 200
+
+
+def test_a_flood_of_render_jobs_gets_503(tmp_path, chat_model):
+    with ProcGroup(tmp_path) as group:
+        gw = start_gateway(group, NO_BROKER, "--render-only", "--tokenizer", str(chat_model),
+                           "--render-workers", "1", "--render-queue", "0")
+        sock = _raw_request(gw.port, "/tokenize", json.dumps({"prompt": "hello world " * 500_000}).encode())
+        refused = None
+        with httpx.Client(base_url=gw.url, timeout=60) as client:
+            # While the big job holds the only thread, a second job has no place.
+            while refused is None and not select.select([sock], [], [], 0)[0]:
+                r = client.post("/tokenize", json={"prompt": "hi"})
+                if r.status_code == 503:
+                    refused = r
+                else:
+                    assert r.status_code == 200, r.text[:300]
+        status, _ = _read_answer(sock)
+        assert status == 200
+        assert refused is not None, "no request was refused while the only render thread was busy"
+        assert "--render-queue" in _error(refused)["message"]
+        assert post(gw, {"prompt": "hi"}, path="/tokenize").status_code == 200  # the slot is free again
+
+
 def _rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -271,6 +303,17 @@ def test_slow_headers_are_cut_off(small):
         s.close()
     assert len(answers) == len(socks), f"{len(socks) - len(answers)} slow connections still open after 30 s"
     assert any(a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
+
+
+def test_oversized_headers_get_431(small):
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Big: " + b"a" * 100_000 + b"\r\n")
+    got = _closed_with(sock, time.monotonic() + 30)
+    while got is None:
+        time.sleep(0.05)
+        got = _closed_with(sock, time.monotonic() + 30)
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 431"), got[:300]
 
 
 def test_slow_body_is_cut_off_with_408(small):
