@@ -83,6 +83,7 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
             self._header_timer: Optional[asyncio.TimerHandle] = None
             self._header_bytes = 0
             self._awaiting_headers = False
+            self._begun = False  # a request's first byte has arrived, its headers have not
             # A connection that never sends a byte is held to the same deadline:
             # uvicorn arms its keep-alive timer only after a first response.
             self._await_headers()
@@ -96,6 +97,7 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
 
         def _headers_arrived(self) -> None:
             self._awaiting_headers = False
+            self._begun = False
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
@@ -105,6 +107,7 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
             # and uvicorn's keep-alive timer is what closes it.
             super().on_message_begin()
             self._await_headers()
+            self._begun = True
 
         def on_headers_complete(self) -> None:
             self._headers_arrived()
@@ -125,7 +128,14 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
-            if self._awaiting_headers and not self.transport.is_closing():
+            if not self._awaiting_headers or self.transport.is_closing():
+                return
+            if not self._begun:
+                # Never sent a byte (a pre-opened pooled connection): close quietly, as the
+                # keep-alive timeout does; an unasked-for 408 could be read as the answer
+                # to the request a client sends on it next.
+                self.transport.close()
+            else:
                 self._refuse(408, "Request Timeout",
                              f"request headers not received within {header_timeout_s:g} s (--header-read-timeout)")
 

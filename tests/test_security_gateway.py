@@ -182,7 +182,17 @@ NESTED_RANGES = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }
 BIG_STRING = "{{ 'a' * 10**7 }}"
 
 
-@pytest.mark.parametrize("template, limit", [(NESTED_RANGES, "steps"), (BIG_STRING, "--max-prompt-chars")])
+DOUBLING = ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+            "{{ ns.s }}")
+LIST_LOOPS = ("{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, limit", [
+    (NESTED_RANGES, "steps"), (LIST_LOOPS, "steps"), (BIG_STRING, "--max-prompt-chars"),
+    (DOUBLING, "--max-prompt-chars"), ("{{ 'x'|center(10**9) }}", "--max-prompt-chars"),
+    ("{{ '{:>999999999}'.format(1) }}", "--max-prompt-chars"), ("{{ '%999999999d' % 1 }}", "--max-prompt-chars"),
+    ("{{ messages }}" + "x" * 200_000, "limit of 131072"),
+])
 def test_runaway_chat_templates_are_stopped(small, template, limit):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template}
     t0 = time.monotonic()
@@ -303,6 +313,13 @@ def test_slow_headers_are_cut_off(small):
         s.close()
     assert len(answers) == len(socks), f"{len(socks) - len(answers)} slow connections still open after 30 s"
     assert any(a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
+
+
+def test_idle_connection_is_closed_quietly(small):
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.settimeout(30)  # the server closes it after its 1 s header deadline
+    assert sock.recv(100) == b""  # closed, with no unasked-for answer
+    sock.close()
 
 
 def test_oversized_headers_get_431(small):
