@@ -153,7 +153,7 @@ class _Budget:
     def check_size(self, size: int, what: str) -> None:
         if size > self.limits.max_chars:
             raise RenderLimitExceeded(
-                f"The chat template would build {what} of {size} items, over the limit of "
+                f"The chat template would build {what} of length {size}, over the limit of "
                 f"{self.limits.max_chars} characters (--max-prompt-chars).")
 
 
@@ -233,6 +233,10 @@ def _precheck_str_method(budget: _Budget, obj: Any, args: tuple, kwargs: dict) -
         _check_ints(budget, list(args) + list(kwargs.values()))
 
 
+# Filters whose int arguments are widths or counts of what they build.
+_SIZED_FILTERS = frozenset({"center", "indent", "wordwrap", "batch", "slice", "format", "tojson", "truncate"})
+
+
 def _guard_filter(name: str, func):
     """A filter wrapped to charge a step, refuse size arguments over the cap before
     running and check what it returns (filters are called directly, not through the
@@ -246,7 +250,8 @@ def _guard_filter(name: str, func):
             rest = [a for a in args if not isinstance(a, (jinja2.Environment, jinja2.runtime.Context,
                                                           jinja2.nodes.EvalContext))]
             value, extra = (rest[0], rest[1:]) if rest else (None, [])
-            _check_ints(budget, list(extra) + list(kwargs.values()))
+            if name in _SIZED_FILTERS:
+                _check_ints(budget, list(extra) + list(kwargs.values()))
             if name == "indent" and isinstance(value, str):
                 width = extra[0] if extra else kwargs.get("width", 4)
                 width = len(width) if isinstance(width, str) else width
