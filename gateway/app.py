@@ -55,7 +55,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
         client=client,
         cluster=ClusterInfoCache(client, ttl=settings.info_ttl_s, timeout=settings.info_timeout_s),
         metrics=GatewayMetrics(),
-        render_pool=RenderPool(settings.render_workers, settings.render_queue),
+        render_pool=RenderPool(settings.render_workers, settings.render_queue, settings.max_prompt_chars),
         trimmer=MemoryTrimmer(),
     )
     renderer = make_renderer(settings)

@@ -19,6 +19,7 @@ import gc
 import logging
 import os
 import time
+from collections import deque
 from typing import Any, Callable, Optional
 
 from common.errors import Overloaded
@@ -31,30 +32,84 @@ def default_render_workers() -> int:
 
 
 class RenderPool:
-    def __init__(self, workers: int, queue: int):
+    """``workers`` threads; at most ``workers + queue`` jobs admitted (running or
+    waiting), the rest get 503.  Each job also carries a ``weight``, the size of its
+    request body: jobs run together only while their weights add up to at most
+    ``weight_budget`` (the gateway passes --max-prompt-chars), because tokenizing
+    costs ~200 bytes of memory per character (a 10 MB chat peaked at 2.5 GB), so
+    several big prompts at once could exhaust the machine.  A job heavier than the
+    budget runs alone.  Heavy jobs wait first come, first served; light ones (up to
+    budget/8) do not wait for them."""
+
+    def __init__(self, workers: int, queue: int, weight_budget: int = 8 * 1024 * 1024):
         self.workers = workers
         self.queue = queue
+        self.weight_budget = weight_budget
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tokserve-render")
-        self._pending = 0  # jobs submitted and not finished, running or queued
+        self._pending = 0  # jobs admitted and not finished: waiting for weight, queued or running
+        self._weight = 0  # weight of the jobs submitted to the executor and not finished
+        self._waiters: deque = deque()  # (weight, future) of jobs waiting for weight, in arrival order
 
     @property
     def pending(self) -> int:
         return self._pending
 
-    async def run(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+    async def run(self, fn: Callable[..., Any], *args, weight: int = 0, **kwargs) -> Any:
         if self._pending >= self.workers + self.queue:
             raise Overloaded(f"The gateway's render queue is full ({self.workers} workers, {self.queue} queued: "
                              f"--render-workers, --render-queue); retry later.")
-        loop = asyncio.get_running_loop()
+        # Light jobs (most requests) are not weighed, so they never wait behind a heavy
+        # one; their memory is bounded by workers x budget/8 anyway.
+        weight = min(weight, self.weight_budget) if weight > self.weight_budget // 8 else 0
         self._pending += 1
-        future = self._executor.submit(functools.partial(fn, *args, **kwargs))
-        # Counted down when the thread is done with it, not when the awaiting request
-        # goes away: a cancelled request's job may still be running.
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        try:
+            await self._admit(weight)
+        except BaseException:
+            self._pending -= 1
+            raise
+        loop = asyncio.get_running_loop()
+        try:
+            future = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        except BaseException:
+            self._finished(weight)
+            raise
+        # Released when the thread is done with it, not when the awaiting request goes
+        # away: a cancelled request's job may still be running.
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finished, weight))
         return await asyncio.wrap_future(future)
 
-    def _done(self) -> None:
+    async def _admit(self, weight: int) -> None:
+        if weight == 0:
+            return
+        if not self._waiters and self._weight + weight <= self.weight_budget:
+            self._weight += weight
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiters.append((weight, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._weight -= weight  # granted just as the request went away
+            self._wake()  # a cancelled waiter at the head no longer holds the others back
+            raise
+
+    def _wake(self) -> None:
+        while self._waiters:
+            weight, granted = self._waiters[0]
+            if granted.done():
+                self._waiters.popleft()
+                continue
+            if self._weight + weight > self.weight_budget:
+                break
+            self._waiters.popleft()
+            self._weight += weight
+            granted.set_result(None)
+
+    def _finished(self, weight: int) -> None:
         self._pending -= 1
+        self._weight -= weight
+        self._wake()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

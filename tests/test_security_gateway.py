@@ -355,3 +355,47 @@ def test_slow_body_is_cut_off_with_408(small):
     error = json.loads(body)["error"]
     assert "--body-read-timeout" in error["message"] and error["code"] == 408
     assert httpx.get(small.url + "/health").status_code == 200
+
+
+def test_render_pool_runs_heavy_jobs_one_at_a_time():
+    """Jobs whose weights (body sizes) exceed the budget together never overlap; light
+    ones run beside them; a full pool refuses with Overloaded (503)."""
+    import asyncio
+    import threading
+
+    from common.errors import Overloaded
+    from gateway.render_pool import RenderPool
+
+    running, peak, lock = [], [], threading.Lock()
+    release = threading.Event()
+
+    def job(name: str) -> str:
+        with lock:
+            running.append(name)
+            peak.append(tuple(sorted(running)))
+        release.wait(10)
+        with lock:
+            running.remove(name)
+        return name
+
+    async def main():
+        pool = RenderPool(workers=4, queue=0, weight_budget=80)
+        heavy = [asyncio.ensure_future(pool.run(job, f"heavy{i}", weight=64)) for i in range(2)]
+        light = asyncio.ensure_future(pool.run(job, "light", weight=2))
+        heavy.append(asyncio.ensure_future(pool.run(job, "huge", weight=1000)))  # over the budget: runs alone
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):  # 4 admitted (running or waiting for weight), no queue
+            await pool.run(job, "one-too-many")
+        # The first heavy and the light job start; nothing else fits beside them.
+        for _ in range(200):
+            if len(running) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(running) == ["heavy0", "light"]
+        release.set()
+        assert await asyncio.gather(*heavy, light) == ["heavy0", "heavy1", "huge", "light"]
+        assert pool.pending == 0
+        pool.close()
+
+    asyncio.run(main())
+    assert all(sum(name.startswith(("heavy", "huge")) for name in snapshot) <= 1 for snapshot in peak), peak

@@ -54,13 +54,15 @@ class TextRoutes:
             raise ServingError("Unsupported Media Type: Only 'application/json' is allowed", status=400,
                                type="BadRequestError")
         body = await read_body(req, self.state.settings.max_body_bytes)
+        req.context.body_bytes = len(body)
         return decode_json(decoder, body)
 
-    async def offload(self, fn, *args, **kwargs):
+    async def offload(self, req, fn, *args, **kwargs):
         """Tokenizing, template rendering, detokenizing and encoding big answers take
         time in proportion to the input (seconds for megabytes): they run on the render
-        pool so the event loop keeps serving everything else."""
-        return await self.state.render_pool.run(fn, *args, **kwargs)
+        pool so the event loop keeps serving everything else.  The body's size stands
+        for the job's memory (RenderPool's weight)."""
+        return await self.state.render_pool.run(fn, *args, weight=req.context.get("body_bytes", 0), **kwargs)
 
     def render_only(self) -> bool:
         return self.state.settings.render_only
@@ -100,7 +102,7 @@ class ChatCompletions(TextRoutes):
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
         images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
-        rendered = await self.offload(self.renderer.chat, request, max_len,
+        rendered = await self.offload(req, self.renderer.chat, request, max_len,
                                       base_request_id(req.get_header("X-Request-Id"), request.request_id),
                                       images=images)
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
@@ -118,7 +120,7 @@ class Completions(TextRoutes):
         request = await self.decode(req, completion_request_decoder)
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
-        rendered = await self.offload(self.renderer.completion, request, max_len,
+        rendered = await self.offload(req, self.renderer.completion, request, max_len,
                                       base_request_id(req.get_header("X-Request-Id"), request.request_id))
         mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
         view = ResponseView.of(request, request.logprobs, self.state.settings)
@@ -181,7 +183,7 @@ class ChatRender(TextRoutes):
         def render() -> bytes:
             return json_encoder.encode(self.renderer.chat(request, max_len, base_id, images=images).generate)
 
-        resp.data = await self.offload(render)
+        resp.data = await self.offload(req, render)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -195,7 +197,7 @@ class CompletionRender(TextRoutes):
         def render() -> bytes:
             return json_encoder.encode([r.generate for r in self.renderer.completion(request, max_len, base_id)])
 
-        resp.data = await self.offload(render)
+        resp.data = await self.offload(req, render)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -205,7 +207,7 @@ class ChatDerender(TextRoutes):
         model = await self.check_model(body.model)
         max_len, max_logprobs, _ = await self.limits()
         derenderer = Derenderer(self.renderer, max_len, max_logprobs)
-        resp.data = await self.offload(derenderer.chat_stream if body.stream else derenderer.chat, body, model)
+        resp.data = await self.offload(req, derenderer.chat_stream if body.stream else derenderer.chat, body, model)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -215,7 +217,7 @@ class CompletionDerender(TextRoutes):
         model = await self.check_model(body.model)
         max_len, max_logprobs, _ = await self.limits()
         derenderer = Derenderer(self.renderer, max_len, max_logprobs)
-        resp.data = await self.offload(derenderer.completion_stream if body.stream else derenderer.completion,
+        resp.data = await self.offload(req, derenderer.completion_stream if body.stream else derenderer.completion,
                                        body, model)
         resp.content_type = falcon.MEDIA_JSON
 
@@ -236,7 +238,7 @@ class Tokenize(TextRoutes):
             self.renderer.check_prompt_chars(len(request.prompt))
         else:
             raise ServingError("Either `prompt` or `messages` must be given.", status=400, type="BadRequestError")
-        resp.data = await self.offload(self._tokenize, request, images, max_len)
+        resp.data = await self.offload(req, self._tokenize, request, images, max_len)
         resp.content_type = falcon.MEDIA_JSON
 
     def _tokenize(self, request, images, max_len: int) -> bytes:
@@ -265,7 +267,7 @@ class Detokenize(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, detokenize_request_decoder)
         await self.check_model(request.model)
-        resp.data = await self.offload(self._detokenize, request.tokens)
+        resp.data = await self.offload(req, self._detokenize, request.tokens)
         resp.content_type = falcon.MEDIA_JSON
 
     def _detokenize(self, tokens: list[int]) -> bytes:
