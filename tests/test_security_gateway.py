@@ -140,7 +140,7 @@ def test_prompt_over_the_character_cap_is_a_400_naming_it(small):
     assert ok.status_code == 200 and ok.json()["count"] == 1000
 
 
-@pytest.mark.parametrize("depth", [200_000, 5_000])
+@pytest.mark.parametrize("depth", [200_000, 5_000, 900])
 @pytest.mark.parametrize("path", ["/v1/chat/completions/render", "/tokenize", "/v1/completions/render"])
 def test_deeply_nested_json_is_a_400(small, path, depth):
     nested = "[" * depth + "]" * depth
@@ -149,19 +149,19 @@ def test_deeply_nested_json_is_a_400(small, path, depth):
              "/v1/chat/completions/render":
                  '"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {"a": %s}' % nested}[path]
     r = post(small, "{" + field + "}", path=path)
-    if depth > 10_000:  # past the JSON decoder's depth limit
+    if depth > 1000:  # past the JSON decoder's depth limit (Python's recursion limit)
         assert r.status_code == 400, r.text[:300]
         assert "nested too deeply" in _error(r)["message"]
     else:  # decodes: whatever the route does with it, never a 500
         assert r.status_code in (200, 400), r.text[:300]
 
 
-@pytest.mark.parametrize("depth", [200_000, 5_000])
+@pytest.mark.parametrize("depth", [200_000, 5_000, 900])
 def test_deeply_nested_generate_body_is_a_400(tokens_gw, depth):
     body = '{"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}, "kv_transfer_params": {"a": %s}}' % (
         "[" * depth + "]" * depth)
     r = post(tokens_gw, body)
-    if depth > 10_000:
+    if depth > 1000:
         assert r.status_code == 400, r.text[:300]
         assert "nested too deeply" in _error(r)["message"]
     else:
