@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway_helpers import GENERATE, gen_body, post, start_gateway
+from tests.gateway_helpers import gen_body, post, start_gateway
 from tests.procs import ProcGroup, wait_for, wait_for_workers
 from tests.test_openai_http import build_chat_model
 

@@ -124,6 +124,9 @@ class RenderLimits:
     max_steps: int = 1_000_000
     timeout_s: float = 5.0
     max_chars: int = 8 * 1024 * 1024
+    # Lists / tuples / dicts: one filter on a list (sort, unique, join) is one step, so
+    # its length bounds how long that step holds the GIL.
+    max_items: int = 1_000_000
 
 
 class RenderLimitExceeded(Exception):
@@ -156,6 +159,18 @@ class _Budget:
                 f"The chat template would build {what} of length {size}, over the limit of "
                 f"{self.limits.max_chars} characters (--max-prompt-chars).")
 
+    def check_items(self, size: int) -> None:
+        if size > self.limits.max_items:
+            raise RenderLimitExceeded(f"The chat template would build a list of {size} items, over the limit of "
+                                      f"{self.limits.max_items}.")
+
+    def check_value_size(self, value: Any, what: str, size: int) -> None:
+        """``size``: the length ``value`` (a str, or a list/tuple/dict) would have."""
+        if isinstance(value, str):
+            self.check_size(size, what)
+        else:
+            self.check_items(size)
+
 
 # Renders run in executor threads, several at once: each has its own budget.
 _BUDGET: contextvars.ContextVar[Optional[_Budget]] = contextvars.ContextVar("tokserve_template_budget",
@@ -166,15 +181,13 @@ def _budget() -> Optional[_Budget]:
     return _BUDGET.get()
 
 
-def _sized(value: Any) -> Optional[int]:
-    return len(value) if isinstance(value, (str, list, tuple, dict)) else None
-
-
 def _check_result(value: Any) -> Any:
     budget = _budget()
-    size = _sized(value)
-    if budget is not None and size is not None:
-        budget.check_size(size, "a value")
+    if budget is not None:
+        if isinstance(value, str):
+            budget.check_size(len(value), "a value")
+        elif isinstance(value, (list, tuple, dict)):
+            budget.check_items(len(value))
     return value
 
 
@@ -186,14 +199,24 @@ def _check_ints(budget: _Budget, values) -> None:
             budget.check_size(v, "a value")
 
 
-_DIGITS = re.compile(r"\d+")
+# Widths and precisions: "%-10.3f" (printf style) and "{:>10.3}" (str.format specs).
+_PERCENT_SPEC = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d+))?")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+_SPEC_NUMBER = re.compile(r"\d+")
+_NESTED_SPEC = re.compile(r"\{[^{}]*:[^{}]*\{")
 
 
 def _check_format_widths(budget: _Budget, fmt: str) -> None:
-    """'%1000000000s' % x and '{:>1000000000}'.format(x): a width in the format string."""
-    for m in _DIGITS.finditer(fmt):
-        if len(m.group()) > 12 or int(m.group()) > budget.limits.max_chars:
-            budget.check_size(int(m.group()), "a formatted value")
+    """'%1000000000s' % x and '{:>1000000000}'.format(x): a width or precision in the
+    format string over the cap (numbers elsewhere in the text are not widths)."""
+    numbers = [n for m in _PERCENT_SPEC.finditer(fmt) for n in m.groups() if n]
+    numbers += [n for m in _BRACE_SPEC.finditer(fmt) for n in _SPEC_NUMBER.findall(m.group(1))]
+    for n in numbers:
+        # Past 12 digits the int() itself would be the cost (and Python refuses 4300+).
+        if len(n) > 12 or int(n) > budget.limits.max_chars:
+            raise RenderLimitExceeded(
+                f"The chat template formats a value {n[:20]}{'...' if len(n) > 20 else ''} wide, over the "
+                f"limit of {budget.limits.max_chars} characters (--max-prompt-chars).")
 
 
 def _replace_size(s: str, old: str, new: str, count: int = -1) -> int:
@@ -230,11 +253,12 @@ def _precheck_str_method(budget: _Budget, obj: Any, args: tuple, kwargs: dict) -
             budget.check_size(size, "a string")
     elif name in ("format", "format_map"):
         _check_format_widths(budget, owner)
-        _check_ints(budget, list(args) + list(kwargs.values()))
+        if _NESTED_SPEC.search(owner):  # '{0:{1}}': a width taken from the arguments
+            _check_ints(budget, list(args) + list(kwargs.values()))
 
 
 # Filters whose int arguments are widths or counts of what they build.
-_SIZED_FILTERS = frozenset({"center", "indent", "wordwrap", "batch", "slice", "format", "tojson", "truncate"})
+_SIZED_FILTERS = frozenset({"center", "indent", "wordwrap", "batch", "slice", "tojson", "truncate"})
 
 
 def _guard_filter(name: str, func):
@@ -269,6 +293,8 @@ def _guard_filter(name: str, func):
                     budget.check_size(size, "a string")
             elif name == "format" and isinstance(value, str):
                 _check_format_widths(budget, value)
+                if "*" in value:  # "%*d": the width is an argument
+                    _check_ints(budget, list(extra) + list(kwargs.values()))
         return _check_result(func(*args, **kwargs))
 
     guarded.__name__ = getattr(func, "__name__", name)
@@ -352,7 +378,7 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
-                        budget.check_size(len(seq) * max(n, 0), "a repeated value")
+                        budget.check_value_size(seq, "a repeated value", len(seq) * max(n, 0))
             elif operator == "**":
                 if (isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
                         and right * abs(left).bit_length() > 64 * 1024):
@@ -360,9 +386,11 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
                                               f"{64 * 1024} bits.")
             elif operator == "+":
                 if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-                    budget.check_size(len(left) + len(right), "a value")
+                    budget.check_value_size(left, "a value", len(left) + len(right))
             elif operator == "%" and isinstance(left, str):
                 _check_format_widths(budget, left)
+                if "*" in left:  # '%*d' % (width, x)
+                    _check_ints(budget, right if isinstance(right, tuple) else (right,))
         return _check_result(self.binop_table[operator](left, right))
 
 
@@ -372,6 +400,20 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     for name, func in list(env.filters.items()):
         env.filters[name] = _guard_filter(name, func)
+    lipsum = env.globals["lipsum"]
+
+    def guarded_lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's parameter names
+        # Jinja's lorem ipsum generator loops n x max words in one call, outside the step budget.
+        budget = _budget()
+        if budget is not None:
+            budget.charge()
+            for v in (n, min, max):
+                if not isinstance(v, int) or v > 1000:
+                    raise RenderLimitExceeded("lipsum() takes at most 1000 paragraphs of at most 1000 words "
+                                              "in a chat template.")
+        return lipsum(n=n, html=html, min=min, max=max)
+
+    env.globals["lipsum"] = guarded_lipsum
     env.tokserve_loop_budget = _loop_budget
     env.tokserve_concat = _concat
     env.globals["raise_exception"] = _raise_exception
