@@ -261,6 +261,9 @@ def test_memory_goes_back_after_a_20mib_body(tmp_path, chat_model):
             r = post(gw, body, path=path)
             assert r.status_code == 400, r.text[:300]
             _error(r)
+        # And a big request that succeeds: 3 MB tokenized, a 20 MB answer.
+        r = post(gw, {"prompt": "hello world " * 250_000}, path="/tokenize")
+        assert r.status_code == 200 and r.json()["count"] == 3_000_000
 
         def back() -> bool:
             return _rss_kb(gw.proc.pid) <= idle * 1.2
