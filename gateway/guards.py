@@ -113,6 +113,14 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
             self._headers_arrived()
             super().on_headers_complete()
 
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                # Answered before its body was read (a 404, a 405): the rest of the body
+                # may trickle in forever, each byte resetting uvicorn's keep-alive timer.
+                self.transport.close()
+
         def data_received(self, data: bytes) -> None:
             if self._awaiting_headers:
                 self._header_bytes += len(data)

@@ -318,6 +318,26 @@ def test_slow_headers_are_cut_off(small):
     assert any(a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
 
 
+def test_trickled_body_of_an_answered_request_is_cut_off(small):
+    """A route that answers without reading the body (405 here) closes the connection
+    instead of letting the rest trickle in under the keep-alive timer."""
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nab")
+    deadline = time.monotonic() + 30
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = _closed_with(sock, deadline)
+        if got is None:
+            try:
+                sock.sendall(b"a")
+            except OSError:
+                got = b"reset"
+            time.sleep(0.05)
+    sock.close()
+    assert got is not None, "the trickling body was never cut off"
+    assert got.startswith(b"HTTP/1.1 405"), got[:300]
+
+
 def test_idle_connection_is_closed_quietly(small):
     sock = socket.create_connection(("127.0.0.1", small.port))
     sock.settimeout(30)  # the server closes it after its 1 s header deadline
