@@ -107,7 +107,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     for flag, value, low in (("--render-workers", render_workers, 1), ("--render-queue", args.render_queue, 0),
                              ("--max-prompt-chars", args.max_prompt_chars, 1),
                              ("--max-header-bytes", args.max_header_bytes, 1024),
-                             ("--limit-concurrency", args.limit_concurrency or 1, 1)):
+                             ("--limit-concurrency", 1 if args.limit_concurrency is None else args.limit_concurrency,
+                              1)):
         if value < low:
             raise SystemExit(f"{flag} must be at least {low}, got {value}")
     for flag, value in (("--chat-template-timeout", args.chat_template_timeout),

@@ -422,3 +422,22 @@ def test_render_pool_runs_heavy_jobs_one_at_a_time():
 
     asyncio.run(main())
     assert all(sum(name.startswith(("heavy", "huge")) for name in snapshot) <= 1 for snapshot in peak), peak
+
+
+def test_limit_flags_are_checked_and_reach_the_settings():
+    from gateway.main import build_parser, settings_from_args
+
+    def settings(*argv):
+        return settings_from_args(build_parser().parse_args(list(argv)))
+
+    s = settings("--render-workers", "3", "--render-queue", "7", "--max-prompt-chars", "1000",
+                 "--chat-template-timeout", "0.5", "--header-read-timeout", "0", "--body-read-timeout", "9",
+                 "--max-header-bytes", "2048", "--timeout-keep-alive", "2", "--limit-concurrency", "50")
+    assert (s.render_workers, s.render_queue, s.max_prompt_chars, s.chat_template_timeout_s) == (3, 7, 1000, 0.5)
+    assert (s.header_read_timeout_s, s.body_read_timeout_s, s.max_header_bytes) == (None, 9, 2048)
+    assert (s.timeout_keep_alive_s, s.limit_concurrency) == (2, 50)
+    for bad in (("--render-workers", "0"), ("--render-queue", "-1"), ("--max-prompt-chars", "0"),
+                ("--chat-template-timeout", "0"), ("--header-read-timeout", "-1"), ("--limit-concurrency", "0"),
+                ("--max-header-bytes", "10")):
+        with pytest.raises(SystemExit, match=bad[0]):
+            settings(*bad)
