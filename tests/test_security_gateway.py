@@ -192,6 +192,12 @@ LIST_LOOPS = ("{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{
     (DOUBLING, "--max-prompt-chars"), ("{{ 'x'|center(10**9) }}", "--max-prompt-chars"),
     ("{{ '{:>999999999}'.format(1) }}", "--max-prompt-chars"), ("{{ '%999999999d' % 1 }}", "--max-prompt-chars"),
     ("{{ messages }}" + "x" * 200_000, "limit of 131072"),
+    # A filter on literals, which Jinja would evaluate while compiling, outside the limits.
+    ("{{ 'x'|center(1000000000) }}", "--max-prompt-chars"),
+    # Doubling through a block set in a recursive macro (neither ~ nor + involved).
+    ("{% macro d(s, n) %}{% if n > 0 %}{% set t %}{{ s }}{{ s }}{% endset %}{{ d(t, n - 1) }}{% endif %}"
+     "{% endmacro %}{{ d('ab', 40) }}", "--max-prompt-chars"),
+    ("{{ messages|tojson(indent=100000) }}", "indent"),
 ])
 def test_runaway_chat_templates_are_stopped(small, template, limit):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template}

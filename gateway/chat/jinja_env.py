@@ -268,33 +268,52 @@ def _guard_filter(name: str, func):
 
     def guarded(*args, **kwargs):
         budget = _budget()
-        if budget is not None:
-            budget.charge()
-            # Filters taking an environment/context get it first; the piped value follows.
-            rest = [a for a in args if not isinstance(a, (jinja2.Environment, jinja2.runtime.Context,
-                                                          jinja2.nodes.EvalContext))]
-            value, extra = (rest[0], rest[1:]) if rest else (None, [])
-            if name in _SIZED_FILTERS:
+        if budget is None:
+            # Jinja evaluates filters on literals while compiling ({{ 'x'|center(10**9) }}
+            # would allocate then, outside every limit); failing here makes it leave them
+            # to the render, and renders always run under render_limited.
+            raise RuntimeError("chat template filters run only inside render_limited()")
+        budget.charge()
+        # Filters taking an environment/context get it first; the piped value follows.
+        rest = [a for a in args if not isinstance(a, (jinja2.Environment, jinja2.runtime.Context,
+                                                      jinja2.nodes.EvalContext))]
+        value, extra = (rest[0], rest[1:]) if rest else (None, [])
+        if name in _SIZED_FILTERS:
+            _check_ints(budget, list(extra) + list(kwargs.values()))
+        if name == "indent" and isinstance(value, str):
+            width = extra[0] if extra else kwargs.get("width", 4)
+            width = len(width) if isinstance(width, str) else width
+            if isinstance(width, int):
+                budget.check_size(len(value) + (value.count("\n") + 1) * max(width, 0), "a string")
+        elif name == "replace" and isinstance(value, str) and len(extra) >= 2:
+            old, new = str(extra[0]), str(extra[1])
+            count = extra[2] if len(extra) > 2 else kwargs.get("count")
+            budget.check_size(_replace_size(value, old, new, count if isinstance(count, int) else -1),
+                              "a string")
+        elif name == "join" and isinstance(value, (list, tuple)):
+            sep = extra[0] if extra else kwargs.get("d", "")
+            size = _join_size(str(sep), value)
+            if size is not None:
+                budget.check_size(size, "a string")
+        elif name == "tojson":
+            # Each line of the output gets indent x depth spaces.
+            indent = kwargs.get("indent", extra[1] if len(extra) > 1 else None)
+            if isinstance(indent, int) and indent > 64:
+                raise RenderLimitExceeded(f"The chat template asks tojson for an indent of {indent}; at most "
+                                          f"64 is allowed.")
+        elif name == "wordwrap":
+            wrap = kwargs.get("wrapstring", extra[3] if len(extra) > 3 else None)
+            if isinstance(wrap, str) and len(wrap) > 16:
+                raise RenderLimitExceeded("The chat template asks wordwrap for a wrapstring over 16 characters.")
+        elif name == "sum" and isinstance(value, (list, tuple)):
+            start = kwargs.get("start", extra[1] if len(extra) > 1 else 0)
+            if isinstance(start, (str, list, tuple)):  # summing sequences: concatenation
+                total = len(start) + sum(len(x) for x in value if isinstance(x, (str, list, tuple)))
+                budget.check_value_size(start, "a value", total)
+        elif name == "format" and isinstance(value, str):
+            _check_format_widths(budget, value)
+            if "*" in value:  # "%*d": the width is an argument
                 _check_ints(budget, list(extra) + list(kwargs.values()))
-            if name == "indent" and isinstance(value, str):
-                width = extra[0] if extra else kwargs.get("width", 4)
-                width = len(width) if isinstance(width, str) else width
-                if isinstance(width, int):
-                    budget.check_size(len(value) + (value.count("\n") + 1) * max(width, 0), "a string")
-            elif name == "replace" and isinstance(value, str) and len(extra) >= 2:
-                old, new = str(extra[0]), str(extra[1])
-                count = extra[2] if len(extra) > 2 else kwargs.get("count")
-                budget.check_size(_replace_size(value, old, new, count if isinstance(count, int) else -1),
-                                  "a string")
-            elif name == "join" and isinstance(value, (list, tuple)):
-                sep = extra[0] if extra else kwargs.get("d", "")
-                size = _join_size(str(sep), value)
-                if size is not None:
-                    budget.check_size(size, "a string")
-            elif name == "format" and isinstance(value, str):
-                _check_format_widths(budget, value)
-                if "*" in value:  # "%*d": the width is an argument
-                    _check_ints(budget, list(extra) + list(kwargs.values()))
         return _check_result(func(*args, **kwargs))
 
     guarded.__name__ = getattr(func, "__name__", name)
@@ -326,6 +345,18 @@ class _CountedIterable:
 
 def _loop_budget(items):
     return _CountedIterable(items)
+
+
+def _checked_join(parts) -> str:
+    """The environment's ``concat``: how ``{% set x %}...{% endset %}`` blocks, macros
+    and ``caller()`` bodies join what they wrote; sized before joining, so doubling
+    through a block set in a recursive macro stops at the cap."""
+    parts = parts if isinstance(parts, list) else list(parts)
+    budget = _budget()
+    if budget is not None:
+        budget.charge()
+        budget.check_size(sum(len(p) for p in parts), "a string")
+    return "".join(parts)
 
 
 def _concat(*values) -> str:
@@ -360,8 +391,8 @@ def _wrap_loops(ast: nodes.Template) -> nodes.Template:
 
 
 class _LimitedSandbox(ImmutableSandboxedEnvironment):
-    # Intercepted operators are also never constant-folded at compile time, so
-    # {{ 'a' * 10**9 }} cannot allocate while compiling either.
+    # Intercepted operators are never constant-folded (and the environment folds
+    # nothing: optimized=False), so {{ 'a' * 10**9 }} cannot allocate while compiling.
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
@@ -395,7 +426,9 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True,
+    # optimized=False: no constant folding, which would run filters and operators on
+    # literals at compile time, outside every limit ({{ 'x'|center(1000000000) }}).
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, optimized=False,
                           extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     for name, func in list(env.filters.items()):
@@ -416,6 +449,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["lipsum"] = guarded_lipsum
     env.tokserve_loop_budget = _loop_budget
     env.tokserve_concat = _concat
+    env.concat = _checked_join
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
