@@ -12,6 +12,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 log = logging.getLogger(__name__)
 
+# Texts / id lists longer than this are (de)tokenized with the GIL released (see encode).
+_LONG = 4096
+
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -65,10 +68,18 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > _LONG:
+            # tokenizers' encode() holds the GIL throughout (a 7 MB prompt: seconds in which
+            # no other thread, the gateway's event loop included, ran); encode_batch() lets
+            # it go while it works and gives the same ids.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) > _LONG:
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]  # as encode
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[Optional[str]]:
         """Raw vocabulary strings (byte-level symbols for BPE); None for unknown ids."""

@@ -13,7 +13,9 @@ from gateway import errors
 from gateway.auth import ApiKeyMiddleware
 from gateway.cluster_info import ClusterInfoCache
 from gateway.disconnect import keep_receive_in_scope
+from gateway.guards import guard_requests
 from gateway.metrics import GatewayMetrics
+from gateway.render_pool import MemoryTrimmer, RenderPool
 from gateway.resources.abort import AbortResource
 from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
@@ -57,6 +59,8 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
         client=client,
         cluster=ClusterInfoCache(client, ttl=settings.info_ttl_s, timeout=settings.info_timeout_s),
         metrics=GatewayMetrics(),
+        render_pool=RenderPool(settings.render_workers, settings.render_queue, settings.max_prompt_chars),
+        trimmer=MemoryTrimmer(),
     )
     renderer = make_renderer(settings)
     state.image = renderer.model.image if renderer is not None else None
@@ -99,7 +103,8 @@ def make_renderer(settings: GatewaySettings):
         reasoning_parser=settings.reasoning_parser, tool_call_parser=settings.tool_call_parser,
         enable_auto_tool_choice=settings.enable_auto_tool_choice,
         trust_request_chat_template=settings.trust_request_chat_template,
-        default_chat_template_kwargs=settings.default_chat_template_kwargs))
+        default_chat_template_kwargs=settings.default_chat_template_kwargs,
+        max_prompt_chars=settings.max_prompt_chars, chat_template_timeout_s=settings.chat_template_timeout_s))
 
 
 class _Alive:
@@ -121,5 +126,5 @@ def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) ->
 
 def create_app(settings: GatewaySettings, client=None):
     """The ASGI callable to hand to uvicorn."""
-    app, _ = create_falcon_app(settings, client)
-    return keep_receive_in_scope(app)
+    app, state = create_falcon_app(settings, client)
+    return guard_requests(keep_receive_in_scope(app), settings.body_read_timeout_s, state.trimmer)

@@ -1,4 +1,5 @@
-"""Read a request body with a size cap (413 instead of buffering an unbounded upload)."""
+"""Read a request body with a size cap (413 instead of buffering an unbounded upload)
+and decode it as JSON (400 for what does not decode, nesting too deep included)."""
 from __future__ import annotations
 
 import msgspec
@@ -24,6 +25,23 @@ async def read_body(req, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+TOO_DEEP = "The JSON body is nested too deeply."
+
+
+def decode_json(decoder, body: bytes):
+    """``decoder.decode(body)`` (a msgspec decoder or ``msgspec.json``); a 400 instead of
+    msgspec's RecursionError for a body nested past its depth limit (a 200k-deep
+    kv_transfer_params was a 500)."""
+    from gateway.errors import bad_request_from_decode_error
+
+    try:
+        return decoder.decode(body)
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
+    except msgspec.MsgspecError as exc:
+        raise bad_request_from_decode_error(exc) from None
+
+
 async def json_object_body(req, limit: int) -> dict:
     """A JSON object body (an empty body is ``{}``); 400 for anything else."""
     body = await read_body(req, limit)
@@ -31,6 +49,8 @@ async def json_object_body(req, limit: int) -> dict:
         return {}
     try:
         parsed = msgspec.json.decode(body)
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
     except msgspec.DecodeError:
         raise BadRequest("Invalid JSON format") from None
     if not isinstance(parsed, dict):

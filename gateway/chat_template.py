@@ -128,9 +128,10 @@ class ChatTemplate:
     def render(self, messages: list[dict], *, tools: Optional[list[dict]] = None,
                documents: Optional[list[dict]] = None, add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
-               images: Optional[list] = None) -> str:
+               images: Optional[list] = None, limits: Optional[jinja_env.RenderLimits] = None) -> str:
         """``images``: given (a list), image_url parts are kept (the model takes images)
-        and their URLs appended to it, in order.
+        and their URLs appended to it, in order.  ``limits``: what the render may spend
+        (steps, seconds, characters); RenderLimits() when not given.
 
         The prompt for these chat-completion request fields (plain JSON values, as
         decoded from the request).  Raises ChatTemplateError (a 400) for anything the
@@ -138,12 +139,13 @@ class ChatTemplate:
         (``raise_exception``)."""
         try:
             return self._render(messages, tools, documents, add_generation_prompt, continue_final_message,
-                                chat_template_kwargs, images)
+                                chat_template_kwargs, images, limits or jinja_env.RenderLimits())
         except RecursionError:
             raise ChatTemplateError("The request is nested too deeply to render.", "messages") from None
 
     def _render(self, messages: Any, tools: Any, documents: Any, add_generation_prompt: bool,
-                continue_final_message: bool, chat_template_kwargs: Any, images: Optional[list] = None) -> str:
+                continue_final_message: bool, chat_template_kwargs: Any, images: Optional[list],
+                limits: jinja_env.RenderLimits) -> str:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                     "continue_final_message")
@@ -159,17 +161,20 @@ class ChatTemplate:
         accepted = jinja_env.template_variables(source)
         template_kwargs = {**self.special_tokens, **{k: v for k, v in kwargs.items() if k in accepted}}
         return _apply_template(source, conversation, tools, documents, add_generation_prompt,
-                               continue_final_message, template_kwargs)
+                               continue_final_message, template_kwargs, limits)
 
 
 def _apply_template(source: str, chat: list[dict], tools: Optional[list], documents: Optional[list],
-                    add_generation_prompt: bool, continue_final_message: bool, template_kwargs: dict) -> str:
+                    add_generation_prompt: bool, continue_final_message: bool, template_kwargs: dict,
+                    limits: jinja_env.RenderLimits) -> str:
     """transformers' ``render_jinja_template`` for one conversation."""
     final_text = _tag_final_message(chat, source) if continue_final_message else None
     try:
-        rendered = jinja_env.compile_template(source).render(
-            messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-            **template_kwargs)
+        rendered = jinja_env.render_limited(
+            jinja_env.compile_template(source), limits, messages=chat, tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except jinja_env.RenderLimitExceeded as e:
+        raise ChatTemplateError(str(e), "messages") from None
     except jinja2.TemplateError as e:
         if type(e) is jinja2.TemplateError:  # the template's raise_exception(): its own words
             raise ChatTemplateError(str(e), "messages") from None

@@ -24,7 +24,15 @@ class PayloadTooLarge(ServingError):
     type = "RequestEntityTooLarge"
 
 
+# Error messages that quote the request (a bad value, a decoder's path) are cut here,
+# whatever built them: a 400 must not be megabytes.
+MAX_ERROR_MESSAGE_CHARS = 4096
+
+
 def error_json(message: str, type: str, status: int, param: Optional[str] = None) -> bytes:
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        cut = len(message) - MAX_ERROR_MESSAGE_CHARS
+        message = f"{message[:MAX_ERROR_MESSAGE_CHARS]}... ({cut} more characters)"
     return json_encoder.encode(ErrorResponse(ErrorInfo(message=message, type=type, param=param, code=status)))
 
 
@@ -62,6 +70,16 @@ def _write(resp: falcon.asgi.Response, status: int, body: bytes) -> None:
 
 async def handle_serving_error(req, resp, err: ServingError, params) -> None:
     _write(resp, err.status, serving_error_json(err))
+    if err.status == 408:
+        # The body timed out part-way: the rest of it may still trickle in, so the
+        # connection cannot carry another request (uvicorn closes it after this response).
+        resp.set_header("Connection", "close")
+
+
+async def handle_recursion(req, resp, err: RecursionError, params) -> None:
+    # Deeply nested input that got past the JSON decoder (whose own limit is a 400 in
+    # gateway/body.py) and overflowed Python's stack further on: bad input, not a 500.
+    _write(resp, 400, error_json("The request is nested too deeply.", "BadRequestError", 400))
 
 
 async def handle_http_error(req, resp, err: falcon.HTTPError, params) -> None:
@@ -83,5 +101,6 @@ async def handle_unexpected(req, resp, err: Exception, params) -> None:
 def install(app: falcon.asgi.App) -> None:
     # Falcon picks the most specific handler by MRO, so the order here does not matter.
     app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(RecursionError, handle_recursion)
     app.add_error_handler(falcon.HTTPError, handle_http_error)
     app.add_error_handler(ServingError, handle_serving_error)

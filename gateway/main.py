@@ -24,6 +24,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=[],
                    help="model name(s) the API answers to; default: the workers' model name")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--render-workers", type=int, default=None,
+                   help="threads that tokenize, render chat templates and detokenize, off the event loop "
+                        "(default: the CPU count, at most 8)")
+    p.add_argument("--render-queue", type=int, default=64,
+                   help="render jobs that may wait for a thread; beyond that a request gets 503")
+    p.add_argument("--max-prompt-chars", type=int, default=8 * 1024 * 1024,
+                   help="longest prompt text tokenized (a /tokenize or completion prompt, a rendered chat) and "
+                        "the most a chat template may build; longer gets 400 (default 8 MiB characters, ~2M tokens)")
+    p.add_argument("--chat-template-timeout", type=float, default=5.0,
+                   help="seconds one chat template render may run before it is stopped with a 400")
+    p.add_argument("--header-read-timeout", type=float, default=30.0,
+                   help="seconds a request's headers may take to arrive (408 and close); 0: no limit")
+    p.add_argument("--body-read-timeout", type=float, default=60.0,
+                   help="seconds a request's body may take to arrive after its headers (408 and close); 0: no limit")
+    p.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                   help="larger request headers get 431 and the connection closed")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections plus requests in progress beyond which uvicorn answers 503 (default: no limit)")
     p.add_argument("--info-ttl", type=float, default=1.0, help="seconds cluster info is cached")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT so several gateways can share the port")
@@ -111,6 +131,24 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise SystemExit(f"--port must be in [0, 65535], got {args.port}")
     if args.max_body_bytes < 1:
         raise SystemExit("--max-body-bytes must be positive")
+    from gateway.render_pool import default_render_workers
+
+    render_workers = default_render_workers() if args.render_workers is None else args.render_workers
+    for flag, value, low in (("--render-workers", render_workers, 1), ("--render-queue", args.render_queue, 0),
+                             ("--max-prompt-chars", args.max_prompt_chars, 1),
+                             ("--max-header-bytes", args.max_header_bytes, 1024),
+                             ("--limit-concurrency", 1 if args.limit_concurrency is None else args.limit_concurrency,
+                              1)):
+        if value < low:
+            raise SystemExit(f"{flag} must be at least {low}, got {value}")
+    for flag, value in (("--chat-template-timeout", args.chat_template_timeout),
+                        ("--header-read-timeout", args.header_read_timeout),
+                        ("--body-read-timeout", args.body_read_timeout),
+                        ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if not value >= 0:
+            raise SystemExit(f"{flag} must be a non-negative number of seconds, got {value}")
+    if args.chat_template_timeout == 0:
+        raise SystemExit("--chat-template-timeout must be positive")
     from common import security
 
     try:
@@ -171,6 +209,15 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         tokens_only=args.tokens_only,
         served_model_names=list(args.served_model_name),
         max_body_bytes=args.max_body_bytes,
+        render_workers=render_workers,
+        render_queue=args.render_queue,
+        max_prompt_chars=args.max_prompt_chars,
+        chat_template_timeout_s=args.chat_template_timeout,
+        header_read_timeout_s=args.header_read_timeout or None,
+        body_read_timeout_s=args.body_read_timeout or None,
+        max_header_bytes=args.max_header_bytes,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency,
         info_ttl_s=args.info_ttl,
         reuse_port=args.reuse_port,
         log_level=(args.log_level or "info").lower(),
@@ -237,9 +284,17 @@ def serve(settings: GatewaySettings, client=None, access_log: bool = False) -> N
 
     from gateway.app import create_app
 
+    from gateway.guards import guarded_protocol
+    from gateway.render_pool import give_back_big_blocks
+
+    give_back_big_blocks()  # before the first big allocation
     app = create_app(settings, client)
     # log_config=None: uvicorn's loggers go through common.logging's root handler.
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on", log_level=settings.log_level,
+    # The protocol is uvicorn's httptools one with deadlines for slow headers (guards.py).
+    config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=settings.log_level,
+                            http=guarded_protocol(settings.header_read_timeout_s, settings.max_header_bytes),
+                            timeout_keep_alive=settings.timeout_keep_alive_s,
+                            limit_concurrency=settings.limit_concurrency,
                             access_log=access_log, timeout_graceful_shutdown=5, log_config=None)
     sock = bind_socket(settings.host, settings.port, settings.reuse_port)
     uvicorn.Server(config).run(sockets=[sock])

@@ -15,6 +15,21 @@ class GatewaySettings:
     # Names the model answers to; empty: the name the workers report.
     served_model_names: list[str] = field(default_factory=list)
     max_body_bytes: int = 32 * 1024 * 1024
+    # Text work (tokenize, chat template, detokenize) runs on this many threads, off the
+    # event loop; beyond render_workers + render_queue pending jobs a request gets 503.
+    render_workers: int = 4
+    render_queue: int = 64
+    # The longest prompt text tokenized, and the most a chat template may write or build.
+    max_prompt_chars: int = 8 * 1024 * 1024
+    chat_template_timeout_s: float = 5.0  # wall clock for one chat template render
+    # Slow clients: headers and body must arrive within these (None: no deadline);
+    # headers over max_header_bytes get 431.  timeout_keep_alive and limit_concurrency
+    # are uvicorn's.
+    header_read_timeout_s: Optional[float] = 30.0
+    body_read_timeout_s: Optional[float] = 60.0
+    max_header_bytes: Optional[int] = 64 * 1024
+    timeout_keep_alive_s: float = 5.0
+    limit_concurrency: Optional[int] = None
     # Cluster info (limits, live workers) is cached this long between broker round trips.
     info_ttl_s: float = 1.0
     info_timeout_s: float = 2.0

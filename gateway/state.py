@@ -16,3 +16,7 @@ class GatewayState:
     cluster: ClusterInfoCache
     metrics: GatewayMetrics
     image: Optional[object] = None  # gateway.openai_api.model_files.ImageSpec: the model takes images
+    # gateway.render_pool.RenderPool: tokenizing, template rendering and detokenizing run
+    # there, off the event loop (created with the app; its threads start on first use).
+    render_pool: Optional[object] = None
+    trimmer: Optional[object] = None  # gateway.render_pool.MemoryTrimmer

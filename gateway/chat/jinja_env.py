@@ -5,22 +5,32 @@ over a message's content (the "openai" content format) or not ("string").
 
 Templates come from model repositories or requests, so they are untrusted code: the
 immutable sandbox, the restricted ``dict``/``namespace`` globals and jinja2>=3.1.6 are
-transformers' defences and are kept here for the same reason.
+transformers' defences and are kept here for the same reason.  The sandbox stops
+escapes but not denial of service (nested ``range`` loops run 10^10 iterations,
+``'a' * 10**9`` allocates a gigabyte), so every render also runs under ``RenderLimits``:
+a step budget (loop iterations and calls), a wall-clock deadline checked at each step,
+and a size cap on every string or list the template builds and on its output.
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
+import re
+import time
 from collections import deque
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal, Optional
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
+import jinja2.visitor
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
@@ -89,6 +99,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name, value):
         _TemplateNamespace._check_name(name)
+        _check_result(value)  # {% set ns.s = ns.s ~ ns.s %} doubling in a loop
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -99,10 +110,347 @@ class _TemplateNamespace(jinja2.utils.Namespace):
                 "Please rename the attribute.")
 
 
+
+# --- render limits ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """What one render may spend.  ``max_steps``: loop iterations plus calls (the real
+    templates in tests/data/chat_templates take a few per message); ``timeout_s``: wall
+    clock, checked at every step, so a render that cannot finish stops within a step of
+    its deadline; ``max_chars``: the largest string/list the template may build and its
+    output (the gateway passes --max-prompt-chars: a longer prompt is refused anyway)."""
+
+    max_steps: int = 1_000_000
+    timeout_s: float = 5.0
+    max_chars: int = 8 * 1024 * 1024
+    # Lists / tuples / dicts: one filter on a list (sort, unique, join) is one step, so
+    # its length bounds how long that step holds the GIL.
+    max_items: int = 1_000_000
+
+
+class RenderLimitExceeded(Exception):
+    """A render hit one of its RenderLimits; the message names the limit.  Not a
+    TemplateError, so nothing in Jinja or the template can catch it."""
+
+
+class _Budget:
+    __slots__ = ("steps", "deadline", "limits")
+
+    def __init__(self, limits: RenderLimits):
+        self.limits = limits
+        self.steps = limits.max_steps
+        self.deadline = time.monotonic() + limits.timeout_s
+
+    def charge(self, n: int = 1) -> None:
+        self.steps -= n
+        if self.steps < 0:
+            raise RenderLimitExceeded(
+                f"The chat template exceeded its budget of {self.limits.max_steps} steps (loop iterations and "
+                f"calls); it loops too much for this request.")
+        if time.monotonic() > self.deadline:
+            raise RenderLimitExceeded(
+                f"The chat template took longer than the render time limit of {self.limits.timeout_s:g} s "
+                f"(--chat-template-timeout).")
+
+    def check_size(self, size: int, what: str) -> None:
+        if size > self.limits.max_chars:
+            raise RenderLimitExceeded(
+                f"The chat template would build {what} of length {size}, over the limit of "
+                f"{self.limits.max_chars} characters (--max-prompt-chars).")
+
+    def check_items(self, size: int) -> None:
+        if size > self.limits.max_items:
+            raise RenderLimitExceeded(f"The chat template would build a list of {size} items, over the limit of "
+                                      f"{self.limits.max_items}.")
+
+    def check_value_size(self, value: Any, what: str, size: int) -> None:
+        """``size``: the length ``value`` (a str, or a list/tuple/dict) would have."""
+        if isinstance(value, str):
+            self.check_size(size, what)
+        else:
+            self.check_items(size)
+
+
+# Renders run in executor threads, several at once: each has its own budget.
+_BUDGET: contextvars.ContextVar[Optional[_Budget]] = contextvars.ContextVar("tokserve_template_budget",
+                                                                             default=None)
+
+
+def _budget() -> Optional[_Budget]:
+    return _BUDGET.get()
+
+
+def _check_result(value: Any) -> Any:
+    budget = _budget()
+    if budget is not None:
+        if isinstance(value, str):
+            budget.check_size(len(value), "a value")
+        elif isinstance(value, (list, tuple, dict)):
+            budget.check_items(len(value))
+    return value
+
+
+def _check_ints(budget: _Budget, values) -> None:
+    """Width, count and fill arguments (center(10**9), '%*d', zfill ...) are refused
+    before the allocation they would ask for."""
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and v > budget.limits.max_chars:
+            budget.check_size(v, "a value")
+
+
+# Widths and precisions: "%-10.3f" (printf style) and "{:>10.3}" (str.format specs).
+_PERCENT_SPEC = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d+))?")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+_SPEC_NUMBER = re.compile(r"\d+")
+_NESTED_SPEC = re.compile(r"\{[^{}]*:[^{}]*\{")
+
+
+def _check_format_widths(budget: _Budget, fmt: str) -> None:
+    """'%1000000000s' % x and '{:>1000000000}'.format(x): a width or precision in the
+    format string over the cap (numbers elsewhere in the text are not widths)."""
+    numbers = [n for m in _PERCENT_SPEC.finditer(fmt) for n in m.groups() if n]
+    numbers += [n for m in _BRACE_SPEC.finditer(fmt) for n in _SPEC_NUMBER.findall(m.group(1))]
+    for n in numbers:
+        # Past 12 digits the int() itself would be the cost (and Python refuses 4300+).
+        if len(n) > 12 or int(n) > budget.limits.max_chars:
+            raise RenderLimitExceeded(
+                f"The chat template formats a value {n[:20]}{'...' if len(n) > 20 else ''} wide, over the "
+                f"limit of {budget.limits.max_chars} characters (--max-prompt-chars).")
+
+
+def _replace_size(s: str, old: str, new: str, count: int = -1) -> int:
+    hits = len(s) + 1 if old == "" else s.count(old)
+    if count is not None and count >= 0:
+        hits = min(hits, count)
+    return len(s) + hits * (len(new) - len(old))
+
+
+def _join_size(sep: str, items) -> Optional[int]:
+    if not isinstance(items, (list, tuple)):
+        return None  # a generator: its items are charged as they are made; the result is checked after
+    return len(sep) * max(len(items) - 1, 0) + sum(len(x) if isinstance(x, str) else 8 for x in items)
+
+
+def _precheck_str_method(budget: _Budget, obj: Any, args: tuple, kwargs: dict) -> None:
+    # The sandbox hands out str.format wrapped (wrap_str_format); the original is __wrapped__.
+    obj = getattr(obj, "__wrapped__", obj)
+    owner = getattr(obj, "__self__", None)
+    if not isinstance(owner, str):
+        return
+    name = getattr(obj, "__name__", "")
+    if name in ("center", "ljust", "rjust", "zfill", "expandtabs"):
+        _check_ints(budget, list(args) + list(kwargs.values()))
+        if name == "expandtabs":
+            tab = args[0] if args else kwargs.get("tabsize", 8)
+            if isinstance(tab, int):
+                budget.check_size(len(owner) + owner.count("\t") * max(tab, 0), "a string")
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        budget.check_size(_replace_size(owner, args[0], args[1], args[2] if len(args) > 2 else -1), "a string")
+    elif name == "join" and args:
+        size = _join_size(owner, args[0])
+        if size is not None:
+            budget.check_size(size, "a string")
+    elif name in ("format", "format_map"):
+        _check_format_widths(budget, owner)
+        if _NESTED_SPEC.search(owner):  # '{0:{1}}': a width taken from the arguments
+            _check_ints(budget, list(args) + list(kwargs.values()))
+
+
+# Filters whose int arguments are widths or counts of what they build.
+_SIZED_FILTERS = frozenset({"center", "indent", "wordwrap", "batch", "slice", "tojson", "truncate"})
+
+
+def _guard_filter(name: str, func):
+    """A filter wrapped to charge a step, refuse size arguments over the cap before
+    running and check what it returns (filters are called directly, not through the
+    sandbox's call())."""
+
+    def guarded(*args, **kwargs):
+        budget = _budget()
+        if budget is None:
+            # Jinja evaluates filters on literals while compiling ({{ 'x'|center(10**9) }}
+            # would allocate then, outside every limit); failing here makes it leave them
+            # to the render, and renders always run under render_limited.
+            raise RuntimeError("chat template filters run only inside render_limited()")
+        budget.charge()
+        # Filters taking an environment/context get it first; the piped value follows.
+        rest = [a for a in args if not isinstance(a, (jinja2.Environment, jinja2.runtime.Context,
+                                                      jinja2.nodes.EvalContext))]
+        value, extra = (rest[0], rest[1:]) if rest else (None, [])
+        if name in _SIZED_FILTERS:
+            _check_ints(budget, list(extra) + list(kwargs.values()))
+        if name == "indent" and isinstance(value, str):
+            width = extra[0] if extra else kwargs.get("width", 4)
+            width = len(width) if isinstance(width, str) else width
+            if isinstance(width, int):
+                budget.check_size(len(value) + (value.count("\n") + 1) * max(width, 0), "a string")
+        elif name == "replace" and isinstance(value, str) and len(extra) >= 2:
+            old, new = str(extra[0]), str(extra[1])
+            count = extra[2] if len(extra) > 2 else kwargs.get("count")
+            budget.check_size(_replace_size(value, old, new, count if isinstance(count, int) else -1),
+                              "a string")
+        elif name == "join" and isinstance(value, (list, tuple)):
+            sep = extra[0] if extra else kwargs.get("d", "")
+            size = _join_size(str(sep), value)
+            if size is not None:
+                budget.check_size(size, "a string")
+        elif name == "tojson":
+            # Each line of the output gets indent x depth spaces.
+            indent = kwargs.get("indent", extra[1] if len(extra) > 1 else None)
+            if isinstance(indent, int) and indent > 64:
+                raise RenderLimitExceeded(f"The chat template asks tojson for an indent of {indent}; at most "
+                                          f"64 is allowed.")
+        elif name == "wordwrap":
+            wrap = kwargs.get("wrapstring", extra[3] if len(extra) > 3 else None)
+            if isinstance(wrap, str) and len(wrap) > 16:
+                raise RenderLimitExceeded("The chat template asks wordwrap for a wrapstring over 16 characters.")
+        elif name == "sum" and isinstance(value, (list, tuple)):
+            start = kwargs.get("start", extra[1] if len(extra) > 1 else 0)
+            if isinstance(start, (str, list, tuple)):  # summing sequences: concatenation
+                total = len(start) + sum(len(x) for x in value if isinstance(x, (str, list, tuple)))
+                budget.check_value_size(start, "a value", total)
+        elif name == "format" and isinstance(value, str):
+            _check_format_widths(budget, value)
+            if "*" in value:  # "%*d": the width is an argument
+                _check_ints(budget, list(extra) + list(kwargs.values()))
+        return _check_result(func(*args, **kwargs))
+
+    guarded.__name__ = getattr(func, "__name__", name)
+    # Keep Jinja's pass_context / pass_environment / pass_eval_context marker.
+    if hasattr(func, "jinja_pass_arg"):
+        guarded.jinja_pass_arg = func.jinja_pass_arg
+    return guarded
+
+
+class _CountedIterable:
+    """A for loop's iterable: each item charges one step.  Keeps len() so that
+    ``loop.length`` / ``loop.last`` work as before."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items):
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        budget = _budget()
+        for item in self._items:
+            if budget is not None:
+                budget.charge()
+            yield item
+
+
+def _loop_budget(items):
+    return _CountedIterable(items)
+
+
+def _checked_join(parts) -> str:
+    """The environment's ``concat``: how ``{% set x %}...{% endset %}`` blocks, macros
+    and ``caller()`` bodies join what they wrote; sized before joining, so doubling
+    through a block set in a recursive macro stops at the cap."""
+    parts = parts if isinstance(parts, list) else list(parts)
+    budget = _budget()
+    if budget is not None:
+        budget.charge()
+        budget.check_size(sum(len(p) for p in parts), "a string")
+    return "".join(parts)
+
+
+def _concat(*values) -> str:
+    """Jinja's ``~``, sized before it joins (it is not an interceptable operator)."""
+    parts = [str(v) for v in values]
+    budget = _budget()
+    if budget is not None:
+        budget.charge()
+        budget.check_size(sum(len(p) for p in parts), "a string")
+    return "".join(parts)
+
+
+class _Budgeted(jinja2.visitor.NodeTransformer):
+    """Every ``{% for %}``'s iterable goes through _loop_budget, so nested loops over
+    plain lists are counted too, not only ``range`` ones; every ``~`` goes through
+    _concat, so doubling a string in a loop stops at the size cap."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        node = self.generic_visit(node)
+        node.iter = nodes.Call(nodes.EnvironmentAttribute("tokserve_loop_budget"), [node.iter], [], None, None,
+                               lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        node = self.generic_visit(node)
+        return nodes.Call(nodes.EnvironmentAttribute("tokserve_concat"), list(node.nodes), [], None, None,
+                          lineno=node.lineno)
+
+
+def _wrap_loops(ast: nodes.Template) -> nodes.Template:
+    return _Budgeted().visit(ast)
+
+
+class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    # Intercepted operators are never constant-folded (and the environment folds
+    # nothing: optimized=False), so {{ 'a' * 10**9 }} cannot allocate while compiling.
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
+        budget = _budget()
+        if budget is not None:
+            budget.charge()
+            _precheck_str_method(budget, __obj, args, kwargs)
+        return _check_result(ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs))
+
+    def call_binop(self, context, operator, left, right):
+        budget = _budget()
+        if budget is not None:
+            budget.charge()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        budget.check_value_size(seq, "a repeated value", len(seq) * max(n, 0))
+            elif operator == "**":
+                if (isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
+                        and right * abs(left).bit_length() > 64 * 1024):
+                    raise RenderLimitExceeded(f"The chat template computes {left} ** {right}, a number over "
+                                              f"{64 * 1024} bits.")
+            elif operator == "+":
+                if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                    budget.check_value_size(left, "a value", len(left) + len(right))
+            elif operator == "%" and isinstance(left, str):
+                _check_format_widths(budget, left)
+                if "*" in left:  # '%*d' % (width, x)
+                    _check_ints(budget, right if isinstance(right, tuple) else (right,))
+        return _check_result(self.binop_table[operator](left, right))
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    # optimized=False: no constant folding, which would run filters and operators on
+    # literals at compile time, outside every limit ({{ 'x'|center(1000000000) }}); the
+    # code generator still tries that for {{ }} output, which _guard_filter refuses.
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, optimized=False,
+                          extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    for name, func in list(env.filters.items()):
+        env.filters[name] = _guard_filter(name, func)
+    lipsum = env.globals["lipsum"]
+
+    def guarded_lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's parameter names
+        # Jinja's lorem ipsum generator loops n x max words in one call, outside the step budget.
+        budget = _budget()
+        if budget is not None:
+            budget.charge()
+            for v in (n, min, max):
+                if not isinstance(v, int) or v > 1000:
+                    raise RenderLimitExceeded("lipsum() takes at most 1000 paragraphs of at most 1000 words "
+                                              "in a chat template.")
+        return lipsum(n=n, html=html, min=min, max=max)
+
+    env.globals["lipsum"] = guarded_lipsum
+    env.tokserve_loop_budget = _loop_budget
+    env.tokserve_concat = _concat
+    env.concat = _checked_join
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -124,7 +472,29 @@ def _env() -> ImmutableSandboxedEnvironment:
 @lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
     """Raises jinja2.TemplateSyntaxError for a template that does not parse."""
-    return _env().from_string(source)
+    env = _env()
+    code = env.compile(_wrap_loops(env.parse(source)))
+    return env.template_class.from_code(env, code, env.make_globals(None), None)
+
+
+def render_limited(template: jinja2.Template, limits: RenderLimits, **context) -> str:
+    """``template.render(**context)`` under ``limits``; raises RenderLimitExceeded."""
+    token = _BUDGET.set(_Budget(limits))
+    try:
+        budget = _BUDGET.get()
+        parts, size = [], 0
+        # generate(): the output is checked as it grows, not once it is all built.
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > limits.max_chars:
+                raise RenderLimitExceeded(
+                    f"The chat template's output exceeds the limit of {limits.max_chars} characters "
+                    f"(--max-prompt-chars).")
+            parts.append(piece)
+            budget.charge()
+        return "".join(parts)
+    finally:
+        _BUDGET.reset(token)
 
 
 @lru_cache(maxsize=32)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from common.errors import BadRequest
+from gateway.chat.jinja_env import RenderLimits
 from gateway.chat_template import ChatTemplate, ChatTemplateError
 from gateway.multimodal import expand_image_placeholders
 from gateway.openai_api import sampling
@@ -19,6 +20,9 @@ from gateway.openai_api.chat_output import ChatParsing
 from gateway.openai_api.model_files import TextModel
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.parsers import OutputParser
+
+
+MAX_REQUEST_TEMPLATE_CHARS = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,11 @@ class RenderOptions:
     enable_auto_tool_choice: bool = False
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    # --max-prompt-chars: the longest prompt text tokenized (each /tokenize or completion
+    # prompt, all of a completion request's prompts together, a rendered chat), and the
+    # most a chat template may build; refused before the tokenizer sees it.
+    max_prompt_chars: int = 8 * 1024 * 1024
+    chat_template_timeout_s: float = 5.0  # --chat-template-timeout
 
 
 @dataclass
@@ -87,10 +96,19 @@ class Renderer:
     def __init__(self, model: TextModel, options: RenderOptions = RenderOptions()):
         self.model = model
         self.options = options
+        self.limits = RenderLimits(timeout_s=options.chat_template_timeout_s, max_chars=options.max_prompt_chars)
         tok = model.tokenizer
         specials = [t for t in tok.convert_ids_to_tokens(tok.all_special_ids) if t]
         self.parser = (OutputParser(options.reasoning_parser, options.tool_call_parser, special_tokens=specials)
                        if options.reasoning_parser or options.tool_call_parser else None)
+
+    def check_prompt_chars(self, chars: int, param: Optional[str] = "prompt") -> None:
+        """Tokenizing costs time and memory in proportion to the text (a 20 MB prompt took
+        seconds and gigabytes): refuse text over --max-prompt-chars before it starts."""
+        limit = self.options.max_prompt_chars
+        if chars > limit:
+            raise BadRequest(f"The prompt has {chars} characters, more than the limit of {limit} "
+                             f"(--max-prompt-chars).", param)
 
     # ------------------------------------------------------------------ chat
     def chat_template_kwargs(self, request: ChatCompletionRequest) -> dict:
@@ -104,6 +122,11 @@ class Renderer:
         if chat_template is not None and not self.options.trust_request_chat_template:
             raise BadRequest("Chat template is passed with request, but --trust-request-chat-template is not set. "
                              "Refused request with untrusted chat template.", "chat_template")
+        # Compiling a template costs time in proportion to its size, outside the render's
+        # step budget (a 400 KB one took ~3 s); real templates are a few KB to ~20 KB.
+        if isinstance(chat_template, str) and len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise BadRequest(f"The request's chat_template has {len(chat_template)} characters, more than the limit "
+                             f"of {MAX_REQUEST_TEMPLATE_CHARS}.", "chat_template")
 
     def render_messages(self, messages, *, tools=None, documents=None, add_generation_prompt=True,
                         continue_final_message=False, chat_template_kwargs=None, chat_template=None,
@@ -118,7 +141,8 @@ class Renderer:
             return template.render(messages, tools=tools, documents=documents,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs, images=image_urls)
+                                   chat_template_kwargs=chat_template_kwargs, images=image_urls,
+                                   limits=self.limits)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -212,6 +236,7 @@ class Renderer:
             items = [list(prompt)]
         else:
             items = list(prompt)
+        self.check_prompt_chars(sum(len(item) for item in items if isinstance(item, str)))
         out = []
         for item in items:
             if isinstance(item, str):

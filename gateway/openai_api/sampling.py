@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from common.errors import BadRequest
+from common.validation import summarize
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 # vLLM's RequestOutputKind values.
@@ -162,8 +163,8 @@ def _logit_bias(raw: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
         except (TypeError, ValueError):
             bad.append(key)
     if bad:
-        raise BadRequest(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
-                         "logit_bias")
+        raise BadRequest("logit_bias contains key(s) that cannot be converted to integer token IDs: "
+                         f"{summarize(bad)}", "logit_bias")
     return out
 
 

@@ -12,9 +12,9 @@ import msgspec
 from common.client import RequestError
 from common.errors import Overloaded, ServingError
 from common.validation import validate_request
-from gateway.body import read_body
+from gateway.body import decode_json, read_body
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
-from gateway.errors import bad_request_from_decode_error, stream_error_json
+from gateway.errors import stream_error_json
 from gateway.http_protocol import generate_request_decoder
 from gateway.metrics import RequestTracker
 from gateway.multimodal import attach_images
@@ -66,10 +66,8 @@ class GenerateResource:
             raise ServingError("Unsupported Media Type: Only 'application/json' is allowed", status=400,
                                type="BadRequestError")
         body = await read_body(req, s.max_body_bytes)
-        try:
-            http = generate_request_decoder.decode(body)
-        except msgspec.MsgspecError as exc:
-            raise bad_request_from_decode_error(exc) from None
+        http = decode_json(generate_request_decoder, body)
+        del body  # a big body need not outlive its decoding
         cluster = await cluster_for(self.state, http.model)
         mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                              arrival_time=arrival)

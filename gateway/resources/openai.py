@@ -17,11 +17,10 @@ import time
 from typing import Optional
 
 import falcon
-import msgspec
 
 from common.errors import NotFound, Overloaded, ServingError
-from gateway.body import read_body
-from gateway.errors import bad_request_from_decode_error, stream_error_json
+from gateway.body import decode_json, read_body
+from gateway.errors import stream_error_json
 from gateway.openai_api import chat_facade, completion_facade
 from gateway.openai_api.derender import Derenderer
 from gateway.openai_api.facade import Generation, ResponseView, map_rendered, start_all
@@ -55,10 +54,15 @@ class TextRoutes:
             raise ServingError("Unsupported Media Type: Only 'application/json' is allowed", status=400,
                                type="BadRequestError")
         body = await read_body(req, self.state.settings.max_body_bytes)
-        try:
-            return decoder.decode(body)
-        except msgspec.MsgspecError as exc:
-            raise bad_request_from_decode_error(exc) from None
+        req.context.body_bytes = len(body)
+        return decode_json(decoder, body)
+
+    async def offload(self, req, fn, *args, **kwargs):
+        """Tokenizing, template rendering, detokenizing and encoding big answers take
+        time in proportion to the input (seconds for megabytes): they run on the render
+        pool so the event loop keeps serving everything else.  The body's size stands
+        for the job's memory (RenderPool's weight)."""
+        return await self.state.render_pool.run(fn, *args, weight=req.context.get("body_bytes", 0), **kwargs)
 
     def render_only(self) -> bool:
         return self.state.settings.render_only
@@ -98,8 +102,9 @@ class ChatCompletions(TextRoutes):
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
         images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
-        rendered = self.renderer.chat(request, max_len, base_request_id(req.get_header("X-Request-Id"),
-                                                                        request.request_id), images=images)
+        rendered = await self.offload(req, self.renderer.chat, request, max_len,
+                                      base_request_id(req.get_header("X-Request-Id"), request.request_id),
+                                      images=images)
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
         view = ResponseView.of(request, request.top_logprobs if request.logprobs else None, self.state.settings)
@@ -115,8 +120,8 @@ class Completions(TextRoutes):
         request = await self.decode(req, completion_request_decoder)
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
-        rendered = self.renderer.completion(request, max_len, base_request_id(req.get_header("X-Request-Id"),
-                                                                              request.request_id))
+        rendered = await self.offload(req, self.renderer.completion, request, max_len,
+                                      base_request_id(req.get_header("X-Request-Id"), request.request_id))
         mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
         view = ResponseView.of(request, request.logprobs, self.state.settings)
         runs = await start_all(self.state, req, mapped)
@@ -173,9 +178,12 @@ class ChatRender(TextRoutes):
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
         images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
-        rendered = self.renderer.chat(request, max_len, base_request_id(req.get_header("X-Request-Id"),
-                                                                        request.request_id), images=images)
-        resp.data = json_encoder.encode(rendered.generate)
+        base_id = base_request_id(req.get_header("X-Request-Id"), request.request_id)
+
+        def render() -> bytes:
+            return json_encoder.encode(self.renderer.chat(request, max_len, base_id, images=images).generate)
+
+        resp.data = await self.offload(req, render)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -184,9 +192,12 @@ class CompletionRender(TextRoutes):
         request = await self.decode(req, completion_request_decoder)
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
-        rendered = self.renderer.completion(request, max_len, base_request_id(req.get_header("X-Request-Id"),
-                                                                              request.request_id))
-        resp.data = json_encoder.encode([r.generate for r in rendered])
+        base_id = base_request_id(req.get_header("X-Request-Id"), request.request_id)
+
+        def render() -> bytes:
+            return json_encoder.encode([r.generate for r in self.renderer.completion(request, max_len, base_id)])
+
+        resp.data = await self.offload(req, render)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -196,7 +207,7 @@ class ChatDerender(TextRoutes):
         model = await self.check_model(body.model)
         max_len, max_logprobs, _ = await self.limits()
         derenderer = Derenderer(self.renderer, max_len, max_logprobs)
-        resp.data = derenderer.chat_stream(body, model) if body.stream else derenderer.chat(body, model)
+        resp.data = await self.offload(req, derenderer.chat_stream if body.stream else derenderer.chat, body, model)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -206,7 +217,8 @@ class CompletionDerender(TextRoutes):
         model = await self.check_model(body.model)
         max_len, max_logprobs, _ = await self.limits()
         derenderer = Derenderer(self.renderer, max_len, max_logprobs)
-        resp.data = derenderer.completion_stream(body, model) if body.stream else derenderer.completion(body, model)
+        resp.data = await self.offload(req, derenderer.completion_stream if body.stream else derenderer.completion,
+                                       body, model)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -215,17 +227,26 @@ class Tokenize(TextRoutes):
         request = await self.decode(req, tokenize_request_decoder)
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
-        tok = self.renderer.model.tokenizer
+        images = None
         if request.messages is not None:
             if request.continue_final_message and request.add_generation_prompt:
                 raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                                    status=400, type="BadRequestError")
             self.renderer.check_request_template(request.chat_template)
+            images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
+        elif request.prompt is not None:
+            self.renderer.check_prompt_chars(len(request.prompt))
+        else:
+            raise ServingError("Either `prompt` or `messages` must be given.", status=400, type="BadRequestError")
+        resp.data = await self.offload(req, self._tokenize, request, images, max_len)
+        resp.content_type = falcon.MEDIA_JSON
+
+    def _tokenize(self, request, images, max_len: int) -> bytes:
+        tok = self.renderer.model.tokenizer
+        if request.messages is not None:
             # As vLLM's create_tokenize: the tokens are the processed prompt's, each image's
             # placeholder expanded to its tokens (and counted); nothing else about the images.
-            spec = self.renderer.model.image
-            images = await load_chat_images(request.messages, spec, self.state.settings)
-            image_urls: Optional[list] = [] if spec is not None else None
+            image_urls: Optional[list] = [] if self.renderer.model.image is not None else None
             prompt = self.renderer.render_messages(
                 request.messages, tools=request.tools, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -234,28 +255,28 @@ class Tokenize(TextRoutes):
                 chat_template=request.chat_template, image_urls=image_urls)
             ids = self.renderer.expand_images(tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens)),
                                               image_urls, images)
-        elif request.prompt is not None:
+        else:
             add = True if request.add_special_tokens is None else request.add_special_tokens
             ids = tok.encode(request.prompt, add_special_tokens=add)
-        else:
-            raise ServingError("Either `prompt` or `messages` must be given.", status=400, type="BadRequestError")
         strs = [t or "" for t in tok.convert_ids_to_tokens(ids)] if request.return_token_strs else None
-        resp.data = json_encoder.encode(TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids,
-                                                         token_strs=strs))
-        resp.content_type = falcon.MEDIA_JSON
+        return json_encoder.encode(TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids,
+                                                    token_strs=strs))
 
 
 class Detokenize(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, detokenize_request_decoder)
         await self.check_model(request.model)
+        resp.data = await self.offload(req, self._detokenize, request.tokens)
+        resp.content_type = falcon.MEDIA_JSON
+
+    def _detokenize(self, tokens: list[int]) -> bytes:
         tok = self.renderer.model.tokenizer
-        if any(t >= tok.vocab_size for t in request.tokens):
-            bad = next(t for t in request.tokens if t >= tok.vocab_size)
+        bad = next((t for t in tokens if t >= tok.vocab_size), None)
+        if bad is not None:
             raise ServingError(f"Token id {bad} is out of vocabulary", param="tokens", status=400,
                                type="BadRequestError")
-        resp.data = json_encoder.encode(DetokenizeResponse(prompt=tok.decode(request.tokens, skip_special_tokens=False)))
-        resp.content_type = falcon.MEDIA_JSON
+        return json_encoder.encode(DetokenizeResponse(prompt=tok.decode(tokens, skip_special_tokens=False)))
 
 
 class TokenizerInfo(TextRoutes):
