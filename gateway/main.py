@@ -285,9 +285,9 @@ def serve(settings: GatewaySettings, client=None, access_log: bool = False) -> N
     from gateway.app import create_app
 
     from gateway.guards import guarded_protocol
-    from gateway.render_pool import give_back_big_blocks
+    from common.malloc_tuning import return_large_allocations
 
-    give_back_big_blocks()  # before the first big allocation
+    return_large_allocations()  # before the first big allocation (common/malloc_tuning.py)
     app = create_app(settings, client)
     # log_config=None: uvicorn's loggers go through common.logging's root handler.
     # The protocol is uvicorn's httptools one with deadlines for slow headers (guards.py).

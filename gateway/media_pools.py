@@ -25,7 +25,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from common.errors import BadRequest, Overloaded
-from common.malloc_tuning import return_large_allocations, trim_freed_memory
+from common.malloc_tuning import trim_freed_memory
 from common.multimodal import FetchPolicy, parse_networks, read_image_bytes
 
 # A decode job of at least this many pixels trims afterwards: smaller ones free memory
@@ -56,7 +56,6 @@ class MediaPools:
         from PIL import Image
 
         Image.MAX_IMAGE_PIXELS = None
-        return_large_allocations()  # common/malloc_tuning.py: image-sized buffers go back when freed
         self._lock = threading.Lock()
         self._decode_jobs = 0  # submitted and not finished (running or queued)
         self._running = 0  # decode jobs running now

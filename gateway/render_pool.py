@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import ctypes.util
 import functools
 import gc
 import logging
 import os
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
+from common import malloc_tuning
 from common.errors import Overloaded
 
 log = logging.getLogger("tokserve.gateway")
@@ -115,36 +114,6 @@ class RenderPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h), as worker/malloc_tuning.py
-M_MMAP_THRESHOLD = -3
-GATEWAY_MMAP_THRESHOLD = 256 * 1024
-
-
-def give_back_big_blocks() -> bool:
-    """The opposite of the CPU worker's tuning (worker/malloc_tuning.py), for the
-    gateway's spiky memory: glibc raises its mmap threshold each time a big mmapped
-    block is freed, so after one big request the next big bodies and lists land in
-    the heaps (a render thread's arena among them), where they stay after being freed
-    (measured: +20 MB per 20 MiB token list in a thread, malloc_trim did not help).
-    A fixed threshold keeps blocks over 256 KiB in their own mappings, returned to the
-    kernel on free.  False where the C library has no mallopt (musl, macOS)."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, GATEWAY_MMAP_THRESHOLD) == 1
-
-
-def _load_malloc_trim() -> Optional[Callable[[int], int]]:
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None  # not glibc (musl, macOS): nothing to do
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
 class MemoryTrimmer:
     """glibc keeps freed memory in the process: after a 20 MiB body the gateway stayed at
     3.1 GB.  ``request()`` after a big request has finished runs ``malloc_trim(0)``
@@ -153,13 +122,14 @@ class MemoryTrimmer:
     last big request is always followed by a trim, and by one more ``followup_s``
     later: a big answer may still sit in the socket's write buffer at the first one
     (measured: after a 7 MB /tokenize, 100 MB resident instead of the idle 65 MB until
-    the next trim).  The CPU worker tunes malloc the other way
-    (worker/malloc_tuning.py); that is a different process."""
+    the next trim).  The gateway's other half of this is common/malloc_tuning.py's
+    ``return_large_allocations`` (set once at start-up); the CPU worker tunes malloc the
+    other way, in another process."""
 
     def __init__(self, min_interval_s: float = 1.0, followup_s: float = 2.0):
         self.min_interval_s = min_interval_s
         self.followup_s = followup_s
-        self._trim = _load_malloc_trim()
+        self._enabled = malloc_tuning.can_trim()
         self._last = 0.0
         self._scheduled = False
         self._followup = False
@@ -167,7 +137,7 @@ class MemoryTrimmer:
 
     def request(self) -> None:
         self._followup = True
-        if self._trim is None or self._scheduled:
+        if not self._enabled or self._scheduled:
             return
         self._scheduled = True
         delay = max(0.0, self._last + self.min_interval_s - time.monotonic())
@@ -189,8 +159,5 @@ class MemoryTrimmer:
         # reference cycles (an exception's traceback frames) that only a collection
         # frees: measured, without this collect the RSS stayed 100+ MB up.
         gc.collect()
-        try:
-            self._trim(0)
-            self.trims += 1
-        except Exception:  # pragma: no cover - ctypes failure; memory just stays mapped
-            log.debug("malloc_trim failed", exc_info=True)
+        malloc_tuning.trim_freed_memory()
+        self.trims += 1
