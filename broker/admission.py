@@ -13,6 +13,7 @@ import msgspec
 from broker.legs import Legs
 from broker.requests import Entry, RequestTable
 from broker.router import Router
+from broker.settings import BrokerConfig
 from broker.workers import WorkerRegistry
 from common import framing
 from common.errors import BadRequest
@@ -22,8 +23,8 @@ from common.transfer_peers import EC_PARAM, KV_PARAM, TRUST_PEERS, UNKNOWN_PEER,
 
 
 class Admission:
-    def __init__(self, cfg, workers: WorkerRegistry, table: RequestTable, legs: Legs, router: Router):
-        self.cfg = cfg  # routing
+    def __init__(self, cfg: BrokerConfig, workers: WorkerRegistry, table: RequestTable, legs: Legs, router: Router):
+        self.cfg = cfg  # reads routing
         self.workers = workers
         self.table = table
         self.legs = legs

@@ -19,7 +19,6 @@ forwards delta bodies as-is.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import zmq
@@ -33,6 +32,7 @@ from broker.membership import Membership
 from broker.outputs import OutputsRelay
 from broker.requests import E_OVERLOADED, RequestTable
 from broker.router import Router
+from broker.settings import BrokerConfig  # re-exported: broker.main, tests and embedders build it from here
 from broker.workers import WorkerRegistry
 from common import config, framing, runtime_dir, security
 from common.framing import FrameError
@@ -40,29 +40,6 @@ from common.logging import RateLimitedLog, get_logger
 from common.protocol import Abort, BrokerStats, ClusterInfo, KvEvents, MsgType, RankReply, WorkerReady
 
 log = get_logger("tokserve.broker")
-
-
-@dataclass
-class BrokerConfig:
-    frontend: str = field(default_factory=config.frontend_address)
-    backend: str = field(default_factory=config.backend_address)
-    heartbeat_interval: float = config.HEARTBEAT_INTERVAL_S
-    liveness: int = config.HEARTBEAT_LIVENESS
-    max_pending: int = config.MAX_PENDING
-    no_worker_timeout: float = config.NO_WORKER_TIMEOUT_S
-    max_inflight_per_worker: int = 0  # 0: INFLIGHT_PER_SEQ_SLOT * worker's max_num_seqs
-    max_client_frame_bytes: int = config.MAX_CLIENT_FRAME_BYTES
-    max_worker_frame_bytes: int = config.MAX_WORKER_FRAME_BYTES
-    curve_secret_key: Optional[bytes] = None  # enables CURVE server mode on both sockets
-    curve_public_key: Optional[bytes] = None
-    curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
-    routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
-    pd: str = "off"  # broker/disagg.py: "auto" splits requests over prefill and decode workers
-    epd: str = "off"  # broker/disagg.py: "auto" runs image requests' encoders on encode workers first
-    # Shared secrets (common/runtime_dir.py).  None: nothing matches, so no worker
-    # registers and every CONTROL command is refused (fail closed).
-    worker_token: Optional[str] = None
-    control_token: Optional[str] = None
 
 
 class Broker:

@@ -13,14 +13,15 @@ from __future__ import annotations
 from broker import disagg
 from broker.requests import E_INTERNAL, Entry, RequestTable
 from broker.router import Router
+from broker.settings import BrokerConfig
 from broker.workers import Worker, WorkerRegistry
 from common import framing
 from common.protocol import GenerateRequest, Outputs
 
 
 class Legs:
-    def __init__(self, cfg, workers: WorkerRegistry, table: RequestTable, router: Router):
-        self.cfg = cfg  # pd, epd
+    def __init__(self, cfg: BrokerConfig, workers: WorkerRegistry, table: RequestTable, router: Router):
+        self.cfg = cfg  # reads pd, epd
         self.workers = workers
         self.table = table
         self.router = router

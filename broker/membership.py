@@ -14,11 +14,13 @@ from typing import Optional
 
 import zmq
 
+from broker.control import ControlPlane
 from broker.legs import Legs
 from broker.links import Links
 from broker.prefix_index import PrefixIndex
 from broker.requests import E_INTERNAL, RequestTable
 from broker.router import Router
+from broker.settings import BrokerConfig
 from broker.workers import Worker, WorkerRegistry
 from common import framing, runtime_dir
 from common.logging import RateLimitedLog, get_logger
@@ -29,9 +31,9 @@ log = get_logger("tokserve.broker")
 
 
 class Membership:
-    def __init__(self, cfg, workers: WorkerRegistry, table: RequestTable, links: Links, router: Router, legs: Legs,
-                 control, stats: BrokerStats, refused: RateLimitedLog):
-        self.cfg = cfg  # worker_token, heartbeat_interval, no_worker_timeout
+    def __init__(self, cfg: BrokerConfig, workers: WorkerRegistry, table: RequestTable, links: Links, router: Router,
+                 legs: Legs, control: ControlPlane, stats: BrokerStats, refused: RateLimitedLog):
+        self.cfg = cfg  # reads worker_token, heartbeat_interval, no_worker_timeout
         self.workers = workers
         self.table = table
         self.links = links

@@ -17,18 +17,20 @@ import time
 from typing import Callable, Optional
 
 from broker import disagg
+from broker.control import ControlPlane
 from broker.dispatch import LeastLoaded, sticky_worker
 from broker.links import Links
 from broker.requests import E_OVERLOADED, Entry, RequestTable
+from broker.settings import BrokerConfig
 from broker.workers import Worker, WorkerRegistry
 from common import framing
 from common.protocol import BrokerStats, MsgType
 
 
 class Router:
-    def __init__(self, cfg, workers: WorkerRegistry, table: RequestTable, links: Links, policy: LeastLoaded,
-                 control, stats: BrokerStats):
-        self.cfg = cfg  # routing, max_pending, no_worker_timeout
+    def __init__(self, cfg: BrokerConfig, workers: WorkerRegistry, table: RequestTable, links: Links,
+                 policy: LeastLoaded, control: ControlPlane, stats: BrokerStats):
+        self.cfg = cfg  # reads routing, max_pending, no_worker_timeout
         self.workers = workers
         self.table = table
         self.links = links
