@@ -208,13 +208,13 @@ class ControlPlane:
         self.fanouts[nonce] = fan
         body = framing.encode(ControlRequest(nonce, req.op, req.args, req.rank))
         for w in workers:
-            if not self.broker._to_worker(w, framing.message(MsgType.CONTROL, body, *payload)):
+            if not self.broker.links.to_worker(w, framing.message(MsgType.CONTROL, body, *payload)):
                 self._answered(fan, nonce, w.identity, RankReply(nonce, w.rank, ok=False, status=503,
                                                                    message="worker unreachable"))
 
     def _reply(self, client: Optional[bytes], reply: ControlReply) -> None:
         if client is not None:
-            self.broker._to_client(client, framing.message(MsgType.CONTROL, reply))
+            self.broker.links.to_client(client, framing.message(MsgType.CONTROL, reply))
 
     def _live(self, identities) -> list:
         return sorted((w for i in identities if (w := self.broker.workers.get(i)) is not None), key=lambda w: w.rank)
@@ -232,7 +232,7 @@ class ControlPlane:
 
             def restored(undo: Optional[Fanout], res: ControlReply) -> None:
                 self.paused = False
-                self.broker._dispatch_pending()
+                self.broker.router.dispatch_pending()
                 if not res.ok:
                     log.error("undoing a failed %s on ranks %s failed: %s", fan.req.op, [w.rank for w in did],
                               res.message)
@@ -511,7 +511,7 @@ class ControlPlane:
                 log.info("worker rank %d %s (weights %r, pool %r)", w.rank,
                          "held out of dispatch" if stale else "back in dispatch", w.weight_version, self.pool_version)
         if changed and not self.paused:
-            self.broker._dispatch_pending()
+            self.broker.router.dispatch_pending()
 
     # ---------------------------------------------------------- aggregation
     def _answered(self, fan: Fanout, nonce: int, identity: bytes, reply: RankReply) -> None:
@@ -547,7 +547,7 @@ class ControlPlane:
                                               for r in replies)
         if op == "resume" or fully_awake:
             self.paused = False
-            self.broker._dispatch_pending()
+            self.broker.router.dispatch_pending()
         elif op == "start_weight_update":
             self._update_paths, self._update_restarts = [], False
         elif op == "update_weights":
@@ -593,7 +593,7 @@ class ControlPlane:
         ids = req.args.get("request_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
             return ControlReply(req.nonce, ok=False, status=400, message="request_ids must be a list of strings")
-        return ControlReply(req.nonce, result={"aborted": self.broker.abort_everywhere(ids or None)})
+        return ControlReply(req.nonce, result={"aborted": self.broker.table.abort_everywhere(ids or None)})
 
     def local_weight_info(self, req: ControlRequest) -> ControlReply:
         ranks = [{"rank": w.rank, "weight_version": w.weight_version, "stale": w.stale, "replaying": w.replaying}

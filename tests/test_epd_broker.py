@@ -112,8 +112,8 @@ def _in_process_broker():
     b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:0", backend="tcp://127.0.0.1:0", epd="auto",
                             max_inflight_per_worker=1, routing="least-loaded"))
     sent: list = []
-    b._to_worker = lambda w, frames: (sent.append((w.rank, frames)), True)[1]
-    b._to_client = lambda c, frames: True
+    b.links.to_worker = lambda w, frames: (sent.append((w.rank, frames)), True)[1]
+    b.links.to_client = lambda c, frames: True
     info = ModelInfo(name="m", vocab_size=10, max_model_len=100, max_num_seqs=4)
     lm, enc = Worker(b"lm", 0, info, WorkerLoad(max_num_seqs=4)), Worker(b"enc", 1, info, WorkerLoad(max_num_seqs=4),
                                                                         role="encode")
@@ -134,14 +134,14 @@ def _image_request(rid: str):
 def test_queued_encode_legs_run_without_them_once_no_encoder_is_left():
     b, lm, enc, _ = _in_process_broker()
     for rid in ("r1", "r2"):
-        b._on_generate(b"client", _image_request(rid))
-    assert b.requests["r1"].worker is enc and b.requests["r2"].queued  # one in flight per worker
-    b._worker_gone(enc, "died")  # r1's leg falls back to the language-model worker
-    r1 = b.requests["r1"]
+        b.admission.on_generate(b"client", _image_request(rid))
+    assert b.table.requests["r1"].worker is enc and b.table.requests["r2"].queued  # one in flight per worker
+    b.membership.worker_gone(enc, "died")  # r1's leg falls back to the language-model worker
+    r1 = b.table.requests["r1"]
     assert r1.leg is None and r1.worker is lm
-    b._finish(r1)  # capacity again: r2 must not wait for an encoder that will not come
-    b._dispatch_pending()
-    r2 = b.requests["r2"]
+    b.table.finish(r1)  # capacity again: r2 must not wait for an encoder that will not come
+    b.router.dispatch_pending()
+    r2 = b.table.requests["r2"]
     assert r2.leg is None and r2.roles == () and r2.worker is lm
 
 
@@ -150,9 +150,9 @@ def test_an_encode_leg_error_runs_the_request_without_it():
     from common.protocol import ErrorMsg, MsgType
 
     b, lm, enc, sent = _in_process_broker()
-    b._on_generate(b"client", _image_request("r1"))
-    assert b.requests["r1"].worker is enc
+    b.admission.on_generate(b"client", _image_request("r1"))
+    assert b.table.requests["r1"].worker is enc
     err = framing.encode(ErrorMsg(request_id="r1", status=500, message="boom", type="InternalServerError"))
     b._on_backend([enc.identity, *framing.message(MsgType.ERROR, err, b"client")])
-    e = b.requests["r1"]  # not failed: sent on to the language-model worker, pixels and all
+    e = b.table.requests["r1"]  # not failed: sent on to the language-model worker, pixels and all
     assert e.leg is None and e.worker is lm and sent[-1][0] == lm.rank

@@ -1,0 +1,34 @@
+"""The broker's settings (``tokserve broker`` flags, or an embedder's choice).
+
+A module of its own so that every component can name the type without importing
+broker/broker.py (components never import the Broker that composes them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common import config
+
+
+@dataclass
+class BrokerConfig:
+    frontend: str = field(default_factory=config.frontend_address)
+    backend: str = field(default_factory=config.backend_address)
+    heartbeat_interval: float = config.HEARTBEAT_INTERVAL_S
+    liveness: int = config.HEARTBEAT_LIVENESS
+    max_pending: int = config.MAX_PENDING
+    no_worker_timeout: float = config.NO_WORKER_TIMEOUT_S
+    max_inflight_per_worker: int = 0  # 0: INFLIGHT_PER_SEQ_SLOT * worker's max_num_seqs
+    max_client_frame_bytes: int = config.MAX_CLIENT_FRAME_BYTES
+    max_worker_frame_bytes: int = config.MAX_WORKER_FRAME_BYTES
+    curve_secret_key: Optional[bytes] = None  # enables CURVE server mode on both sockets
+    curve_public_key: Optional[bytes] = None
+    curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
+    routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
+    pd: str = "off"  # broker/disagg.py: "auto" splits requests over prefill and decode workers
+    epd: str = "off"  # broker/disagg.py: "auto" runs image requests' encoders on encode workers first
+    # Shared secrets (common/runtime_dir.py).  None: nothing matches, so no worker
+    # registers and every CONTROL command is refused (fail closed).
+    worker_token: Optional[str] = None
+    control_token: Optional[str] = None
