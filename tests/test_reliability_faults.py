@@ -161,20 +161,35 @@ def test_health_503_when_no_worker_alive_and_back_after(stack):
 
 
 def test_broker_kill9_fails_in_flight_streams_and_stack_recovers(stack):
+    """The workers are frozen (SIGSTOP) before the broker dies, so which streams are in
+    flight at the kill does not depend on how fast this machine is: none can finish
+    after the freeze, and every one not finished by then must end with an error chunk.
+    (Counting in-flight streams at a kill sent on the clock failed on a loaded box: the
+    test process read its streams' first chunks late, after most had finished.)"""
     victim = stack.pids()["broker"]
-    results, t_kill = asyncio.run(_streams_with_fault(stack, 20, "bk", lambda: os.kill(victim, signal.SIGKILL),
-                                                      max_tokens=MAX_OUTPUT))
+    workers = [stack.pids()["worker[0]"], stack.pids()["worker[1]"]]
+
+    def freeze_then_kill():
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+
+    results, t_kill = asyncio.run(_streams_with_fault(stack, 20, "bk", freeze_then_kill, max_tokens=MAX_OUTPUT))
     failed = 0
     for res in results:
         _assert_well_formed(res)
         err = _error_chunk(res)
-        if err is None:  # finished before the kill landed: then it must be whole
-            assert len(res.tokens()) == MAX_OUTPUT and res.times[-1] - t_kill < 0.5, res.payloads[-2:]
+        if err is None:  # finished before the freeze: then it must be whole
+            assert len(res.tokens()) == MAX_OUTPUT, res.payloads[-2:]
             continue
         assert err["code"] == 503, err
         assert res.times[-1] - t_kill < 5.0  # the gateway sees the connection drop (or 3 missed heartbeats)
         failed += 1
-    assert failed >= 15, f"only {failed} of 20 streams were in flight at the kill"
+    assert failed >= 1, "no stream was in flight at the kill: the test exercised nothing"
     wait_for(lambda: stack.pids()["broker"] != victim, 30, "launcher to restart the broker")
     stack.wait_ready(30)
     r = wait_for(lambda: (lambda r: r if r.status_code == 200 else None)(stack.generate([4, 4, 4])), 15,
@@ -198,7 +213,7 @@ def test_client_hangup_frees_every_kv_block(stack):
                    for i in range(20)]
         body = {**_long_body(0), "stream": False}
         plain = [asyncio.create_task(post_sse(stack.url, GENERATE, body)) for _ in range(5)]
-        busy = await asyncio.to_thread(wait_for, lambda: _all_running(stack, 25), 20, "25 requests running")
+        busy = await asyncio.to_thread(wait_for, lambda: _all_running(stack, 25), 60, "25 requests running")
         nonlocal leave
         leave = True
         for task in plain:
