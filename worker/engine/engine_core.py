@@ -24,6 +24,9 @@ from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
                                        blocks_from_reply, parse_params)
+from worker.engine.components.base import EngineComponent, Hooks
+from worker.engine.components.routed_experts import RoutedExpertsCapture
+from worker.engine.components.sampling_mask import SamplingMaskCapture
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
@@ -96,6 +99,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
         self._init_rl_control()
+        self.components: list[EngineComponent] = self._build_components(config)
+        self.hooks = Hooks(self.components)
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
@@ -141,6 +146,15 @@ class EngineCore(RLControl, EncoderDisaggregation):
         if self.spec is not None:
             self.spec.allocate(num_blocks, max_model_len)
         self.runner.capture_cuda_graphs()
+
+    def _build_components(self, config: EngineConfig) -> list[EngineComponent]:
+        """The features this engine runs with, in hook order."""
+        components: list[EngineComponent] = []
+        if config.enable_return_routed_experts:
+            components.append(RoutedExpertsCapture(self.runner))
+        if config.return_sampling_mask:
+            components.append(SamplingMaskCapture())
+        return components
 
     def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
         spec = SpeculativeConfig.parse(config.speculative_config)
@@ -450,7 +464,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
         for seq in request.sequences:
             if not seq.is_finished():
                 seq.finish(FinishReason.ABORT)
-                self._capture_routing(seq)
+                for hook in self.hooks.on_finished:
+                    hook(seq)
                 self.scheduler.remove(seq)
                 held = seq.detokenizer.release_held() if seq.detokenizer is not None else None
                 outs.append(SequenceOutput(request, seq.index, seq, [], held))
@@ -559,22 +574,23 @@ class EngineCore(RLControl, EncoderDisaggregation):
         result = self.sampler(sample_logits, meta, self.config.return_sampling_mask)
         sampled = result.sampled.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
-        masks = result.masks
 
         now = time.time()
-        outs, r = [], 0
+        outs, first_rows, r = [], [], 0
         for seq, sp in zip(sample_seqs, specs):
+            first_rows.append(r)
             if not sp:
-                outs.append(self._append_token(seq, sampled[r], lp_lists, r, now,
-                                               masks[r] if masks is not None else None))
+                outs.append(self._append_token(seq, sampled[r], lp_lists, r, now))
                 r += 1
                 continue
-            outs.append(self._append_verified(seq, sp, sampled, lp_lists, r, now, masks))
+            outs.append(self._append_verified(seq, sp, sampled, lp_lists, r, now))
             r += 1 + len(sp)
+        for hook in self.hooks.on_sampled:
+            hook(outs, first_rows, result)
         return outs
 
     def _append_verified(self, seq: EngineSequence, spec: tuple, sampled: list[int], lp_lists: Any, r: int,
-                         now: float, masks: Optional[list]) -> SequenceOutput:
+                         now: float) -> SequenceOutput:
         """Rows r.. of a choice that verified ``spec``: each row's token was sampled from
         the target distribution after the drafts before it, so the tokens up to the first
         that differs from its draft are exactly what decoding one by one would produce."""
@@ -584,8 +600,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
         for j in range(accepted + 1):
             if j:  # the token before this one was the draft computed at its position
                 self.scheduler.accept_draft(seq)
-            out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now,
-                                     masks[r + j] if masks is not None else None)
+            out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now)
             tokens += out.new_token_ids
             if out.text:
                 texts.append(out.text)
@@ -660,18 +675,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
 
-    def _capture_routing(self, seq: EngineSequence) -> None:
-        """A finishing choice's routed experts, read from the store beside its KV
-        blocks before they are freed: every position the model ran (the last sampled
-        token never was), from the request's routed_experts_prompt_start."""
-        if self.runner.routing_store is None or seq.num_computed_tokens == 0:
-            return
-        end = min(seq.num_tokens - 1, seq.num_computed_tokens)
-        start = min(seq.request.params.routed_experts_prompt_start, seq.num_prompt_tokens, end)
-        seq.routed_experts = self.runner.routed_experts(seq.block_ids, end, start)
-
-    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float,
-                      mask: Optional[list[int]] = None) -> SequenceOutput:
+    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> SequenceOutput:
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
@@ -683,10 +687,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
             if request.req.output_text and self.tokenizer is not None:
                 attach_token_texts(entry, self.tokenizer, seq.output_ids[-5:-1])  # split-char context
             seq.pending_logprobs = extend_token_logprobs(seq.pending_logprobs, entry)
-        if mask is not None:
-            if seq.pending_sampling_mask is None:
-                seq.pending_sampling_mask = []
-            seq.pending_sampling_mask.append(mask)
         new_tokens = [token]
         seq.check_token_stop(self.max_model_len)
         text: Optional[str] = None
@@ -700,12 +700,11 @@ class EngineCore(RLControl, EncoderDisaggregation):
                 del seq.output_ids[-dropped:]
                 seq.token_buffer = None
                 new_tokens = new_tokens[:-dropped]
-                if seq.pending_sampling_mask:
-                    del seq.pending_sampling_mask[-dropped:]
             if stop_str is not None:
                 seq.finish(FinishReason.STOP, stop_str)
         if seq.is_finished():
-            self._capture_routing(seq)
+            for hook in self.hooks.on_finished:
+                hook(seq)
             if isinstance(request.kv_leg, PrefillLeg) and seq.index == 0:
                 self._hold_for_transfer(seq)
             if self.ec_exports is not None and request.mm is not None and seq.index == 0:

@@ -110,8 +110,6 @@ class EngineSequence:
         self.generator: Optional[torch.Generator] = None
         self.detokenizer: Any = None
         self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
-        self.pending_sampling_mask: Optional[list[list[int]]] = None  # sampler supports the next delta carries
-        self.routed_experts: Any = None  # numpy [positions, moe layers, top_k], set when the choice finishes
         # (weight version, first output index sampled with it), one entry per change.
         self.version_starts: list[tuple[str, int]] = []
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)

@@ -37,14 +37,11 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
         weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
-        sampling_mask=seq.pending_sampling_mask,
-        routed_experts=npy_bytes(seq.routed_experts) if seq.finish_reason is not None else None,
     )
     if request.spec_stats is not None and request.is_finished() and not request.spec_stats_sent:
         request.spec_stats_sent = True  # once per request, whichever choice finishes it
         delta.spec_decode = request.spec_stats
     seq.pending_logprobs = None
-    seq.pending_sampling_mask = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True
         # P/D legs answer with their own params (a prefill leg's on its final delta, below;

@@ -1,0 +1,101 @@
+"""The engine component interface (issue 31).
+
+A feature that is not the core loop (schedule -> forward -> sample -> append) is an
+``EngineComponent``: ``EngineCore`` holds a list of them and calls their hooks, in
+order, at fixed points of a request's life and of a step -- in the spirit of vLLM
+v1's KV connector (scheduler-side and worker-side hooks).  Every hook has a no-op
+default; ``Hooks`` collects, once, only the components that *override* a hook, so
+a step pays nothing for a feature that is off or does not care about that point.
+
+Per-request state belongs to the component (a dict keyed by request id or by
+sequence id inside it), not to ``Request`` / ``EngineSequence``.
+
+Hook order in a request's life::
+
+    check(req)                    validate; raise a ClientError (400/404/429...) to refuse
+    admit(request, seq)           after the request is registered: READY (the core schedules
+                                  it) or WAIT (the component holds it and hands it to the
+                                  scheduler later itself)
+    before_schedule()             every step, before the scheduler runs
+    on_scheduled(scheduled)       the step's batch, before the forward
+    on_sampled(outs, rows, res)   the step's outputs, with each output's first sampler row
+    on_finished(seq)              a choice finished (stop, length or abort), blocks still held
+    forget(request)               the request is gone (finished, aborted or failed)
+    fill_delta(out, delta)        an output becomes a wire CompletionDelta (engine.py)
+    fill_load(load)               the worker's load report
+    close()                       the engine shuts down
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from common.protocol import CompletionDelta, GenerateRequest, WorkerLoad
+    from worker.engine.outputs import SequenceOutput
+    from worker.engine.request import EngineSequence, Request
+    from worker.engine.sampler import SamplerOutput
+    from worker.engine.scheduler import ScheduledSeq
+
+READY = "ready"  # admit(): the core hands the sequence to the scheduler
+WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
+
+HOOKS = ("check", "admit", "before_schedule", "on_scheduled", "on_sampled", "on_finished", "forget",
+         "fill_delta", "fill_load", "close")
+
+
+class EngineComponent:
+    """Base class: every hook is a no-op; override the ones the feature needs."""
+
+    name = "component"
+
+    def check(self, req: "GenerateRequest") -> None:
+        """Refuse a request (raise a ClientError) before anything is registered."""
+
+    def admit(self, request: "Request", seq: "EngineSequence") -> str:
+        """The request is registered; READY or WAIT (the component schedules it later)."""
+        return READY
+
+    def before_schedule(self) -> None:
+        """Every step (and while idle), before the scheduler runs."""
+
+    def on_scheduled(self, scheduled: "list[ScheduledSeq]") -> None:
+        """The step's batch, before the forward (may reorder it)."""
+
+    def on_sampled(self, outs: "list[SequenceOutput]", first_rows: "list[int]", result: "SamplerOutput") -> None:
+        """The step's outputs; ``first_rows[i]``: the sampler row of ``outs[i]``'s first token."""
+
+    def on_finished(self, seq: "EngineSequence") -> None:
+        """A choice finished or was aborted; its KV blocks are not freed yet."""
+
+    def forget(self, request: "Request") -> None:
+        """The request is gone from the engine: drop what is kept for it."""
+
+    def fill_delta(self, out: "SequenceOutput", delta: "CompletionDelta") -> None:
+        """Add this feature's fields to an output's wire delta."""
+
+    def fill_load(self, load: "WorkerLoad") -> None:
+        """Add this feature's fields to the load report."""
+
+    def close(self) -> None:
+        """The engine shuts down."""
+
+
+class Hooks:
+    """Per hook, the bound methods of the components that override it (in order)."""
+
+    def __init__(self, components: "list[EngineComponent]"):
+        for hook in HOOKS:
+            base = getattr(EngineComponent, hook)
+            setattr(self, hook, [getattr(c, hook) for c in components if getattr(type(c), hook) is not base])
+
+    # typed views (the attributes are set above)
+    check: list[Callable[..., Any]]
+    admit: list[Callable[..., str]]
+    before_schedule: list[Callable[[], None]]
+    on_scheduled: list[Callable[..., None]]
+    on_sampled: list[Callable[..., None]]
+    on_finished: list[Callable[..., None]]
+    forget: list[Callable[..., None]]
+    fill_delta: list[Callable[..., None]]
+    fill_load: list[Callable[..., None]]
+    close: list[Callable[[], None]]
