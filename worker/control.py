@@ -337,11 +337,17 @@ class WorkerControl:
 
     def op_load_lora_adapter(self, req: ControlRequest):
         a = req.args
-        self.engine.load_lora_adapter(a.get("lora_name") or "", a.get("lora_path") or "",
-                                      bool(a.get("load_inplace")))
+        self._lora().load(a.get("lora_name") or "", a.get("lora_path") or "", bool(a.get("load_inplace")))
 
     def op_unload_lora_adapter(self, req: ControlRequest):
-        self.engine.unload_lora_adapter(req.args.get("lora_name") or "")
+        self._lora().unload(req.args.get("lora_name") or "")
+
+    def _lora(self):
+        """The engine's LoRA component (refused when LoRA is off)."""
+        lora = self.engine.lora
+        if lora is None:
+            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
+        return lora
 
     def op_update_weight_version(self, req: ControlRequest):
         self.engine.set_weight_version(req.args.get("new_version"))

@@ -25,6 +25,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
                                        blocks_from_reply, parse_params)
 from worker.engine.components.base import EngineComponent, Hooks
+from worker.engine.components.lora import LoRAComponent
 from worker.engine.components.routed_experts import RoutedExpertsCapture
 from worker.engine.components.sampling_mask import SamplingMaskCapture
 from worker.engine.config import EngineConfig
@@ -85,7 +86,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
             eos_token_ids=list(mc.eos_token_ids),
             default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
-            lora_adapters=self.lora_adapters() if config.enable_lora else None,
+            lora_adapters=dict(self.lora_manager.paths) if self.lora_manager is not None else None,
             kv_block_size=config.block_size,
         )
         self.requests: dict[str, Request] = {}
@@ -124,8 +125,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
         if mc.is_multimodal:
             cache = EncoderCache(self.model, device, image_config=image_config_for(config.model, mc.vision_config))
             self.runner.encoder_cache = cache
-        self.lora = self._start_lora(config, device)
-        self.runner.lora = self.lora
+        self.lora_manager = self._start_lora(config, device)  # model side; the engine side: LoRAComponent
+        self.runner.lora = self.lora_manager
         self.spec = self._start_speculation(config, mc, device, max_model_len)
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
@@ -141,7 +142,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
                                    token_budget=config.step_token_budget(max_model_len),
                                    max_model_len=max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   max_loras=config.max_loras if self.lora is not None else None)
+                                   max_loras=config.max_loras if self.lora_manager is not None else None)
         self.sampler = Sampler()
         if self.spec is not None:
             self.spec.allocate(num_blocks, max_model_len)
@@ -150,6 +151,10 @@ class EngineCore(RLControl, EncoderDisaggregation):
     def _build_components(self, config: EngineConfig) -> list[EngineComponent]:
         """The features this engine runs with, in hook order."""
         components: list[EngineComponent] = []
+        self.lora: Optional[LoRAComponent] = None
+        if self.lora_manager is not None:
+            self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
+            components.append(self.lora)
         if config.enable_return_routed_experts:
             components.append(RoutedExpertsCapture(self.runner))
         if config.return_sampling_mask:
@@ -179,27 +184,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
             manager.register(name, path)
         return manager
 
-    # --- LoRA adapters ------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> None:
-        """Register (read and validate) a PEFT adapter; LoRAError (400) when refused."""
-        if self.lora is None:
-            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
-        if name == self.model_info.name:
-            raise BadRequest(f"The lora adapter '{name}' conflicts with a served base model.",
-                             type="InvalidUserInput")
-        self.lora.register(name, path, inplace)
-        self.model_info.lora_adapters = self.lora_adapters()
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """New requests can no longer name it; running ones finish with it."""
-        if self.lora is None:
-            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
-        self.lora.unregister(name)
-        self.model_info.lora_adapters = self.lora_adapters()
-
-    def lora_adapters(self) -> dict[str, str]:
-        return dict(self.lora.paths) if self.lora is not None else {}
-
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
         if req.request_id in self.requests:
@@ -218,11 +202,10 @@ class EngineCore(RLControl, EncoderDisaggregation):
             self._check_encoder_only(req, mm)
         # validated before anything is registered (a 400 here leaves nothing behind)
         ec_sources = self._encoder_sources(req, mm) if mm is not None and not self.encoder_only else None
-        lora_key = None
-        if req.lora_name is not None:
-            if self.lora is None or req.lora_name not in self.lora.keys:
-                raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
-            lora_key = self.lora.keys[req.lora_name]
+        if req.lora_name is not None and self.lora is None:
+            raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
+        for check in self.hooks.check:
+            check(req)
         p = req.params
         prompt_len = len(req.prompt_token_ids)
         room = self.max_model_len - prompt_len
@@ -233,7 +216,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
             max_tokens = min(max_tokens, self.default_max_tokens)
         request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
                           eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
-        request.lora_key = lora_key
         request.mm = mm
         if p.bad_words and self.tokenizer is not None:
             try:
@@ -241,11 +223,15 @@ class EngineCore(RLControl, EncoderDisaggregation):
             except ValueError as e:
                 raise BadRequest(str(e), "bad_words") from None
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
-        if lora_key is not None:  # last check: a refusal here leaves nothing to undo
-            self.lora.acquire(lora_key)
         if self.spec is not None:
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
+        try:
+            for admit in self.hooks.admit:
+                admit(request, seq)
+        except BaseException:
+            self._forget(request)
+            raise
         request.kv_leg = leg
         if isinstance(leg, PrefillLeg):
             self.kv_transfer.reserved[req.request_id] = self._prefill_leg_blocks(req)
@@ -433,8 +419,9 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self.kv_transfer.pending.pop(request.request_id, None)
         self.kv_transfer.reserved.pop(request.request_id, None)
         self.ec_pulls.pending.pop(request.request_id, None)
-        if self.requests.pop(request.request_id, None) is not None and request.lora_key is not None:
-            self.lora.release(request.lora_key)
+        if self.requests.pop(request.request_id, None) is not None:
+            for forget in self.hooks.forget:
+                forget(request)
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> EngineSequence:
         seq = EngineSequence(request, index, token_ids)
@@ -489,10 +476,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
                           free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
                           total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
                           max_num_seqs=self.config.max_num_seqs)
-        if self.lora is not None:
-            running, waiting = self.scheduler.adapters()
-            load.resident_loras, load.max_loras = self.lora.resident, self.lora.max_loras
-            load.running_loras, load.waiting_loras = self.lora.names(running), self.lora.names(waiting)
+        for fill in self.hooks.fill_load:
+            fill(load)
         cache = self.runner.encoder_cache
         if cache is not None:
             load.mm_cache_queries, load.mm_cache_hits = cache.num_queries, cache.num_hits
@@ -537,10 +522,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 self._stalled()
             return []
-        if self.lora is not None:
-            # Each adapter's rows contiguous: the CPU path multiplies views instead of
-            # gathering and scattering rows (stable: priority order within an adapter).
-            out.scheduled.sort(key=_adapter_key)
+        for hook in self.hooks.on_scheduled:
+            hook(out.scheduled)
         if self.spec is not None:
             self.spec.fill(out.scheduled)
         hidden = self.runner.forward(out.scheduled)
@@ -713,7 +696,3 @@ class EngineCore(RLControl, EncoderDisaggregation):
             if request.is_finished():
                 self._forget(request)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)
-
-
-def _adapter_key(s) -> str:
-    return s.seq.request.lora_key or ""

@@ -179,8 +179,8 @@ class RLControl:
         # may start at a whole checkpoint other than the model's).
         self.model, _, _ = build_model(self.config, self.model_config, self.device)
         self.model.use_attention_backend(self.attention_backend)
-        if self.lora is not None:
-            self.lora.attach(self.model)
+        if self.lora_manager is not None:
+            self.lora_manager.attach(self.model)
         self.runner.model = self.model
         if self.runner.encoder_cache is not None:
             self.runner.encoder_cache.model = self.model
