@@ -230,10 +230,10 @@ def test_level_two_sleep_releases_the_model_and_wake_up_keeps_the_adapters(llama
     prompt = random_prompts(1, 6, 7, seed=12)[0]
     before = _run(engine, [_lora_request("s1", prompt, "embed_head", max_tokens=4, ignore_eos=True)])
     old = weakref.ref(engine.model)
-    engine.sleep(2)
+    engine.rl.sleep(2)
     gc.collect()
     assert old() is None  # the LoRA slots do not keep the released weights alive
-    assert engine.wake_up()
+    assert engine.rl.wake_up()
     after = _run(engine, [_lora_request("s2", prompt, "embed_head", max_tokens=4, ignore_eos=True),
                           _lora_request("s3", prompt, "all", max_tokens=4, ignore_eos=True)])
     assert tokens_of(after["s2"]) == tokens_of(before["s1"]) == \

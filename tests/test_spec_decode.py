@@ -352,9 +352,9 @@ def test_draft_model_cache_sleeps_and_wakes_with_the_target(llama_dir, noisy_dra
     prompts = random_prompts(3, 5, 30, seed=24)
     want = [r[0].token_ids for r in _run(make_engine(llama_dir), prompts, max_tokens=16, ignore_eos=True)]
     assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
-    engine.sleep(1)
+    engine.rl.sleep(1)
     assert engine.spec.runner.kv_cache is None
-    assert engine.wake_up()
+    assert engine.rl.wake_up()
     assert engine.spec.runner.kv_cache is not None
     assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
 

@@ -212,7 +212,7 @@ class WorkerServer:
     def _ready(self) -> None:
         self._refresh_load()
         ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
-                            weight_version=self.engine.weight_version,
+                            weight_version=self.engine.rl.weight_version,
                             world_size=self.engine.config.tensor_parallel_size, role=self.role,
                             worker_token=self.worker_token, transfer_address=self._transfer_address())
         self._send(framing.message(MsgType.READY, ready))

@@ -52,7 +52,7 @@ from common.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-class EngineCore(RLControl, EncoderDisaggregation):
+class EngineCore(EncoderDisaggregation):
     def __init__(self, config: EngineConfig):
         self.config = config
         device = config.torch_device
@@ -99,7 +99,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self._init_encoder_disaggregation(config)
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
-        self._init_rl_control()
         self.components: list[EngineComponent] = self._build_components(config)
         self.hooks = Hooks(self.components)
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
@@ -150,7 +149,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
 
     def _build_components(self, config: EngineConfig) -> list[EngineComponent]:
         """The features this engine runs with, in hook order."""
-        components: list[EngineComponent] = []
+        self.rl = RLControl(self)  # always on: weight versions, weight updates, sleep / wake
+        components: list[EngineComponent] = [self.rl]
         self.lora: Optional[LoRAComponent] = None
         if self.lora_manager is not None:
             self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
@@ -471,7 +471,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
         return bool(self.requests) or bool(self._request_errors)
 
     def load(self) -> WorkerLoad:
-        kv_released = "kv_cache" in self.asleep
+        kv_released = "kv_cache" in self.rl.asleep
         load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                           free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
                           total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
@@ -496,7 +496,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
-        if self.asleep:  # requests wait until wake_up restores the KV cache / weights
+        if self.rl.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
         self.kv_transfer_tick()
         if self.encoder_only:
@@ -663,7 +663,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
         if request.first_token_time is None:
             request.first_token_time = now
         seq.append_token(token)
-        seq.track_weight_version(self.weight_version)
         p = request.params
         if p.logprobs is not None and lp_lists is not None:
             entry = to_token_logprobs(lp_lists, row, p.logprobs)

@@ -110,8 +110,6 @@ class EngineSequence:
         self.generator: Optional[torch.Generator] = None
         self.detokenizer: Any = None
         self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
-        # (weight version, first output index sampled with it), one entry per change.
-        self.version_starts: list[tuple[str, int]] = []
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
         self.spec_acceptance = 1.0  # recent share of its drafts accepted (drafting backs off when low)
         self.draft_lag = 0  # draft model: trailing computed positions its KV lacks
@@ -141,19 +139,6 @@ class EngineSequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_ids.append(token_id)
-
-    def track_weight_version(self, version: str) -> None:
-        """Called as each output token is appended: a new span starts where the version changes."""
-        starts = self.version_starts
-        if not starts or starts[-1][0] != version:
-            starts.append((version, len(self.output_ids) - 1))
-
-    def weight_version_spans(self) -> list[tuple[str, int, int]]:
-        """Contiguous half-open spans over the output tokens (vLLM's WeightVersionSpan)."""
-        n = len(self.output_ids)  # after any stop-string trimming
-        starts = [(v, s) for v, s in self.version_starts if s < n]
-        ends = [s for _, s in starts[1:]] + [n]
-        return [(v, s, e) for (v, s), e in zip(starts, ends)]
 
     # --- stopping --------------------------------------------------------
     def check_token_stop(self, max_model_len: int) -> bool:

@@ -23,7 +23,7 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         return CompletionDelta(request_id=request.request_id, index=out.index, finish_reason=FinishReason.ABORT,
                                num_prompt_tokens=request.num_prompt_tokens,
                                num_cached_tokens=request.num_cached_tokens,
-                               first_scheduled_time=request.first_scheduled_time, weight_versions=[])
+                               first_scheduled_time=request.first_scheduled_time)
     delta = CompletionDelta(
         request_id=request.request_id,
         index=seq.index,
@@ -36,7 +36,6 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         num_cached_tokens=request.num_cached_tokens,
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
-        weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
     )
     if request.spec_stats is not None and request.is_finished() and not request.spec_stats_sent:
         request.spec_stats_sent = True  # once per request, whichever choice finishes it
