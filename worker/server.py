@@ -381,7 +381,7 @@ class WorkerServer:
         self._ready()
 
     def _kv_transfer_tick(self) -> None:
-        tick = getattr(self.engine, "kv_transfer_tick", None)
+        tick = getattr(self.engine, "tick", None)
         if tick is not None:
             try:
                 tick()

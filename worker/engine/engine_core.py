@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import itertools
 import queue
-import secrets
 import logging
 import time
 from typing import Any, Optional
 
 import torch
 
-from common.errors import BadRequest, NotFound, Overloaded
-from common.transfer_peers import (EC_PARAM, KV_PARAM, TRUST_EC, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER, check_shape,
+from common.errors import BadRequest, NotFound
+from common.transfer_peers import (EC_PARAM, TRUST_EC, TRUST_PEERS, UNKNOWN_PEER, check_shape,
                                    ec_peers, format_address)
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
-from worker.engine.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
-                                       blocks_from_reply, parse_params)
-from worker.engine.components.base import EngineComponent, Hooks
+from worker.engine.kv_transfer import KvTransfer
+from worker.engine.components.base import WAIT, EngineComponent, Hooks
+from worker.engine.components.kv_transfer import KvTransferComponent
 from worker.engine.components.lora import LoRAComponent
 from worker.engine.components.routed_experts import RoutedExpertsCapture
 from worker.engine.components.sampling_mask import SamplingMaskCapture
@@ -94,6 +93,7 @@ class EngineCore(EncoderDisaggregation):
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
         self.kv_transfer.max_held_blocks = int(config.kv_transfer_max_held * self.block_manager.num_blocks)
+        self.kv = KvTransferComponent(self, self.kv_transfer)
         if config.kv_transfer_enabled:
             self.kv_transfer.server()  # bound now: READY announces it (the broker admits only known peers)
         self._init_encoder_disaggregation(config)
@@ -155,6 +155,7 @@ class EngineCore(EncoderDisaggregation):
         if self.lora_manager is not None:
             self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
             components.append(self.lora)
+        components.append(self.kv)
         if config.enable_return_routed_experts:
             components.append(RoutedExpertsCapture(self.runner))
         if config.return_sampling_mask:
@@ -191,21 +192,17 @@ class EngineCore(EncoderDisaggregation):
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
         cache = self.runner.encoder_cache
         mm = check_mm_items(req, self.model_config, cache.max_image_patches if cache is not None else None)
+        for check in self.hooks.check:  # KV transfer, LoRA, ...
+            check(req, mm)
         # Bounded, plain JSON before anything reads (or later echoes) them.
-        check_shape(req.kv_transfer_params, KV_PARAM)
         check_shape(req.ec_transfer_params, EC_PARAM)
         self._check_ec_params(req)
-        leg = parse_params(req.kv_transfer_params)
-        if leg is not None:
-            self._check_kv_leg(req, leg)
         if self.encoder_only:
             self._check_encoder_only(req, mm)
         # validated before anything is registered (a 400 here leaves nothing behind)
         ec_sources = self._encoder_sources(req, mm) if mm is not None and not self.encoder_only else None
         if req.lora_name is not None and self.lora is None:
             raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
-        for check in self.hooks.check:
-            check(req)
         p = req.params
         prompt_len = len(req.prompt_token_ids)
         room = self.max_model_len - prompt_len
@@ -226,26 +223,20 @@ class EngineCore(EncoderDisaggregation):
         if self.spec is not None:
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
+        held = False
+        if self.encoder_only:
+            self._to_encode.append(seq)
+            held = True
+        elif ec_sources and self._pull_encodings(request, seq, ec_sources):
+            held = True  # scheduled once its encoder outputs are pulled
         try:
-            for admit in self.hooks.admit:
-                admit(request, seq)
+            for admit in self.hooks.admit:  # READY, or WAIT: the component schedules it later
+                held = admit(request, seq, held) == WAIT or held
         except BaseException:
             self._forget(request)
             raise
-        request.kv_leg = leg
-        if isinstance(leg, PrefillLeg):
-            self.kv_transfer.reserved[req.request_id] = self._prefill_leg_blocks(req)
-        if self.encoder_only:
-            self._to_encode.append(seq)
-            return
-        if ec_sources and self._pull_encodings(request, seq, ec_sources):
-            return  # scheduled once its encoder outputs are pulled
-        if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
-            self.kv_transfer.start_pull(request, seq, leg)
-            return
-        if isinstance(leg, PrefillLeg):
-            self.kv_transfer.server()  # bound before the answer names its host and port
-        self.scheduler.add(seq)
+        if not held:
+            self.scheduler.add(seq)
 
     def _check_ec_params(self, req: GenerateRequest) -> None:
         """ec_transfer_params announcing producers make this worker connect to them and cache
@@ -260,121 +251,18 @@ class EngineCore(EncoderDisaggregation):
         if not req.transfer_trust & TRUST_PEERS:
             raise BadRequest(f"{EC_PARAM}: {UNKNOWN_PEER}", EC_PARAM)
 
-    def _prefill_leg_blocks(self, req: GenerateRequest) -> int:
-        """The full prompt blocks a prefill leg keeps for its decode side."""
-        return len(req.prompt_token_ids) // self.block_manager.block_size
-
-    def _check_kv_leg(self, req: GenerateRequest, leg) -> None:
-        """Requests whose KV blocks move between workers: what this engine refuses."""
-        if not self.config.kv_transfer_enabled and not req.transfer_trust & TRUST_KV:
-            # vLLM honours kv_transfer_params only with a KV connector configured.
-            raise BadRequest(f"{KV_PARAM}: this worker does not take part in KV transfer (prefill/decode "
-                             f"disaggregation); {ENABLE_HINT}", KV_PARAM)
-        if isinstance(leg, DecodeLeg) and not req.transfer_trust & TRUST_PEERS:
-            raise BadRequest(f"{KV_PARAM}: {UNKNOWN_PEER}", KV_PARAM)
-        if self.config.tensor_parallel_size > 1:
-            raise BadRequest("kv_transfer_params: KV transfer is not supported with tensor parallelism "
-                             f"(this worker has tensor_parallel_size {self.config.tensor_parallel_size})",
-                             "kv_transfer_params")
-        if req.lora_name is not None:
-            raise BadRequest("kv_transfer_params: KV transfer is not supported for LoRA requests",
-                             "kv_transfer_params")
-        if req.params.n != 1 and isinstance(leg, PrefillLeg):  # a decode leg's choices fork after the pull
-            raise BadRequest("kv_transfer_params: a prefill leg (do_remote_decode) needs n=1", "kv_transfer_params")
-        if not self.config.enable_prefix_caching:
-            raise BadRequest("kv_transfer_params: KV transfer needs prefix caching (this worker runs with "
-                             "--no-prefix-caching)", "kv_transfer_params")
-        if isinstance(leg, PrefillLeg):
-            kv, need = self.kv_transfer, self._prefill_leg_blocks(req)
-            if kv.committed_blocks() + need > kv.max_held_blocks:
-                # Held blocks are pinned until their decode side pulls them (or the timeout):
-                # past the cap they would starve ordinary requests of the KV cache.
-                raise Overloaded(f"{KV_PARAM}: too many KV blocks are held for remote decode on this worker "
-                                 f"({kv.committed_blocks()} held or reserved, this prompt needs {need}, the cap is "
-                                 f"{kv.max_held_blocks}: --kv-transfer-max-held); retry later", KV_PARAM)
-
-    # --- KV transfer (prefill/decode disaggregation) -------------------------------------
-    def _hold_for_transfer(self, seq: EngineSequence) -> None:
-        """A prefill leg finished: keep its full prompt blocks for the decode side and
-        answer with NixlConnector's kv_transfer_params."""
-        request, kv = seq.request, self.kv_transfer
-        bs = self.block_manager.block_size
-        num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // bs
-        blocks = list(seq.block_ids[:num_full])
-        kv.reserved.pop(request.request_id, None)  # the reservation becomes the held blocks
-        # The transfer's name on the transfer server: the request id (clients may choose
-        # those) plus a secret, so only whoever got this answer can PULL or FREE the blocks.
-        handle = f"{request.request_id}.{secrets.token_hex(16)}"
-        if blocks:
-            self.block_manager.hold_blocks(blocks)
-            old = kv.held.hold(handle, blocks, kv.timeout)
-            if old:
-                self.block_manager.release_blocks(old)
-        server = kv.server()
-        request.kv_transfer_out = {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": [blocks], "remote_engine_id": kv.engine_id,
-            "remote_request_id": handle,
-            "remote_host": server.host, "remote_port": server.port,
-            "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-            "remote_num_tokens": seq.num_computed_tokens,
-            "remote_blocks_expiry_time": None, "transfer_mode": "pull",
-        }
-
-    def kv_transfer_tick(self) -> None:
-        """Engine thread, every step and while idle: release blocks the decode side freed
-        or that waited past the timeout; start the decode legs whose pull finished."""
-        kv, bm = self.kv_transfer, self.block_manager
-        while True:
-            try:
-                rid = kv.held.freed.get_nowait()
-            except queue.Empty:
-                break
-            blocks = kv.held.take(rid)
-            if blocks:
-                bm.release_blocks(blocks)
-        if len(kv.held):
-            for rid, blocks in kv.held.take_expired(time.monotonic()):
-                log.info("KV transfer of %s expired: releasing %d block(s)", rid, len(blocks))
-                bm.release_blocks(blocks)
-        while not kv.pulled.empty():
-            self._finish_pull(*kv.pulled.get_nowait())
+    def tick(self) -> None:
+        """Housekeeping of the components (every step, and by the worker while idle):
+        released KV transfers, finished pulls."""
+        for hook in self.hooks.before_schedule:
+            hook()
         self._encoder_pulls_tick()
 
-    def _finish_pull(self, rid: str, token: int, result, error) -> None:
-        entry = self.kv_transfer.pending.get(rid)
-        if entry is None or entry[3] != token:
-            return  # aborted meanwhile (the pull FREEd the remote blocks already)
-        del self.kv_transfer.pending[rid]
-        request, seq, leg, _ = entry
-        if error is None:
-            try:
-                self._import_pulled(seq, leg, *result)
-            except TransferError as exc:
-                error = exc
-        if error is not None:
-            self._forget(request)
-            self._request_errors.append((rid, error.status, error.message, "kv_transfer_params"))
-            return
-        self.scheduler.add(seq)
-
-    def _import_pulled(self, seq: EngineSequence, leg: DecodeLeg, header: dict, raw) -> None:
-        """The pulled prompt blocks become this engine's cached blocks (keyed by the
-        prompt's block hashes): the prefix-cache lookup then serves them."""
-        kv_cache = self.runner.kv_cache
-        if kv_cache is None:
-            raise TransferError(503, "kv_transfer_params: the KV cache is released (sleeping)")
-        data = blocks_from_reply(header, raw, kv_cache, len(leg.block_ids))
-        bm = self.block_manager
-        if seq.request.wants_prompt_scores:
-            return  # prompt scores read nothing from the cache: recompute
-        taken = bm.import_blocks(seq, len(leg.block_ids))
-        if not taken:
-            return
-        src = torch.tensor([i for i, _ in taken], dtype=torch.long)
-        dst = torch.tensor([b for _, b in taken], dtype=torch.long, device=kv_cache.device)
-        kv_cache.index_copy_(2, dst, data.index_select(2, src).to(kv_cache.device))
-        bm.release_blocks([b for _, b in taken])
+    def fail_request(self, request: Request, status: int, message: str, param: str) -> None:
+        """A request failed outside a step's outputs (a pull): it is gone; the worker
+        reports it (``take_request_errors``)."""
+        self._forget(request)
+        self._request_errors.append((request.request_id, status, message, param))
 
     def _stalled(self) -> None:
         """Requests wait but none can start, nothing runs: only blocks held for remote
@@ -383,24 +271,16 @@ class EngineCore(EncoderDisaggregation):
         never spinning; one that can never fit fails alone with a 503, not every request
         with a 500."""
         seq = self.scheduler.head_waiting()
-        bm, kv = self.block_manager, self.kv_transfer
+        bm = self.block_manager
         if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
-            request = seq.request
             self.scheduler.remove(seq)
-            self._forget(request)
-            self._request_errors.append((request.request_id, 503, f"the request needs "
-                                         f"{bm.blocks_needed(seq.num_tokens)} KV blocks; this worker's KV cache "
-                                         f"holds {bm.num_blocks}", "prompt"))
+            self.fail_request(seq.request, 503, f"the request needs {bm.blocks_needed(seq.num_tokens)} KV blocks; "
+                              f"this worker's KV cache holds {bm.num_blocks}", "prompt")
             return
-        if not kv.held.num_blocks:
-            raise RuntimeError("scheduler stalled: waiting requests but nothing can run")  # a bug: fail loudly
-        try:  # wait a little for a FREE instead of spinning (expiry is checked every step)
-            rid = kv.held.freed.get(timeout=0.05)
-        except queue.Empty:
-            return
-        blocks = kv.held.take(rid)
-        if blocks:
-            bm.release_blocks(blocks)
+        for stalled in self.hooks.on_stalled:  # blocks held for remote decode come back
+            if stalled():
+                return
+        raise RuntimeError("scheduler stalled: waiting requests but nothing can run")  # a bug: fail loudly
 
     def transfer_address(self) -> Optional[str]:
         """"host:port" of the transfer server (READY announces it), None when not bound."""
@@ -416,8 +296,6 @@ class EngineCore(EncoderDisaggregation):
 
     def _forget(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
-        self.kv_transfer.pending.pop(request.request_id, None)
-        self.kv_transfer.reserved.pop(request.request_id, None)
         self.ec_pulls.pending.pop(request.request_id, None)
         if self.requests.pop(request.request_id, None) is not None:
             for forget in self.hooks.forget:
@@ -462,7 +340,8 @@ class EngineCore(EncoderDisaggregation):
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (idempotent; nothing to do at TP=1)."""
-        self.kv_transfer.close()
+        for close in self.hooks.close:
+            close()
         if self.tp_leader is not None:
             self.tp_leader.shutdown()
             self.tp_leader = None
@@ -498,16 +377,11 @@ class EngineCore(EncoderDisaggregation):
     def step(self) -> list[SequenceOutput]:
         if self.rl.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
-        self.kv_transfer_tick()
+        self.tick()
         if self.encoder_only:
             return self._encode_step()
-        if self.kv_transfer.pending and not self.scheduler.has_unfinished():
-            try:  # only pulls in flight: wait for one a little instead of spinning
-                done = self.kv_transfer.pulled.get(timeout=0.02)
-            except queue.Empty:
-                done = None
-            if done is not None:
-                self._finish_pull(*done)
+        if not self.scheduler.has_unfinished() and any(wait() for wait in self.hooks.wait_idle):
+            pass  # only pulls in flight: a component waited for one a little instead of spinning
         elif self.ec_pulls.pending and not self.scheduler.has_unfinished():
             try:
                 done = self.ec_pulls.done.get(timeout=0.02)
@@ -687,8 +561,6 @@ class EngineCore(EncoderDisaggregation):
         if seq.is_finished():
             for hook in self.hooks.on_finished:
                 hook(seq)
-            if isinstance(request.kv_leg, PrefillLeg) and seq.index == 0:
-                self._hold_for_transfer(seq)
             if self.ec_exports is not None and request.mm is not None and seq.index == 0:
                 self._announce_encodings(request)
             self.scheduler.remove(seq)

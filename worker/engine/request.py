@@ -48,10 +48,6 @@ class Request:
         self.arrival_time = req.arrival_time or now
         self.cache_salt = req.cache_salt
         self.lora_key: Optional[str] = None  # the adapter registration it runs with (lora/manager.py)
-        # P/D disaggregation (kv_transfer.py): PrefillLeg / DecodeLeg / None, and the
-        # kv_transfer_params a finished prefill leg answers with (its final delta's).
-        self.kv_leg: Any = None
-        self.kv_transfer_out: Optional[dict] = None
         # Encoder disaggregation (ec_transfer.py): an encoder worker's answer (its final
         # delta's ec_transfer_params; as vLLM, nothing else ever answers with any).
         self.ec_transfer_out: Optional[dict] = None

@@ -43,9 +43,8 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
     seq.pending_logprobs = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True
-        # P/D legs answer with their own params (a prefill leg's on its final delta, below;
-        # a decode leg's none, as vLLM); other params are echoed.
-        delta.kv_transfer_params = request.req.kv_transfer_params if request.kv_leg is None else None
+        # Echoed (P/D legs answer with their own instead: the KV transfer component's fill_delta).
+        delta.kv_transfer_params = request.req.kv_transfer_params
         delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.prompt_token_id_rows:
             scores = _stack_padded(request.prompt_token_id_rows)
@@ -53,8 +52,6 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
             delta.prompt_token_id_shape = list(scores.shape)
             request.prompt_token_id_rows = []
     if seq.index == 0 and seq.finish_reason is not None:
-        if request.kv_transfer_out is not None:
-            delta.kv_transfer_params = request.kv_transfer_out
         if request.ec_transfer_out is not None:
             delta.ec_transfer_params = request.ec_transfer_out
     return delta

@@ -12,11 +12,16 @@ sequence id inside it), not to ``Request`` / ``EngineSequence``.
 
 Hook order in a request's life::
 
-    check(req)                    validate; raise a ClientError (400/404/429...) to refuse
-    admit(request, seq)           after the request is registered: READY (the core schedules
+    check(req, mm)                validate; raise a ClientError (400/404/429...) to refuse
+    admit(request, seq, held)     after the request is registered: READY (the core schedules
                                   it) or WAIT (the component holds it and hands it to the
-                                  scheduler later itself)
-    before_schedule()             every step, before the scheduler runs
+                                  scheduler later itself); ``held``: an earlier component
+                                  already returned WAIT (register state, start nothing)
+    before_schedule()             every step, and while the worker idles, before scheduling
+    wait_idle()                   nothing can be scheduled: wait briefly for your own async
+                                  work (True: you had some, the step ends)
+    on_stalled()                  requests wait but none can start and nothing runs: True
+                                  when the component holds blocks that will come back
     on_scheduled(scheduled)       the step's batch, before the forward
     on_sampled(outs, rows, res)   the step's outputs, with each output's first sampler row
     on_finished(seq)              a choice finished (stop, length or abort), blocks still held
@@ -39,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
-HOOKS = ("check", "admit", "before_schedule", "on_scheduled", "on_sampled", "on_finished", "forget",
+HOOKS = ("check", "admit", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled", "on_finished", "forget",
          "fill_delta", "fill_load", "close")
 
 
@@ -48,15 +53,28 @@ class EngineComponent:
 
     name = "component"
 
-    def check(self, req: "GenerateRequest") -> None:
-        """Refuse a request (raise a ClientError) before anything is registered."""
+    def check(self, req: "GenerateRequest", mm: Any) -> None:
+        """Refuse a request (raise a ClientError) before anything is registered; ``mm``:
+        its MultiModalState (multimodal.py) or None."""
 
-    def admit(self, request: "Request", seq: "EngineSequence") -> str:
-        """The request is registered; READY or WAIT (the component schedules it later)."""
+    def admit(self, request: "Request", seq: "EngineSequence", held: bool) -> str:
+        """The request is registered; READY or WAIT (the component schedules it later).
+        ``held``: an earlier component returned WAIT.  Raising undoes the admission
+        (every component's ``forget`` runs)."""
         return READY
 
     def before_schedule(self) -> None:
-        """Every step (and while idle), before the scheduler runs."""
+        """Every step (and while the worker idles), before the scheduler runs."""
+
+    def wait_idle(self) -> bool:
+        """Nothing is scheduled: wait a little for the component's own async work (a pull);
+        True when it had some (the later components are not asked)."""
+        return False
+
+    def on_stalled(self) -> bool:
+        """Requests wait, none can start, nothing runs: True when this component holds
+        KV blocks that come back (it may wait a little for them); False: not its doing."""
+        return False
 
     def on_scheduled(self, scheduled: "list[ScheduledSeq]") -> None:
         """The step's batch, before the forward (may reorder it)."""
@@ -92,6 +110,8 @@ class Hooks:
     check: list[Callable[..., Any]]
     admit: list[Callable[..., str]]
     before_schedule: list[Callable[[], None]]
+    wait_idle: list[Callable[[], bool]]
+    on_stalled: list[Callable[[], bool]]
     on_scheduled: list[Callable[..., None]]
     on_sampled: list[Callable[..., None]]
     on_finished: list[Callable[..., None]]

@@ -42,11 +42,11 @@ class LoRAComponent(EngineComponent):
         return dict(self.manager.paths)
 
     # --- hooks -------------------------------------------------------------------------
-    def check(self, req) -> None:
+    def check(self, req, mm) -> None:
         if req.lora_name is not None and req.lora_name not in self.manager.keys:
             raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
 
-    def admit(self, request, seq) -> str:
+    def admit(self, request, seq, held) -> str:
         name = request.req.lora_name
         if name is not None:  # a refusal here leaves nothing to undo
             key = self.manager.keys[name]
