@@ -8,7 +8,6 @@ packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
 from __future__ import annotations
 
 import itertools
-import queue
 import logging
 import time
 from typing import Any, Optional
@@ -16,8 +15,7 @@ from typing import Any, Optional
 import torch
 
 from common.errors import BadRequest, NotFound
-from common.transfer_peers import (EC_PARAM, TRUST_EC, TRUST_PEERS, UNKNOWN_PEER, check_shape,
-                                   ec_peers, format_address)
+from common.transfer_peers import format_address
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
@@ -51,7 +49,7 @@ from common.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-class EngineCore(EncoderDisaggregation):
+class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = config.torch_device
@@ -96,11 +94,12 @@ class EngineCore(EncoderDisaggregation):
         self.kv = KvTransferComponent(self, self.kv_transfer)
         if config.kv_transfer_enabled:
             self.kv_transfer.server()  # bound now: READY announces it (the broker admits only known peers)
-        self._init_encoder_disaggregation(config)
+        self.ec = EncoderDisaggregation(self, config)
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
         self.components: list[EngineComponent] = self._build_components(config)
         self.hooks = Hooks(self.components)
+        self._run_step = self.ec.encode_step if self.ec.encoder_only else self._model_step
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
@@ -151,15 +150,17 @@ class EngineCore(EncoderDisaggregation):
         """The features this engine runs with, in hook order."""
         self.rl = RLControl(self)  # always on: weight versions, weight updates, sleep / wake
         components: list[EngineComponent] = [self.rl]
-        self.lora: Optional[LoRAComponent] = None
-        if self.lora_manager is not None:
-            self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
-            components.append(self.lora)
-        components.append(self.kv)
         if config.enable_return_routed_experts:
             components.append(RoutedExpertsCapture(self.runner))
         if config.return_sampling_mask:
             components.append(SamplingMaskCapture())
+        # Encoder transfer before KV transfer: a request pulling encodings starts once they are
+        # here (never through a KV pull); KV transfer's refusal of LoRA requests before LoRA's.
+        components += [self.ec, self.kv]
+        self.lora: Optional[LoRAComponent] = None
+        if self.lora_manager is not None:
+            self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
+            components.append(self.lora)
         return components
 
     def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
@@ -192,15 +193,8 @@ class EngineCore(EncoderDisaggregation):
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
         cache = self.runner.encoder_cache
         mm = check_mm_items(req, self.model_config, cache.max_image_patches if cache is not None else None)
-        for check in self.hooks.check:  # KV transfer, LoRA, ...
+        for check in self.hooks.check:  # encoder and KV transfer, LoRA, ...: a refusal leaves nothing behind
             check(req, mm)
-        # Bounded, plain JSON before anything reads (or later echoes) them.
-        check_shape(req.ec_transfer_params, EC_PARAM)
-        self._check_ec_params(req)
-        if self.encoder_only:
-            self._check_encoder_only(req, mm)
-        # validated before anything is registered (a 400 here leaves nothing behind)
-        ec_sources = self._encoder_sources(req, mm) if mm is not None and not self.encoder_only else None
         if req.lora_name is not None and self.lora is None:
             raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
         p = req.params
@@ -224,44 +218,25 @@ class EngineCore(EncoderDisaggregation):
             request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
         held = False
-        if self.encoder_only:
-            self._to_encode.append(seq)
-            held = True
-        elif ec_sources and self._pull_encodings(request, seq, ec_sources):
-            held = True  # scheduled once its encoder outputs are pulled
         try:
             for admit in self.hooks.admit:  # READY, or WAIT: the component schedules it later
                 held = admit(request, seq, held) == WAIT or held
         except BaseException:
-            self._forget(request)
+            self.forget_request(request)
             raise
         if not held:
             self.scheduler.add(seq)
-
-    def _check_ec_params(self, req: GenerateRequest) -> None:
-        """ec_transfer_params announcing producers make this worker connect to them and cache
-        what they send: only with an E/P/D role (--ec-transfer-config) or on the broker's own
-        legs, and only to peers the broker vouched for."""
-        if not ec_peers(req.ec_transfer_params):
-            return  # nothing to pull: ignored, as before
-        if self.config.ec_role is None and not req.transfer_trust & TRUST_EC:
-            raise BadRequest(f"{EC_PARAM}: this worker does not take part in encoder disaggregation; start it with "
-                             "--ec-transfer-config '{\"ec_connector\": \"ECCPUConnector\", \"ec_role\": "
-                             "\"ec_consumer\"}'", EC_PARAM)
-        if not req.transfer_trust & TRUST_PEERS:
-            raise BadRequest(f"{EC_PARAM}: {UNKNOWN_PEER}", EC_PARAM)
 
     def tick(self) -> None:
         """Housekeeping of the components (every step, and by the worker while idle):
         released KV transfers, finished pulls."""
         for hook in self.hooks.before_schedule:
             hook()
-        self._encoder_pulls_tick()
 
     def fail_request(self, request: Request, status: int, message: str, param: str) -> None:
         """A request failed outside a step's outputs (a pull): it is gone; the worker
         reports it (``take_request_errors``)."""
-        self._forget(request)
+        self.forget_request(request)
         self._request_errors.append((request.request_id, status, message, param))
 
     def _stalled(self) -> None:
@@ -294,9 +269,8 @@ class EngineCore(EncoderDisaggregation):
         errors, self._request_errors = self._request_errors, []
         return errors
 
-    def _forget(self, request: Request) -> None:
+    def forget_request(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
-        self.ec_pulls.pending.pop(request.request_id, None)
         if self.requests.pop(request.request_id, None) is not None:
             for forget in self.hooks.forget:
                 forget(request)
@@ -324,7 +298,7 @@ class EngineCore(EncoderDisaggregation):
         request = self.requests.get(request_id)
         if request is None:
             return []
-        self._forget(request)
+        self.forget_request(request)
         outs: list[SequenceOutput] = []
         for seq in request.sequences:
             if not seq.is_finished():
@@ -378,17 +352,13 @@ class EngineCore(EncoderDisaggregation):
         if self.rl.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
         self.tick()
-        if self.encoder_only:
-            return self._encode_step()
-        if not self.scheduler.has_unfinished() and any(wait() for wait in self.hooks.wait_idle):
-            pass  # only pulls in flight: a component waited for one a little instead of spinning
-        elif self.ec_pulls.pending and not self.scheduler.has_unfinished():
-            try:
-                done = self.ec_pulls.done.get(timeout=0.02)
-            except queue.Empty:
-                done = None
-            if done is not None:
-                self._finish_encoder_pull(*done)
+        return self._run_step()
+
+    def _model_step(self) -> list[SequenceOutput]:
+        """Schedule, run the model, sample, append (an encoder-only engine runs
+        ``EncoderDisaggregation.encode_step`` instead)."""
+        if not self.scheduler.has_unfinished():  # only pulls in flight: wait for one a little
+            any(wait() for wait in self.hooks.wait_idle)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.max_model_len)
         out = self.scheduler.schedule()
@@ -561,9 +531,7 @@ class EngineCore(EncoderDisaggregation):
         if seq.is_finished():
             for hook in self.hooks.on_finished:
                 hook(seq)
-            if self.ec_exports is not None and request.mm is not None and seq.index == 0:
-                self._announce_encodings(request)
             self.scheduler.remove(seq)
             if request.is_finished():
-                self._forget(request)
+                self.forget_request(request)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)

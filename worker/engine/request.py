@@ -48,9 +48,6 @@ class Request:
         self.arrival_time = req.arrival_time or now
         self.cache_salt = req.cache_salt
         self.lora_key: Optional[str] = None  # the adapter registration it runs with (lora/manager.py)
-        # Encoder disaggregation (ec_transfer.py): an encoder worker's answer (its final
-        # delta's ec_transfer_params; as vLLM, nothing else ever answers with any).
-        self.ec_transfer_out: Optional[dict] = None
         self.prompt_token_ids = req.prompt_token_ids
         self.mm: Any = None  # MultiModalState (multimodal.py) of a request with images
         self.num_prompt_tokens = len(req.prompt_token_ids)

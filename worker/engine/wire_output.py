@@ -51,9 +51,6 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
             delta.prompt_token_id_scores = scores.tobytes()
             delta.prompt_token_id_shape = list(scores.shape)
             request.prompt_token_id_rows = []
-    if seq.index == 0 and seq.finish_reason is not None:
-        if request.ec_transfer_out is not None:
-            delta.ec_transfer_params = request.ec_transfer_out
     return delta
 
 
