@@ -112,6 +112,25 @@ class FakeEngine:
         return [CompletionDelta(request_id=request_id, index=i, finish_reason="abort")
                 for i, k in enumerate(r.produced) if k < max_tokens]
 
+    # The rest of worker/engine/api.py's EngineAPI: no KV cache, transfers or followers here.
+    def tick(self) -> None:
+        pass
+
+    def take_request_errors(self) -> list:
+        return []
+
+    def snapshot_kv_events(self) -> None:
+        return None
+
+    def drain_kv_events(self) -> None:
+        return None
+
+    def transfer_address(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
     def load(self) -> WorkerLoad:
         now = time.monotonic()
         waiting = sum(1 for r in self.reqs.values() if r.start_at > now)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 from common.errors import BadRequest, ServingError
 from common.protocol import ControlRequest, RankReply
 from common import tensor_frames
+from worker.engine.api import EngineAPI
 
 log = logging.getLogger("tokserve.worker")
 
@@ -65,7 +66,7 @@ class WorkerControl:
         self.deferred: list[_Deferred] = []
 
     @property
-    def engine(self):
+    def engine(self) -> EngineAPI:
         return self.server.engine
 
     @property
