@@ -147,9 +147,9 @@ def test_sampled_outputs_are_distributed_as_without_speculation(llama_dir, plain
 
 
 def test_the_distribution_test_catches_a_biased_acceptance_rule(llama_dir, plain_samples, monkeypatch):
-    import worker.engine.engine_core as core
+    import worker.engine.spec_decode.verify as verify
 
-    monkeypatch.setattr(core, "accepted_prefix", lambda sampled, r, spec: len(spec))  # keep every draft
+    monkeypatch.setattr(verify, "accepted_prefix", lambda sampled, r, spec: len(spec))  # keep every draft
     spec, _ = _sampled(_spec_engine(llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])
     assert _min_p_value(plain_samples, spec) < 1e-4
 

@@ -69,7 +69,7 @@ class EncoderDisaggregation(EngineComponent):
             return WAIT  # scheduled once its encoder outputs are pulled
         return READY
 
-    def before_schedule(self) -> None:
+    def tick(self) -> None:
         while not self.ec_pulls.done.empty():
             self._finish_encoder_pull(*self.ec_pulls.done.get_nowait())
 

@@ -43,7 +43,9 @@ from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.draft_model import DraftModelSpeculator
-from worker.engine.spec_decode.speculator import NgramSpeculator, accepted_prefix, draft_sampling_rows
+from worker.engine.spec_decode.component import SpecDecodeComponent
+from worker.engine.spec_decode.speculator import NgramSpeculator, draft_sampling_rows
+from worker.engine.spec_decode.verify import append_verified
 from common.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,10 @@ class EngineCore:
         if self.lora_manager is not None:
             self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
             components.append(self.lora)
+        self.spec_decode: Optional[SpecDecodeComponent] = None
+        if self.spec is not None:  # after LoRA: drafts fill the batch in its final order
+            self.spec_decode = SpecDecodeComponent(self.spec, self)
+            components.append(self.spec_decode)
         return components
 
     def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
@@ -214,8 +220,6 @@ class EngineCore:
             except ValueError as e:
                 raise BadRequest(str(e), "bad_words") from None
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
-        if self.spec is not None:
-            request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
         held = False
         try:
@@ -230,7 +234,7 @@ class EngineCore:
     def tick(self) -> None:
         """Housekeeping of the components (every step, and by the worker while idle):
         released KV transfers, finished pulls."""
-        for hook in self.hooks.before_schedule:
+        for hook in self.hooks.tick:
             hook()
 
     def fail_request(self, request: Request, status: int, message: str, param: str) -> None:
@@ -359,17 +363,15 @@ class EngineCore:
         ``EncoderDisaggregation.encode_step`` instead)."""
         if not self.scheduler.has_unfinished():  # only pulls in flight: wait for one a little
             any(wait() for wait in self.hooks.wait_idle)
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.max_model_len)
+        for hook in self.hooks.before_schedule:  # speculative decoding proposes its drafts
+            hook()
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 self._stalled()
             return []
-        for hook in self.hooks.on_scheduled:
+        for hook in self.hooks.on_scheduled:  # LoRA orders the batch, draft models fill their slots
             hook(out.scheduled)
-        if self.spec is not None:
-            self.spec.fill(out.scheduled)
         hidden = self.runner.forward(out.scheduled)
         self.scheduler.update_after_step(out.scheduled)
 
@@ -407,33 +409,14 @@ class EngineCore:
         for seq, sp in zip(sample_seqs, specs):
             first_rows.append(r)
             if not sp:
-                outs.append(self._append_token(seq, sampled[r], lp_lists, r, now))
+                outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
                 r += 1
                 continue
-            outs.append(self._append_verified(seq, sp, sampled, lp_lists, r, now))
+            outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
             r += 1 + len(sp)
         for hook in self.hooks.on_sampled:
             hook(outs, first_rows, result)
         return outs
-
-    def _append_verified(self, seq: EngineSequence, spec: tuple, sampled: list[int], lp_lists: Any, r: int,
-                         now: float) -> SequenceOutput:
-        """Rows r.. of a choice that verified ``spec``: each row's token was sampled from
-        the target distribution after the drafts before it, so the tokens up to the first
-        that differs from its draft are exactly what decoding one by one would produce."""
-        accepted = accepted_prefix(sampled, r, spec)
-        self.spec.record(seq, len(spec), accepted)
-        tokens, texts = [], []
-        for j in range(accepted + 1):
-            if j:  # the token before this one was the draft computed at its position
-                self.scheduler.accept_draft(seq)
-            out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now)
-            tokens += out.new_token_ids
-            if out.text:
-                texts.append(out.text)
-            if seq.is_finished():
-                break
-        return SequenceOutput(seq.request, seq.index, seq, tokens, "".join(texts) if texts else None)
 
     def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:
         """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
@@ -502,7 +485,7 @@ class EngineCore:
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
 
-    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> SequenceOutput:
+    def append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> SequenceOutput:
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now

@@ -73,8 +73,6 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.num_cached_tokens = 0
-        self.spec_stats: Any = None  # SpecDecodeStats (speculative decoding on)
-        self.spec_stats_sent = False
 
     def is_finished(self) -> bool:
         return self.forked and all(s.status is SeqStatus.FINISHED for s in self.sequences)

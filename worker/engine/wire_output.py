@@ -37,9 +37,6 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
     )
-    if request.spec_stats is not None and request.is_finished() and not request.spec_stats_sent:
-        request.spec_stats_sent = True  # once per request, whichever choice finishes it
-        delta.spec_decode = request.spec_stats
     seq.pending_logprobs = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True

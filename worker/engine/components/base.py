@@ -17,7 +17,8 @@ Hook order in a request's life::
                                   it) or WAIT (the component holds it and hands it to the
                                   scheduler later itself); ``held``: an earlier component
                                   already returned WAIT (register state, start nothing)
-    before_schedule()             every step, and while the worker idles, before scheduling
+    tick()                        housekeeping: every step, and while the worker idles
+    before_schedule()             every model step, before the scheduler runs
     wait_idle()                   nothing can be scheduled: wait briefly for your own async
                                   work (True: you had some, the step ends)
     on_stalled()                  requests wait but none can start and nothing runs: True
@@ -44,8 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
-HOOKS = ("check", "admit", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled", "on_finished", "forget",
-         "fill_delta", "fill_load", "close")
+HOOKS = ("check", "admit", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
+         "on_finished", "forget", "fill_delta", "fill_load", "close")
 
 
 class EngineComponent:
@@ -63,8 +64,11 @@ class EngineComponent:
         (every component's ``forget`` runs)."""
         return READY
 
+    def tick(self) -> None:
+        """Housekeeping: every step, and while the worker idles (no model step then)."""
+
     def before_schedule(self) -> None:
-        """Every step (and while the worker idles), before the scheduler runs."""
+        """Every model step, before the scheduler runs."""
 
     def wait_idle(self) -> bool:
         """Nothing is scheduled: wait a little for the component's own async work (a pull);
@@ -109,6 +113,7 @@ class Hooks:
     # typed views (the attributes are set above)
     check: list[Callable[..., Any]]
     admit: list[Callable[..., str]]
+    tick: list[Callable[[], None]]
     before_schedule: list[Callable[[], None]]
     wait_idle: list[Callable[[], bool]]
     on_stalled: list[Callable[[], bool]]

@@ -93,7 +93,7 @@ class KvTransferComponent(EngineComponent):
         return READY
 
     # --- every step ----------------------------------------------------------------------
-    def before_schedule(self) -> None:
+    def tick(self) -> None:
         """Release blocks the decode side freed or that waited past the timeout; start the
         decode legs whose pull finished."""
         self._closing.clear()  # the last step's deltas are packed

@@ -86,14 +86,10 @@ class Speculator:
         return SpecDecodeStats(self.k, [0] * (self.k + 1))
 
     def record(self, seq: EngineSequence, num_drafts: int, num_accepted: int) -> None:
-        """One verify step of ``seq`` (vLLM's RequestSpecDecodeMetrics.observe)."""
+        """One verify step of ``seq``: its running acceptance share (drafting backs off
+        when low); the request's counts are the component's (component.py)."""
         seq.spec_acceptance = (_ACCEPTANCE_DECAY * seq.spec_acceptance
                                + (1 - _ACCEPTANCE_DECAY) * num_accepted / num_drafts)
-        stats = seq.request.spec_stats
-        stats.histogram[num_accepted] += 1
-        stats.num_draft_tokens += num_drafts
-        stats.per_step_accepted.append(num_accepted)
-        stats.per_step_drafted.append(num_drafts)
 
 
 class NgramSpeculator(Speculator):
