@@ -356,11 +356,22 @@ class EngineCore:
         if self.rl.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
         self.tick()
-        return self._run_step()
+        return self._run_step()  # _model_step (an encoder-only engine: EncoderDisaggregation.encode_step)
 
     def _model_step(self) -> list[SequenceOutput]:
-        """Schedule, run the model, sample, append (an encoder-only engine runs
-        ``EncoderDisaggregation.encode_step`` instead)."""
+        """nano-vllm's step: schedule, run the model, sample, process the outputs."""
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        hidden = self.runner.forward(scheduled)
+        self.scheduler.update_after_step(scheduled)
+        sampled = self._sample(hidden, scheduled)
+        if sampled is None:
+            return []
+        return self._process_outputs(*sampled)
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The step's batch, with the components' hooks around the scheduler."""
         if not self.scheduler.has_unfinished():  # only pulls in flight: wait for one a little
             any(wait() for wait in self.hooks.wait_idle)
         for hook in self.hooks.before_schedule:  # speculative decoding proposes its drafts
@@ -372,18 +383,21 @@ class EngineCore:
             return []
         for hook in self.hooks.on_scheduled:  # LoRA orders the batch, draft models fill their slots
             hook(out.scheduled)
-        hidden = self.runner.forward(out.scheduled)
-        self.scheduler.update_after_step(out.scheduled)
+        return out.scheduled
 
-        prompt_jobs, sample_seqs, rows, specs = self._select_rows(out.scheduled)
+    def _sample(self, hidden: torch.Tensor, scheduled: list[ScheduledSeq]):
+        """Logits of the rows that need them: prompt positions are scored, sequences at
+        their end sample (choices of n>1 requests fork here).  None: nothing sampled;
+        else (sampling sequences, their drafts, SamplerOutput)."""
+        prompt_jobs, sample_seqs, rows, specs = self._select_rows(scheduled)
         if not rows:
-            return []
+            return None
         logits = self.runner.compute_logits(hidden, rows)
         num_prompt_rows = len(rows) - len(sample_seqs) - sum(len(sp) for sp in specs)
         if prompt_jobs:
             self._score_prompts(prompt_jobs, logits[:num_prompt_rows])
         if not sample_seqs:
-            return []
+            return None
 
         # Each sampling choice's first logits row; a choice verifying drafts owns the
         # rows after it too (one per draft: the distribution after that draft).
@@ -400,21 +414,24 @@ class EngineCore:
             sample_logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=logits.device))
         sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
         meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
-        result = self.sampler(sample_logits, meta, self.config.return_sampling_mask)
+        return sample_seqs, specs, self.sampler(sample_logits, meta, self.config.return_sampling_mask)
+
+    def _process_outputs(self, sample_seqs: list[EngineSequence], specs: list[tuple],
+                         result) -> list[SequenceOutput]:
+        """Append each choice's sampled token (after the drafts it accepted), check stops,
+        detokenize; the components see the step's outputs (``on_sampled``)."""
         sampled = result.sampled.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
-
         now = time.time()
         outs, first_rows, r = [], [], 0
         for seq, sp in zip(sample_seqs, specs):
             first_rows.append(r)
-            if not sp:
+            if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
+                outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
+            else:
                 outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
-                r += 1
-                continue
-            outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
             r += 1 + len(sp)
-        for hook in self.hooks.on_sampled:
+        for hook in self.hooks.on_sampled:  # routed experts, sampling masks, weight versions
             hook(outs, first_rows, result)
         return outs
 
