@@ -360,17 +360,18 @@ def test_draft_model_cache_sleeps_and_wakes_with_the_target(llama_dir, noisy_dra
 
 
 def test_token_mirror_follows_appends_and_cuts(llama_dir):
-    from worker.engine.spec_decode.speculator import _token_array
+    from worker.engine.spec_decode.speculator import SeqDrafting, _token_array
 
     engine = make_engine(llama_dir)
     seq = engine._new_sequence(_request_obj(_spec_engine(llama_dir)), 0, list(range(5, 70)))
-    assert _token_array(seq).tolist() == seq.token_ids
+    st = SeqDrafting()  # the speculator's state of seq
+    assert _token_array(seq, st).tolist() == seq.token_ids
     for t in range(200):  # past the first buffer: grown in place
         seq.append_token(t % 50)
-        assert _token_array(seq).tolist() == seq.token_ids
+        assert _token_array(seq, st).tolist() == seq.token_ids
     del seq.token_ids[-3:]  # a stop string cut the list
     seq.token_ids.append(7)
-    assert _token_array(seq).tolist() == seq.token_ids
+    assert _token_array(seq, st).tolist() == seq.token_ids
 
 
 def test_draft_model_limits(llama_dir, tmp_path):

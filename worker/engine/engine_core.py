@@ -524,7 +524,6 @@ class EngineCore:
                 dropped = seq.detokenizer.dropped_token_count
                 del seq.token_ids[-dropped:]
                 del seq.output_ids[-dropped:]
-                seq.token_buffer = None
                 new_tokens = new_tokens[:-dropped]
             if stop_str is not None:
                 seq.finish(FinishReason.STOP, stop_str)

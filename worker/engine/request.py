@@ -102,10 +102,6 @@ class EngineSequence:
         self.detokenizer: Any = None
         self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
-        self.spec_acceptance = 1.0  # recent share of its drafts accepted (drafting backs off when low)
-        self.draft_lag = 0  # draft model: trailing computed positions its KV lacks
-        self.draft_synced = -1  # draft model: num_preemptions when its KV last covered the context
-        self.token_buffer: Any = None  # n-gram drafts: (int64 array, filled) mirror of token_ids
 
     # --- sizes -----------------------------------------------------------
     @property

@@ -34,6 +34,9 @@ class SpecDecodeComponent(EngineComponent):
     def on_scheduled(self, scheduled) -> None:
         self.speculator.fill(scheduled)
 
+    def on_finished(self, seq) -> None:
+        self.speculator.forget(seq)
+
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
         """One verify step of ``seq`` (vLLM's RequestSpecDecodeMetrics.observe)."""
         self.speculator.record(seq, num_drafts, num_accepted)
