@@ -101,6 +101,7 @@ class EngineCore:
         self._request_errors: list[tuple[str, int, str, str]] = []
         self.components: list[EngineComponent] = self._build_components(config)
         self.hooks = Hooks(self.components)
+        self._sampler_masks = any(c.needs_sampler_masks for c in self.components)
         self._run_step = self.ec.encode_step if self.ec.encoder_only else self._model_step
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
@@ -141,8 +142,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    token_budget=config.step_token_budget(max_model_len),
                                    max_model_len=max_model_len,
-                                   enable_chunked_prefill=config.enable_chunked_prefill,
-                                   max_loras=config.max_loras if self.lora_manager is not None else None)
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler()
         if self.spec is not None:
             self.spec.allocate(num_blocks, max_model_len)
@@ -414,7 +414,7 @@ class EngineCore:
             sample_logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=logits.device))
         sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
         meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
-        return sample_seqs, specs, self.sampler(sample_logits, meta, self.config.return_sampling_mask)
+        return sample_seqs, specs, self.sampler(sample_logits, meta, self._sampler_masks)
 
     def _process_outputs(self, sample_seqs: list[EngineSequence], specs: list[tuple],
                          result) -> list[SequenceOutput]:

@@ -53,6 +53,7 @@ class EngineComponent:
     """Base class: every hook is a no-op; override the ones the feature needs."""
 
     name = "component"
+    needs_sampler_masks = False  # the sampler returns each row's surviving token ids (on_sampled's result.masks)
 
     def check(self, req: "GenerateRequest", mm: Any) -> None:
         """Refuse a request (raise a ClientError) before anything is registered; ``mm``:

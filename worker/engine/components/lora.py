@@ -15,6 +15,25 @@ def _adapter_key(s) -> str:
     return s.seq.request.lora_key or ""
 
 
+class AdapterSlots:
+    """The scheduler's admission limit: at most ``max_loras`` distinct adapters run at
+    once (every step's fit the device slots); a request whose adapter has no slot waits."""
+
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+
+    def begin(self, running) -> set:
+        return {s.request.lora_key for s in running} - {None}
+
+    def admits(self, adapters: set, seq) -> bool:
+        key = seq.request.lora_key
+        if key is not None and key not in adapters:
+            if len(adapters) >= self.max_loras:
+                return False
+            adapters.add(key)
+        return True
+
+
 class LoRAComponent(EngineComponent):
     name = "lora"
 
@@ -23,6 +42,7 @@ class LoRAComponent(EngineComponent):
         self.scheduler = scheduler
         self.model_info = model_info  # its lora_adapters follow load / unload
         self.pinned: dict[str, str] = {}  # request id -> the adapter registration it pinned
+        scheduler.limits.append(AdapterSlots(manager.max_loras))
 
     # --- commands (worker/control.py) ------------------------------------------------
     def load(self, name: str, path: str, inplace: bool = False) -> None:
@@ -66,6 +86,7 @@ class LoRAComponent(EngineComponent):
             self.manager.release(key)
 
     def fill_load(self, load) -> None:
-        running, waiting = self.scheduler.adapters()
+        running = sorted({s.request.lora_key for s in self.scheduler.running} - {None})
+        waiting = sorted({s.request.lora_key for s in self.scheduler.waiting()} - {None})
         load.resident_loras, load.max_loras = self.manager.resident, self.manager.max_loras
         load.running_loras, load.waiting_loras = self.manager.names(running), self.manager.names(waiting)

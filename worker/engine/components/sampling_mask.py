@@ -7,6 +7,7 @@ from worker.engine.components.base import EngineComponent
 
 class SamplingMaskCapture(EngineComponent):
     name = "sampling_mask"
+    needs_sampler_masks = True
 
     def __init__(self):
         self.pending: dict[int, list[list[int]]] = {}  # seq_id -> masks the next delta carries
