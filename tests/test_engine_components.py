@@ -21,8 +21,8 @@ def test_hooks_hold_only_the_components_that_implement_them():
     plain, counter, mask = EngineComponent(), Counter(), SamplingMaskCapture()
     hooks = Hooks([plain, counter, mask])
     assert hooks.on_finished == [counter.on_finished]
-    assert hooks.on_sampled == [mask.on_sampled] and hooks.fill_delta == [mask.fill_delta]
-    assert all(getattr(hooks, h) == [] for h in HOOKS if h not in ("on_finished", "on_sampled", "fill_delta"))
+    assert hooks.on_sampled == [mask.on_sampled] and hooks.fill_deltas == [mask.fill_deltas]
+    assert all(getattr(hooks, h) == [] for h in HOOKS if h not in ("on_finished", "on_sampled", "fill_deltas"))
 
 
 def test_a_plain_engine_calls_few_hooks(llama_dir):

@@ -93,7 +93,12 @@ class EncoderDisaggregation(EngineComponent):
     def forget(self, request: Request) -> None:
         self.ec_pulls.pending.pop(request.request_id, None)
 
-    def fill_delta(self, out, delta) -> None:
+    def fill_deltas(self, outs, deltas) -> None:
+        if self.answers:  # only an encoder worker's finished requests answer
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
         if out.index == 0 and delta.finish_reason is not None:
             answer = self.answers.pop(out.request.request_id, None)
             if answer is not None:

@@ -20,9 +20,8 @@ class Engine(EngineCore):
 
     def _deltas(self, outs: list[SequenceOutput]) -> list[CompletionDelta]:
         deltas = [to_delta(out) for out in outs]
-        for hook in self.hooks.fill_delta:  # the components' fields (routed experts, masks, ...)
-            for out, delta in zip(outs, deltas):
-                hook(out, delta)
+        for hook in self.hooks.fill_deltas:  # the components' fields (routed experts, masks, ...)
+            hook(outs, deltas)
         return deltas
 
     def generate(self, requests: Iterable[GenerateRequest]) -> dict[str, list[CompletionDelta]]:

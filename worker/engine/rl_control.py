@@ -52,7 +52,7 @@ class VersionSpans:
 
 class RLControl(EngineComponent):
     """An engine component (always on): the weight version each output token was sampled
-    with (its hooks: ``on_sampled`` tracks, ``fill_delta`` reports the spans), and the
+    with (its hooks: ``on_sampled`` tracks, ``fill_deltas`` reports the spans), and the
     control commands the worker reaches as ``engine.rl`` (worker/control.py)."""
 
     name = "rl"
@@ -82,13 +82,14 @@ class RLControl(EngineComponent):
             # the step's first token of this choice (stop-string trimming only cuts the last ones)
             tracked.track(version, len(seq.output_ids) - len(out.new_token_ids))
 
-    def fill_delta(self, out, delta) -> None:
-        seq = out.seq
-        if seq is None:  # a choice aborted before it was forked
-            delta.weight_versions = []
-        elif seq.finish_reason is not None:  # its final delta: the spans, forgotten here
-            tracked = self.version_spans.pop(seq.seq_id, None)
-            delta.weight_versions = tracked.spans(len(seq.output_ids)) if tracked is not None else []
+    def fill_deltas(self, outs, deltas) -> None:
+        for out, delta in zip(outs, deltas):
+            seq = out.seq
+            if seq is None:  # a choice aborted before it was forked
+                delta.weight_versions = []
+            elif seq.finish_reason is not None:  # its final delta: the spans, forgotten here
+                tracked = self.version_spans.pop(seq.seq_id, None)
+                delta.weight_versions = tracked.spans(len(seq.output_ids)) if tracked is not None else []
 
     # --- commands ---------------------------------------------------------------------
     def require_single_rank(self, what: str) -> None:

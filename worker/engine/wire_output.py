@@ -40,7 +40,7 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
     seq.pending_logprobs = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True
-        # Echoed (P/D legs answer with their own instead: the KV transfer component's fill_delta).
+        # Echoed (P/D legs answer with their own instead: the KV transfer component's fill_deltas).
         delta.kv_transfer_params = request.req.kv_transfer_params
         delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.prompt_token_id_rows:

@@ -27,7 +27,7 @@ Hook order in a request's life::
     on_sampled(outs, rows, res)   the step's outputs, with each output's first sampler row
     on_finished(seq)              a choice finished (stop, length or abort), blocks still held
     forget(request)               the request is gone (finished, aborted or failed)
-    fill_delta(out, delta)        an output becomes a wire CompletionDelta (engine.py)
+    fill_deltas(outs, deltas)     the step's outputs become wire CompletionDeltas (engine.py)
     fill_load(load)               the worker's load report
     close()                       the engine shuts down
 """
@@ -46,7 +46,7 @@ READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
 HOOKS = ("check", "admit", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
-         "on_finished", "forget", "fill_delta", "fill_load", "close")
+         "on_finished", "forget", "fill_deltas", "fill_load", "close")
 
 
 class EngineComponent:
@@ -93,8 +93,9 @@ class EngineComponent:
     def forget(self, request: "Request") -> None:
         """The request is gone from the engine: drop what is kept for it."""
 
-    def fill_delta(self, out: "SequenceOutput", delta: "CompletionDelta") -> None:
-        """Add this feature's fields to an output's wire delta."""
+    def fill_deltas(self, outs: "list[SequenceOutput]", deltas: "list[CompletionDelta]") -> None:
+        """Add this feature's fields to the wire deltas of outputs (``deltas[i]`` packs
+        ``outs[i]``); return at once when the component has nothing to add."""
 
     def fill_load(self, load: "WorkerLoad") -> None:
         """Add this feature's fields to the load report."""
@@ -122,6 +123,6 @@ class Hooks:
     on_sampled: list[Callable[..., None]]
     on_finished: list[Callable[..., None]]
     forget: list[Callable[..., None]]
-    fill_delta: list[Callable[..., None]]
+    fill_deltas: list[Callable[..., None]]
     fill_load: list[Callable[..., None]]
     close: list[Callable[[], None]]

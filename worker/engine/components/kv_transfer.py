@@ -214,7 +214,12 @@ class KvTransferComponent(EngineComponent):
         if self.legs.pop(rid, None) is not None:
             self._closing[rid] = self.answers.pop(rid, None)
 
-    def fill_delta(self, out, delta) -> None:
+    def fill_deltas(self, outs, deltas) -> None:
+        if self.legs or self._closing:  # only P/D legs answer differently
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
         """P/D legs answer with their own params (a prefill leg's on its final delta; a
         decode leg's none, as vLLM) instead of echoing the request's."""
         rid = out.request.request_id

@@ -28,7 +28,12 @@ class RoutedExpertsCapture(EngineComponent):
         start = min(seq.request.params.routed_experts_prompt_start, seq.num_prompt_tokens, end)
         self.captured[seq.seq_id] = self.runner.routed_experts(seq.block_ids, end, start)
 
-    def fill_delta(self, out, delta) -> None:
+    def fill_deltas(self, outs, deltas) -> None:
+        if self.captured:  # None (the default) without a capture
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
         seq = out.seq
         if seq is not None and seq.finish_reason is not None:
             delta.routed_experts = npy_bytes(self.captured.pop(seq.seq_id, None))

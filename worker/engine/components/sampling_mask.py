@@ -27,6 +27,11 @@ class SamplingMaskCapture(EngineComponent):
             if dropped:
                 del pending[-dropped:]
 
-    def fill_delta(self, out, delta) -> None:
+    def fill_deltas(self, outs, deltas) -> None:
+        if self.pending:  # None (the default) without masks
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
         if out.seq is not None:
             delta.sampling_mask = self.pending.pop(out.seq.seq_id, None)

@@ -52,7 +52,12 @@ class SpecDecodeComponent(EngineComponent):
         if stats is not None:
             self._closing[request.request_id] = stats
 
-    def fill_delta(self, out, delta) -> None:
+    def fill_deltas(self, outs, deltas) -> None:
+        if self._closing:  # reported once, by a finished request
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
         request = out.request
         if request.is_finished():  # once per request, whichever choice finishes it
             stats = self._closing.pop(request.request_id, None)
