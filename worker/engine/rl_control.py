@@ -58,7 +58,7 @@ class RLControl(EngineComponent):
     name = "rl"
 
     def __init__(self, core):
-        self.core = core  # EngineCore: model, runner, block_manager, scheduler, spec, config
+        self.core = core  # EngineCore: model, runner, block_manager, scheduler, hooks, config
         self.config = core.config
         self.device = core.device
         self.weight_version = DEFAULT_WEIGHT_VERSION
@@ -183,8 +183,8 @@ class RLControl(EngineComponent):
         self.core.block_manager.reset_prefix_cache()
         if "kv_cache" not in self.asleep:
             self.core.runner.release_kv_cache()
-            if self.core.spec is not None:  # a draft model's cache goes with the target's
-                self.core.spec.release_cache()
+            for hook in self.core.hooks.on_kv_cache_released:  # a draft model's cache goes with the target's
+                hook()
             self.asleep.add("kv_cache")
         if level >= 2 and "weights" not in self.asleep:
             self._weights = None
@@ -213,8 +213,8 @@ class RLControl(EngineComponent):
             self._reload_weights()
         if "kv_cache" in wanted and "kv_cache" in self.asleep:
             self.core.runner.allocate_kv_cache(self.core.block_manager.num_blocks)
-            if self.core.spec is not None:
-                self.core.spec.allocate(self.core.block_manager.num_blocks, self.core.max_model_len)
+            for hook in self.core.hooks.on_kv_cache_allocated:
+                hook()
             self.asleep.discard("kv_cache")
         if not self.asleep and self.device.type == "cuda":
             self.core.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses

@@ -29,6 +29,8 @@ Hook order in a request's life::
     forget(request)               the request is gone (finished, aborted or failed)
     fill_deltas(outs, deltas)     the step's outputs become wire CompletionDeltas (engine.py)
     fill_load(load)               the worker's load report
+    on_kv_cache_released()        sleep released the KV cache / wake-up allocated it again
+    on_kv_cache_allocated()
     close()                       the engine shuts down
 """
 from __future__ import annotations
@@ -46,7 +48,8 @@ READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
 HOOKS = ("check", "admit", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
-         "on_finished", "forget", "fill_deltas", "fill_load", "close")
+         "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
+         "on_kv_cache_allocated", "close")
 
 
 class EngineComponent:
@@ -100,6 +103,12 @@ class EngineComponent:
     def fill_load(self, load: "WorkerLoad") -> None:
         """Add this feature's fields to the load report."""
 
+    def on_kv_cache_released(self) -> None:
+        """Sleep released the KV cache: release what lives beside it (a draft model's cache)."""
+
+    def on_kv_cache_allocated(self) -> None:
+        """Wake-up allocated the KV cache again."""
+
     def close(self) -> None:
         """The engine shuts down."""
 
@@ -125,4 +134,6 @@ class Hooks:
     forget: list[Callable[..., None]]
     fill_deltas: list[Callable[..., None]]
     fill_load: list[Callable[..., None]]
+    on_kv_cache_released: list[Callable[[], None]]
+    on_kv_cache_allocated: list[Callable[[], None]]
     close: list[Callable[[], None]]

@@ -21,6 +21,12 @@ class SpecDecodeComponent(EngineComponent):
         self.stats: dict[str, Any] = {}  # request id -> SpecDecodeStats
         self._closing: dict[str, Any] = {}  # forgotten since the last step: reported by its last delta
 
+    def on_kv_cache_released(self) -> None:
+        self.speculator.release_cache()
+
+    def on_kv_cache_allocated(self) -> None:
+        self.speculator.allocate(self.core.block_manager.num_blocks, self.core.max_model_len)
+
     def admit(self, request, seq, held) -> str:
         self.stats[request.request_id] = self.speculator.new_stats()
         return READY
