@@ -104,6 +104,11 @@ class EncoderDisaggregation(EngineComponent):
             if answer is not None:
                 delta.ec_transfer_params = answer
 
+    def fill_load(self, load) -> None:
+        cache = self.runner.encoder_cache  # the multimodal encoder cache's hit rate
+        if cache is not None:
+            load.mm_cache_queries, load.mm_cache_hits = cache.num_queries, cache.num_hits
+
     def _check_ec_params(self, req: GenerateRequest) -> None:
         """ec_transfer_params announcing producers make this worker connect to them and cache
         what they send: only with an E/P/D role (--ec-transfer-config) or on the broker's own

@@ -328,16 +328,12 @@ class EngineCore:
         return bool(self.requests) or bool(self._request_errors)
 
     def load(self) -> WorkerLoad:
-        kv_released = "kv_cache" in self.rl.asleep
         load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
-                          free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
-                          total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
+                          free_kv_blocks=self.block_manager.num_free_blocks,
+                          total_kv_blocks=self.block_manager.num_blocks,
                           max_num_seqs=self.config.max_num_seqs)
-        for fill in self.hooks.fill_load:
+        for fill in self.hooks.fill_load:  # LoRA adapters, encoder cache, a released KV cache
             fill(load)
-        cache = self.runner.encoder_cache
-        if cache is not None:
-            load.mm_cache_queries, load.mm_cache_hits = cache.num_queries, cache.num_hits
         return load
 
     # --- KV events (prefix-cache changes, for the broker's cache-aware dispatch) ----------

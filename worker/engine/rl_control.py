@@ -91,6 +91,10 @@ class RLControl(EngineComponent):
                 tracked = self.version_spans.pop(seq.seq_id, None)
                 delta.weight_versions = tracked.spans(len(seq.output_ids)) if tracked is not None else []
 
+    def fill_load(self, load) -> None:
+        if "kv_cache" in self.asleep:  # released: no blocks to offer
+            load.free_kv_blocks = load.total_kv_blocks = 0
+
     # --- commands ---------------------------------------------------------------------
     def require_single_rank(self, what: str) -> None:
         if self.core.tp_leader is not None:
