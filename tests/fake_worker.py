@@ -33,6 +33,20 @@ class _Req:
     produced: list = field(default_factory=list)  # per choice
 
 
+class _FakeRL:
+    """engine.rl: weight version and prefix-cache reset (no weights to update here)."""
+
+    def __init__(self):
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.is_asleep = False
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+
 class FakeEngine:
     def __init__(self, rank: int = 0, max_num_seqs: int = 64, vocab_size: int = 1_000_000,
                  step_delay: float = 0.0, first_delay: float = 0.0, num_kv_blocks: int = 128,
@@ -47,15 +61,9 @@ class FakeEngine:
         self.reqs: dict[str, _Req] = {}
         self._crash_next = False
         # The control-plane surface the worker needs (no weights to update here).
-        self.weight_version = DEFAULT_WEIGHT_VERSION
-        self.is_asleep = False
+        self.rl = _FakeRL()
+        self.lora = None
         self.config = SimpleNamespace(tensor_parallel_size=1)
-
-    def set_weight_version(self, version: str) -> None:
-        self.weight_version = version
-
-    def reset_prefix_cache(self) -> bool:
-        return True
 
     def add_request(self, req: GenerateRequest) -> None:
         if req.prompt_token_ids and req.prompt_token_ids[0] == BAD_TOKEN:
@@ -103,6 +111,25 @@ class FakeEngine:
         max_tokens = r.req.params.max_tokens or DEFAULT_MAX_TOKENS
         return [CompletionDelta(request_id=request_id, index=i, finish_reason="abort")
                 for i, k in enumerate(r.produced) if k < max_tokens]
+
+    # The rest of worker/engine/api.py's EngineAPI: no KV cache, transfers or followers here.
+    def tick(self) -> None:
+        pass
+
+    def take_request_errors(self) -> list:
+        return []
+
+    def snapshot_kv_events(self) -> None:
+        return None
+
+    def drain_kv_events(self) -> None:
+        return None
+
+    def transfer_address(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def load(self) -> WorkerLoad:
         now = time.monotonic()

@@ -237,14 +237,14 @@ def test_weight_update_and_sleep_under_cuda_graphs(tiny_model_root):
     prompts = [[5, 9, 11, 40], [100, 23, 18, 64, 2]]
     engine = make_engine(a, device="cuda", dtype="float32", enforce_eager=False)
     fresh_b = _ids(make_engine(b, device="cuda", dtype="float32", enforce_eager=False), prompts, 10)
-    engine.write_weights(load_file(str(b / "model.safetensors")))
+    engine.rl.write_weights(load_file(str(b / "model.safetensors")))
     assert _ids(engine, prompts, 10) == fresh_b
-    engine.sleep(2)
+    engine.rl.sleep(2)
     assert engine.runner.kv_cache is None and engine.model is None
-    assert engine.wake_up(None)
+    assert engine.rl.wake_up(None)
     fresh_a = _ids(make_engine(a, device="cuda", dtype="float32", enforce_eager=False), prompts, 10)
     assert _ids(engine, prompts, 10) == fresh_a  # over the wire: reloaded from the model's own checkpoint
-    assert engine.weight_version == "default"
+    assert engine.rl.weight_version == "default"
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])

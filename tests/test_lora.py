@@ -105,7 +105,7 @@ def test_two_slots_four_adapters_in_rotation(llama_dir, adapters):
     out = _run(engine, reqs, stagger=1)
     for i, (p, n) in enumerate(zip(prompts, names)):
         assert tokens_of(out[f"e{i}"]) == peft_greedy(llama_dir, adapters[n], p, 5)[0], (i, n)
-    assert len(engine.lora.resident) <= 2
+    assert len(engine.lora.manager.resident) <= 2
 
 
 def test_prefix_cache_is_keyed_by_adapter(engine, llama_dir, adapters):
@@ -124,20 +124,20 @@ def test_prefix_cache_is_keyed_by_adapter(engine, llama_dir, adapters):
 def test_runtime_load_unload_and_reload_under_the_same_name(llama_dir, adapters):
     engine = make_engine(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=16)
     prompt = random_prompts(1, 33, 34, seed=9)[0]
-    engine.load_lora_adapter("x", str(adapters["qv"]))
+    engine.lora.load("x", str(adapters["qv"]))
     with pytest.raises(LoRAError, match="already been loaded"):
-        engine.load_lora_adapter("x", str(adapters["all"]))
+        engine.lora.load("x", str(adapters["all"]))
     engine.add_request(_lora_request("long", prompt, "x", max_tokens=12))
     first = engine.step()
-    engine.unload_lora_adapter("x")  # the running request keeps its adapter
+    engine.lora.unload("x")  # the running request keeps its adapter
     with pytest.raises(NotFound):
         engine.add_request(_lora_request("late", prompt, "x", max_tokens=2))
     out = run_to_completion(engine)
     assert tokens_of(first + out[("long", 0)]) == peft_greedy(llama_dir, adapters["qv"], prompt, 12)[0]
     with pytest.raises(LoRAError, match="cannot be found") as e:
-        engine.unload_lora_adapter("x")
+        engine.lora.unload("x")
     assert e.value.status == 404
-    engine.load_lora_adapter("x", str(adapters["all"]))  # same name, other weights: no stale KV
+    engine.lora.load("x", str(adapters["all"]))  # same name, other weights: no stale KV
     out = _run(engine, [_lora_request("again", prompt, "x", max_tokens=4)])
     assert out["again"][0].num_cached_tokens == 0
     assert tokens_of(out["again"]) == peft_greedy(llama_dir, adapters["all"], prompt, 4)[0]
@@ -171,23 +171,23 @@ def test_refusals_name_the_problem(llama_dir, adapters, tmp_path, tiny_model):
     }
     for name, (changes, needle) in cases.items():
         with pytest.raises(LoRAError, match=needle) as e:
-            engine.load_lora_adapter(name, str(edit_adapter_config(src, tmp_path / name, **changes)))
+            engine.lora.load(name, str(edit_adapter_config(src, tmp_path / name, **changes)))
         assert e.value.status == 400 and e.value.type == "BadRequestError", name
     with pytest.raises(LoRAError, match="Loading lora missing failed: No adapter found for") as e:
-        engine.load_lora_adapter("missing", str(tmp_path / "nowhere"))
+        engine.lora.load("missing", str(tmp_path / "nowhere"))
     assert e.value.status == 404
     (tmp_path / "empty").mkdir()
     with pytest.raises(LoRAError, match="adapter_config.json"):
-        engine.load_lora_adapter("empty", str(tmp_path / "empty"))
+        engine.lora.load("empty", str(tmp_path / "empty"))
     with pytest.raises(LoRAError, match="already been loaded") as e:
-        engine.load_lora_adapter("ok", str(src))
-        engine.load_lora_adapter("ok", str(src))
+        engine.lora.load("ok", str(src))
+        engine.lora.load("ok", str(src))
     assert e.value.type == "InvalidUserInput"
-    engine.unload_lora_adapter("ok")
+    engine.lora.unload("ok")
     with pytest.raises(LoRAError, match="max-lora-rank"):  # rank 4 adapter is fine, rank 6 is not
-        engine.load_lora_adapter("big", str(adapters["attention"]))
-    engine.load_lora_adapter("ok", str(src))
-    assert engine.lora_adapters() == {"ok": str(src)}
+        engine.lora.load("big", str(adapters["attention"]))
+    engine.lora.load("ok", str(src))
+    assert engine.lora.adapters() == {"ok": str(src)}
     no_lora = make_engine(llama_dir)
     with pytest.raises(NotFound):
         no_lora.add_request(_lora_request("n", [5, 6, 7], "ok", max_tokens=2))
@@ -203,8 +203,8 @@ def test_moe_expert_lora_is_refused(tiny_model, tmp_path):
         tensors = {f"base_model.model.model.layers.0.{module}.lora_A.weight": a,
                    f"base_model.model.model.layers.0.{module}.lora_B.weight": a.T.contiguous()}
         with pytest.raises(LoRAError, match="not supported|not a LoRA weight of a module this server supports"):
-            engine.load_lora_adapter(name, str(edit_adapter_config(ad, tmp_path / name, tensors=tensors)))
-    engine.load_lora_adapter("attn", str(ad))  # attention LoRA on a MoE model is served
+            engine.lora.load(name, str(edit_adapter_config(ad, tmp_path / name, tensors=tensors)))
+    engine.lora.load("attn", str(ad))  # attention LoRA on a MoE model is served
     prompt = [5, 9, 13, 21, 34]
     out = _run(engine, [_lora_request("q", prompt, "attn", max_tokens=4)])
     assert tokens_of(out["q"]) == peft_greedy(moe, ad, prompt, 4)[0]
@@ -230,10 +230,10 @@ def test_level_two_sleep_releases_the_model_and_wake_up_keeps_the_adapters(llama
     prompt = random_prompts(1, 6, 7, seed=12)[0]
     before = _run(engine, [_lora_request("s1", prompt, "embed_head", max_tokens=4, ignore_eos=True)])
     old = weakref.ref(engine.model)
-    engine.sleep(2)
+    engine.rl.sleep(2)
     gc.collect()
     assert old() is None  # the LoRA slots do not keep the released weights alive
-    assert engine.wake_up()
+    assert engine.rl.wake_up()
     after = _run(engine, [_lora_request("s2", prompt, "embed_head", max_tokens=4, ignore_eos=True),
                           _lora_request("s3", prompt, "all", max_tokens=4, ignore_eos=True)])
     assert tokens_of(after["s2"]) == tokens_of(before["s1"]) == \
@@ -279,4 +279,4 @@ def test_vanished_adapter_files_fail_only_new_requests(llama_dir, adapters, tmp_
     out = run_to_completion(engine)
     assert tokens_of(out[("keep", 0)]) == peft_greedy(llama_dir, adapters["mlp"], prompt, 6)[0]
     assert tokens_of(out[("other", 0)]) == peft_greedy(llama_dir, adapters["all"], prompt, 6)[0]
-    assert not engine.lora._pins and len(engine.lora._host) == 1  # unpinned, trimmed back to --max-cpu-loras
+    assert not engine.lora.manager._pins and len(engine.lora.manager._host) == 1  # unpinned, trimmed back to --max-cpu-loras

@@ -64,7 +64,7 @@ def test_abort_while_pulling_leaks_nothing(engine):
     assert [d.finish_reason for d in deltas] == ["abort"] and not engine.has_unfinished()
     silent.send_multipart([ident, b"\x81\xa2ok\xc2"])  # {"ok": false}: too late, dropped
     time.sleep(0.2)
-    engine.kv_transfer_tick()
+    engine.tick()
     assert not engine.kv_transfer.pending and not engine.take_request_errors()
     assert engine.block_manager.num_free_blocks == free
     silent.close(0)

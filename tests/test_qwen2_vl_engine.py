@@ -455,7 +455,7 @@ def test_weight_updates_reach_the_vision_tower(qwen2vl, tmp_path):
     # both HF layouts name the same tensors (transformers 5: model.language_model.* / model.visual.*)
     qkv = list(tensors["visual.blocks.0.attn.qkv.weight"].shape)
     up = list(tensors["model.layers.0.mlp.up_proj.weight"].shape)
-    checked = engine.weights.check([("model.visual.blocks.0.attn.qkv.weight", "float32", qkv),
+    checked = engine.rl.weights.check([("model.visual.blocks.0.attn.qkv.weight", "float32", qkv),
                                     ("model.language_model.layers.0.mlp.up_proj.weight", "float32", up),
                                     ("visual.patch_embed.proj.weight", "float32",
                                      list(tensors["visual.patch_embed.proj.weight"].shape))])
@@ -463,15 +463,15 @@ def test_weight_updates_reach_the_vision_tower(qwen2vl, tmp_path):
                                           "visual.patch_embed.weight"]  # the loader's names
 
     def sums(named):
-        return weight_checksums(sorted((engine.weights.canonical(n), t) for n, t in named if n.startswith("visual.")))
+        return weight_checksums(sorted((engine.rl.weights.canonical(n), t) for n, t in named if n.startswith("visual.")))
 
     def tower_sums():
-        return {n: d for n, d in engine.weight_checksums("").items() if n.startswith("visual.")}
+        return {n: d for n, d in engine.rl.weight_checksums("").items() if n.startswith("visual.")}
 
     assert tower_sums() == sums(tensors.items())
     before = engine.generate([_req("o", ids, items, logprobs=20)])["o"][0]
-    engine.write_weights(changed)
-    engine.end_weight_writes()
+    engine.rl.write_weights(changed)
+    engine.rl.end_weight_writes()
     assert len(cache) == 0  # embeddings of the old tower are gone
     assert tower_sums() == sums({**tensors, **changed}.items())
     after = engine.generate([_req("n", ids, items, logprobs=20)])["n"][0]
@@ -496,10 +496,10 @@ def test_sleep_level_2_releases_and_restores_the_vision_tower(qwen2vl):
     engine = _engine(path, enable_prefix_caching=False)
     _check(engine.generate([_req("s1", ids, items, logprobs=20)])["s1"][0], *expected)
     old = weakref.ref(engine.model)
-    engine.sleep(2)
+    engine.rl.sleep(2)
     gc.collect()
     assert old() is None  # nothing holds the released model
-    assert engine.wake_up()
+    assert engine.rl.wake_up()
     assert engine.runner.encoder_cache.model is engine.model
     _check(engine.generate([_req("s2", ids, items, logprobs=20)])["s2"][0], *expected)
 

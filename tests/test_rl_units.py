@@ -19,6 +19,7 @@ from common.protocol import GenerateRequest, SamplingParams
 from tests.engine_helpers import make_engine, request
 from tests.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
 from worker.engine.block_manager import BlockManager
+from worker.engine.rl_control import VersionSpans
 from worker.engine.request import EngineSequence, Request
 
 
@@ -74,14 +75,14 @@ def _seq(tokens):
 
 
 def test_weight_version_spans_follow_the_version_of_each_token():
-    seq = _seq([1, 2])
+    seq, spans = _seq([1, 2]), VersionSpans()  # what the RL component tracks per choice
     for version in ("default", "default", "v1", "v1", "v1", "v2"):
         seq.append_token(7)
-        seq.track_weight_version(version)
-    assert seq.weight_version_spans() == [("default", 0, 2), ("v1", 2, 5), ("v2", 5, 6)]
+        spans.track(version, len(seq.output_ids) - 1)
+    assert spans.spans(len(seq.output_ids)) == [("default", 0, 2), ("v1", 2, 5), ("v2", 5, 6)]
     del seq.output_ids[-1]  # a stop string trimmed the last token
-    assert seq.weight_version_spans() == [("default", 0, 2), ("v1", 2, 5)]
-    assert _seq([1]).weight_version_spans() == []
+    assert spans.spans(len(seq.output_ids)) == [("default", 0, 2), ("v1", 2, 5)]
+    assert VersionSpans().spans(len(_seq([1]).output_ids)) == []
 
 
 def test_reset_prefix_cache_forgets_cached_blocks_only():
@@ -110,17 +111,17 @@ def test_model_weights_by_checkpoint_name(tiny_model_root, kind, linear):
     a, b = tiny_model_dir(kind, tiny_model_root, 0), tiny_model_dir(kind, tiny_model_root, 1)
     engine = make_engine(a, cpu_linear=linear)
     sd_a, sd_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert engine.weight_checksums("") == weight_checksums(sd_a.items())
+    assert engine.rl.weight_checksums("") == weight_checksums(sd_a.items())
     with pytest.raises(BadRequest, match="has shape"):
-        engine.weights.check([("model.norm.weight", "float32", [1])])
+        engine.rl.weights.check([("model.norm.weight", "float32", [1])])
     with pytest.raises(BadRequest, match="unknown weight"):
-        engine.weights.check([("model.layers.99.mlp.up_proj.weight", "float32", [1])])
+        engine.rl.weights.check([("model.layers.99.mlp.up_proj.weight", "float32", [1])])
     # Streamed in two halves with the CPU layers left unpacked in between, as an update does.
     names = sorted(sd_b)
-    engine.write_weights({n: sd_b[n] for n in names[::2]}, more_to_come=True)
-    engine.write_weights({n: sd_b[n] for n in names[1::2]}, more_to_come=True)
-    engine.end_weight_writes()
-    assert engine.weight_checksums("") == weight_checksums(sd_b.items())
+    engine.rl.write_weights({n: sd_b[n] for n in names[::2]}, more_to_come=True)
+    engine.rl.write_weights({n: sd_b[n] for n in names[1::2]}, more_to_come=True)
+    engine.rl.end_weight_writes()
+    assert engine.rl.weight_checksums("") == weight_checksums(sd_b.items())
     fresh = make_engine(b, cpu_linear=linear)
     reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
     assert engine.generate(reqs())["x"][0].token_ids == fresh.generate(reqs())["x"][0].token_ids
@@ -197,9 +198,9 @@ def test_level2_wake_reloads_a_whole_checkpoint_update(tiny_model_root):
 
     a, b = tiny_model_dir("llama", tiny_model_root, 0), tiny_model_dir("llama", tiny_model_root, 1)
     engine, fresh_b = make_engine(a), make_engine(b)
-    engine.write_weights(engine.read_checkpoint(str(b)), from_disk=str(b))
-    engine.sleep(2)
-    assert engine.wake_up(None) and engine.disk_lineage == [str(b)]
+    engine.rl.write_weights(engine.rl.read_checkpoint(str(b)), from_disk=str(b))
+    engine.rl.sleep(2)
+    assert engine.rl.wake_up(None) and engine.rl.disk_lineage == [str(b)]
     reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
     assert engine.generate(reqs())["x"][0].token_ids == fresh_b.generate(reqs())["x"][0].token_ids
 

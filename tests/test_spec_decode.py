@@ -147,9 +147,9 @@ def test_sampled_outputs_are_distributed_as_without_speculation(llama_dir, plain
 
 
 def test_the_distribution_test_catches_a_biased_acceptance_rule(llama_dir, plain_samples, monkeypatch):
-    import worker.engine.engine_core as core
+    import worker.engine.spec_decode.verify as verify
 
-    monkeypatch.setattr(core, "accepted_prefix", lambda sampled, r, spec: len(spec))  # keep every draft
+    monkeypatch.setattr(verify, "accepted_prefix", lambda sampled, r, spec: len(spec))  # keep every draft
     spec, _ = _sampled(_spec_engine(llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])
     assert _min_p_value(plain_samples, spec) < 1e-4
 
@@ -352,25 +352,26 @@ def test_draft_model_cache_sleeps_and_wakes_with_the_target(llama_dir, noisy_dra
     prompts = random_prompts(3, 5, 30, seed=24)
     want = [r[0].token_ids for r in _run(make_engine(llama_dir), prompts, max_tokens=16, ignore_eos=True)]
     assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
-    engine.sleep(1)
+    engine.rl.sleep(1)
     assert engine.spec.runner.kv_cache is None
-    assert engine.wake_up()
+    assert engine.rl.wake_up()
     assert engine.spec.runner.kv_cache is not None
     assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=16, ignore_eos=True)] == want
 
 
 def test_token_mirror_follows_appends_and_cuts(llama_dir):
-    from worker.engine.spec_decode.speculator import _token_array
+    from worker.engine.spec_decode.speculator import SeqDrafting, _token_array
 
     engine = make_engine(llama_dir)
     seq = engine._new_sequence(_request_obj(_spec_engine(llama_dir)), 0, list(range(5, 70)))
-    assert _token_array(seq).tolist() == seq.token_ids
+    st = SeqDrafting()  # the speculator's state of seq
+    assert _token_array(seq, st).tolist() == seq.token_ids
     for t in range(200):  # past the first buffer: grown in place
         seq.append_token(t % 50)
-        assert _token_array(seq).tolist() == seq.token_ids
+        assert _token_array(seq, st).tolist() == seq.token_ids
     del seq.token_ids[-3:]  # a stop string cut the list
     seq.token_ids.append(7)
-    assert _token_array(seq).tolist() == seq.token_ids
+    assert _token_array(seq, st).tolist() == seq.token_ids
 
 
 def test_draft_model_limits(llama_dir, tmp_path):

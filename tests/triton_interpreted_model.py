@@ -71,7 +71,7 @@ def test_lora_engine_on_triton_matches_peft(llama_dir, tmp_path):
                               rank=8, seed=2)}
     engine = make_engine(llama_dir, attention_backend="triton", max_num_batched_tokens=32, enable_lora=True,
                          max_loras=2, lora_modules={k: str(v) for k, v in ads.items()})
-    assert engine.lora.use_triton
+    assert engine.lora.manager.use_triton
     prompts = random_prompts(3, 5, 12, seed=4)
     reqs = []
     for i, (p, name) in enumerate(zip(prompts, ["a", None, "b"])):

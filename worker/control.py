@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 from common.errors import BadRequest, ServingError
 from common.protocol import ControlRequest, RankReply
 from common import tensor_frames
+from worker.engine.api import EngineAPI
 
 log = logging.getLogger("tokserve.worker")
 
@@ -65,13 +66,13 @@ class WorkerControl:
         self.deferred: list[_Deferred] = []
 
     @property
-    def engine(self):
+    def engine(self) -> EngineAPI:
         return self.server.engine
 
     @property
     def frozen(self) -> bool:
         """The engine must not step: paused with keep, or its memory released."""
-        return self.paused == "keep" or self.engine.is_asleep
+        return self.paused == "keep" or self.engine.rl.is_asleep
 
     # ------------------------------------------------------------------ entry
     def handle(self, req: ControlRequest, payload: list) -> Optional[RankReply]:
@@ -100,7 +101,7 @@ class WorkerControl:
     def reply(self, nonce: int, *, ok: bool = True, status: int = 200, message: str = "",
               result: Any = None, error_type: str = "") -> RankReply:
         return RankReply(nonce=nonce, rank=self.server.rank, ok=ok, status=status, message=message, result=result,
-                         weight_version=self.engine.weight_version, error_type=error_type)
+                         weight_version=self.engine.rl.weight_version, error_type=error_type)
 
     def poll_deferred(self) -> list[RankReply]:
         """Replies whose wait is over (no request left on this worker)."""
@@ -131,7 +132,7 @@ class WorkerControl:
 
         def done():
             if clear and self.paused != "keep":
-                self.engine.reset_prefix_cache()
+                self.engine.rl.reset_prefix_cache()
             return None
 
         return self._pause(req.nonce, req.args.get("mode", "abort"), done)
@@ -144,32 +145,32 @@ class WorkerControl:
         self.paused = None
 
     def op_reset_prefix_cache(self, req: ControlRequest):
-        return {"success": self.engine.reset_prefix_cache()}
+        return {"success": self.engine.rl.reset_prefix_cache()}
 
     def op_sleep(self, req: ControlRequest):
         level = req.args.get("level", 1)
         if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 2:
             raise BadRequest(f"sleep level must be 0, 1 or 2, got {level!r}", "level")
         if level >= 1:
-            self.engine._require_single_rank("sleep mode")
-        return self._pause(req.nonce, req.args.get("mode", "abort"), lambda: self.engine.sleep(level))
+            self.engine.rl.require_single_rank("sleep mode")
+        return self._pause(req.nonce, req.args.get("mode", "abort"), lambda: self.engine.rl.sleep(level))
 
     def op_wake_up(self, req: ControlRequest):
         tags = req.args.get("tags")
-        fully_awake = self.engine.wake_up(tags)
+        fully_awake = self.engine.rl.wake_up(tags)
         if fully_awake:
             self.paused = None  # vLLM resumes scheduling once everything is resident again
         return {"fully_awake": fully_awake}
 
     def op_is_sleeping(self, req: ControlRequest):
         # vLLM: a paused scheduler counts as sleeping (sleep level 0).
-        return {"is_sleeping": self.engine.is_asleep or self.paused is not None}
+        return {"is_sleeping": self.engine.rl.is_asleep or self.paused is not None}
 
     # ------------------------------------------------------ weight transfer
     def op_init_weight_transfer_engine(self, req: ControlRequest):
         from common.dist_weight_transfer import DistInitInfo, WeightReceiver
 
-        self.engine._require_single_rank("weight transfer")
+        self.engine.rl.require_single_rank("weight transfer")
         try:
             info = DistInitInfo.from_dict(req.args.get("init_info"))
         except ValueError as exc:
@@ -178,7 +179,7 @@ class WorkerControl:
             self.receiver.close()
             self.receiver = None
         try:
-            self.receiver = WeightReceiver(info, self.server.rank, self.engine.device)
+            self.receiver = WeightReceiver(info, self.server.rank, self.engine.rl.device)
         except ValueError as exc:
             raise BadRequest(str(exc), "init_info") from None
         except Exception as exc:  # rendezvous timeout, unreachable store
@@ -191,11 +192,11 @@ class WorkerControl:
             self.receiver = None
 
     def op_start_weight_update(self, req: ControlRequest):
-        self.engine.weights  # refuses TP>1 / released weights now rather than at the first bucket
+        self.engine.rl.weights  # refuses TP>1 / released weights now rather than at the first bucket
         if self.session is not None and self.session.staged:
             log.warning("start_weight_update: dropping %d staged tensor(s) of an unfinished update",
                         len(self.session.staged))
-        lineage = getattr(self.engine, "disk_lineage", None)
+        lineage = self.engine.rl.disk_lineage
         self.session = _UpdateSession(lineage_before=list(lineage) if lineage is not None else None)
 
     def op_update_weights(self, req: ControlRequest, payload: list):
@@ -216,10 +217,10 @@ class WorkerControl:
             path = info["path"]
             if not isinstance(path, str) or not os.path.isdir(path):
                 raise BadRequest(f"update_info.path {path!r} is not a directory on the worker", "update_info")
-            tensors = engine.read_checkpoint(path)
+            tensors = engine.rl.read_checkpoint(path)
             self._apply(tensors, from_disk=path)
             # complete: every weight of the model, so the folder alone reproduces them
-            return {"tensors": len(tensors), "complete": engine.weights.spec.keys() <= tensors.keys()}
+            return {"tensors": len(tensors), "complete": engine.rl.weights.spec.keys() <= tensors.keys()}
         entries = self._entries(info)
         if payload:
             try:
@@ -235,7 +236,7 @@ class WorkerControl:
                                  "POST /pause before /update_weights", None)
             for name, tensor in self.receiver.receive(entries):
                 # paused: in place, one tensor at a time
-                engine.write_weights({name: tensor}, more_to_come=self.session is not None)
+                engine.rl.write_weights({name: tensor}, more_to_come=self.session is not None)
                 if self.session is not None:
                     self.session.written += 1
             if self.session is not None:
@@ -260,13 +261,13 @@ class WorkerControl:
         if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                for d in s) for s in shapes):
             raise BadRequest("update_info shapes must be lists of non-negative integers", "update_info")
-        return self.engine.weights.check(zip(names, dtypes, shapes))
+        return self.engine.rl.weights.check(zip(names, dtypes, shapes))
 
     def _apply(self, tensors: dict, from_disk: Optional[str]) -> None:
         """One bucket: staged in an open update unless paused; written at once otherwise."""
         s = self.session
         if s is None or self.paused is not None:
-            self.engine.write_weights(tensors, from_disk=from_disk, more_to_come=s is not None)
+            self.engine.rl.write_weights(tensors, from_disk=from_disk, more_to_come=s is not None)
             if s is not None:
                 s.written += len(tensors)
         else:
@@ -306,15 +307,15 @@ class WorkerControl:
             if s.lineage_before is not None:
                 try:
                     for path in s.lineage_before:
-                        self.engine.write_weights(self.engine.read_checkpoint(path), from_disk=path,
+                        self.engine.rl.write_weights(self.engine.rl.read_checkpoint(path), from_disk=path,
                                                   more_to_come=True)
                     restored = True
                 except ServingError as exc:
                     log.error("abort_weight_update: cannot restore the weights from %s: %s", s.lineage_before,
                               exc.message)
-            self.engine.end_weight_writes()
+            self.engine.rl.end_weight_writes()
             if not restored:
-                self.engine.set_weight_version(f"{self.engine.weight_version}+partial-update")
+                self.engine.rl.set_weight_version(f"{self.engine.rl.weight_version}+partial-update")
         log.info("weight update dropped: %d staged tensor(s), %d written in place (%s)", len(s.staged), s.written,
                  "restored" if restored else "NOT restored")
         return {"dropped": len(s.staged) + s.written, "restored": restored}
@@ -323,42 +324,48 @@ class WorkerControl:
         version = req.args.get("weight_version")
         s = self._finishable(req)
         if s.failed:
-            self.engine.end_weight_writes()
+            self.engine.rl.end_weight_writes()
             self.session = None if not s.written else s
             raise BadRequest(f"a bucket of this update was refused ({s.failed}); nothing staged was applied: "
                              f"start over with /start_weight_update", None)
         if s.staged:
-            self.engine.write_weights(s.staged, from_disk=s.from_disk if not s.over_wire else None)
-        self.engine.end_weight_writes()
+            self.engine.rl.write_weights(s.staged, from_disk=s.from_disk if not s.over_wire else None)
+        self.engine.rl.end_weight_writes()
         self.session = None
         if version is not None:
-            self.engine.set_weight_version(version)
+            self.engine.rl.set_weight_version(version)
         return {"tensors": s.written + len(s.staged)}
 
     def op_load_lora_adapter(self, req: ControlRequest):
         a = req.args
-        self.engine.load_lora_adapter(a.get("lora_name") or "", a.get("lora_path") or "",
-                                      bool(a.get("load_inplace")))
+        self._lora().load(a.get("lora_name") or "", a.get("lora_path") or "", bool(a.get("load_inplace")))
 
     def op_unload_lora_adapter(self, req: ControlRequest):
-        self.engine.unload_lora_adapter(req.args.get("lora_name") or "")
+        self._lora().unload(req.args.get("lora_name") or "")
+
+    def _lora(self):
+        """The engine's LoRA component (refused when LoRA is off)."""
+        lora = self.engine.lora
+        if lora is None:
+            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
+        return lora
 
     def op_update_weight_version(self, req: ControlRequest):
-        self.engine.set_weight_version(req.args.get("new_version"))
+        self.engine.rl.set_weight_version(req.args.get("new_version"))
 
     def op_reload_weights(self, req: ControlRequest):
         """Broker replay for a (re)started worker: the pool's disk updates, then its version."""
         paths = req.args.get("paths") or []
         for path in paths:
-            self.engine.write_weights(self.engine.read_checkpoint(path), from_disk=path)
-        self.engine.set_weight_version(req.args.get("weight_version"))
+            self.engine.rl.write_weights(self.engine.rl.read_checkpoint(path), from_disk=path)
+        self.engine.rl.set_weight_version(req.args.get("weight_version"))
 
     def op_weight_checker(self, req: ControlRequest):
         action = req.args.get("action")
         if action == "reset":
-            self.engine.zero_weights()
+            self.engine.rl.zero_weights()
             return None
         if action not in ("checksum", "compare"):
             raise BadRequest(f"unknown weight_checker action {action!r}: expected checksum, reset or compare",
                              "action")
-        return {"checksums": self.engine.weight_checksums(f"dp{self.server.rank}:pp0:pcp0:tp0:")}
+        return {"checksums": self.engine.rl.weight_checksums(f"dp{self.server.rank}:pp0:pcp0:tp0:")}

@@ -36,6 +36,7 @@ from common.logging import RateLimitedLog, get_logger
 from common.protocol import (MAGIC, Abort, CompletionDelta, ControlRequest, Disconnect, ErrorMsg, GenerateRequest,
                              KvEvents, MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
 from worker.control import WorkerControl
+from worker.engine.api import EngineAPI
 
 log = get_logger("tokserve.worker")
 
@@ -169,9 +170,9 @@ class _Track:
 
 
 class WorkerServer:
-    """Runs ``engine`` (worker.engine.Engine API) for the broker at ``broker``."""
+    """Runs ``engine`` (worker/engine/api.py: EngineAPI) for the broker at ``broker``."""
 
-    def __init__(self, engine, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
+    def __init__(self, engine: EngineAPI, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
                  ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = ""):
@@ -212,17 +213,15 @@ class WorkerServer:
     def _ready(self) -> None:
         self._refresh_load()
         ready = WorkerReady(rank=self.rank, model=self.engine.model_info, load=self.link.load, pid=os.getpid(),
-                            weight_version=self.engine.weight_version,
+                            weight_version=self.engine.rl.weight_version,
                             world_size=self.engine.config.tensor_parallel_size, role=self.role,
                             worker_token=self.worker_token, transfer_address=self._transfer_address())
         self._send(framing.message(MsgType.READY, ready))
-        snapshot = getattr(self.engine, "snapshot_kv_events", None)
-        if snapshot is not None:  # the broker's view of our cache starts exact (cleared + all keys)
-            self._send_kv_events(snapshot())
+        # the broker's view of our cache starts exact (cleared + all keys)
+        self._send_kv_events(self.engine.snapshot_kv_events())
 
     def _transfer_address(self) -> Optional[str]:
-        address = getattr(self.engine, "transfer_address", None)
-        return address() if address is not None else None
+        return self.engine.transfer_address()
 
     def _send_kv_events(self, events: Optional[KvEvents]) -> None:
         if events is not None:
@@ -230,9 +229,7 @@ class WorkerServer:
 
     def _ship_kv_events(self) -> None:
         """The prefix-cache changes since the last report, if any (one message)."""
-        drain = getattr(self.engine, "drain_kv_events", None)
-        if drain is not None:
-            self._send_kv_events(drain())
+        self._send_kv_events(self.engine.drain_kv_events())
 
     def _refresh_load(self) -> WorkerLoad:
         load = self.engine.load()
@@ -276,9 +273,7 @@ class WorkerServer:
             self._send([_CTL, _STOP])
             self.link.join(timeout=5)
             self.pipe.close(0)
-            close = getattr(self.engine, "close", None)
-            if close is not None:  # tensor-parallel followers stop with their worker
-                close()
+            self.engine.close()  # tensor-parallel followers stop with their worker
         log.info("worker rank %d stopped", self.rank)
         return 0
 
@@ -381,20 +376,15 @@ class WorkerServer:
         self._ready()
 
     def _kv_transfer_tick(self) -> None:
-        tick = getattr(self.engine, "kv_transfer_tick", None)
-        if tick is not None:
-            try:
-                tick()
-            except Exception:
-                log.exception("KV transfer housekeeping failed")
-            self._ship_request_errors()
+        try:
+            self.engine.tick()
+        except Exception:
+            log.exception("KV transfer housekeeping failed")
+        self._ship_request_errors()
 
     def _ship_request_errors(self) -> None:
         """Requests the engine failed outside its outputs (a KV or encoder-output pull failed)."""
-        take = getattr(self.engine, "take_request_errors", None)
-        if take is None:
-            return
-        for rid, status, message, param in take():
+        for rid, status, message, param in self.engine.take_request_errors():
             track = self.tracks.get(rid)
             if track is not None:
                 self._error(track.client, rid, status, message,

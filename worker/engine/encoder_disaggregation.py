@@ -1,6 +1,6 @@
-"""Encoder disaggregation in the engine (the protocol and transport: ec_transfer.py).
+"""Encoder disaggregation as an engine component (the protocol and transport: ec_transfer.py).
 
-Mixed into EngineCore: an encoder worker (``ec_producer``) exports the encodings its
+An encoder worker (``ec_producer``) exports the encodings its
 requests use and answers with ``ec_transfer_params``; an encoder-only one
 (``--mm-encoder-only``) runs nothing but the vision tower; any engine pulls the
 encodings a request's ``ec_transfer_params`` announce before scheduling it.
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import time
 from typing import Optional
 
 from common.errors import BadRequest
 from common.protocol import GenerateRequest
+from common.transfer_peers import TRUST_EC, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers
+from worker.engine.components.base import READY, WAIT, EngineComponent
 from worker.engine.config import EngineConfig
 from worker.engine.ec_transfer import PARAM as EC_PARAM
 from worker.engine.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
@@ -25,17 +28,99 @@ from worker.engine.request import EngineSequence, FinishReason, Request
 log = logging.getLogger(__name__)
 
 
-class EncoderDisaggregation:
-    """Mixed into EngineCore (needs config, model_config, runner, kv_transfer, scheduler,
-    requests, device, _forget and _request_errors)."""
+class EncoderDisaggregation(EngineComponent):
+    """The engine's side of encoder disaggregation (needs the core's config, model_config,
+    runner, kv_transfer (the transfer server), scheduler, requests, device, fail_request)."""
 
-    def _init_encoder_disaggregation(self, config: EngineConfig) -> None:
+    name = "encoder_disaggregation"
+
+    def __init__(self, core, config: EngineConfig):
+        self.core = core
+        self.config = config
+        self.model_config = core.model_config
+        self.runner = core.runner
+        self.kv_transfer = core.kv_transfer  # the transfer server exports ride on
         self.ec_pulls = EcPulls()
         self.encoder_only = config.mm_encoder_only
         self._to_encode: list[EngineSequence] = []  # encoder-only: admitted, not yet encoded
         self.ec_exports: Optional[EncoderExports] = None
+        self.answers: dict[str, dict] = {}  # request id -> ec_transfer_params its final delta carries
         if config.ec_role in PRODUCER_ROLES:
             self._start_encoder_exports()
+
+    # --- hooks ---------------------------------------------------------------------------
+    def check(self, req: GenerateRequest, mm) -> None:
+        check_shape(req.ec_transfer_params, EC_PARAM)  # bounded, plain JSON before anything reads it
+        self._check_ec_params(req)
+        if self.encoder_only:
+            self._check_encoder_only(req, mm)
+        elif mm is not None:
+            self._encoder_sources(req, mm)  # BadRequest when malformed
+
+    def admit(self, request: Request, seq: EngineSequence, held: bool) -> str:
+        if self.encoder_only:
+            self._to_encode.append(seq)
+            return WAIT
+        mm = request.mm
+        if held or mm is None:
+            return READY
+        sources = self._encoder_sources(request.req, mm)
+        if sources and self._pull_encodings(request, seq, sources):
+            return WAIT  # scheduled once its encoder outputs are pulled
+        return READY
+
+    def tick(self) -> None:
+        while not self.ec_pulls.done.empty():
+            self._finish_encoder_pull(*self.ec_pulls.done.get_nowait())
+
+    def wait_idle(self) -> bool:
+        if not self.ec_pulls.pending:
+            return False
+        try:
+            done = self.ec_pulls.done.get(timeout=0.02)
+        except queue.Empty:
+            done = None
+        if done is not None:
+            self._finish_encoder_pull(*done)
+        return True
+
+    def on_finished(self, seq: EngineSequence) -> None:
+        request = seq.request
+        if self.ec_exports is not None and request.mm is not None and seq.index == 0 \
+                and seq.finish_reason != FinishReason.ABORT:
+            self._announce_encodings(request)
+
+    def forget(self, request: Request) -> None:
+        self.ec_pulls.pending.pop(request.request_id, None)
+
+    def fill_deltas(self, outs, deltas) -> None:
+        if self.answers:  # only an encoder worker's finished requests answer
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
+        if out.index == 0 and delta.finish_reason is not None:
+            answer = self.answers.pop(out.request.request_id, None)
+            if answer is not None:
+                delta.ec_transfer_params = answer
+
+    def fill_load(self, load) -> None:
+        cache = self.runner.encoder_cache  # the multimodal encoder cache's hit rate
+        if cache is not None:
+            load.mm_cache_queries, load.mm_cache_hits = cache.num_queries, cache.num_hits
+
+    def _check_ec_params(self, req: GenerateRequest) -> None:
+        """ec_transfer_params announcing producers make this worker connect to them and cache
+        what they send: only with an E/P/D role (--ec-transfer-config) or on the broker's own
+        legs, and only to peers the broker vouched for."""
+        if not ec_peers(req.ec_transfer_params):
+            return  # nothing to pull: ignored, as before
+        if self.config.ec_role is None and not req.transfer_trust & TRUST_EC:
+            raise BadRequest(f"{EC_PARAM}: this worker does not take part in encoder disaggregation; start it with "
+                             "--ec-transfer-config '{\"ec_connector\": \"ECCPUConnector\", \"ec_role\": "
+                             "\"ec_consumer\"}'", EC_PARAM)
+        if not req.transfer_trust & TRUST_PEERS:
+            raise BadRequest(f"{EC_PARAM}: {UNKNOWN_PEER}", EC_PARAM)
 
     def _start_encoder_exports(self) -> None:
         """An encoder worker (ec_producer): export every encoder output through the
@@ -78,19 +163,19 @@ class EncoderDisaggregation:
         if why:
             raise BadRequest(f"this worker runs only the vision encoder (--mm-encoder-only): {why}", "mm_encoder_only")
 
-    def _encode_step(self) -> list[SequenceOutput]:
+    def encode_step(self) -> list[SequenceOutput]:
         """Encoder-only: encode admitted requests' images (one batched fetch of at most
         about ``MAX_ENCODE_PATCHES`` patches, which exports them) and finish those requests
         with no tokens and their announcement."""
-        queue = [s for s in self._to_encode if s.request.request_id in self.requests]
+        todo = [s for s in self._to_encode if s.request.request_id in self.core.requests]
         batch, patches = [], 0
-        for seq in queue:
+        for seq in todo:
             if batch and patches >= MAX_ENCODE_PATCHES:
                 break
             batch.append(seq)
             mm = seq.request.mm
             patches += sum(math.prod(int(v) for v in it.grid_thw) for it in mm.items) if mm is not None else 0
-        self._to_encode = queue[len(batch):]
+        self._to_encode = todo[len(batch):]
         if not batch:
             return []
         now = time.time()
@@ -104,7 +189,7 @@ class EncoderDisaggregation:
             seq.finish(FinishReason.STOP)
             if request.mm is not None:
                 self._announce_encodings(request)
-            self._forget(request)
+            self.core.forget_request(request)
             outs.append(SequenceOutput(request, seq.index, seq, []))
         return outs
 
@@ -116,21 +201,17 @@ class EncoderDisaggregation:
         request, seq, sources, _ = entry
         for key, error in failed.items():
             if sources[key].required:
-                self._forget(request)
-                self._request_errors.append((rid, error.status, error.message, EC_PARAM))
+                self.core.fail_request(request, error.status, error.message, EC_PARAM)
                 return
             log.warning("request %s: %s; encoding its pixels here instead", rid, error.message)
         dtype = self.config.torch_dtype
         for key, emb in pulled.items():
-            request.mm.embeds[key] = emb.to(device=self.device, dtype=dtype)
-        self.scheduler.add(seq)
+            request.mm.embeds[key] = emb.to(device=self.core.device, dtype=dtype)
+        self.core.scheduler.add(seq)
 
     def _announce_encodings(self, request: Request) -> None:
         """An encoder worker's request finished: where consumers read its items' outputs."""
         server = self.kv_transfer.server()
-        request.ec_transfer_out = announce(request.mm.items, request.mm.wire_hashes, self.ec_exports,
+        self.answers[request.request_id] = announce(request.mm.items, request.mm.wire_hashes, self.ec_exports,
                                            server.host, server.port)
 
-    def _encoder_pulls_tick(self) -> None:
-        while not self.ec_pulls.done.empty():
-            self._finish_encoder_pull(*self.ec_pulls.done.get_nowait())

@@ -7,15 +7,22 @@ from typing import Iterable
 
 from common.protocol import CompletionDelta, GenerateRequest
 from worker.engine.engine_core import EngineCore
+from worker.engine.outputs import SequenceOutput
 from worker.engine.wire_output import merge_delta, to_delta
 
 
 class Engine(EngineCore):
     def step(self) -> list[CompletionDelta]:
-        return [to_delta(out) for out in super().step()]
+        return self._deltas(super().step())
 
     def abort(self, request_id: str) -> list[CompletionDelta]:
-        return [to_delta(out) for out in super().abort(request_id)]
+        return self._deltas(super().abort(request_id))
+
+    def _deltas(self, outs: list[SequenceOutput]) -> list[CompletionDelta]:
+        deltas = [to_delta(out) for out in outs]
+        for hook in self.hooks.fill_deltas:  # the components' fields (routed experts, masks, ...)
+            hook(outs, deltas)
+        return deltas
 
     def generate(self, requests: Iterable[GenerateRequest]) -> dict[str, list[CompletionDelta]]:
         """Run the given requests to completion; one merged delta per choice."""

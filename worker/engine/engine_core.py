@@ -8,22 +8,23 @@ packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
 from __future__ import annotations
 
 import itertools
-import queue
-import secrets
 import logging
 import time
 from typing import Any, Optional
 
 import torch
 
-from common.errors import BadRequest, NotFound, Overloaded
-from common.transfer_peers import (EC_PARAM, KV_PARAM, TRUST_EC, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER, check_shape,
-                                   ec_peers, format_address)
+from common.errors import BadRequest, NotFound
+from common.transfer_peers import format_address
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.block_manager import BlockManager
-from worker.engine.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
-                                       blocks_from_reply, parse_params)
+from worker.engine.kv_transfer import KvTransfer
+from worker.engine.components.base import WAIT, EngineComponent, Hooks
+from worker.engine.components.kv_transfer import KvTransferComponent
+from worker.engine.components.lora import LoRAComponent
+from worker.engine.components.routed_experts import RoutedExpertsCapture
+from worker.engine.components.sampling_mask import SamplingMaskCapture
 from worker.engine.config import EngineConfig
 from worker.engine.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
@@ -44,13 +45,15 @@ from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_
 from worker.engine.scheduler import ScheduledSeq, Scheduler
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.draft_model import DraftModelSpeculator
-from worker.engine.spec_decode.speculator import NgramSpeculator, accepted_prefix, draft_sampling_rows
+from worker.engine.spec_decode.component import SpecDecodeComponent
+from worker.engine.spec_decode.speculator import NgramSpeculator, draft_sampling_rows
+from worker.engine.spec_decode.verify import append_verified
 from common.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class EngineCore(RLControl, EncoderDisaggregation):
+class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = config.torch_device
@@ -84,7 +87,7 @@ class EngineCore(RLControl, EncoderDisaggregation):
             eos_token_ids=list(mc.eos_token_ids),
             default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
-            lora_adapters=self.lora_adapters() if config.enable_lora else None,
+            lora_adapters=dict(self.lora_manager.paths) if self.lora_manager is not None else None,
             kv_block_size=config.block_size,
         )
         self.requests: dict[str, Request] = {}
@@ -92,12 +95,16 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
         self.kv_transfer.max_held_blocks = int(config.kv_transfer_max_held * self.block_manager.num_blocks)
+        self.kv = KvTransferComponent(self, self.kv_transfer)
         if config.kv_transfer_enabled:
             self.kv_transfer.server()  # bound now: READY announces it (the broker admits only known peers)
-        self._init_encoder_disaggregation(config)
+        self.ec = EncoderDisaggregation(self, config)
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
-        self._init_rl_control()
+        self.components: list[EngineComponent] = self._build_components(config)
+        self.hooks = Hooks(self.components)
+        self._sampler_masks = any(c.needs_sampler_masks for c in self.components)
+        self._run_step = self.ec.encode_step if self.ec.encoder_only else self._model_step
         log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
                  mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
@@ -125,9 +132,9 @@ class EngineCore(RLControl, EncoderDisaggregation):
         if mc.is_multimodal:
             cache = EncoderCache(self.model, device, image_config=image_config_for(config.model, mc.vision_config))
             self.runner.install(MultimodalInputs(self.runner, cache))
-        self.lora = self._start_lora(config, device)
-        if self.lora is not None:
-            self.runner.install(LoRAStepInputs(self.lora))
+        self.lora_manager = self._start_lora(config, device)  # model side; the engine side: LoRAComponent
+        if self.lora_manager is not None:
+            self.runner.install(LoRAStepInputs(self.lora_manager))
         self.spec = self._start_speculation(config, mc, device, max_model_len)
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
@@ -142,12 +149,32 @@ class EngineCore(RLControl, EncoderDisaggregation):
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    token_budget=config.step_token_budget(max_model_len),
                                    max_model_len=max_model_len,
-                                   enable_chunked_prefill=config.enable_chunked_prefill,
-                                   max_loras=config.max_loras if self.lora is not None else None)
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler()
         if self.spec is not None:
             self.spec.allocate(num_blocks, max_model_len)
         self.runner.capture_cuda_graphs()
+
+    def _build_components(self, config: EngineConfig) -> list[EngineComponent]:
+        """The features this engine runs with, in hook order."""
+        self.rl = RLControl(self)  # always on: weight versions, weight updates, sleep / wake
+        components: list[EngineComponent] = [self.rl]
+        if config.enable_return_routed_experts:
+            components.append(RoutedExpertsCapture(self.runner))
+        if config.return_sampling_mask:
+            components.append(SamplingMaskCapture())
+        # Encoder transfer before KV transfer: a request pulling encodings starts once they are
+        # here (never through a KV pull); KV transfer's refusal of LoRA requests before LoRA's.
+        components += [self.ec, self.kv]
+        self.lora: Optional[LoRAComponent] = None
+        if self.lora_manager is not None:
+            self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
+            components.append(self.lora)
+        self.spec_decode: Optional[SpecDecodeComponent] = None
+        if self.spec is not None:  # after LoRA: drafts fill the batch in its final order
+            self.spec_decode = SpecDecodeComponent(self.spec, self)
+            components.append(self.spec_decode)
+        return components
 
     def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
         spec = SpeculativeConfig.parse(config.speculative_config)
@@ -172,27 +199,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
             manager.register(name, path)
         return manager
 
-    # --- LoRA adapters ------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> None:
-        """Register (read and validate) a PEFT adapter; LoRAError (400) when refused."""
-        if self.lora is None:
-            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
-        if name == self.model_info.name:
-            raise BadRequest(f"The lora adapter '{name}' conflicts with a served base model.",
-                             type="InvalidUserInput")
-        self.lora.register(name, path, inplace)
-        self.model_info.lora_adapters = self.lora_adapters()
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """New requests can no longer name it; running ones finish with it."""
-        if self.lora is None:
-            raise BadRequest("LoRA is not enabled on this server (start it with --enable-lora)", "lora_name")
-        self.lora.unregister(name)
-        self.model_info.lora_adapters = self.lora_adapters()
-
-    def lora_adapters(self) -> dict[str, str]:
-        return dict(self.lora.paths) if self.lora is not None else {}
-
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
         if req.request_id in self.requests:
@@ -200,22 +206,10 @@ class EngineCore(RLControl, EncoderDisaggregation):
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
         cache = self.runner.encoder_cache
         mm = check_mm_items(req, self.model_config, cache.max_image_patches if cache is not None else None)
-        # Bounded, plain JSON before anything reads (or later echoes) them.
-        check_shape(req.kv_transfer_params, KV_PARAM)
-        check_shape(req.ec_transfer_params, EC_PARAM)
-        self._check_ec_params(req)
-        leg = parse_params(req.kv_transfer_params)
-        if leg is not None:
-            self._check_kv_leg(req, leg)
-        if self.encoder_only:
-            self._check_encoder_only(req, mm)
-        # validated before anything is registered (a 400 here leaves nothing behind)
-        ec_sources = self._encoder_sources(req, mm) if mm is not None and not self.encoder_only else None
-        lora_key = None
-        if req.lora_name is not None:
-            if self.lora is None or req.lora_name not in self.lora.keys:
-                raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
-            lora_key = self.lora.keys[req.lora_name]
+        for check in self.hooks.check:  # encoder and KV transfer, LoRA, ...: a refusal leaves nothing behind
+            check(req, mm)
+        if req.lora_name is not None and self.lora is None:
+            raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
         p = req.params
         prompt_len = len(req.prompt_token_ids)
         room = self.max_model_len - prompt_len
@@ -226,7 +220,6 @@ class EngineCore(RLControl, EncoderDisaggregation):
             max_tokens = min(max_tokens, self.default_max_tokens)
         request = Request(req, arrival_seq=next(self._arrivals), max_tokens=max_tokens,
                           eos_token_ids=list(self.model_config.eos_token_ids), now=time.time())
-        request.lora_key = lora_key
         request.mm = mm
         if p.bad_words and self.tokenizer is not None:
             try:
@@ -234,154 +227,28 @@ class EngineCore(RLControl, EncoderDisaggregation):
             except ValueError as e:
                 raise BadRequest(str(e), "bad_words") from None
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
-        if lora_key is not None:  # last check: a refusal here leaves nothing to undo
-            self.lora.acquire(lora_key)
-        if self.spec is not None:
-            request.spec_stats = self.spec.new_stats()
         self.requests[req.request_id] = request
-        request.kv_leg = leg
-        if isinstance(leg, PrefillLeg):
-            self.kv_transfer.reserved[req.request_id] = self._prefill_leg_blocks(req)
-        if self.encoder_only:
-            self._to_encode.append(seq)
-            return
-        if ec_sources and self._pull_encodings(request, seq, ec_sources):
-            return  # scheduled once its encoder outputs are pulled
-        if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
-            self.kv_transfer.start_pull(request, seq, leg)
-            return
-        if isinstance(leg, PrefillLeg):
-            self.kv_transfer.server()  # bound before the answer names its host and port
-        self.scheduler.add(seq)
+        held = False
+        try:
+            for admit in self.hooks.admit:  # READY, or WAIT: the component schedules it later
+                held = admit(request, seq, held) == WAIT or held
+        except BaseException:
+            self.forget_request(request)
+            raise
+        if not held:
+            self.scheduler.add(seq)
 
-    def _check_ec_params(self, req: GenerateRequest) -> None:
-        """ec_transfer_params announcing producers make this worker connect to them and cache
-        what they send: only with an E/P/D role (--ec-transfer-config) or on the broker's own
-        legs, and only to peers the broker vouched for."""
-        if not ec_peers(req.ec_transfer_params):
-            return  # nothing to pull: ignored, as before
-        if self.config.ec_role is None and not req.transfer_trust & TRUST_EC:
-            raise BadRequest(f"{EC_PARAM}: this worker does not take part in encoder disaggregation; start it with "
-                             "--ec-transfer-config '{\"ec_connector\": \"ECCPUConnector\", \"ec_role\": "
-                             "\"ec_consumer\"}'", EC_PARAM)
-        if not req.transfer_trust & TRUST_PEERS:
-            raise BadRequest(f"{EC_PARAM}: {UNKNOWN_PEER}", EC_PARAM)
+    def tick(self) -> None:
+        """Housekeeping of the components (every step, and by the worker while idle):
+        released KV transfers, finished pulls."""
+        for hook in self.hooks.tick:
+            hook()
 
-    def _prefill_leg_blocks(self, req: GenerateRequest) -> int:
-        """The full prompt blocks a prefill leg keeps for its decode side."""
-        return len(req.prompt_token_ids) // self.block_manager.block_size
-
-    def _check_kv_leg(self, req: GenerateRequest, leg) -> None:
-        """Requests whose KV blocks move between workers: what this engine refuses."""
-        if not self.config.kv_transfer_enabled and not req.transfer_trust & TRUST_KV:
-            # vLLM honours kv_transfer_params only with a KV connector configured.
-            raise BadRequest(f"{KV_PARAM}: this worker does not take part in KV transfer (prefill/decode "
-                             f"disaggregation); {ENABLE_HINT}", KV_PARAM)
-        if isinstance(leg, DecodeLeg) and not req.transfer_trust & TRUST_PEERS:
-            raise BadRequest(f"{KV_PARAM}: {UNKNOWN_PEER}", KV_PARAM)
-        if self.config.tensor_parallel_size > 1:
-            raise BadRequest("kv_transfer_params: KV transfer is not supported with tensor parallelism "
-                             f"(this worker has tensor_parallel_size {self.config.tensor_parallel_size})",
-                             "kv_transfer_params")
-        if req.lora_name is not None:
-            raise BadRequest("kv_transfer_params: KV transfer is not supported for LoRA requests",
-                             "kv_transfer_params")
-        if req.params.n != 1 and isinstance(leg, PrefillLeg):  # a decode leg's choices fork after the pull
-            raise BadRequest("kv_transfer_params: a prefill leg (do_remote_decode) needs n=1", "kv_transfer_params")
-        if not self.config.enable_prefix_caching:
-            raise BadRequest("kv_transfer_params: KV transfer needs prefix caching (this worker runs with "
-                             "--no-prefix-caching)", "kv_transfer_params")
-        if isinstance(leg, PrefillLeg):
-            kv, need = self.kv_transfer, self._prefill_leg_blocks(req)
-            if kv.committed_blocks() + need > kv.max_held_blocks:
-                # Held blocks are pinned until their decode side pulls them (or the timeout):
-                # past the cap they would starve ordinary requests of the KV cache.
-                raise Overloaded(f"{KV_PARAM}: too many KV blocks are held for remote decode on this worker "
-                                 f"({kv.committed_blocks()} held or reserved, this prompt needs {need}, the cap is "
-                                 f"{kv.max_held_blocks}: --kv-transfer-max-held); retry later", KV_PARAM)
-
-    # --- KV transfer (prefill/decode disaggregation) -------------------------------------
-    def _hold_for_transfer(self, seq: EngineSequence) -> None:
-        """A prefill leg finished: keep its full prompt blocks for the decode side and
-        answer with NixlConnector's kv_transfer_params."""
-        request, kv = seq.request, self.kv_transfer
-        bs = self.block_manager.block_size
-        num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // bs
-        blocks = list(seq.block_ids[:num_full])
-        kv.reserved.pop(request.request_id, None)  # the reservation becomes the held blocks
-        # The transfer's name on the transfer server: the request id (clients may choose
-        # those) plus a secret, so only whoever got this answer can PULL or FREE the blocks.
-        handle = f"{request.request_id}.{secrets.token_hex(16)}"
-        if blocks:
-            self.block_manager.hold_blocks(blocks)
-            old = kv.held.hold(handle, blocks, kv.timeout)
-            if old:
-                self.block_manager.release_blocks(old)
-        server = kv.server()
-        request.kv_transfer_out = {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": [blocks], "remote_engine_id": kv.engine_id,
-            "remote_request_id": handle,
-            "remote_host": server.host, "remote_port": server.port,
-            "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-            "remote_num_tokens": seq.num_computed_tokens,
-            "remote_blocks_expiry_time": None, "transfer_mode": "pull",
-        }
-
-    def kv_transfer_tick(self) -> None:
-        """Engine thread, every step and while idle: release blocks the decode side freed
-        or that waited past the timeout; start the decode legs whose pull finished."""
-        kv, bm = self.kv_transfer, self.block_manager
-        while True:
-            try:
-                rid = kv.held.freed.get_nowait()
-            except queue.Empty:
-                break
-            blocks = kv.held.take(rid)
-            if blocks:
-                bm.release_blocks(blocks)
-        if len(kv.held):
-            for rid, blocks in kv.held.take_expired(time.monotonic()):
-                log.info("KV transfer of %s expired: releasing %d block(s)", rid, len(blocks))
-                bm.release_blocks(blocks)
-        while not kv.pulled.empty():
-            self._finish_pull(*kv.pulled.get_nowait())
-        self._encoder_pulls_tick()
-
-    def _finish_pull(self, rid: str, token: int, result, error) -> None:
-        entry = self.kv_transfer.pending.get(rid)
-        if entry is None or entry[3] != token:
-            return  # aborted meanwhile (the pull FREEd the remote blocks already)
-        del self.kv_transfer.pending[rid]
-        request, seq, leg, _ = entry
-        if error is None:
-            try:
-                self._import_pulled(seq, leg, *result)
-            except TransferError as exc:
-                error = exc
-        if error is not None:
-            self._forget(request)
-            self._request_errors.append((rid, error.status, error.message, "kv_transfer_params"))
-            return
-        self.scheduler.add(seq)
-
-    def _import_pulled(self, seq: EngineSequence, leg: DecodeLeg, header: dict, raw) -> None:
-        """The pulled prompt blocks become this engine's cached blocks (keyed by the
-        prompt's block hashes): the prefix-cache lookup then serves them."""
-        kv_cache = self.runner.kv_cache
-        if kv_cache is None:
-            raise TransferError(503, "kv_transfer_params: the KV cache is released (sleeping)")
-        data = blocks_from_reply(header, raw, kv_cache, len(leg.block_ids))
-        bm = self.block_manager
-        if seq.request.wants_prompt_scores:
-            return  # prompt scores read nothing from the cache: recompute
-        taken = bm.import_blocks(seq, len(leg.block_ids))
-        if not taken:
-            return
-        src = torch.tensor([i for i, _ in taken], dtype=torch.long)
-        dst = torch.tensor([b for _, b in taken], dtype=torch.long, device=kv_cache.device)
-        kv_cache.index_copy_(2, dst, data.index_select(2, src).to(kv_cache.device))
-        bm.release_blocks([b for _, b in taken])
+    def fail_request(self, request: Request, status: int, message: str, param: str) -> None:
+        """A request failed outside a step's outputs (a pull): it is gone; the worker
+        reports it (``take_request_errors``)."""
+        self.forget_request(request)
+        self._request_errors.append((request.request_id, status, message, param))
 
     def _stalled(self) -> None:
         """Requests wait but none can start, nothing runs: only blocks held for remote
@@ -390,24 +257,16 @@ class EngineCore(RLControl, EncoderDisaggregation):
         never spinning; one that can never fit fails alone with a 503, not every request
         with a 500."""
         seq = self.scheduler.head_waiting()
-        bm, kv = self.block_manager, self.kv_transfer
+        bm = self.block_manager
         if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
-            request = seq.request
             self.scheduler.remove(seq)
-            self._forget(request)
-            self._request_errors.append((request.request_id, 503, f"the request needs "
-                                         f"{bm.blocks_needed(seq.num_tokens)} KV blocks; this worker's KV cache "
-                                         f"holds {bm.num_blocks}", "prompt"))
+            self.fail_request(seq.request, 503, f"the request needs {bm.blocks_needed(seq.num_tokens)} KV blocks; "
+                              f"this worker's KV cache holds {bm.num_blocks}", "prompt")
             return
-        if not kv.held.num_blocks:
-            raise RuntimeError("scheduler stalled: waiting requests but nothing can run")  # a bug: fail loudly
-        try:  # wait a little for a FREE instead of spinning (expiry is checked every step)
-            rid = kv.held.freed.get(timeout=0.05)
-        except queue.Empty:
-            return
-        blocks = kv.held.take(rid)
-        if blocks:
-            bm.release_blocks(blocks)
+        for stalled in self.hooks.on_stalled:  # blocks held for remote decode come back
+            if stalled():
+                return
+        raise RuntimeError("scheduler stalled: waiting requests but nothing can run")  # a bug: fail loudly
 
     def transfer_address(self) -> Optional[str]:
         """"host:port" of the transfer server (READY announces it), None when not bound."""
@@ -421,13 +280,11 @@ class EngineCore(RLControl, EncoderDisaggregation):
         errors, self._request_errors = self._request_errors, []
         return errors
 
-    def _forget(self, request: Request) -> None:
+    def forget_request(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
-        self.kv_transfer.pending.pop(request.request_id, None)
-        self.kv_transfer.reserved.pop(request.request_id, None)
-        self.ec_pulls.pending.pop(request.request_id, None)
-        if self.requests.pop(request.request_id, None) is not None and request.lora_key is not None:
-            self.lora.release(request.lora_key)
+        if self.requests.pop(request.request_id, None) is not None:
+            for forget in self.hooks.forget:
+                forget(request)
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> EngineSequence:
         seq = EngineSequence(request, index, token_ids)
@@ -452,12 +309,13 @@ class EngineCore(RLControl, EncoderDisaggregation):
         request = self.requests.get(request_id)
         if request is None:
             return []
-        self._forget(request)
+        self.forget_request(request)
         outs: list[SequenceOutput] = []
         for seq in request.sequences:
             if not seq.is_finished():
                 seq.finish(FinishReason.ABORT)
-                self._capture_routing(seq)
+                for hook in self.hooks.on_finished:
+                    hook(seq)
                 self.scheduler.remove(seq)
                 held = seq.detokenizer.release_held() if seq.detokenizer is not None else None
                 outs.append(SequenceOutput(request, seq.index, seq, [], held))
@@ -467,7 +325,8 @@ class EngineCore(RLControl, EncoderDisaggregation):
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (idempotent; nothing to do at TP=1)."""
-        self.kv_transfer.close()
+        for close in self.hooks.close:
+            close()
         if self.tp_leader is not None:
             self.tp_leader.shutdown()
             self.tp_leader = None
@@ -476,18 +335,12 @@ class EngineCore(RLControl, EncoderDisaggregation):
         return bool(self.requests) or bool(self._request_errors)
 
     def load(self) -> WorkerLoad:
-        kv_released = "kv_cache" in self.asleep
         load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
-                          free_kv_blocks=0 if kv_released else self.block_manager.num_free_blocks,
-                          total_kv_blocks=0 if kv_released else self.block_manager.num_blocks,
+                          free_kv_blocks=self.block_manager.num_free_blocks,
+                          total_kv_blocks=self.block_manager.num_blocks,
                           max_num_seqs=self.config.max_num_seqs)
-        if self.lora is not None:
-            running, waiting = self.scheduler.adapters()
-            load.resident_loras, load.max_loras = self.lora.resident, self.lora.max_loras
-            load.running_loras, load.waiting_loras = self.lora.names(running), self.lora.names(waiting)
-        cache = self.runner.encoder_cache
-        if cache is not None:
-            load.mm_cache_queries, load.mm_cache_hits = cache.num_queries, cache.num_hits
+        for fill in self.hooks.fill_load:  # LoRA adapters, encoder cache, a released KV cache
+            fill(load)
         return load
 
     # --- KV events (prefix-cache changes, for the broker's cache-aware dispatch) ----------
@@ -503,50 +356,51 @@ class EngineCore(RLControl, EncoderDisaggregation):
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
-        if self.asleep:  # requests wait until wake_up restores the KV cache / weights
+        if self.rl.asleep:  # requests wait until wake_up restores the KV cache / weights
             return []
-        self.kv_transfer_tick()
-        if self.encoder_only:
-            return self._encode_step()
-        if self.kv_transfer.pending and not self.scheduler.has_unfinished():
-            try:  # only pulls in flight: wait for one a little instead of spinning
-                done = self.kv_transfer.pulled.get(timeout=0.02)
-            except queue.Empty:
-                done = None
-            if done is not None:
-                self._finish_pull(*done)
-        elif self.ec_pulls.pending and not self.scheduler.has_unfinished():
-            try:
-                done = self.ec_pulls.done.get(timeout=0.02)
-            except queue.Empty:
-                done = None
-            if done is not None:
-                self._finish_encoder_pull(*done)
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.max_model_len)
+        self.tick()
+        return self._run_step()  # _model_step (an encoder-only engine: EncoderDisaggregation.encode_step)
+
+    def _model_step(self) -> list[SequenceOutput]:
+        """nano-vllm's step: schedule, run the model, sample, process the outputs."""
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        hidden = self.runner.forward(scheduled)
+        self.scheduler.update_after_step(scheduled)
+        sampled = self._sample(hidden, scheduled)
+        if sampled is None:
+            return []
+        return self._process_outputs(*sampled)
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The step's batch, with the components' hooks around the scheduler."""
+        if not self.scheduler.has_unfinished():  # only pulls in flight: wait for one a little
+            any(wait() for wait in self.hooks.wait_idle)
+        for hook in self.hooks.before_schedule:  # speculative decoding proposes its drafts
+            hook()
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 self._stalled()
             return []
-        if self.lora is not None:
-            # Each adapter's rows contiguous: the CPU path multiplies views instead of
-            # gathering and scattering rows (stable: priority order within an adapter).
-            out.scheduled.sort(key=_adapter_key)
-        if self.spec is not None:
-            self.spec.fill(out.scheduled)
-        hidden = self.runner.forward(out.scheduled)
-        self.scheduler.update_after_step(out.scheduled)
+        for hook in self.hooks.on_scheduled:  # LoRA orders the batch, draft models fill their slots
+            hook(out.scheduled)
+        return out.scheduled
 
-        prompt_jobs, sample_seqs, rows, specs = self._select_rows(out.scheduled)
+    def _sample(self, hidden: torch.Tensor, scheduled: list[ScheduledSeq]):
+        """Logits of the rows that need them: prompt positions are scored, sequences at
+        their end sample (choices of n>1 requests fork here).  None: nothing sampled;
+        else (sampling sequences, their drafts, SamplerOutput)."""
+        prompt_jobs, sample_seqs, rows, specs = self._select_rows(scheduled)
         if not rows:
-            return []
+            return None
         logits = self.runner.compute_logits(hidden, rows)
         num_prompt_rows = len(rows) - len(sample_seqs) - sum(len(sp) for sp in specs)
         if prompt_jobs:
             self._score_prompts(prompt_jobs, logits[:num_prompt_rows])
         if not sample_seqs:
-            return []
+            return None
 
         # Each sampling choice's first logits row; a choice verifying drafts owns the
         # rows after it too (one per draft: the distribution after that draft).
@@ -563,42 +417,26 @@ class EngineCore(RLControl, EncoderDisaggregation):
             sample_logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=logits.device))
         sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
         meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
-        result = self.sampler(sample_logits, meta, self.config.return_sampling_mask)
+        return sample_seqs, specs, self.sampler(sample_logits, meta, self._sampler_masks)
+
+    def _process_outputs(self, sample_seqs: list[EngineSequence], specs: list[tuple],
+                         result) -> list[SequenceOutput]:
+        """Append each choice's sampled token (after the drafts it accepted), check stops,
+        detokenize; the components see the step's outputs (``on_sampled``)."""
         sampled = result.sampled.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
-        masks = result.masks
-
         now = time.time()
-        outs, r = [], 0
+        outs, first_rows, r = [], [], 0
         for seq, sp in zip(sample_seqs, specs):
-            if not sp:
-                outs.append(self._append_token(seq, sampled[r], lp_lists, r, now,
-                                               masks[r] if masks is not None else None))
-                r += 1
-                continue
-            outs.append(self._append_verified(seq, sp, sampled, lp_lists, r, now, masks))
+            first_rows.append(r)
+            if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
+                outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
+            else:
+                outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
             r += 1 + len(sp)
+        for hook in self.hooks.on_sampled:  # routed experts, sampling masks, weight versions
+            hook(outs, first_rows, result)
         return outs
-
-    def _append_verified(self, seq: EngineSequence, spec: tuple, sampled: list[int], lp_lists: Any, r: int,
-                         now: float, masks: Optional[list]) -> SequenceOutput:
-        """Rows r.. of a choice that verified ``spec``: each row's token was sampled from
-        the target distribution after the drafts before it, so the tokens up to the first
-        that differs from its draft are exactly what decoding one by one would produce."""
-        accepted = accepted_prefix(sampled, r, spec)
-        self.spec.record(seq, len(spec), accepted)
-        tokens, texts = [], []
-        for j in range(accepted + 1):
-            if j:  # the token before this one was the draft computed at its position
-                self.scheduler.accept_draft(seq)
-            out = self._append_token(seq, sampled[r + j], lp_lists, r + j, now,
-                                     masks[r + j] if masks is not None else None)
-            tokens += out.new_token_ids
-            if out.text:
-                texts.append(out.text)
-            if seq.is_finished():
-                break
-        return SequenceOutput(seq.request, seq.index, seq, tokens, "".join(texts) if texts else None)
 
     def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:
         """The first time choice 0 of an n>1 request samples, create choices 1..n-1:
@@ -667,33 +505,17 @@ class EngineCore(RLControl, EncoderDisaggregation):
                 request.prompt_token_id_rows.append(
                     score_token_ids(rows, p.prompt_logprob_token_ids[first:first + count]))
 
-    def _capture_routing(self, seq: EngineSequence) -> None:
-        """A finishing choice's routed experts, read from the store beside its KV
-        blocks before they are freed: every position the model ran (the last sampled
-        token never was), from the request's routed_experts_prompt_start."""
-        if self.runner.routing_store is None or seq.num_computed_tokens == 0:
-            return
-        end = min(seq.num_tokens - 1, seq.num_computed_tokens)
-        start = min(seq.request.params.routed_experts_prompt_start, seq.num_prompt_tokens, end)
-        seq.routed_experts = self.runner.routed_experts(seq.block_ids, end, start)
-
-    def _append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float,
-                      mask: Optional[list[int]] = None) -> SequenceOutput:
+    def append_token(self, seq: EngineSequence, token: int, lp_lists: Any, row: int, now: float) -> SequenceOutput:
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
         seq.append_token(token)
-        seq.track_weight_version(self.weight_version)
         p = request.params
         if p.logprobs is not None and lp_lists is not None:
             entry = to_token_logprobs(lp_lists, row, p.logprobs)
             if request.req.output_text and self.tokenizer is not None:
                 attach_token_texts(entry, self.tokenizer, seq.output_ids[-5:-1])  # split-char context
             seq.pending_logprobs = extend_token_logprobs(seq.pending_logprobs, entry)
-        if mask is not None:
-            if seq.pending_sampling_mask is None:
-                seq.pending_sampling_mask = []
-            seq.pending_sampling_mask.append(mask)
         new_tokens = [token]
         seq.check_token_stop(self.max_model_len)
         text: Optional[str] = None
@@ -705,23 +527,13 @@ class EngineCore(RLControl, EncoderDisaggregation):
                 dropped = seq.detokenizer.dropped_token_count
                 del seq.token_ids[-dropped:]
                 del seq.output_ids[-dropped:]
-                seq.token_buffer = None
                 new_tokens = new_tokens[:-dropped]
-                if seq.pending_sampling_mask:
-                    del seq.pending_sampling_mask[-dropped:]
             if stop_str is not None:
                 seq.finish(FinishReason.STOP, stop_str)
         if seq.is_finished():
-            self._capture_routing(seq)
-            if isinstance(request.kv_leg, PrefillLeg) and seq.index == 0:
-                self._hold_for_transfer(seq)
-            if self.ec_exports is not None and request.mm is not None and seq.index == 0:
-                self._announce_encodings(request)
+            for hook in self.hooks.on_finished:
+                hook(seq)
             self.scheduler.remove(seq)
             if request.is_finished():
-                self._forget(request)
+                self.forget_request(request)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)
-
-
-def _adapter_key(s) -> str:
-    return s.seq.request.lora_key or ""

@@ -28,7 +28,7 @@ refusals never name this worker's engine id.
 Threads: the transfer server reads held blocks under ``HeldTransfers.lock``; the
 engine thread removes an entry under the same lock before its blocks are released, so
 a block being exported is never handed out meanwhile.  ``FREE`` only queues the
-request id: the release runs on the engine thread (``EngineCore._kv_transfer_tick``).
+request id: the release runs on the engine thread (``KvTransferComponent.tick``).
 """
 from __future__ import annotations
 

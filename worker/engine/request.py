@@ -48,13 +48,6 @@ class Request:
         self.arrival_time = req.arrival_time or now
         self.cache_salt = req.cache_salt
         self.lora_key: Optional[str] = None  # the adapter registration it runs with (lora/manager.py)
-        # P/D disaggregation (kv_transfer.py): PrefillLeg / DecodeLeg / None, and the
-        # kv_transfer_params a finished prefill leg answers with (its final delta's).
-        self.kv_leg: Any = None
-        self.kv_transfer_out: Optional[dict] = None
-        # Encoder disaggregation (ec_transfer.py): an encoder worker's answer (its final
-        # delta's ec_transfer_params; as vLLM, nothing else ever answers with any).
-        self.ec_transfer_out: Optional[dict] = None
         self.prompt_token_ids = req.prompt_token_ids
         self.mm: Any = None  # MultiModalState (multimodal.py) of a request with images
         self.num_prompt_tokens = len(req.prompt_token_ids)
@@ -80,8 +73,6 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.num_cached_tokens = 0
-        self.spec_stats: Any = None  # SpecDecodeStats (speculative decoding on)
-        self.spec_stats_sent = False
 
     def is_finished(self) -> bool:
         return self.forked and all(s.status is SeqStatus.FINISHED for s in self.sequences)
@@ -110,15 +101,7 @@ class EngineSequence:
         self.generator: Optional[torch.Generator] = None
         self.detokenizer: Any = None
         self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
-        self.pending_sampling_mask: Optional[list[list[int]]] = None  # sampler supports the next delta carries
-        self.routed_experts: Any = None  # numpy [positions, moe layers, top_k], set when the choice finishes
-        # (weight version, first output index sampled with it), one entry per change.
-        self.version_starts: list[tuple[str, int]] = []
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
-        self.spec_acceptance = 1.0  # recent share of its drafts accepted (drafting backs off when low)
-        self.draft_lag = 0  # draft model: trailing computed positions its KV lacks
-        self.draft_synced = -1  # draft model: num_preemptions when its KV last covered the context
-        self.token_buffer: Any = None  # n-gram drafts: (int64 array, filled) mirror of token_ids
 
     # --- sizes -----------------------------------------------------------
     @property
@@ -143,19 +126,6 @@ class EngineSequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_ids.append(token_id)
-
-    def track_weight_version(self, version: str) -> None:
-        """Called as each output token is appended: a new span starts where the version changes."""
-        starts = self.version_starts
-        if not starts or starts[-1][0] != version:
-            starts.append((version, len(self.output_ids) - 1))
-
-    def weight_version_spans(self) -> list[tuple[str, int, int]]:
-        """Contiguous half-open spans over the output tokens (vLLM's WeightVersionSpan)."""
-        n = len(self.output_ids)  # after any stop-string trimming
-        starts = [(v, s) for v, s in self.version_starts if s < n]
-        ends = [s for _, s in starts[1:]] + [n]
-        return [(v, s, e) for (v, s), e in zip(starts, ends)]
 
     # --- stopping --------------------------------------------------------
     def check_token_stop(self, max_model_len: int) -> bool:

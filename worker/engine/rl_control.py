@@ -15,6 +15,7 @@ import torch
 
 from common.errors import BadRequest
 from common.protocol import DEFAULT_WEIGHT_VERSION
+from worker.engine.components.base import EngineComponent
 from worker.engine.weights import ModelWeights, checkpoint_tensors
 
 log = logging.getLogger(__name__)
@@ -25,30 +26,87 @@ SLEEP_TAGS = ("weights", "kv_cache")
 _IGNORABLE = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", "lm_head.weight")
 
 
-class RLControl:
-    """Mixed into EngineCore (needs model, runner, block_manager, scheduler, requests, config)."""
+class VersionSpans:
+    """The weight versions of one choice's output tokens: (version, first output index
+    sampled with it), one entry per change."""
 
-    weight_version: str = DEFAULT_WEIGHT_VERSION
+    __slots__ = ("starts",)
 
-    def _init_rl_control(self) -> None:
+    def __init__(self):
+        self.starts: list[tuple[str, int]] = []
+
+    def track(self, version: str, first_index: int) -> None:
+        """Tokens from ``first_index`` on were sampled with ``version``."""
+        starts = self.starts
+        if not starts or starts[-1][0] != version:
+            starts.append((version, first_index))
+
+    def spans(self, num_output_tokens: int) -> list[tuple[str, int, int]]:
+        """Contiguous half-open spans over the output tokens (vLLM's WeightVersionSpan);
+        ``num_output_tokens``: after any stop-string trimming."""
+        n = num_output_tokens
+        starts = [(v, s) for v, s in self.starts if s < n]
+        ends = [s for _, s in starts[1:]] + [n]
+        return [(v, s, e) for (v, s), e in zip(starts, ends)]
+
+
+class RLControl(EngineComponent):
+    """An engine component (always on): the weight version each output token was sampled
+    with (its hooks: ``on_sampled`` tracks, ``fill_deltas`` reports the spans), and the
+    control commands the worker reaches as ``engine.rl`` (worker/control.py)."""
+
+    name = "rl"
+
+    def __init__(self, core):
+        self.core = core  # EngineCore: model, runner, block_manager, scheduler, hooks, config
+        self.config = core.config
+        self.device = core.device
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.version_spans: dict[int, VersionSpans] = {}  # seq_id -> the versions of its output tokens
         self._weights: Optional[ModelWeights] = None
         self.asleep: set[str] = set()  # subset of SLEEP_TAGS that is released
         # Checkpoint folders whose weights the model holds now, in order: the model's own, then
         # every update from disk since.  None once weights came over the wire (not reproducible).
         self.disk_lineage: Optional[list[str]] = [self.config.model]
 
-    def _require_single_rank(self, what: str) -> None:
-        if self.tp_leader is not None:
+    # --- hooks: weight versions of the output tokens ------------------------------------
+    def on_sampled(self, outs, first_rows, result) -> None:
+        """Versions change between steps only: one check per choice and step."""
+        version = self.weight_version
+        spans = self.version_spans
+        for out in outs:
+            seq = out.seq
+            tracked = spans.get(seq.seq_id)
+            if tracked is None:
+                tracked = spans[seq.seq_id] = VersionSpans()
+            # the step's first token of this choice (stop-string trimming only cuts the last ones)
+            tracked.track(version, len(seq.output_ids) - len(out.new_token_ids))
+
+    def fill_deltas(self, outs, deltas) -> None:
+        for out, delta in zip(outs, deltas):
+            seq = out.seq
+            if seq is None:  # a choice aborted before it was forked
+                delta.weight_versions = []
+            elif seq.finish_reason is not None:  # its final delta: the spans, forgotten here
+                tracked = self.version_spans.pop(seq.seq_id, None)
+                delta.weight_versions = tracked.spans(len(seq.output_ids)) if tracked is not None else []
+
+    def fill_load(self, load) -> None:
+        if "kv_cache" in self.asleep:  # released: no blocks to offer
+            load.free_kv_blocks = load.total_kv_blocks = 0
+
+    # --- commands ---------------------------------------------------------------------
+    def require_single_rank(self, what: str) -> None:
+        if self.core.tp_leader is not None:
             raise BadRequest(f"{what} is not supported on a worker with tensor_parallel_size > 1 yet", None)
 
     @property
     def weights(self) -> ModelWeights:
-        self._require_single_rank("updating or reading weights")
+        self.require_single_rank("updating or reading weights")
         if "weights" in self.asleep:
             raise BadRequest("the weights are released (sleep level 2): POST /wake_up first", None)
         if self._weights is None:
-            self._weights = ModelWeights(self.model)
+            self._weights = ModelWeights(self.core.model)
         return self._weights
 
     def set_weight_version(self, version: str) -> None:
@@ -98,15 +156,15 @@ class RLControl:
         preempted (their prompt and output so far are recomputed with the new weights,
         so every later token is exactly what the new weights sample for that prefix)
         and the prefix cache is forgotten."""
-        for seq in list(self.scheduler.running):
-            self.scheduler._preempt(seq)
-        self.block_manager.reset_prefix_cache()
-        if self.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
-            self.runner.encoder_cache.clear()
+        for seq in list(self.core.scheduler.running):
+            self.core.scheduler._preempt(seq)
+        self.core.block_manager.reset_prefix_cache()
+        if self.core.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
+            self.core.runner.encoder_cache.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; running sequences keep theirs (same weights: still valid)."""
-        self.block_manager.reset_prefix_cache()
+        self.core.block_manager.reset_prefix_cache()
         return True
 
     def weight_checksums(self, prefix: str) -> dict[str, str]:
@@ -121,23 +179,23 @@ class RLControl:
     def sleep(self, level: int) -> None:
         """Level 1: release the KV cache; level 2: the weights as well.  Running
         sequences are preempted first (recomputed after wake-up)."""
-        self._require_single_rank("sleep mode")
+        self.require_single_rank("sleep mode")
         if level < 1:
             return
-        for seq in list(self.scheduler.running):
-            self.scheduler._preempt(seq)
-        self.block_manager.reset_prefix_cache()
+        for seq in list(self.core.scheduler.running):
+            self.core.scheduler._preempt(seq)
+        self.core.block_manager.reset_prefix_cache()
         if "kv_cache" not in self.asleep:
-            self.runner.release_kv_cache()
-            if self.spec is not None:  # a draft model's cache goes with the target's
-                self.spec.release_cache()
+            self.core.runner.release_kv_cache()
+            for hook in self.core.hooks.on_kv_cache_released:  # a draft model's cache goes with the target's
+                hook()
             self.asleep.add("kv_cache")
         if level >= 2 and "weights" not in self.asleep:
             self._weights = None
-            self.model = self.runner.model = None
-            if self.runner.encoder_cache is not None:  # it encodes with the model: let the weights go
-                self.runner.encoder_cache.clear()
-                self.runner.encoder_cache.model = None
+            self.core.model = self.core.runner.model = None
+            if self.core.runner.encoder_cache is not None:  # it encodes with the model: let the weights go
+                self.core.runner.encoder_cache.clear()
+                self.core.runner.encoder_cache.model = None
             self.asleep.add("weights")
         gc.collect()
         if self.device.type == "cuda":
@@ -158,12 +216,12 @@ class RLControl:
         if "weights" in wanted and "weights" in self.asleep:
             self._reload_weights()
         if "kv_cache" in wanted and "kv_cache" in self.asleep:
-            self.runner.allocate_kv_cache(self.block_manager.num_blocks)
-            if self.spec is not None:
-                self.spec.allocate(self.block_manager.num_blocks, self.max_model_len)
+            self.core.runner.allocate_kv_cache(self.core.block_manager.num_blocks)
+            for hook in self.core.hooks.on_kv_cache_allocated:
+                hook()
             self.asleep.discard("kv_cache")
         if not self.asleep and self.device.type == "cuda":
-            self.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses
+            self.core.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses
         return not self.asleep
 
     def _reload_weights(self) -> None:
@@ -177,13 +235,13 @@ class RLControl:
             lineage = []
         # The model's own checkpoint first, then every update from disk on top (the lineage
         # may start at a whole checkpoint other than the model's).
-        self.model, _, _ = build_model(self.config, self.model_config, self.device)
-        self.model.use_attention_backend(self.attention_backend)
-        if self.lora is not None:
-            self.lora.attach(self.model)
-        self.runner.model = self.model
-        if self.runner.encoder_cache is not None:
-            self.runner.encoder_cache.model = self.model
+        self.core.model, _, _ = build_model(self.config, self.core.model_config, self.device)
+        self.core.model.use_attention_backend(self.core.attention_backend)
+        if self.core.lora_manager is not None:
+            self.core.lora_manager.attach(self.core.model)
+        self.core.runner.model = self.core.model
+        if self.core.runner.encoder_cache is not None:
+            self.core.runner.encoder_cache.model = self.core.model
         self.asleep.discard("weights")
         self.disk_lineage = [self.config.model]
         for path in lineage:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import SeqStatus, EngineSequence
@@ -43,16 +43,25 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+class AdmissionLimit(Protocol):
+    """A component's limit on which waiting sequences a step admits (LoRA: adapter slots)."""
+
+    def begin(self, running: list[EngineSequence]) -> Any:
+        """The step's state, from the running sequences."""
+
+    def admits(self, state: Any, seq: EngineSequence) -> bool:
+        """Whether ``seq`` may start this step (False: it keeps its place and waits)."""
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, token_budget: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, max_loras: Optional[int] = None):
+                 max_model_len: int, enable_chunked_prefill: bool = True):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        # LoRA: at most this many distinct adapters run at once (every step's fit the slots).
-        self.max_loras = max_loras
+        self.limits: list[AdmissionLimit] = []  # components' admission limits (LoRA's adapter slots)
         self._waiting: list[tuple[int, int, int, EngineSequence]] = []  # heap of (priority, arrival, seq_id, seq)
         self.running: list[EngineSequence] = []
         self.num_preemptions = 0
@@ -75,11 +84,9 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def adapters(self) -> tuple[list[str], list[str]]:
-        """Adapter registrations (LoRA keys) of the running and of the waiting sequences."""
-        running = {s.request.lora_key for s in self.running}
-        waiting = {entry[-1].request.lora_key for entry in self._waiting}
-        return sorted(running - {None}), sorted(waiting - {None})
+    def waiting(self) -> list[EngineSequence]:
+        """The waiting sequences (in no particular order)."""
+        return [entry[-1] for entry in self._waiting]
 
     def head_waiting(self) -> Optional[EngineSequence]:
         """The waiting sequence admitted next (None: none waits)."""
@@ -133,17 +140,13 @@ class Scheduler:
             # else: seq itself was preempted; running shrank so i is now past the end.
 
         # Admit waiting sequences, but not in a step that had to preempt (no room).
-        adapters = ({s.request.lora_key for s in self.running} - {None}) if self.max_loras is not None else None
-        skipped = []  # waiting behind an adapter that has no slot to run in this step
+        limits = [(limit, limit.begin(self.running)) for limit in self.limits]
+        skipped = []  # waiting behind a limit (an adapter with no slot to run in) this step
         while self._waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][3]
-            if adapters is not None:
-                key = seq.request.lora_key
-                if key is not None and key not in adapters:
-                    if len(adapters) >= self.max_loras:
-                        skipped.append(heapq.heappop(self._waiting))
-                        continue
-                    adapters.add(key)
+            if limits and not all(limit.admits(state, seq) for limit, state in limits):
+                skipped.append(heapq.heappop(self._waiting))
+                continue
             cached = self.bm.find_cached_prefix(seq)
             num_cached_tokens = len(cached) * self.bm.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens - num_cached_tokens

@@ -23,7 +23,7 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         return CompletionDelta(request_id=request.request_id, index=out.index, finish_reason=FinishReason.ABORT,
                                num_prompt_tokens=request.num_prompt_tokens,
                                num_cached_tokens=request.num_cached_tokens,
-                               first_scheduled_time=request.first_scheduled_time, weight_versions=[])
+                               first_scheduled_time=request.first_scheduled_time)
     delta = CompletionDelta(
         request_id=request.request_id,
         index=seq.index,
@@ -36,31 +36,18 @@ def to_delta(out: SequenceOutput) -> CompletionDelta:
         num_cached_tokens=request.num_cached_tokens,
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
-        weight_versions=seq.weight_version_spans() if seq.finish_reason is not None else None,
-        sampling_mask=seq.pending_sampling_mask,
-        routed_experts=npy_bytes(seq.routed_experts) if seq.finish_reason is not None else None,
     )
-    if request.spec_stats is not None and request.is_finished() and not request.spec_stats_sent:
-        request.spec_stats_sent = True  # once per request, whichever choice finishes it
-        delta.spec_decode = request.spec_stats
     seq.pending_logprobs = None
-    seq.pending_sampling_mask = None
     if not request.first_delta_sent and seq.index == 0:
         request.first_delta_sent = True
-        # P/D legs answer with their own params (a prefill leg's on its final delta, below;
-        # a decode leg's none, as vLLM); other params are echoed.
-        delta.kv_transfer_params = request.req.kv_transfer_params if request.kv_leg is None else None
+        # Echoed (P/D legs answer with their own instead: the KV transfer component's fill_deltas).
+        delta.kv_transfer_params = request.req.kv_transfer_params
         delta.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.prompt_token_id_rows:
             scores = _stack_padded(request.prompt_token_id_rows)
             delta.prompt_token_id_scores = scores.tobytes()
             delta.prompt_token_id_shape = list(scores.shape)
             request.prompt_token_id_rows = []
-    if seq.index == 0 and seq.finish_reason is not None:
-        if request.kv_transfer_out is not None:
-            delta.kv_transfer_params = request.kv_transfer_out
-        if request.ec_transfer_out is not None:
-            delta.ec_transfer_params = request.ec_transfer_out
     return delta
 
 

@@ -102,28 +102,29 @@ class DraftModelSpeculator(Speculator):
         budget = self.token_budget  # the catch-up forward is chunked like a prefill
         for s in scheduled:
             seq = s.seq
+            st = self.state(seq)
             if not s.spec:  # the target moves on without the draft
-                seq.draft_lag += s.num_new_tokens
+                st.draft_lag += s.num_new_tokens
                 continue
-            if seq.draft_synced != seq.num_preemptions:  # first draft, or recomputed since
-                seq.draft_lag, seq.draft_synced = seq.num_computed_tokens, seq.num_preemptions
-            lag = min(seq.draft_lag, seq.num_computed_tokens)
+            if st.draft_synced != seq.num_preemptions:  # first draft, or recomputed since
+                st.draft_lag, st.draft_synced = seq.num_computed_tokens, seq.num_preemptions
+            lag = min(st.draft_lag, seq.num_computed_tokens)
             n = 1 + lag  # the positions it lacks, then the choice's last token
             start = seq.num_computed_tokens - lag
             if n > budget:  # catch up part of the way; this step verifies no drafts for it
                 if budget > 0:
                     views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, start), budget))
-                    seq.draft_lag = lag - budget
+                    st.draft_lag = lag - budget
                     row += budget
                     budget = 0
                 else:
-                    seq.draft_lag = lag
-                seq.draft_lag += 1  # the target computes its last token without the draft
+                    st.draft_lag = lag
+                st.draft_lag += 1  # the target computes its last token without the draft
                 s.num_new_tokens -= len(s.spec)
                 s.spec = ()
                 continue
             views.append(ScheduledSeq(_DraftView(seq, seq.token_ids, start), n))
-            seq.draft_lag = 0
+            st.draft_lag = 0
             budget -= n
             row += n
             decodes.append(s)
@@ -149,5 +150,6 @@ class DraftModelSpeculator(Speculator):
 
     def record(self, seq: EngineSequence, num_drafts: int, num_accepted: int) -> None:
         super().record(seq, num_drafts, num_accepted)
+        st = self.state(seq)
         if num_accepted == num_drafts:  # its last draft is in the output but not in the draft's KV
-            seq.draft_lag += 1
+            st.draft_lag += 1

@@ -28,6 +28,18 @@ _MIN_ACCEPTANCE = 0.25  # below this share, no drafts...
 _RECOVERY = 0.05  # ...and each step without drafts moves the share back up by this much
 
 
+class SeqDrafting:
+    """What a proposer keeps per sequence (owned by the speculator, keyed by seq_id)."""
+
+    __slots__ = ("acceptance", "draft_lag", "draft_synced", "token_buffer")
+
+    def __init__(self):
+        self.acceptance = 1.0  # recent share of its drafts accepted (drafting backs off when low)
+        self.draft_lag = 0  # draft model: trailing computed positions its KV lacks
+        self.draft_synced = -1  # draft model: num_preemptions when its KV last covered the context
+        self.token_buffer = None  # n-gram drafts: (int64 array, filled) mirror of token_ids
+
+
 class Speculator:
     """What every proposer shares: which running decodes draft and how many tokens
     (limits, backoff, the step cap), and the per-request counts."""
@@ -41,6 +53,17 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_step_tokens = max_step_tokens
+        self.seqs: dict[int, SeqDrafting] = {}  # seq_id -> its drafting state
+
+    def state(self, seq: EngineSequence) -> SeqDrafting:
+        st = self.seqs.get(seq.seq_id)
+        if st is None:
+            st = self.seqs[seq.seq_id] = SeqDrafting()
+        return st
+
+    def forget(self, seq: EngineSequence) -> None:
+        """The sequence finished: drop its drafting state."""
+        self.seqs.pop(seq.seq_id, None)
 
     def propose(self, running: Sequence[EngineSequence], max_model_len: int) -> None:
         """Set ``spec_token_ids`` of every running decode (empty: nothing to verify)."""
@@ -51,13 +74,14 @@ class Speculator:
             seq.spec_token_ids = []
             if off or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
-            if seq.spec_acceptance < _MIN_ACCEPTANCE:
-                seq.spec_acceptance += _RECOVERY
+            st = self.state(seq)
+            if st.acceptance < _MIN_ACCEPTANCE:
+                st.acceptance += _RECOVERY
                 continue
             decodes.append(seq)
         budget = None if self.max_step_tokens is None else max(self.max_step_tokens - len(decodes), 0)
         if budget is not None and len(decodes) * self.k > budget:
-            decodes.sort(key=lambda s: -s.spec_acceptance)
+            decodes.sort(key=lambda s: -self.seqs[s.seq_id].acceptance)
         for seq in decodes:
             # Never draft past the context or past what the request may still emit
             # (every step emits the accepted drafts plus one token).
@@ -86,27 +110,24 @@ class Speculator:
         return SpecDecodeStats(self.k, [0] * (self.k + 1))
 
     def record(self, seq: EngineSequence, num_drafts: int, num_accepted: int) -> None:
-        """One verify step of ``seq`` (vLLM's RequestSpecDecodeMetrics.observe)."""
-        seq.spec_acceptance = (_ACCEPTANCE_DECAY * seq.spec_acceptance
-                               + (1 - _ACCEPTANCE_DECAY) * num_accepted / num_drafts)
-        stats = seq.request.spec_stats
-        stats.histogram[num_accepted] += 1
-        stats.num_draft_tokens += num_drafts
-        stats.per_step_accepted.append(num_accepted)
-        stats.per_step_drafted.append(num_drafts)
+        """One verify step of ``seq``: its running acceptance share (drafting backs off
+        when low); the request's counts are the component's (component.py)."""
+        st = self.state(seq)
+        st.acceptance = _ACCEPTANCE_DECAY * st.acceptance + (1 - _ACCEPTANCE_DECAY) * num_accepted / num_drafts
 
 
 class NgramSpeculator(Speculator):
     def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
         cfg = self.config
-        return propose_ngram(_token_array(seq), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+        return propose_ngram(_token_array(seq, self.state(seq)), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
 
 
-def _token_array(seq: EngineSequence) -> np.ndarray:
+def _token_array(seq: EngineSequence, st: SeqDrafting) -> np.ndarray:
     """``seq.token_ids`` as a numpy view, kept in a buffer grown by doubling that only
     copies the tokens appended since the last call (a long context is not converted
-    again every step).  Whoever cuts ``token_ids`` drops the buffer (engine_core)."""
-    buf, filled = seq.token_buffer if seq.token_buffer is not None else (None, 0)
+    again every step).  A cut ``token_ids`` (a stop string: the choice finished) is
+    seen by its length."""
+    buf, filled = st.token_buffer if st.token_buffer is not None else (None, 0)
     n = seq.num_tokens
     if buf is None or filled > n:
         buf, filled = np.empty(max(2 * n, 64), dtype=np.int64), 0
@@ -116,7 +137,7 @@ def _token_array(seq: EngineSequence) -> np.ndarray:
         buf = grown
     if n > filled:
         buf[filled:n] = seq.token_ids[filled:n]
-    seq.token_buffer = (buf, n)
+    st.token_buffer = (buf, n)
     return buf[:n]
 
 

@@ -1,0 +1,139 @@
+"""The engine component interface (issue 31).
+
+A feature that is not the core loop (schedule -> forward -> sample -> append) is an
+``EngineComponent``: ``EngineCore`` holds a list of them and calls their hooks, in
+order, at fixed points of a request's life and of a step -- in the spirit of vLLM
+v1's KV connector (scheduler-side and worker-side hooks).  Every hook has a no-op
+default; ``Hooks`` collects, once, only the components that *override* a hook, so
+a step pays nothing for a feature that is off or does not care about that point.
+
+Per-request state belongs to the component (a dict keyed by request id or by
+sequence id inside it), not to ``Request`` / ``EngineSequence``.
+
+Hook order in a request's life::
+
+    check(req, mm)                validate; raise a ClientError (400/404/429...) to refuse
+    admit(request, seq, held)     after the request is registered: READY (the core schedules
+                                  it) or WAIT (the component holds it and hands it to the
+                                  scheduler later itself); ``held``: an earlier component
+                                  already returned WAIT (register state, start nothing)
+    tick()                        housekeeping: every step, and while the worker idles
+    before_schedule()             every model step, before the scheduler runs
+    wait_idle()                   nothing can be scheduled: wait briefly for your own async
+                                  work (True: you had some, the step ends)
+    on_stalled()                  requests wait but none can start and nothing runs: True
+                                  when the component holds blocks that will come back
+    on_scheduled(scheduled)       the step's batch, before the forward
+    on_sampled(outs, rows, res)   the step's outputs, with each output's first sampler row
+    on_finished(seq)              a choice finished (stop, length or abort), blocks still held
+    forget(request)               the request is gone (finished, aborted or failed)
+    fill_deltas(outs, deltas)     the step's outputs become wire CompletionDeltas (engine.py)
+    fill_load(load)               the worker's load report
+    on_kv_cache_released()        sleep released the KV cache / wake-up allocated it again
+    on_kv_cache_allocated()
+    close()                       the engine shuts down
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from common.protocol import CompletionDelta, GenerateRequest, WorkerLoad
+    from worker.engine.outputs import SequenceOutput
+    from worker.engine.request import EngineSequence, Request
+    from worker.engine.sampler import SamplerOutput
+    from worker.engine.scheduler import ScheduledSeq
+
+READY = "ready"  # admit(): the core hands the sequence to the scheduler
+WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
+
+HOOKS = ("check", "admit", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
+         "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
+         "on_kv_cache_allocated", "close")
+
+
+class EngineComponent:
+    """Base class: every hook is a no-op; override the ones the feature needs."""
+
+    name = "component"
+    needs_sampler_masks = False  # the sampler returns each row's surviving token ids (on_sampled's result.masks)
+
+    def check(self, req: "GenerateRequest", mm: Any) -> None:
+        """Refuse a request (raise a ClientError) before anything is registered; ``mm``:
+        its MultiModalState (multimodal.py) or None."""
+
+    def admit(self, request: "Request", seq: "EngineSequence", held: bool) -> str:
+        """The request is registered; READY or WAIT (the component schedules it later).
+        ``held``: an earlier component returned WAIT.  Raising undoes the admission
+        (every component's ``forget`` runs)."""
+        return READY
+
+    def tick(self) -> None:
+        """Housekeeping: every step, and while the worker idles (no model step then)."""
+
+    def before_schedule(self) -> None:
+        """Every model step, before the scheduler runs."""
+
+    def wait_idle(self) -> bool:
+        """Nothing is scheduled: wait a little for the component's own async work (a pull);
+        True when it had some (the later components are not asked)."""
+        return False
+
+    def on_stalled(self) -> bool:
+        """Requests wait, none can start, nothing runs: True when this component holds
+        KV blocks that come back (it may wait a little for them); False: not its doing."""
+        return False
+
+    def on_scheduled(self, scheduled: "list[ScheduledSeq]") -> None:
+        """The step's batch, before the forward (may reorder it)."""
+
+    def on_sampled(self, outs: "list[SequenceOutput]", first_rows: "list[int]", result: "SamplerOutput") -> None:
+        """The step's outputs; ``first_rows[i]``: the sampler row of ``outs[i]``'s first token."""
+
+    def on_finished(self, seq: "EngineSequence") -> None:
+        """A choice finished or was aborted; its KV blocks are not freed yet."""
+
+    def forget(self, request: "Request") -> None:
+        """The request is gone from the engine: drop what is kept for it."""
+
+    def fill_deltas(self, outs: "list[SequenceOutput]", deltas: "list[CompletionDelta]") -> None:
+        """Add this feature's fields to the wire deltas of outputs (``deltas[i]`` packs
+        ``outs[i]``); return at once when the component has nothing to add."""
+
+    def fill_load(self, load: "WorkerLoad") -> None:
+        """Add this feature's fields to the load report."""
+
+    def on_kv_cache_released(self) -> None:
+        """Sleep released the KV cache: release what lives beside it (a draft model's cache)."""
+
+    def on_kv_cache_allocated(self) -> None:
+        """Wake-up allocated the KV cache again."""
+
+    def close(self) -> None:
+        """The engine shuts down."""
+
+
+class Hooks:
+    """Per hook, the bound methods of the components that override it (in order)."""
+
+    def __init__(self, components: "list[EngineComponent]"):
+        for hook in HOOKS:
+            base = getattr(EngineComponent, hook)
+            setattr(self, hook, [getattr(c, hook) for c in components if getattr(type(c), hook) is not base])
+
+    # typed views (the attributes are set above)
+    check: list[Callable[..., Any]]
+    admit: list[Callable[..., str]]
+    tick: list[Callable[[], None]]
+    before_schedule: list[Callable[[], None]]
+    wait_idle: list[Callable[[], bool]]
+    on_stalled: list[Callable[[], bool]]
+    on_scheduled: list[Callable[..., None]]
+    on_sampled: list[Callable[..., None]]
+    on_finished: list[Callable[..., None]]
+    forget: list[Callable[..., None]]
+    fill_deltas: list[Callable[..., None]]
+    fill_load: list[Callable[..., None]]
+    on_kv_cache_released: list[Callable[[], None]]
+    on_kv_cache_allocated: list[Callable[[], None]]
+    close: list[Callable[[], None]]

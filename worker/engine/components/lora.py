@@ -1,0 +1,92 @@
+"""LoRA adapters as an engine component (``--enable-lora``).
+
+The model side (adapter slots, the batched LoRA matmuls) is ``lora/manager.py``'s
+``LoRAManager``, shared with the model runner.  This component is the engine side:
+it resolves a request's ``lora_name`` at admission and pins the adapter's host copy
+while the request lives, keeps each adapter's rows of a step contiguous, reports the
+adapters in the load, and owns the load/unload commands."""
+from __future__ import annotations
+
+from common.errors import BadRequest, NotFound
+from worker.engine.components.base import READY, EngineComponent
+
+
+def _adapter_key(s) -> str:
+    return s.seq.request.lora_key or ""
+
+
+class AdapterSlots:
+    """The scheduler's admission limit: at most ``max_loras`` distinct adapters run at
+    once (every step's fit the device slots); a request whose adapter has no slot waits."""
+
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+
+    def begin(self, running) -> set:
+        return {s.request.lora_key for s in running} - {None}
+
+    def admits(self, adapters: set, seq) -> bool:
+        key = seq.request.lora_key
+        if key is not None and key not in adapters:
+            if len(adapters) >= self.max_loras:
+                return False
+            adapters.add(key)
+        return True
+
+
+class LoRAComponent(EngineComponent):
+    name = "lora"
+
+    def __init__(self, manager, scheduler, model_info):
+        self.manager = manager
+        self.scheduler = scheduler
+        self.model_info = model_info  # its lora_adapters follow load / unload
+        self.pinned: dict[str, str] = {}  # request id -> the adapter registration it pinned
+        scheduler.limits.append(AdapterSlots(manager.max_loras))
+
+    # --- commands (worker/control.py) ------------------------------------------------
+    def load(self, name: str, path: str, inplace: bool = False) -> None:
+        """Register (read and validate) a PEFT adapter; LoRAError (400) when refused."""
+        if name == self.model_info.name:
+            raise BadRequest(f"The lora adapter '{name}' conflicts with a served base model.",
+                             type="InvalidUserInput")
+        self.manager.register(name, path, inplace)
+        self.model_info.lora_adapters = self.adapters()
+
+    def unload(self, name: str) -> None:
+        """New requests can no longer name it; running ones finish with it."""
+        self.manager.unregister(name)
+        self.model_info.lora_adapters = self.adapters()
+
+    def adapters(self) -> dict[str, str]:
+        return dict(self.manager.paths)
+
+    # --- hooks -------------------------------------------------------------------------
+    def check(self, req, mm) -> None:
+        if req.lora_name is not None and req.lora_name not in self.manager.keys:
+            raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
+
+    def admit(self, request, seq, held) -> str:
+        name = request.req.lora_name
+        if name is not None:  # a refusal here leaves nothing to undo
+            key = self.manager.keys[name]
+            self.manager.acquire(key)
+            request.lora_key = key
+            self.pinned[request.request_id] = key
+        return READY
+
+    def on_scheduled(self, scheduled) -> None:
+        # Each adapter's rows contiguous: the CPU path multiplies views instead of
+        # gathering and scattering rows (stable: priority order within an adapter).
+        scheduled.sort(key=_adapter_key)
+
+    def forget(self, request) -> None:
+        key = self.pinned.pop(request.request_id, None)
+        if key is not None:
+            self.manager.release(key)
+
+    def fill_load(self, load) -> None:
+        running = sorted({s.request.lora_key for s in self.scheduler.running} - {None})
+        waiting = sorted({s.request.lora_key for s in self.scheduler.waiting()} - {None})
+        load.resident_loras, load.max_loras = self.manager.resident, self.manager.max_loras
+        load.running_loras, load.waiting_loras = self.manager.names(running), self.manager.names(waiting)

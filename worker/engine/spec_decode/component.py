@@ -1,0 +1,71 @@
+"""Speculative decoding as an engine component.
+
+The proposer (n-gram or draft model: speculator.py, draft_model.py) keeps its
+interface; this component calls it at the step's hook points -- drafts proposed before
+scheduling, draft slots filled once the batch is known -- and owns each request's
+acceptance counts, which the request's final delta reports (``spec_decode``).
+Verifying the drafts against the target's samples: verify.py."""
+from __future__ import annotations
+
+from typing import Any
+
+from worker.engine.components.base import READY, EngineComponent
+
+
+class SpecDecodeComponent(EngineComponent):
+    name = "spec_decode"
+
+    def __init__(self, speculator, core):
+        self.speculator = speculator
+        self.core = core  # EngineCore: scheduler, max_model_len
+        self.stats: dict[str, Any] = {}  # request id -> SpecDecodeStats
+        self._closing: dict[str, Any] = {}  # forgotten since the last step: reported by its last delta
+
+    def on_kv_cache_released(self) -> None:
+        self.speculator.release_cache()
+
+    def on_kv_cache_allocated(self) -> None:
+        self.speculator.allocate(self.core.block_manager.num_blocks, self.core.max_model_len)
+
+    def admit(self, request, seq, held) -> str:
+        self.stats[request.request_id] = self.speculator.new_stats()
+        return READY
+
+    def tick(self) -> None:
+        self._closing.clear()  # the last step's deltas are packed
+
+    def before_schedule(self) -> None:
+        self.speculator.propose(self.core.scheduler.running, self.core.max_model_len)
+
+    def on_scheduled(self, scheduled) -> None:
+        self.speculator.fill(scheduled)
+
+    def on_finished(self, seq) -> None:
+        self.speculator.forget(seq)
+
+    def record(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """One verify step of ``seq`` (vLLM's RequestSpecDecodeMetrics.observe)."""
+        self.speculator.record(seq, num_drafts, num_accepted)
+        stats = self.stats.get(seq.request.request_id)
+        if stats is not None:
+            stats.histogram[num_accepted] += 1
+            stats.num_draft_tokens += num_drafts
+            stats.per_step_accepted.append(num_accepted)
+            stats.per_step_drafted.append(num_drafts)
+
+    def forget(self, request) -> None:
+        stats = self.stats.pop(request.request_id, None)
+        if stats is not None:
+            self._closing[request.request_id] = stats
+
+    def fill_deltas(self, outs, deltas) -> None:
+        if self._closing:  # reported once, by a finished request
+            for out, delta in zip(outs, deltas):
+                self._fill_delta(out, delta)
+
+    def _fill_delta(self, out, delta) -> None:
+        request = out.request
+        if request.is_finished():  # once per request, whichever choice finishes it
+            stats = self._closing.pop(request.request_id, None)
+            if stats is not None:
+                delta.spec_decode = stats
