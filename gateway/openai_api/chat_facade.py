@@ -8,7 +8,7 @@ from typing import AsyncIterator, Optional
 import msgspec
 
 from common.protocol import CompletionDelta
-from gateway import logprobs_format
+from gateway.generate_api import logprobs_format
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
 from gateway.openai_api.facade import Generation, ResponseView, now, request_metrics
 from gateway.openai_api.protocol import (
@@ -22,7 +22,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
 )
 from gateway.openai_api.render import RenderedChat
-from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event, stream_metrics
+from gateway.generate_api.response_builder import SSE_DONE, routed_experts_b64, sse_event, stream_metrics
 
 
 def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Optional[list]:

@@ -9,7 +9,7 @@ from typing import AsyncIterator, Optional
 import msgspec
 
 from common.protocol import CompletionDelta, TokenLogprobs
-from gateway import logprobs_format
+from gateway.generate_api import logprobs_format
 from gateway.openai_api.facade import Generation, ResponseView, merged, now, request_metrics
 from gateway.openai_api.protocol import (
     CompletionChoice,
@@ -21,7 +21,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
 )
 from gateway.openai_api.render import RenderedPrompt
-from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event, stream_metrics
+from gateway.generate_api.response_builder import SSE_DONE, routed_experts_b64, sse_event, stream_metrics
 
 
 def completion_logprobs(entries: list, text_offset: int = 0) -> CompletionLogProbs:

@@ -20,11 +20,11 @@ from common.errors import BadRequest
 from common.protocol import CompletionDelta, SpecDecodeStats
 from common.validation import validate_request
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
-from gateway.http_protocol import HttpGenerateRequest, PerRequestMetrics
+from gateway.generate_api.protocol import HttpGenerateRequest, PerRequestMetrics
 from gateway.metrics import RequestTracker
-from gateway.request_mapping import MappedRequest, map_request
+from gateway.generate_api.request_mapping import MappedRequest, map_request
 from gateway.resources.generate import GenerateResource, as_serving_error, check_encodable, cluster_for
-from gateway.response_builder import spec_decoding_metrics, timing_metrics
+from gateway.generate_api.response_builder import spec_decoding_metrics, timing_metrics
 from gateway.state import GatewayState
 
 

@@ -15,11 +15,11 @@ from common.validation import validate_request
 from gateway.body import decode_json, read_body
 from gateway.disconnect import RECEIVE_SCOPE_KEY, DisconnectWatcher
 from gateway.errors import stream_error_json
-from gateway.http_protocol import generate_request_decoder
+from gateway.generate_api.protocol import generate_request_decoder
 from gateway.metrics import RequestTracker
 from gateway.multimodal import attach_images
-from gateway.request_mapping import MappedRequest, knows_model, map_request
-from gateway.response_builder import SSE_DONE, ResponseAccumulator, ResponseOptions, StreamChunker, sse_event
+from gateway.generate_api.request_mapping import MappedRequest, knows_model, map_request
+from gateway.generate_api.response_builder import SSE_DONE, ResponseAccumulator, ResponseOptions, StreamChunker, sse_event
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokserve.gateway")

@@ -36,8 +36,8 @@ from gateway.openai_api.protocol import (
 )
 from gateway.multimodal import attach_images, load_chat_images
 from gateway.openai_api.render import Renderer, base_request_id
-from gateway.request_mapping import base_model_names
-from gateway.response_builder import SSE_DONE, sse_event
+from gateway.generate_api.request_mapping import base_model_names
+from gateway.generate_api.response_builder import SSE_DONE, sse_event
 from gateway.resources.generate import is_json
 from gateway.state import GatewayState
 

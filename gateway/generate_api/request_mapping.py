@@ -16,8 +16,8 @@ import msgspec
 from common.errors import BadRequest, NotFound
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingParams
-from gateway import unserved_fields
-from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
+from gateway.generate_api import unserved_fields
+from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 TRACE_HEADERS = ("traceparent", "tracestate")

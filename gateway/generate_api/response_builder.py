@@ -14,8 +14,8 @@ from typing import Optional
 import msgspec
 
 from common.protocol import CompletionDelta, SpecDecodeStats
-from gateway import logprobs_format
-from gateway.http_protocol import (
+from gateway.generate_api import logprobs_format
+from gateway.generate_api.protocol import (
     GenerateResponse,
     Logprobs,
     PerRequestMetrics,
@@ -28,7 +28,7 @@ from gateway.http_protocol import (
     WeightVersionSpan,
     json_encoder,
 )
-from gateway.request_mapping import MappedRequest
+from gateway.generate_api.request_mapping import MappedRequest
 
 SSE_DONE = b"data: [DONE]\n\n"
 
