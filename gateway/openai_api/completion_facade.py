@@ -5,6 +5,7 @@ logprobs), completion logprobs in OpenAI's parallel-list shape.  ``CompletionCol
 are the relay's formatters (gateway/relay.py)."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import msgspec
@@ -61,13 +62,17 @@ class _Prompt:
 
     def __init__(self, rendered: RenderedPrompt, tokenizer, view: ResponseView):
         self.rendered = rendered
-        self.text = rendered.prompt_text if rendered.prompt_text is not None else tokenizer.decode(
-            rendered.token_ids)
         self.entries: Optional[list] = None
         self.tokenizer = tokenizer
         self.view = view
         self.num_tokens = len(rendered.token_ids)
         self.prompt_logprobs = None  # vLLM's per-choice prompt_logprobs ([None, {id: Logprob}, ...])
+
+    @functools.cached_property
+    def text(self) -> str:
+        """Echo only; decoded on first use (the formatter is built before the first delta)."""
+        r = self.rendered
+        return r.prompt_text if r.prompt_text is not None else self.tokenizer.decode(r.token_ids)
 
     def observe_first(self, delta: CompletionDelta) -> None:
         if delta.num_prompt_tokens:
