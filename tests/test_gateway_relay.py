@@ -149,3 +149,79 @@ def test_body_collects_every_delta():
     body = json.loads(raw)
     assert body["choices"][0]["token_ids"] == [10, 11, 12]
     assert body["usage"]["completion_tokens"] == 3
+
+
+class SlowClient(FakeClient):
+    """Deltas 10 ms apart, forever, until aborted: then the abort's terminal delta
+    (``abort_ends=False``: the abort never ends it)."""
+
+    def __init__(self, abort_ends: bool = True):
+        super().__init__()
+        self.abort_ends = abort_ends
+        self._aborted = asyncio.Event()
+
+    async def generate(self, wire):
+        i = 0
+        while True:
+            if self._aborted.is_set() and self.abort_ends:
+                yield CompletionDelta(request_id=wire.request_id, finish_reason="abort", num_prompt_tokens=4)
+                return
+            yield CompletionDelta(request_id=wire.request_id, token_ids=[10 + i], num_prompt_tokens=4)
+            i += 1
+            await asyncio.sleep(0.01)
+
+    async def abort(self, ids):
+        await super().abort(ids)
+        self._aborted.set()
+
+
+async def _disconnecting(client: SlowClient, body: dict, grace_s: float = 5.0):
+    app, state = create_falcon_app(GatewaySettings(disconnect_grace_s=grace_s), client)
+    app = keep_receive_in_scope(app)
+    raw = json.dumps(body).encode()
+    first_body = asyncio.Event()
+    calls = 0
+    chunks = []
+
+    async def receive():
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await first_body.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.body" and msg.get("body"):
+            chunks.append(msg["body"])
+            first_body.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/inference/v1/generate", "raw_path": b"/inference/v1/generate",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"host", b"x")]}
+    try:
+        await asyncio.wait_for(app(scope, receive, send), 10)
+    except asyncio.CancelledError:
+        pass
+    return b"".join(chunks), state.metrics
+
+
+def test_client_disconnect_aborts_and_records_the_abort():
+    client = SlowClient()
+    body = dict(BODY, stream=True, stream_options={"include_usage": True})
+    body["sampling_params"] = {"max_tokens": 1000, "ignore_eos": True}
+    raw, metrics = asyncio.run(_disconnecting(client, body))
+    assert len(client.aborted) == 1
+    assert b'"choices":[]' not in raw  # no usage chunk for a client that left
+    assert _outcome(metrics) == {"success": {"abort": 1.0}, "errors": {}, "in_flight": 0.0}
+
+
+def test_abort_that_never_ends_cancels_the_relay_after_the_grace_period():
+    client = SlowClient(abort_ends=False)
+    body = dict(BODY, stream=True)
+    body["sampling_params"] = {"max_tokens": 1000, "ignore_eos": True}
+    raw, metrics = asyncio.run(_disconnecting(client, body, grace_s=0.05))
+    assert len(client.aborted) == 1
+    assert not raw.endswith(b"data: [DONE]\n\n")
+    assert _outcome(metrics) == {"success": {}, "errors": {"499": 1.0}, "in_flight": 0.0}
