@@ -2,10 +2,16 @@
 and decode it as JSON (400 for what does not decode, nesting too deep included)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import msgspec
 
 from common.errors import BadRequest
 from gateway.errors import PayloadTooLarge
+
+
+def is_json(content_type: Optional[str]) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

@@ -14,7 +14,7 @@ import falcon
 import msgspec
 
 from common.errors import BadRequest, ServingError
-from gateway.http_protocol import ErrorInfo, ErrorResponse, json_encoder
+from gateway.generate_api.protocol import ErrorInfo, ErrorResponse, json_encoder
 
 log = logging.getLogger("tokserve.gateway")
 

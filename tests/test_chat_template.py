@@ -1,4 +1,4 @@
-"""gateway.chat_template renders chat requests as vLLM 0.32 does: the prompt text and
+"""gateway.chat.template renders chat requests as vLLM 0.32 does: the prompt text and
 its token ids equal transformers' ``apply_chat_template`` given the conversation vLLM's
 preprocessing hands it, for real model templates (tests/data/chat_templates, sources
 in its README).  Tokenizers are small BPEs trained here on a few lines, with each
@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from common.errors import BadRequest
 from common.tokenizer import load_tokenizer
 from gateway.chat import jinja_env
-from gateway.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from gateway.chat.template import ChatTemplate, ChatTemplateError, load_chat_template
 
 transformers = pytest.importorskip("transformers")
 hf_chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")

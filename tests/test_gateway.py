@@ -300,8 +300,8 @@ VLLM_REQUEST_FIELDS = {
 
 def test_every_vllm_field_is_decoded_and_every_unserved_field_has_a_case():
     """A vLLM field msgspec did not know would be dropped without a word."""
-    from gateway import unserved_fields
-    from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
+    from gateway.generate_api import unserved_fields
+    from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
 
     assert set(HttpSamplingParams.__struct_fields__) == VLLM_SAMPLING_FIELDS
     assert set(HttpGenerateRequest.__struct_fields__) == VLLM_REQUEST_FIELDS

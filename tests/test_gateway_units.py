@@ -8,9 +8,9 @@ import pytest
 
 from common.errors import BadRequest, NotFound
 from common.protocol import ClusterInfo, ModelInfo, TokenLogprobs, WorkerLoad, WorkerStatus
-from gateway import logprobs_format
-from gateway.http_protocol import generate_request_decoder
-from gateway.request_mapping import map_request
+from gateway.generate_api import logprobs_format
+from gateway.generate_api.protocol import generate_request_decoder
+from gateway.generate_api.request_mapping import map_request
 
 MODEL = ModelInfo(name="m", vocab_size=100, max_model_len=64, max_num_seqs=4)
 CLUSTER = ClusterInfo(workers=[WorkerStatus(rank=0, load=WorkerLoad()), WorkerStatus(rank=1, load=WorkerLoad()),

@@ -7,7 +7,10 @@ included: a lazy ``import`` inside a function is still a dependency.
 * inside ``worker/engine``: the core (the runner, the scheduler and block manager, the
   model, attention, configuration, sampling) imports no feature; features never import
   the engine (``engine_core`` / ``engine``), which wires them; the model runner knows no
-  feature and not ``parallel/`` (features reach it through ``runner_hooks``).
+  feature and not ``parallel/`` (features reach it through ``runner_hooks``);
+* in ``gateway/``: the generation relay (``gateway.relay``) knows no API (its formatters
+  plug in), and the API packages (``generate_api``, ``openai_api``, ``chat``,
+  ``parsers``) import no route module (``gateway.resources``) nor the app.
 
 Edges: ``import a.b.c`` is an edge to the module ``a.b.c`` (or its deepest existing
 package); ``from a.b import c`` to ``a.b.c`` when that is a module, else to ``a.b``;
@@ -179,6 +182,21 @@ def test_runner_hooks_and_config_are_leaves():
     """The interfaces features and the runner share, and the configuration everything
     reads, import nothing of the engine."""
     hits = _hits(_our_graph(), lambda m: m in (f"{E}.runner_hooks", f"{E}.config"), lambda m, t: _under(t, E))
+    assert not hits, hits
+
+
+G = "gateway"
+GATEWAY_APIS = (f"{G}.generate_api", f"{G}.openai_api", f"{G}.chat", f"{G}.parsers")
+GATEWAY_ROUTES = (f"{G}.resources", f"{G}.app", f"{G}.main")
+
+
+def test_gateway_relay_knows_no_api():
+    hits = _hits(_our_graph(), lambda m: m == f"{G}.relay", lambda m, t: _under(t, *GATEWAY_APIS, *GATEWAY_ROUTES))
+    assert not hits, hits
+
+
+def test_gateway_apis_import_no_route():
+    hits = _hits(_our_graph(), lambda m: _under(m, *GATEWAY_APIS), lambda m, t: _under(t, *GATEWAY_ROUTES))
     assert not hits, hits
 
 

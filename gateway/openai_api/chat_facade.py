@@ -1,16 +1,17 @@
-"""``/v1/chat/completions`` responses from the workers' deltas: vLLM 0.32's
-``chat_completion_full_generator`` (one ChatCompletion) and ``chat_completion_stream_generator``
-(a role chunk per choice, then one chunk per delta, then the usage chunk)."""
+"""``/v1/chat/completions`` responses from the workers' deltas, the relay's formatters
+(gateway/relay.py): vLLM 0.32's ``chat_completion_full_generator`` (``ChatCollector``:
+one ChatCompletion) and ``chat_completion_stream_generator`` (``ChatStream``: a role
+chunk per choice, then one chunk per delta, then the usage chunk)."""
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from typing import Iterator, Optional
 
 import msgspec
 
 from common.protocol import CompletionDelta
-from gateway import logprobs_format
+from gateway.generate_api import logprobs_format
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
-from gateway.openai_api.facade import Generation, ResponseView, now, request_metrics
+from gateway.openai_api.facade import ResponseView, now, request_metrics
 from gateway.openai_api.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -22,7 +23,8 @@ from gateway.openai_api.protocol import (
     json_encoder,
 )
 from gateway.openai_api.render import RenderedChat
-from gateway.response_builder import SSE_DONE, routed_experts_b64, sse_event, stream_metrics
+from gateway.generate_api.response_builder import routed_experts_b64, stream_metrics
+from gateway.relay import Generation, StreamFormatter, sse_event
 
 
 def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Optional[list]:
@@ -37,10 +39,11 @@ def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Option
 
 
 class ChatCollector:
-    """Non-stream: gathers every choice, then builds the ChatCompletion."""
+    """Non-stream (the relay's ``BodyFormatter``): gathers every choice, then builds the ChatCompletion."""
 
-    def __init__(self, view: ResponseView, rendered: RenderedChat):
-        self.view, self.rendered = view, rendered
+    def __init__(self, run: Generation, view: ResponseView, rendered: RenderedChat, model: str):
+        self.run, self.view, self.rendered, self.model = run, view, rendered, model
+        self.kv_transfer_params = self.ec_transfer_params = None
         n = view.n
         self.texts = [[] for _ in range(n)]
         self.ids: list[list[int]] = [[] for _ in range(n)]
@@ -51,7 +54,11 @@ class ChatCollector:
         self.num_prompt_tokens = len(rendered.token_ids)
         self.prompt_logprobs = None
 
-    def add(self, delta: CompletionDelta) -> None:
+    def add(self, delta: CompletionDelta, run: int = 0) -> None:
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
+        if delta.ec_transfer_params is not None:
+            self.ec_transfer_params = delta.ec_transfer_params
         i = delta.index
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
@@ -73,7 +80,8 @@ class ChatCollector:
     def num_generated(self) -> int:
         return sum(len(ids) for ids in self.ids)
 
-    def build(self, model: str, metrics=None, kv_transfer_params=None, ec_transfer_params=None) -> bytes:
+    def body(self) -> bytes:
+        metrics = request_metrics([self.run], self.view, self.num_generated)
         choices = []
         for i in range(self.view.n):
             message = chat_message("".join(self.texts[i]), self.rendered.parsing)
@@ -88,88 +96,88 @@ class ChatCollector:
                 routed_experts=self.routed[i]))
         completion = self.num_generated
         body = ChatCompletionResponse(
-            id=self.rendered.generate["request_id"], created=now(), model=model, choices=choices,
+            id=self.rendered.generate["request_id"], created=now(), model=self.model, choices=choices,
             usage=UsageInfo(prompt_tokens=self.num_prompt_tokens, total_tokens=self.num_prompt_tokens + completion,
                             completion_tokens=completion),
             prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.rendered.token_ids if self.view.return_token_ids else None,
             prompt_text=self.rendered.prompt_text if self.view.return_prompt_text else None,
-            kv_transfer_params=kv_transfer_params, ec_transfer_params=ec_transfer_params, metrics=metrics)
+            kv_transfer_params=self.kv_transfer_params, ec_transfer_params=self.ec_transfer_params, metrics=metrics)
         return json_encoder.encode(body)
 
 
-async def collect_chat(run: Generation, view: ResponseView, rendered: RenderedChat, model: str) -> bytes:
-    collector = ChatCollector(view, rendered)
-    kv = ec = None
-    async for delta in run:
-        if delta.kv_transfer_params is not None:
-            kv = delta.kv_transfer_params
-        if delta.ec_transfer_params is not None:
-            ec = delta.ec_transfer_params
-        collector.add(delta)
-    return collector.build(model, metrics=request_metrics([run], view, collector.num_generated),
-                           kv_transfer_params=kv, ec_transfer_params=ec)
+class ChatStream(StreamFormatter):
+    """Stream (the relay's ``StreamFormatter``): role chunks, a chunk per delta, the usage chunk."""
 
+    def __init__(self, run: Generation, view: ResponseView, rendered: RenderedChat, model: str):
+        self.run, self.view, self.rendered, self.model = run, view, rendered, model
+        self.request_id = rendered.generate["request_id"]
+        self.created = 0
+        self.num_prompt = len(rendered.token_ids)
+        self.streams = [ChatChoiceStream(rendered.parsing) for _ in range(view.n)]
+        self.generated = [0] * view.n
+        self.finished = [False] * view.n
 
-async def stream_chat(run: Generation, view: ResponseView, rendered: RenderedChat,
-                      model: str) -> AsyncIterator[bytes]:
-    request_id, created = rendered.generate["request_id"], now()
-    num_prompt = len(rendered.token_ids)
-    streams = [ChatChoiceStream(rendered.parsing) for _ in range(view.n)]
-    generated = [0] * view.n
-    finished = [False] * view.n
-
-    def chunk(choice: ChatStreamChoice, usage=msgspec.UNSET, **extra) -> bytes:
+    def _chunk(self, choice: ChatStreamChoice, usage=msgspec.UNSET, **extra) -> bytes:
         return sse_event(json_encoder.encode(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=model, choices=[choice], usage=usage, **extra)))
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=usage, **extra)))
 
-    def running_usage(i: int):
-        if not view.continuous_usage:
+    def _running_usage(self, i: int):
+        if not self.view.continuous_usage:
             return msgspec.UNSET
-        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=generated[i],
-                         total_tokens=num_prompt + generated[i])
+        return UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=self.generated[i],
+                         total_tokens=self.num_prompt + self.generated[i])
 
-    for i in range(view.n):
-        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None),
-                    usage=running_usage(i),
-                    prompt_token_ids=rendered.token_ids if view.return_token_ids else None,
-                    prompt_text=rendered.prompt_text if view.return_prompt_text else None)
-    if view.echo and rendered.last_message_text:
+    def head(self) -> Iterator[bytes]:
+        view, rendered = self.view, self.rendered
+        self.created = now()
         for i in range(view.n):
-            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=rendered.last_message_text)),
-                        usage=running_usage(i))
-    async for delta in run:
+            yield self._chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
+                                               logprobs=None),
+                              usage=self._running_usage(i),
+                              prompt_token_ids=rendered.token_ids if view.return_token_ids else None,
+                              prompt_text=rendered.prompt_text if view.return_prompt_text else None)
+        if view.echo and rendered.last_message_text:
+            for i in range(view.n):
+                yield self._chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=rendered.last_message_text)),
+                                  usage=self._running_usage(i))
+
+    def chunk(self, delta: CompletionDelta, run: int = 0) -> Optional[bytes]:
+        view = self.view
         i = delta.index
-        if run.disconnected or finished[i]:
-            continue
+        if self.finished[i]:
+            return None
         if delta.num_prompt_tokens:
-            num_prompt = delta.num_prompt_tokens
-        generated[i] += len(delta.token_ids)
+            self.num_prompt = delta.num_prompt_tokens
+        self.generated[i] += len(delta.token_ids)
         done = delta.finish_reason is not None
-        message = streams[i].delta(delta.text or "", done)
+        stream = self.streams[i]
+        message = stream.delta(delta.text or "", done)
         lp = chat_logprobs(delta, view.top_logprobs)
         logprobs = ChatLogprobs(content=lp) if lp is not None else None
         token_ids = delta.token_ids if view.return_token_ids else None
         if message is None:
             if not done and logprobs is None and not view.return_token_ids:
-                continue
+                return None
             message = DeltaMessage()
         if not done:
             choice = ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=None,
                                       token_ids=token_ids)
         else:
-            finished[i] = True
-            reason = chat_finish_reason(delta.finish_reason, streams[i].tools_streamed
+            self.finished[i] = True
+            reason = chat_finish_reason(delta.finish_reason, stream.tools_streamed
                                         and delta.finish_reason == "stop")
             choice = ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=reason,
                                       stop_reason=delta.stop_reason, token_ids=token_ids)
-        yield chunk(choice, usage=running_usage(i))
-    if view.include_usage and not run.disconnected:
-        completion = sum(generated)
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion,
-                          total_tokens=num_prompt + completion, prompt_tokens_details=msgspec.UNSET,
+        return self._chunk(choice, usage=self._running_usage(i))
+
+    def final(self) -> Optional[bytes]:
+        if not self.view.include_usage:
+            return None
+        completion = sum(self.generated)
+        usage = UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=completion,
+                          total_tokens=self.num_prompt + completion, prompt_tokens_details=msgspec.UNSET,
                           completion_tokens_details=msgspec.UNSET)
-        yield sse_event(json_encoder.encode(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=model, choices=[], usage=usage,
-            metrics=stream_metrics(request_metrics([run], view, completion)))))
-    yield SSE_DONE
+        return sse_event(json_encoder.encode(ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage,
+            metrics=stream_metrics(request_metrics([self.run], self.view, completion)))))

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import msgspec
 
 from common.errors import BadRequest
-from gateway.http_protocol import PerRequestMetrics, PromptLogprob
+from gateway.generate_api.protocol import PerRequestMetrics, PromptLogprob
 from gateway.openai_api.chat_output import ChatChoiceStream, ChatParsing, chat_finish_reason, chat_message
 from gateway.openai_api.completion_facade import completion_logprobs
 from gateway.openai_api.facade import now

@@ -16,7 +16,7 @@ from typing import Optional
 
 from common.multimodal import Qwen2VLImageConfig
 from common.tokenizer import Tokenizer, load_tokenizer
-from gateway.chat_template import ChatTemplate
+from gateway.chat.template import ChatTemplate
 
 log = logging.getLogger("tokserve.gateway")
 

@@ -15,7 +15,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 from typing_extensions import Annotated
 
-from gateway.http_protocol import PerRequestMetrics, PromptLogprob, StreamOptions, TextLogprobContent
+from gateway.generate_api.protocol import PerRequestMetrics, PromptLogprob, StreamOptions, TextLogprobContent
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 JsonObject = dict[str, Any]

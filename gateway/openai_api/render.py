@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from common.errors import BadRequest
 from gateway.chat.jinja_env import RenderLimits
-from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.chat.template import ChatTemplate, ChatTemplateError
 from gateway.multimodal import expand_image_placeholders
 from gateway.openai_api import sampling
 from gateway.openai_api.chat_output import ChatParsing

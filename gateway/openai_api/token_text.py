@@ -15,8 +15,8 @@ from common.detokenizer import IncrementalDetokenizer, decode_token_texts, ids_t
 from common.errors import BadRequest
 from common.protocol import SamplingParams
 from common.tokenizer import Tokenizer
-from gateway.http_protocol import TextLogprob, TextLogprobContent
-from gateway.logprobs_format import clamp
+from gateway.generate_api.protocol import TextLogprob, TextLogprobContent
+from gateway.generate_api.logprobs_format import clamp
 
 LOGPROB_CONTEXT = 4  # preceding sampled ids that can hold the rest of a UTF-8 character
 

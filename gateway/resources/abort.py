@@ -9,8 +9,8 @@ import msgspec
 
 from common.errors import BadRequest
 from gateway.body import read_body
-from gateway.http_protocol import abort_request_decoder
-from gateway.request_mapping import REQUEST_ID_PREFIX
+from gateway.generate_api.protocol import abort_request_decoder
+from gateway.generate_api.request_mapping import REQUEST_ID_PREFIX
 from gateway.state import GatewayState
 
 log = logging.getLogger("tokserve.gateway")

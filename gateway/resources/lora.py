@@ -17,7 +17,7 @@ import falcon
 from common.client import RequestError
 from common.errors import BadRequest
 from gateway.body import json_object_body
-from gateway.request_mapping import base_model_names
+from gateway.generate_api.request_mapping import base_model_names
 from gateway.state import GatewayState
 
 _RANK_PREFIX = re.compile(r"^rank \d+: ")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import falcon
 
 from common.errors import ServingError
-from gateway.request_mapping import served_name
+from gateway.generate_api.request_mapping import served_name
 from gateway.state import GatewayState
 
 

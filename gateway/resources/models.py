@@ -5,8 +5,8 @@ import time
 
 import falcon
 
-from gateway.http_protocol import ModelCard, ModelList, json_encoder
-from gateway.request_mapping import base_model_names
+from gateway.generate_api.protocol import ModelCard, ModelList, json_encoder
+from gateway.generate_api.request_mapping import base_model_names
 from gateway.state import GatewayState
 
 _STARTED = int(time.time())

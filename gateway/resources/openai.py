@@ -12,18 +12,17 @@ with no broker at all, as ``vllm launch render`` does.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Optional
 
 import falcon
 
 from common.errors import NotFound, Overloaded, ServingError
-from gateway.body import decode_json, read_body
-from gateway.errors import stream_error_json
-from gateway.openai_api import chat_facade, completion_facade
+from gateway.body import decode_json, is_json, read_body
+from gateway.openai_api.chat_facade import ChatCollector, ChatStream
+from gateway.openai_api.completion_facade import CompletionCollector, CompletionStream
 from gateway.openai_api.derender import Derenderer
-from gateway.openai_api.facade import Generation, ResponseView, map_rendered, start_all
+from gateway.openai_api.facade import ResponseView, generations, map_rendered
 from gateway.openai_api.protocol import (
     DetokenizeResponse,
     TokenizeResponse,
@@ -36,9 +35,8 @@ from gateway.openai_api.protocol import (
 )
 from gateway.multimodal import attach_images, load_chat_images
 from gateway.openai_api.render import Renderer, base_request_id
-from gateway.request_mapping import base_model_names
-from gateway.response_builder import SSE_DONE, sse_event
-from gateway.resources.generate import is_json
+from gateway.generate_api.request_mapping import base_model_names
+from gateway.relay import respond
 from gateway.state import GatewayState
 
 
@@ -108,10 +106,10 @@ class ChatCompletions(TextRoutes):
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
         view = ResponseView.of(request, request.top_logprobs if request.logprobs else None, self.state.settings)
-        (run,) = await start_all(self.state, req, [mapped])
-        await _respond(resp, [run], bool(request.stream),
-                       lambda: chat_facade.collect_chat(run, view, rendered, model),
-                       lambda: chat_facade.stream_chat(run, view, rendered, model))
+        runs = generations(self.state, req, [mapped])
+        stream = bool(request.stream)
+        formatter = (ChatStream if stream else ChatCollector)(runs[0], view, rendered, model)
+        await respond(resp, runs, formatter, stream)
 
 
 class Completions(TextRoutes):
@@ -124,52 +122,11 @@ class Completions(TextRoutes):
                                       base_request_id(req.get_header("X-Request-Id"), request.request_id))
         mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
         view = ResponseView.of(request, request.logprobs, self.state.settings)
-        runs = await start_all(self.state, req, mapped)
-        tok = self.renderer.model.tokenizer
-        await _respond(resp, runs, bool(request.stream),
-                       lambda: completion_facade.collect_completion(runs, view, rendered, tok, model),
-                       lambda: completion_facade.stream_completion(runs, view, rendered, tok, model))
-
-
-async def _respond(resp, runs: list[Generation], stream: bool, collect, sse) -> None:
-    if not stream:
-        status = None
-        try:
-            resp.content_type = falcon.MEDIA_JSON
-            resp.data = await collect()
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        except BaseException as exc:
-            status = getattr(exc, "status", 500)
-            raise
-        finally:
-            for r in runs:
-                await r.close(status)
-        return
-
-    async def relay():
-        status = None
-        for r in runs:
-            r.relay_in_current_task()
-        try:
-            async for event in sse():
-                yield event
-        except asyncio.CancelledError:
-            status = 499
-            if not any(r.watcher.cancelled_relay for r in runs):
-                raise
-        except Exception as exc:
-            status, body = stream_error_json(exc, runs[0].mapped.wire.request_id if runs else "a stream")
-            yield sse_event(body)
-            yield SSE_DONE
-        finally:
-            for r in runs:
-                await r.close(status)
-
-    resp.content_type = "text/event-stream"
-    resp.set_header("Cache-Control", "no-cache")
-    resp.stream = relay()
+        runs = generations(self.state, req, mapped)
+        stream = bool(request.stream)
+        formatter = (CompletionStream if stream else CompletionCollector)(runs, view, rendered,
+                                                                          self.renderer.model.tokenizer, model)
+        await respond(resp, runs, formatter, stream)
 
 
 class ChatRender(TextRoutes):

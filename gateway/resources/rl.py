@@ -14,7 +14,7 @@ import falcon
 
 from common.errors import BadRequest
 from gateway.body import json_object_body
-from gateway.http_protocol import json_encoder
+from gateway.generate_api.protocol import json_encoder
 from gateway.state import GatewayState
 
 PAUSE_MODES = ("abort", "wait", "keep")

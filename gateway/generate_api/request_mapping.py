@@ -13,13 +13,14 @@ from typing import Mapping, Optional
 
 import msgspec
 
-from common.errors import BadRequest, NotFound
+from common.errors import BadRequest, NotFound, Overloaded, ServingError
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingParams
-from gateway import unserved_fields
-from gateway.http_protocol import HttpGenerateRequest, HttpSamplingParams
+from gateway.generate_api import unserved_fields
+from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
 
 REQUEST_ID_PREFIX = "generate-tokens-"
+_wire_encoder = msgspec.msgpack.Encoder()
 TRACE_HEADERS = ("traceparent", "tracestate")
 _SAMPLING_FIELDS = tuple(f for f in HttpSamplingParams.__struct_fields__
                          if f not in unserved_fields.SAMPLING_FIELDS and f not in unserved_fields.INERT_SAMPLING_FIELDS)
@@ -144,3 +145,24 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         continuous_usage=include_usage and bool(opts.continuous_usage_stats),
         kv_block_size=info.kv_block_size,
     )
+
+
+async def cluster_for(state, model: Optional[str]):
+    """The cluster view a request is mapped against (503 while no worker has registered);
+    ``state`` is the gateway's ``GatewayState``."""
+    cluster = await state.cluster.get()
+    if cluster.model is None:
+        raise Overloaded("No inference worker is available yet.")
+    if model and not knows_model(model, cluster, state.settings.served_model_names):
+        # An adapter loaded through another gateway a moment ago: ask the broker
+        # before answering 404.
+        cluster = await state.cluster.fresh()
+    return cluster
+
+
+def check_encodable(wire) -> None:
+    """Ints beyond 64 bits and the like cannot travel; vLLM answers 400 for these too."""
+    try:
+        _wire_encoder.encode(wire)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ServingError(str(exc), status=400, type="BadRequestError") from None

@@ -4,7 +4,7 @@ Silently dropping one would change what the client gets without telling it (a JS
 schema ignored, images never seen), so a request that sets one to anything but its
 default is a 400 naming the field.  Defaults (what clients that serialise every field
 send when they mean "off") pass.  The fields' types are checked at decode time
-(gateway/http_protocol.py), as vLLM's pydantic model checks them.
+(gateway/generate_api/protocol.py), as vLLM's pydantic model checks them.
 
 Not listed, so accepted: fields with no effect on what the client gets here
 (``INERT_SAMPLING_FIELDS``; ``reasoning_ended`` / ``reasoning_parser_kwargs``, which in
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from common.errors import BadRequest
-from gateway.http_protocol import HttpGenerateRequest
+from gateway.generate_api.protocol import HttpGenerateRequest
 
 # field -> values that mean "not used" (vLLM's defaults, and their equivalents)
 REQUEST_FIELDS: dict[str, tuple[Any, ...]] = {}

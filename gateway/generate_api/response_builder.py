@@ -14,8 +14,8 @@ from typing import Optional
 import msgspec
 
 from common.protocol import CompletionDelta, SpecDecodeStats
-from gateway import logprobs_format
-from gateway.http_protocol import (
+from gateway.generate_api import logprobs_format
+from gateway.generate_api.protocol import (
     GenerateResponse,
     Logprobs,
     PerRequestMetrics,
@@ -28,9 +28,8 @@ from gateway.http_protocol import (
     WeightVersionSpan,
     json_encoder,
 )
-from gateway.request_mapping import MappedRequest
-
-SSE_DONE = b"data: [DONE]\n\n"
+from gateway.generate_api.request_mapping import MappedRequest
+from gateway.relay import StreamFormatter, sse_event
 
 
 @dataclass(frozen=True)
@@ -49,10 +48,6 @@ class ResponseOptions:
 def routed_experts_b64(delta: CompletionDelta) -> Optional[str]:
     """vLLM's ``numpy2base64``: base64 of the ``.npy`` bytes the worker sent."""
     return base64.b64encode(delta.routed_experts).decode("ascii") if delta.routed_experts is not None else None
-
-
-def sse_event(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
 
 
 def _logprobs(delta: CompletionDelta, num: Optional[int], text_mode: bool) -> Optional[Logprobs]:
@@ -175,7 +170,8 @@ class _RequestFacts:
 
 
 class ResponseAccumulator:
-    """Collects every delta of a non-stream request and renders the final JSON body."""
+    """Collects every delta of a non-stream request and renders the final JSON body
+    (the relay's ``BodyFormatter`` for /generate)."""
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
@@ -192,7 +188,7 @@ class ResponseAccumulator:
         self.stop: list = [None] * n
         self.versions: list = [None] * n
 
-    def add(self, delta: CompletionDelta) -> None:
+    def add(self, delta: CompletionDelta, run: int = 0) -> None:
         self.facts.observe(delta)
         i = delta.index
         if not 0 <= i < len(self.token_ids):
@@ -211,7 +207,7 @@ class ResponseAccumulator:
             self.finish[i], self.stop[i] = delta.finish_reason, delta.stop_reason
             self.versions[i] = weight_version_spans(delta, len(self.token_ids[i]))
 
-    def build(self) -> bytes:
+    def body(self) -> bytes:
         m, facts = self.mapped, self.facts
         choices = []
         want_lp = m.wire.params.logprobs is not None
@@ -254,8 +250,9 @@ class ResponseAccumulator:
         return json_encoder.encode(body)
 
 
-class StreamChunker:
-    """Turns each delta into at most one SSE event, vLLM's stream rules included."""
+class StreamChunker(StreamFormatter):
+    """Turns each delta into at most one SSE event, vLLM's stream rules included (the
+    relay's ``StreamFormatter`` for /generate)."""
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
         self.mapped = mapped
@@ -265,7 +262,7 @@ class StreamChunker:
         self.generated = [0] * mapped.wire.params.n
         self._prompt_ids_pending = bool(mapped.http.return_token_ids)
 
-    def chunk(self, delta: CompletionDelta) -> Optional[bytes]:
+    def chunk(self, delta: CompletionDelta, run: int = 0) -> Optional[bytes]:
         m = self.mapped
         self.facts.observe(delta)
         i = delta.index
@@ -301,7 +298,7 @@ class StreamChunker:
             self._prompt_ids_pending = False
         return sse_event(json_encoder.encode(chunk))
 
-    def usage_chunk(self) -> Optional[bytes]:
+    def final(self) -> Optional[bytes]:
         """The final ``choices: []`` chunk with the total usage (include_usage only)."""
         if not self.mapped.include_usage:
             return None

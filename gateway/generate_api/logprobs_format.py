@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from common.protocol import TokenLogprobs
-from gateway.http_protocol import (
+from gateway.generate_api.protocol import (
     PromptLogprob,
     TextLogprob,
     TextLogprobContent,

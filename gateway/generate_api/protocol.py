@@ -60,7 +60,7 @@ class HttpSamplingParams(msgspec.Struct):
     flat_logprobs: Union[bool, UnsetType] = UNSET
     skip_clone: Union[bool, UnsetType] = UNSET
     # vLLM fields this server does not serve: typed as vLLM types them, then refused by
-    # name when set to anything but a default (gateway/unserved_fields.py).
+    # name when set to anything but a default (gateway/generate_api/unserved_fields.py).
     watermarking: Union[bool, None, UnsetType] = UNSET
     prompt_logprob_start: Union[int, None, UnsetType] = UNSET
     logprob_token_ids: Union[list[int], None, UnsetType] = UNSET
