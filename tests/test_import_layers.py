@@ -141,7 +141,8 @@ CORE = (f"{E}.config", f"{E}.model_config", f"{E}.request", f"{E}.block_manager"
         f"{E}.outputs", f"{E}.wire_output", f"{E}.loader", f"{E}.weights", f"{E}.model_setup", f"{E}.attention",
         f"{E}.models", f"{E}.kernels", f"{E}.parallel.state", f"{E}.parallel.sharding")
 FEATURES = (f"{E}.lora", f"{E}.spec_decode", f"{E}.multimodal", f"{E}.kv_transfer", f"{E}.ec_transfer",
-            f"{E}.encoder_disaggregation", f"{E}.rl_control", f"{E}.routing_capture", f"{E}.parallel.follower")
+            f"{E}.encoder_disaggregation", f"{E}.rl_control", f"{E}.routing_capture", f"{E}.parallel.follower",
+            f"{E}.components", f"{E}.transfer_auth")
 TOP = (f"{E}.engine_core", f"{E}.engine")
 
 
