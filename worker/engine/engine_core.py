@@ -356,7 +356,7 @@ class EngineCore:
     # --- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
-        if self.rl.asleep:  # requests wait until wake_up restores the KV cache / weights
+        if any(held() for held in self.hooks.holds_steps):  # asleep: requests wait for wake_up
             return []
         self.tick()
         return self._run_step()  # _model_step (an encoder-only engine: EncoderDisaggregation.encode_step)

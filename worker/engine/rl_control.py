@@ -70,6 +70,9 @@ class RLControl(EngineComponent):
         self.disk_lineage: Optional[list[str]] = [self.config.model]
 
     # --- hooks: weight versions of the output tokens ------------------------------------
+    def holds_steps(self) -> bool:
+        return bool(self.asleep)  # the KV cache or the weights are released until wake_up
+
     def on_sampled(self, outs, first_rows, result) -> None:
         """Versions change between steps only: one check per choice and step."""
         version = self.weight_version

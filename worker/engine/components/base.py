@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
-HOOKS = ("check", "admit", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
+HOOKS = ("check", "admit", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
          "on_kv_cache_allocated", "close")
 
@@ -67,6 +67,11 @@ class EngineComponent:
         ``held``: an earlier component returned WAIT.  Raising undoes the admission
         (every component's ``forget`` runs)."""
         return READY
+
+    def holds_steps(self) -> bool:
+        """True while the engine must not step at all (sleep released its KV cache or
+        weights): requests wait, nothing runs, not even housekeeping."""
+        return False
 
     def tick(self) -> None:
         """Housekeeping: every step, and while the worker idles (no model step then)."""
@@ -124,6 +129,7 @@ class Hooks:
     # typed views (the attributes are set above)
     check: list[Callable[..., Any]]
     admit: list[Callable[..., str]]
+    holds_steps: list[Callable[[], bool]]
     tick: list[Callable[[], None]]
     before_schedule: list[Callable[[], None]]
     wait_idle: list[Callable[[], bool]]
