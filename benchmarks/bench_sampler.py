@@ -19,8 +19,8 @@ import torch
 
 from common.protocol import SamplingParams
 from common.detokenizer import IncrementalDetokenizer
-from worker.engine.sampler import Sampler
-from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator
+from worker.engine.sample.sampler import Sampler
+from worker.engine.sample.sampling_metadata import SamplingMetadata, SamplingRow, make_generator
 
 
 def _time(fn, steps: int) -> float:

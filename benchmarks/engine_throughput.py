@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
-from worker.engine.demo_model import random_llama_weights  # noqa: E402
+from worker.engine.loading.demo_model import random_llama_weights  # noqa: E402
 
 LLAMA_125M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, head_dim=64, vocab_size=32000, max_position_embeddings=2048)

@@ -57,7 +57,7 @@ go to stderr; the table is written to ``--out`` after every stage.
 On the GPU box (Python 3.12, torch 2.11 CUDA, triton 3.6, transformers, numpy,
 safetensors, tokenizers, pytest, httpx; no internet).  What it lacks and this needs:
 **msgspec** (``common.protocol``, whose ``GenerateRequest``/``SamplingParams`` the
-engine takes, imports it), **pyzmq** (``worker.engine.kv_transfer``, imported by the
+engine takes, imports it), **pyzmq** (``worker.engine.disagg.kv_transfer``, imported by the
 engine core, imports ``zmq`` at the top) and, for the VL stage only, **Pillow** (its
 image requests are built with PIL; the engine itself does not import it): put cp312
 manylinux wheels of all three in ``.whl/``.  Without msgspec or pyzmq the engine does not
@@ -740,7 +740,7 @@ def check_model(preset: str, args: argparse.Namespace, workdir: Path, progress: 
     progress.log(f"{preset}: loading HF ({dtype_name})")
     hf = load_hf(path, dtype, device)
     vocab = hf.config.vocab_size
-    from worker.engine.model_config import ModelConfig
+    from worker.engine.loading.model_config import ModelConfig
     from worker.engine.models import kv_bytes_per_block
 
     mc = ModelConfig.from_dir(str(path))

@@ -60,7 +60,7 @@ VISION = dict(depth=4, embed_dim=128, hidden_size=256, mlp_ratio=2, num_heads=4,
 # ----------------------------------------------------------------------------- model
 def build_model(out: Optional[str] = None) -> Path:
     """A random Qwen2-VL (text 256 x 4 layers, vision depth 4) with a small-pixel preprocessor."""
-    from worker.engine.demo_model import default_cache_dir
+    from worker.engine.loading.demo_model import default_cache_dir
 
     path = Path(out) if out else default_cache_dir() / f"bench-qwen2-vl-tiny-v{MODEL_VERSION}"
     if (path / "preprocessor_config.json").exists():

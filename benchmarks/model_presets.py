@@ -1,6 +1,6 @@
 """Random-weight Llama model folders for serving benchmarks, in sizes.
 
-Same recipe as the demo model (worker/engine/demo_model.py: seeded weights, byte-level
+Same recipe as the demo model (worker/engine/loading/demo_model.py: seeded weights, byte-level
 tokenizer, plain HF layout readable by our loader, by vLLM and by transformers), with
 the shape picked by a size preset.  Vocabularies larger than the 256 bytes + 2
 specials are filled with ``<|reserved_N|>`` special tokens so every id decodes.
@@ -16,7 +16,7 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from worker.engine.demo_model import (BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_atomically, build_byte_tokenizer,
+from worker.engine.loading.demo_model import (BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_atomically, build_byte_tokenizer,
                                       default_cache_dir, random_llama_weights, write_json)
 
 PRESET_VERSION = 1  # bump whenever the generated files change

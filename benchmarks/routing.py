@@ -418,7 +418,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model:
         model_dir = args.model
     else:
-        from worker.engine.demo_model import build_demo_model
+        from worker.engine.loading.demo_model import build_demo_model
 
         model_dir = str(build_demo_model())
     wl = make_workload(args.conversations, args.turns, args.system_len, args.user_len, args.vocab_size, args.seed)

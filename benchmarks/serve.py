@@ -665,7 +665,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model:
         model_dir = args.model
     else:
-        from worker.engine.demo_model import build_demo_model
+        from worker.engine.loading.demo_model import build_demo_model
 
         model_dir = str(build_demo_model())
     vocab = min(model_vocab(model_dir, args.vocab_size), args.vocab_size)

@@ -301,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return report(tally, watch, elapsed, cluster_idle(args.frontend))
     model = args.model
     if model is None:
-        from worker.engine.demo_model import build_demo_model
+        from worker.engine.loading.demo_model import build_demo_model
 
         model = str(build_demo_model())
     with Stack(model, args.workers, args.worker_args, "cpu") as stack:

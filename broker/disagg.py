@@ -15,7 +15,7 @@ client) and finishing it starts the decode leg instead of finishing the request.
 
 Encoder disaggregation is the same shape: with ``--mm-encoder-only`` workers registered
 (role ``encode``), an image request first runs as an encode leg there, whose final delta
-carries ec_transfer_params (worker/engine/ec_transfer.py); the request then runs whole on
+carries ec_transfer_params (worker/engine/disagg/ec_transfer.py); the request then runs whole on
 another worker with them, which pulls the images' encodings instead of running the vision
 tower.  The request keeps its pixels, so it still runs (encoding them itself) if the
 encode leg fails.

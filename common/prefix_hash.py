@@ -1,4 +1,4 @@
-"""Chained block hashes of token prefixes: the prefix cache's keys (worker/engine/block_manager.py)
+"""Chained block hashes of token prefixes: the prefix cache's keys (worker/engine/core/block_manager.py)
 and, cut to ``ROUTING_HASH_BYTES``, the keys the broker's cache-aware dispatch matches
 against the KV events workers publish.
 

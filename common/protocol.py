@@ -105,7 +105,7 @@ class GenerateRequest(msgspec.Struct, **_STRUCT):
     session_id: Optional[str] = None  # sticky routing key
     kv_transfer_params: Optional[Any] = None  # passed through untouched
     # vLLM's ECTransfer parameters: {mm_hash: {peer_host, peer_port, shape, ...}} naming
-    # where an item's encoder output can be pulled (worker/engine/ec_transfer.py).
+    # where an item's encoder output can be pulled (worker/engine/disagg/ec_transfer.py).
     ec_transfer_params: Optional[Any] = None
     arrival_time: float = 0.0  # client wall clock (time.time()); 0 = unknown
     trace_headers: Optional[dict[str, str]] = None

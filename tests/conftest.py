@@ -73,6 +73,6 @@ def qwen3_dir(tiny_model) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> Path:
-    from worker.engine.demo_model import build_demo_model
+    from worker.engine.loading.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.demo_model import BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_byte_tokenizer
+from worker.engine.loading.demo_model import BOS_TOKEN, BYTE_VOCAB, EOS_TOKEN, build_byte_tokenizer
 
 VOCAB_SIZE = 320
 BOS_ID, EOS_ID, EXTRA_EOS_ID = BYTE_VOCAB, BYTE_VOCAB + 1, BYTE_VOCAB + 2

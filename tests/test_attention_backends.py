@@ -7,7 +7,7 @@ import torch
 from worker.engine.attention.backends.torch_sdpa import TorchPlan, TorchSDPABackend
 from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.config import EngineConfig
-from worker.engine.model_runner import MAX_KV_BLOCKS, kv_blocks_for_memory
+from worker.engine.runner.model_runner import MAX_KV_BLOCKS, kv_blocks_for_memory
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 GIB = 1 << 30

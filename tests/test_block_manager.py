@@ -5,8 +5,8 @@ import pytest
 
 from common.prefix_hash import routing_key
 from common.protocol import GenerateRequest, KvEvents, SamplingParams
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, EngineSequence
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.request import Request, EngineSequence
 
 BS = 4
 PINNED_FIRST_BLOCK_HASH = "f172d3222a649038e091da9180916a0533b89eccaa005c45bf9131a3d25380ae"  # hash_block(None, [7, 8], 'salt')
@@ -139,7 +139,7 @@ def test_millions_of_blocks_initialise_fast():
 
 
 def test_block_hash_is_sha256_over_parent_tokens_and_keys():
-    from worker.engine.block_manager import hash_block
+    from worker.engine.core.block_manager import hash_block
 
     a = hash_block(None, [1, 2, 3, 4])
     assert isinstance(a, bytes) and len(a) == 32
@@ -158,7 +158,7 @@ def test_hash_is_identical_across_processes():
     import os
     from pathlib import Path
 
-    code = "from worker.engine.block_manager import hash_block; print(hash_block(None, [7, 8], 'salt').hex())"
+    code = "from worker.engine.core.block_manager import hash_block; print(hash_block(None, [7, 8], 'salt').hex())"
     root = Path(__file__).resolve().parents[1]
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                            env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout.strip() for seed in (1, 2)}
@@ -335,7 +335,7 @@ def test_matches_the_reference_pool_under_random_traffic():
 
 
 def test_free_block_list_is_an_lru_queue():
-    from worker.engine.block_manager import _LRUList
+    from worker.engine.core.block_manager import _LRUList
 
     q = _LRUList(10)
     for b in (3, 7, 1, 9):
@@ -413,7 +413,7 @@ def test_block_hash_serialisation_is_pinned():
     import hashlib
     import struct
 
-    from worker.engine.block_manager import hash_block
+    from worker.engine.core.block_manager import hash_block
 
     root = hashlib.sha256(b"tokserve-kv-root").digest()
     expect = hashlib.sha256(root + struct.pack("<2q", 7, 8) + b"\x01" + struct.pack("<Q", 4) + b"salt"

@@ -14,7 +14,7 @@ from tests.model_factory import load_hf_model
 from tests.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.attention.backends.cpu_native import CpuNativeBackend
 from worker.engine.kernels import load_cpu_kernels
-from worker.engine.loader import load_model
+from worker.engine.loading.loader import load_model
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be built here")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tests.test_model import PagedSeqs, _tokens
-from worker.engine.loader import load_model
+from worker.engine.loading.loader import load_model
 
 
 def _pair(path, headroom: int | None = None):

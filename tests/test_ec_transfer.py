@@ -1,4 +1,4 @@
-"""Encoder disaggregation (worker/engine/ec_transfer.py) through real processes.
+"""Encoder disaggregation (worker/engine/disagg/ec_transfer.py) through real processes.
 
 One broker (a tiny Qwen2-VL with a chat template), an encoder worker (rank 0,
 ``--ec-transfer-config`` ec_producer), a plain worker (rank 1), an encoder-only worker
@@ -27,7 +27,7 @@ from tests.test_mm_features import _features, _grid_elem, _item  # noqa: E402
 from tests.test_pd_transfer import _close  # noqa: E402
 from tests.test_mm_chat import WORKER_ARGS, _chat, _img, model_dir  # noqa: E402,F401
 from tests.test_mm_http import MAX_TOKENS, _body, _data_url, _part, _png, _prompt  # noqa: E402
-from worker.engine.ec_transfer import EncoderExports, announce, parse_ec_transfer_config  # noqa: E402
+from worker.engine.disagg.ec_transfer import EncoderExports, announce, parse_ec_transfer_config  # noqa: E402
 
 PRODUCER = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"})
 ENTRY_KEYS = {"item_indices", "metadata", "peer_host", "peer_port", "size_bytes", "shape", "remote_key"}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.gateway_helpers import start_gateway
 from tests.procs import ProcGroup, wait_for_workers
 from tests.test_fuzz_http import json_values, junk_text, numbers
-from worker.engine.demo_model import DEMO_CHAT_TEMPLATE
+from worker.engine.loading.demo_model import DEMO_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.timeout(300)
 

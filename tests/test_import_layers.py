@@ -6,8 +6,8 @@ included: a lazy ``import`` inside a function is still a dependency.
 * nothing in ``worker/engine`` imports the rest of ``worker/``, ``gateway/`` or ``broker/``;
 * inside ``worker/engine``: the core (the runner, the scheduler and block manager, the
   model, attention, configuration, sampling) imports no feature; features never import
-  the engine (``engine_core`` / ``engine``), which wires them; the model runner knows no
-  feature and not ``parallel/`` (features reach it through ``runner_hooks``);
+  the engine (``core.engine_core`` / ``engine``), which wires them; the model runner knows no
+  feature and not ``parallel/`` (features reach it through ``runner.hooks``);
 * in ``gateway/``: the generation relay (``gateway.relay``) knows no API (its formatters
   plug in), and the API packages (``generate_api``, ``openai_api``, ``chat``,
   ``parsers``) import no route module (``gateway.resources``) nor the app.
@@ -133,17 +133,16 @@ def _under(module: str, *prefixes: str) -> bool:
 
 
 E = "worker.engine"
-# The engine's core: it runs batches and knows no feature.  parallel.state / sharding
-# are the collectives the model's layers call (parallel.follower, which drives the
-# followers' runners, is a feature).
-CORE = (f"{E}.config", f"{E}.model_config", f"{E}.request", f"{E}.block_manager", f"{E}.scheduler",
-        f"{E}.model_runner", f"{E}.runner_hooks", f"{E}.sampler", f"{E}.sampling_metadata", f"{E}.logprobs",
-        f"{E}.outputs", f"{E}.wire_output", f"{E}.loader", f"{E}.weights", f"{E}.model_setup", f"{E}.attention",
-        f"{E}.models", f"{E}.kernels", f"{E}.parallel.state", f"{E}.parallel.sharding")
-FEATURES = (f"{E}.lora", f"{E}.spec_decode", f"{E}.multimodal", f"{E}.kv_transfer", f"{E}.ec_transfer",
-            f"{E}.encoder_disaggregation", f"{E}.rl_control", f"{E}.routing_capture", f"{E}.parallel.follower",
-            f"{E}.components", f"{E}.transfer_auth")
-TOP = (f"{E}.engine_core", f"{E}.engine")
+# The engine's core: it runs batches and knows no feature.  core/ holds the step loop's
+# records (engine_core, which wires the features, is the top); runner/, sample/ and
+# loading/ are core whole.  parallel.state / sharding are the collectives the model's
+# layers call (parallel.follower, which drives the followers' runners, is a feature).
+CORE = (f"{E}.config", f"{E}.core.request", f"{E}.core.block_manager", f"{E}.core.scheduler",
+        f"{E}.core.outputs", f"{E}.core.wire_output", f"{E}.runner", f"{E}.sample", f"{E}.loading",
+        f"{E}.attention", f"{E}.models", f"{E}.kernels", f"{E}.parallel.state", f"{E}.parallel.sharding")
+FEATURES = (f"{E}.lora", f"{E}.spec_decode", f"{E}.multimodal", f"{E}.disagg", f"{E}.rl", f"{E}.components",
+            f"{E}.parallel.follower")
+TOP = (f"{E}.core.engine_core", f"{E}.engine")
 
 
 def test_no_import_cycles():
@@ -174,7 +173,7 @@ def test_features_do_not_import_the_engine():
 
 
 def test_model_runner_knows_no_feature_nor_parallel():
-    hits = _hits(_our_graph(), lambda m: m == f"{E}.model_runner",
+    hits = _hits(_our_graph(), lambda m: m == f"{E}.runner.model_runner",
                  lambda m, t: _under(t, f"{E}.parallel", *FEATURES, *TOP))
     assert not hits, hits
 
@@ -182,7 +181,7 @@ def test_model_runner_knows_no_feature_nor_parallel():
 def test_runner_hooks_and_config_are_leaves():
     """The interfaces features and the runner share, and the configuration everything
     reads, import nothing of the engine."""
-    hits = _hits(_our_graph(), lambda m: m in (f"{E}.runner_hooks", f"{E}.config"), lambda m, t: _under(t, E))
+    hits = _hits(_our_graph(), lambda m: m in (f"{E}.runner.hooks", f"{E}.config"), lambda m, t: _under(t, E))
     assert not hits, hits
 
 

@@ -296,7 +296,7 @@ def test_kernel_build_is_announced_on_a_cold_cache(tmp_path):
 
 def test_disaggregation_roles_reach_broker_and_workers():
     from common.launcher import build_parser, plan_children
-    from worker.engine.ec_transfer import parse_ec_transfer_config
+    from worker.engine.disagg.ec_transfer import parse_ec_transfer_config
 
     broker, workers, _ = plan_children(build_parser().parse_args(
         ["--workers", "4", "--prefill-workers", "1", "--encoder-workers", "1"]), "/m")

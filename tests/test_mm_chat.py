@@ -42,7 +42,7 @@ def _write_tokenizer(out, template=CHAT_TEMPLATE) -> None:
     """The byte tokenizer with the Qwen2-VL special tokens on ids 150.. (bytes ASCII text never uses)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from worker.engine.demo_model import _bytes_to_unicode
+    from worker.engine.loading.demo_model import _bytes_to_unicode
 
     vocab = {SPECIALS.get(b, ch): b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -196,7 +196,7 @@ def test_resized_uint8_then_patchify_is_the_processor(size):
     """The gateway sends ``resize_image``'s uint8 image; the worker's torch patchify and
     common's numpy patchify give the processor's float32 patches bit for bit."""
     torch = pytest.importorskip("torch")
-    from worker.engine.multimodal import patches_from_image
+    from worker.engine.multimodal.images import patches_from_image
 
     cfg = Qwen2VLImageConfig(max_pixels=448 * 448)
     img = _rand_image(*size)
@@ -395,7 +395,7 @@ def test_engine_imports_without_pillow():
         "        if name == 'PIL' or name.startswith('PIL.'):\n"
         "            raise ModuleNotFoundError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import worker.engine, worker.engine.multimodal, common.multimodal as mm\n"
+        "import worker.engine, worker.engine.multimodal.images, common.multimodal as mm\n"
         "assert mm.Qwen2VLImageConfig().resample == 3\n"
         "try:\n"
         "    mm.load_image\n"

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from tests.model_factory import load_hf_model
 from worker.engine.attention.metadata import build_attention_metadata
 from worker.engine.config import EngineConfig
-from worker.engine.loader import load_model
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.loader import load_model
+from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models import kv_bytes_per_block, kv_cache_shape
 from worker.engine.models.cpu_gemm import (onednn_linear, onednn_supported, pack_weight, resolve_cpu_linear,
                                             row_bucket)
@@ -252,7 +252,7 @@ def test_model_config_fields(tiny_model):
     qwen2 = ModelConfig.from_dir(tiny_model("qwen2"))
     assert qwen2.qkv_bias and not qwen2.o_bias
     assert qwen2.eos_token_ids == (257, 258) and qwen2.max_new_tokens == 32
-    from worker.engine.model_config import generation_defaults
+    from worker.engine.loading.model_config import generation_defaults
 
     assert generation_defaults("auto", qwen2.path) == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 32}
     assert generation_defaults("vllm", qwen2.path) == {}
@@ -385,10 +385,10 @@ def test_quantized_checkpoints_are_refused_by_name(tiny_model, tmp_path):
 def test_large_checkpoints_log_loading_progress(tiny_model, monkeypatch, caplog):
     import logging
 
-    import worker.engine.loader as loader
+    import worker.engine.loading.loader as loader
 
     monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 1)  # the tiny checkpoint counts as large
-    with caplog.at_level(logging.INFO, logger="worker.engine.loader"):
+    with caplog.at_level(logging.INFO, logger="worker.engine.loading.loader"):
         list(loader.iter_checkpoint(tiny_model("llama_sharded")))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading weights:")]
     assert 5 <= len(lines) <= 11 and "tensors)" in lines[-1]

@@ -14,11 +14,11 @@ from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request
 from tests.model_factory import MOE_KINDS, load_hf_model
 from tests.test_quantized_checkpoints import _with_config as _edited
 from tests.test_model import PagedSeqs, _tokens, hf_logits
-from worker.engine.loader import load_model
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.loader import load_model
+from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models.cpu_gemm import onednn_supported
 from worker.engine.models.moe import fused_experts_torch, select_experts
-from worker.engine.weights import ModelWeights
+from worker.engine.loading.weights import ModelWeights
 
 ATOL = 1e-4
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.gateway_helpers import GENERATE, sse_payloads, start_gateway
 from tests.procs import ProcGroup, wait_for_workers
-from worker.engine.demo_model import build_byte_tokenizer
+from worker.engine.loading.demo_model import build_byte_tokenizer
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 SPECIAL = ("<|endoftext|>", "<|im_end|>", "<|im_start|>")

@@ -14,7 +14,7 @@ from common.errors import BadRequest
 from gateway.openai_api.model_files import TextModel
 from gateway.openai_api.protocol import chat_request_decoder, completion_request_decoder
 from gateway.openai_api.render import Renderer
-from worker.engine.demo_model import BOS_TOKEN, EOS_TOKEN, build_byte_tokenizer, tokenizer_config
+from worker.engine.loading.demo_model import BOS_TOKEN, EOS_TOKEN, build_byte_tokenizer, tokenizer_config
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation through real processes (worker/engine/kv_transfer.py).
+"""Prefill/decode disaggregation through real processes (worker/engine/disagg/kv_transfer.py).
 
 One broker, a prefill worker (rank 0, --kv-transfer-timeout 2) and a decode worker
 (rank 1), a gateway; legs pinned with X-data-parallel-rank, as vLLM's toy proxy runs
@@ -19,8 +19,7 @@ import zmq
 
 from tests.gateway_helpers import GENERATE, start_gateway
 from tests.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
-from worker.engine import transfer_auth
-
+from worker.engine.disagg import transfer_auth
 WORKER_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--threads", "1", "--max-model-len", "256")
 BLOCK = 16
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

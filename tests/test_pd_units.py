@@ -1,4 +1,4 @@
-"""P/D disaggregation in one process (worker/engine/kv_transfer.py): what add_request
+"""P/D disaggregation in one process (worker/engine/disagg/kv_transfer.py): what add_request
 refuses, plain params still echoed, and a decode leg aborted while its pull is in
 flight leaves nothing behind (the late reply is dropped)."""
 from __future__ import annotations

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.engine.loader import load_model
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.loader import load_model
+from worker.engine.loading.model_config import ModelConfig
 
 
 def _with_config(src, dst, **changes):

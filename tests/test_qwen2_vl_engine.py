@@ -18,7 +18,7 @@ from common.prefix_hash import prompt_routing_hashes  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine  # noqa: E402
 from tests.vl_factory import hf_qwen2_vl  # noqa: E402
-from worker.engine.model_config import ModelConfig  # noqa: E402
+from worker.engine.loading.model_config import ModelConfig  # noqa: E402
 
 VOCAB = 160
 IMAGE, VSTART, VEND, VIDEO = 150, 151, 152, 153
@@ -349,7 +349,7 @@ def test_admission_bound_covers_every_aspect_ratio():
     import dataclasses
 
     from common.multimodal import grid_thw_for_size
-    from worker.engine.multimodal import image_config_for, max_image_grid
+    from worker.engine.multimodal.images import image_config_for, max_image_grid
 
     vc = dict(QWEN2_VISION)
     cfg = image_config_for(None, vc)
@@ -368,8 +368,8 @@ def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
     vision-tower call can get, and it runs through the tiny tower of both variants."""
     import dataclasses
 
-    from worker.engine import multimodal
-    from worker.engine.multimodal import dummy_vision_batch, max_encode_grids, max_image_grid
+    from worker.engine.multimodal import images as multimodal
+    from worker.engine.multimodal.images import dummy_vision_batch, max_encode_grids, max_image_grid
 
     variant, path, _ = vl
     engine = _engine(path, enable_prefix_caching=False)
@@ -413,8 +413,7 @@ def test_dummy_vision_batch_is_the_largest_encode_call(vl, monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_profile_counts_vision_and_encoder_cache(qwen2vl, monkeypatch):
-    from worker.engine import model_runner
-
+    from worker.engine.runner import model_runner
     path, _ = qwen2vl
     seen = {}
     real = model_runner.kv_blocks_for_memory

@@ -18,9 +18,9 @@ from common.errors import BadRequest
 from common.protocol import GenerateRequest, SamplingParams
 from tests.engine_helpers import make_engine, request
 from tests.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
-from worker.engine.block_manager import BlockManager
-from worker.engine.rl_control import VersionSpans
-from worker.engine.request import EngineSequence, Request
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.rl.control import VersionSpans
+from worker.engine.core.request import EngineSequence, Request
 
 
 # ------------------------------------------------------------------ tensor frames

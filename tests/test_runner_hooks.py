@@ -1,10 +1,10 @@
-"""The model runner's feature hooks (worker/engine/runner_hooks.py): what the engine
+"""The model runner's feature hooks (worker/engine/runner/hooks.py): what the engine
 installs for each feature, and that the runner calls each kind of hook where the
 feature used to be a branch."""
 from __future__ import annotations
 
 from tests.engine_helpers import make_engine, random_prompts, request, run_to_completion, tokens_of
-from worker.engine.runner_hooks import LOCAL, LocalRun, StepExtras
+from worker.engine.runner.hooks import LOCAL, LocalRun, StepExtras
 
 
 def _greedy(engine, prompts, n=6):
@@ -20,7 +20,7 @@ def test_a_plain_engine_installs_nothing(llama_dir):
 
 
 def test_features_install_their_hooks(tiny_model):
-    from worker.engine.routing_capture import RoutingCapture
+    from worker.engine.components.routing_capture import RoutingCapture
 
     moe = make_engine(tiny_model("qwen3_moe"), enable_return_routed_experts=True).runner
     assert [type(h) for h in moe.hooks] == [RoutingCapture] and moe.routing_store is not None

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from common.protocol import SamplingParams
-from worker.engine.logprobs import (clamp_logprob, compute_prompt_logprobs, extend_token_logprobs,
+from worker.engine.sample.logprobs import (clamp_logprob, compute_prompt_logprobs, extend_token_logprobs,
                                     score_token_ids, to_token_logprobs)
-from worker.engine import sampling_metadata
-from worker.engine.sampler import Sampler, apply_top_k_top_p
-from worker.engine.sampling_metadata import (SamplingMetadata, SamplingRow, make_generator,
+from worker.engine.sample import sampling_metadata
+from worker.engine.sample.sampler import Sampler, apply_top_k_top_p
+from worker.engine.sample.sampling_metadata import (SamplingMetadata, SamplingRow, make_generator,
                                              tokenize_bad_words)
 
 V = 8
@@ -34,7 +34,7 @@ def run(logits, rows):
 
 def processed(logits, r):
     """Logits of one row after the argmax-changing processors (bias, masks, penalties)."""
-    from worker.engine.sampler import apply_logits_processors
+    from worker.engine.sample.sampler import apply_logits_processors
     meta = SamplingMetadata.build([r], logits.shape[-1], "cpu")
     return apply_logits_processors(logits.clone().unsqueeze(0), meta)[0]
 
@@ -73,7 +73,7 @@ def test_frequency_and_presence_penalties_use_output_only():
 def test_penalties_only_touch_rows_that_ask():
     logits = torch.stack([BASE, BASE])
     meta = SamplingMetadata.build([row(output=[3], presence_penalty=1.0), row(output=[3])], V, "cpu")
-    from worker.engine.sampler import apply_logits_processors
+    from worker.engine.sample.sampler import apply_logits_processors
     out = apply_logits_processors(logits.clone(), meta)
     assert out[0, 3] == 2.0 and torch.equal(out[1], BASE)
 
@@ -350,7 +350,7 @@ def test_cuda_sampler_matches_cpu_semantics():
 
 
 def test_prompt_logprobs_blocks_match_one_shot(monkeypatch):
-    from worker.engine import logprobs as lp_mod
+    from worker.engine.sample import logprobs as lp_mod
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(7, V, generator=g)
     targets = torch.randint(0, V, (7,), generator=g)

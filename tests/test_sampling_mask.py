@@ -37,8 +37,8 @@ def test_support_after_filters(params, expected):
 
 
 def masks_of(logits, rows):
-    from worker.engine.sampler import Sampler
-    from worker.engine.sampling_metadata import SamplingMetadata
+    from worker.engine.sample.sampler import Sampler
+    from worker.engine.sample.sampling_metadata import SamplingMetadata
 
     meta = SamplingMetadata.build(rows, logits.shape[-1], "cpu")
     out = Sampler()(logits.clone(), meta, return_mask=True)

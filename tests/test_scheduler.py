@@ -4,9 +4,9 @@ from __future__ import annotations
 import itertools
 
 from common.protocol import GenerateRequest, SamplingParams
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import Request, EngineSequence
-from worker.engine.scheduler import Scheduler
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.request import Request, EngineSequence
+from worker.engine.core.scheduler import Scheduler
 
 BS = 4
 _arrival = itertools.count()

@@ -26,8 +26,7 @@ from common.protocol import MAGIC, ErrorMsg, GenerateRequest, MsgType, Outputs, 
 from common.transfer_peers import TRUST_EC, TRUST_KV, TRUST_PEERS
 from tests.gateway_helpers import GENERATE, start_gateway
 from tests.procs import ProcGroup, cluster_info, free_port, wait_for, wait_for_workers
-from worker.engine import transfer_auth
-
+from worker.engine.disagg import transfer_auth
 WORKER_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--threads", "1", "--max-model-len", "256")
 BLOCK = 16
 KV_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
@@ -268,7 +267,7 @@ def test_the_transfer_link_beyond_loopback_is_curve_keyed_by_the_token(monkeypat
     can derive: a plaintext peer, or one guessing another key, never gets an answer
     (not even a 401), while a worker's own pull goes through.  (Loopback stands in for a
     routable address: the test makes every host count as remote.)"""
-    from worker.engine.kv_transfer import HeldTransfers, TransferError, TransferServer, ask
+    from worker.engine.disagg.kv_transfer import HeldTransfers, TransferError, TransferServer, ask
 
     monkeypatch.setattr(transfer_auth.TransferAuth, "encrypts", lambda self, host: True)
     ctx = zmq.Context.instance()
@@ -335,7 +334,7 @@ def test_broker_runs_a_request_whole_when_its_prefill_worker_is_at_the_cap(tmp_p
 # --- units ---------------------------------------------------------------------------------
 def test_kv_transfer_config_and_max_held_are_checked_at_start_up():
     from worker.engine.config import EngineConfig
-    from worker.engine.kv_transfer import parse_kv_transfer_config
+    from worker.engine.disagg.kv_transfer import parse_kv_transfer_config
 
     assert parse_kv_transfer_config(None) is None
     assert parse_kv_transfer_config(KV_CONFIG) == "kv_both"

@@ -14,7 +14,7 @@ import torch
 from tests.engine_helpers import make_engine, random_prompts, request
 from tests.tp_model_check import run_steps
 from worker.engine.config import EngineConfig
-from worker.engine.loader import load_model
+from worker.engine.loading.loader import load_model
 from worker.engine.parallel.sharding import head_shard, vocab_shard
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tests.test_model import PagedSeqs, _tokens
-from worker.engine.loader import load_model
+from worker.engine.loading.loader import load_model
 from worker.engine.parallel.state import destroy_tensor_parallel, init_tensor_parallel
 
 STEPS_A, STEPS_B = _tokens(30, seed=21), _tokens(12, seed=22)

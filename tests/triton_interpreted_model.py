@@ -12,7 +12,7 @@ from tests.engine_helpers import hf_greedy, make_engine, random_prompts, request
 from tests.model_factory import load_hf_model
 from tests.test_model import PagedSeqs, _tokens, hf_logits
 from worker.engine.attention.selector import resolve_attention_backend
-from worker.engine.loader import load_model
+from worker.engine.loading.loader import load_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 

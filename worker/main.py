@@ -138,12 +138,12 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 
 def engine_config_from_args(args):
     from worker.engine import EngineConfig
-    from worker.engine.ec_transfer import parse_ec_transfer_config
-    from worker.engine.kv_transfer import parse_kv_transfer_config
+    from worker.engine.disagg.ec_transfer import parse_ec_transfer_config
+    from worker.engine.disagg.kv_transfer import parse_kv_transfer_config
 
     model = args.model
     if model is None:
-        from worker.engine.demo_model import build_demo_model
+        from worker.engine.loading.demo_model import build_demo_model
 
         model = str(build_demo_model())
     return EngineConfig(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.server import WorkerServer
 
     from common import runtime_dir
-    from worker.engine import transfer_auth
-
+    from worker.engine.disagg import transfer_auth
     try:
         server_key = security.load_public_key(args.curve_server_key) if args.curve_server_key else None
         client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None

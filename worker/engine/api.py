@@ -2,7 +2,7 @@
 
 An explicit ``typing.Protocol`` instead of ``getattr`` probing: ``Engine`` implements it,
 and so does every stand-in (tests/fake_worker.py).  Feature commands are reached through
-the component that owns them: ``engine.rl`` (weights, versions, sleep / wake: rl_control.py)
+the component that owns them: ``engine.rl`` (weights, versions, sleep / wake: rl/control.py)
 and ``engine.lora`` (adapters: components/lora.py; None when LoRA is off)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class RLControlAPI(Protocol):
     def is_asleep(self) -> bool: ...
 
     @property
-    def weights(self) -> Any: ...  # ModelWeights (weights.py): refuses TP>1 / released weights
+    def weights(self) -> Any: ...  # ModelWeights (loading/weights.py): refuses TP>1 / released weights
 
     def set_weight_version(self, version: str) -> None: ...
 

@@ -67,7 +67,7 @@ class EngineConfig:
     # Speculative decoding: decode rows plus drafts per step stay within this; None:
     # 8 on CPU (compute binds past a few rows there), no cap on CUDA; 0: no cap.
     spec_max_step_tokens: Optional[int] = None
-    # P/D disaggregation (kv_transfer.py): where the KV transfer server binds (None:
+    # P/D disaggregation (disagg/kv_transfer.py): where the KV transfer server binds (None:
     # tcp://127.0.0.1:*, a random port; bound on the first prefill leg) and how long a
     # finished prefill leg's blocks wait for their decode side (vLLM's 480 s).
     kv_transfer_address: Optional[str] = None
@@ -79,7 +79,7 @@ class EngineConfig:
     # prefill legs' blocks plus those of prefill legs running): the rest stays for
     # ordinary requests, whatever clients ask for.
     kv_transfer_max_held: float = 0.5
-    # Encoder disaggregation (ec_transfer.py): vLLM's ec_role from --ec-transfer-config;
+    # Encoder disaggregation (disagg/ec_transfer.py): vLLM's ec_role from --ec-transfer-config;
     # ec_producer / ec_both export every encoder output for consumers to pull.
     ec_role: Optional[str] = None
     # vLLM's --mm-encoder-only: run the vision encoder of each request and finish it (no

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
     from common.protocol import CompletionDelta, GenerateRequest, WorkerLoad
-    from worker.engine.outputs import SequenceOutput
-    from worker.engine.request import EngineSequence, Request
-    from worker.engine.sampler import SamplerOutput
-    from worker.engine.scheduler import ScheduledSeq
+    from worker.engine.core.outputs import SequenceOutput
+    from worker.engine.core.request import EngineSequence, Request
+    from worker.engine.sample.sampler import SamplerOutput
+    from worker.engine.core.scheduler import ScheduledSeq
 
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
@@ -60,7 +60,7 @@ class EngineComponent:
 
     def check(self, req: "GenerateRequest", mm: Any) -> None:
         """Refuse a request (raise a ClientError) before anything is registered; ``mm``:
-        its MultiModalState (multimodal.py) or None."""
+        its MultiModalState (multimodal/images.py) or None."""
 
     def admit(self, request: "Request", seq: "EngineSequence", held: bool) -> str:
         """The request is registered; READY or WAIT (the component schedules it later).

@@ -1,7 +1,7 @@
 """KV transfer (prefill/decode disaggregation, NixlConnector-style) as an engine component.
 
 The transport -- the transfer server that serves held blocks, the pulls, the held-block
-bookkeeping -- is ``kv_transfer.py``'s ``KvTransfer`` (shared with encoder
+bookkeeping -- is ``disagg/kv_transfer.py``'s ``KvTransfer`` (shared with encoder
 disaggregation, whose exports ride the same server).  This component is the engine
 side: which requests are legs, what a prefill leg holds for its decode side when it
 finishes (and answers with), starting a decode leg only once its prompt blocks are
@@ -19,9 +19,9 @@ import torch
 from common.errors import BadRequest, Overloaded
 from common.transfer_peers import KV_PARAM, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER, check_shape
 from worker.engine.components.base import READY, WAIT, EngineComponent
-from worker.engine.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
+from worker.engine.disagg.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
                                        blocks_from_reply, parse_params)
-from worker.engine.request import FinishReason
+from worker.engine.core.request import FinishReason
 
 log = logging.getLogger(__name__)
 

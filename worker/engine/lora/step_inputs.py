@@ -1,4 +1,4 @@
-"""LoRA serving's input contributor for the model runner (``runner_hooks``): each
+"""LoRA serving's input contributor for the model runner (``runner.hooks``): each
 step's LoRABatch (token -> adapter slot) from the scheduled sequences' adapters, the
 static batch decode CUDA graphs are captured with, and the lm_head rows of logits."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from worker.engine.lora.batch import LoRABatch
-from worker.engine.runner_hooks import StepExtras
+from worker.engine.runner.hooks import StepExtras
 
 
 class LoRAStepInputs:

@@ -2,7 +2,7 @@
 vision tower (models/qwen2_vl_vision.py) that encodes images.
 
 The engine drives the two halves separately: the runner encodes images (through
-its encoder cache, worker/engine/multimodal.py) and hands the LM the rows of the
+its encoder cache, worker/engine/multimodal/images.py) and hands the LM the rows of the
 step whose input embeddings are image embeddings (``mm_embeds``).  Positions are
 ``[T]`` (text tokens, decode: every M-RoPE row equal, so this is plain RoPE and
 the base model's fast path, CUDA graphs included) or ``[3, T]`` for steps that
@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from worker.engine.attention.metadata import AttentionMetadata
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.models.mrope import mrope_cos_sin
 from worker.engine.models.qwen2_vl_vision import build_vision_tower, hf_to_local_name

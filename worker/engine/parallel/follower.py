@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from worker.engine.attention.metadata import StepLayout
 from worker.engine.config import EngineConfig
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.model_config import ModelConfig
 from worker.engine.parallel.sharding import head_shard, split
 from worker.engine.parallel.state import destroy_tensor_parallel, get_tp, init_tensor_parallel
-from worker.engine.runner_hooks import LocalRun
+from worker.engine.runner.hooks import LocalRun
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def agree_on_graphs(runner) -> None:
 
 
 class TPFollower(LocalRun):
-    """A follower rank's runner hook (``runner_hooks.ParallelHook``): its runner's calls
+    """A follower rank's runner hook (``runner.hooks.ParallelHook``): its runner's calls
     come from ``serve_follower``, in lockstep with rank 0 (which also agrees on the
     captured graphs after a capture)."""
 
@@ -111,7 +111,7 @@ class TPFollower(LocalRun):
 
 class TPLeader:
     """Rank 0's handle on its followers, and its runner's hook
-    (``runner_hooks.ParallelHook``): every model call of rank 0's runner is mirrored
+    (``runner.hooks.ParallelHook``): every model call of rank 0's runner is mirrored
     to the followers (sizing, allocation and capture run on every rank in lockstep)."""
 
     lockstep = True
@@ -211,8 +211,8 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Optiona
 
 
 def follower_main(config: EngineConfig, rank: int, world: int, init_method: str) -> None:
-    from worker.engine.model_runner import ModelRunner
-    from worker.engine.model_setup import build_model
+    from worker.engine.runner.model_runner import ModelRunner
+    from worker.engine.loading.model_setup import build_model
 
     logging.basicConfig(level=logging.WARNING, format=f"tp{rank} %(levelname)s %(name)s: %(message)s")
     device = rank_device(config, rank)

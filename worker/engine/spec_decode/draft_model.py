@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models.llama import kv_bytes_per_block
-from worker.engine.request import EngineSequence
-from worker.engine.scheduler import ScheduledSeq
+from worker.engine.core.request import EngineSequence
+from worker.engine.core.scheduler import ScheduledSeq
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.speculator import Speculator
 
@@ -58,8 +58,8 @@ class _WithDrafts:
 class DraftModelSpeculator(Speculator):
     def __init__(self, config: SpeculativeConfig, engine_config, target_mc: ModelConfig, device: torch.device,
                  max_model_len: int, max_step_tokens=None):
-        from worker.engine.model_runner import ModelRunner
-        from worker.engine.model_setup import build_model
+        from worker.engine.runner.model_runner import ModelRunner
+        from worker.engine.loading.model_setup import build_model
 
         super().__init__(config, max_step_tokens)
         path = Path(config.model)

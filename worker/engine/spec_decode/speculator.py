@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from common.protocol import SpecDecodeStats
-from worker.engine.request import EngineSequence
-from worker.engine.sampling_metadata import SamplingRow
+from worker.engine.core.request import EngineSequence
+from worker.engine.sample.sampling_metadata import SamplingRow
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.ngram import propose_ngram
 

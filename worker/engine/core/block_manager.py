@@ -24,7 +24,7 @@ order of application does not matter; past ``_kv_limit`` pending changes (nobody
 drains) they collapse into a flag, and the next drain is a snapshot of the cache.  Blocks
 hashed with a LoRA adapter are worker-local and never published; a per-block flag
 remembers which blocks were, so only those are ever reported removed.  Blocks holding
-image tokens fold in the images' cache keys (multimodal.py), which the gateway knows
+image tokens fold in the images' cache keys (multimodal/images.py), which the gateway knows
 too: they are published like any other.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 
 from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, fold_mm_hashes, hash_block
 from common.protocol import KvEvents
-from worker.engine.request import EngineSequence
+from worker.engine.core.request import EngineSequence
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
 KV_EVENTS_MAX_PENDING = 1 << 16  # undrained KV event keys kept at most (then: a snapshot)
@@ -272,7 +272,7 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
-    # --- KV transfer (prefill/decode disaggregation, worker/engine/kv_transfer.py) ----
+    # --- KV transfer (prefill/decode disaggregation, worker/engine/disagg/kv_transfer.py) ----
     def hold_blocks(self, block_ids: Seq[int]) -> None:
         """One more reference to blocks a sequence holds (a finished prefill leg's
         blocks outlive it until the decode side pulled them)."""

@@ -16,7 +16,7 @@ import torch
 from common.errors import BadRequest
 from common.protocol import DEFAULT_WEIGHT_VERSION
 from worker.engine.components.base import EngineComponent
-from worker.engine.weights import ModelWeights, checkpoint_tensors
+from worker.engine.loading.weights import ModelWeights, checkpoint_tensors
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class RLControl(EngineComponent):
         return not self.asleep
 
     def _reload_weights(self) -> None:
-        from worker.engine.model_setup import build_model
+        from worker.engine.loading.model_setup import build_model
 
         lineage = self.disk_lineage
         if lineage is None:

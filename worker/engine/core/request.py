@@ -49,7 +49,7 @@ class Request:
         self.cache_salt = req.cache_salt
         self.lora_key: Optional[str] = None  # the adapter registration it runs with (lora/manager.py)
         self.prompt_token_ids = req.prompt_token_ids
-        self.mm: Any = None  # MultiModalState (multimodal.py) of a request with images
+        self.mm: Any = None  # MultiModalState (multimodal/images.py) of a request with images
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.n = req.params.n
         self.max_tokens = max_tokens

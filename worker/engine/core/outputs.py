@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from worker.engine.request import EngineSequence, Request
+from worker.engine.core.request import EngineSequence, Request
 
 
 @dataclass

@@ -47,8 +47,7 @@ import zmq
 
 from common.errors import BadRequest
 from common.logging import RateLimitedLog, get_logger
-from worker.engine import transfer_auth
-
+from worker.engine.disagg import transfer_auth
 log = get_logger("tokserve.kv_transfer")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:*"

@@ -13,8 +13,8 @@ import torch
 from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.config import EngineConfig
-from worker.engine.loader import load_model, safetensors_files
-from worker.engine.model_config import ModelConfig
+from worker.engine.loading.loader import load_model, safetensors_files
+from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models.cpu_gemm import resolve_cpu_linear
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     started = time.monotonic()
     model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
-    from worker.engine.weights import weight_spec
+    from worker.engine.loading.weights import weight_spec
 
     model.weight_spec = weight_spec(model)  # what weight updates may name (cheap before packing)
     cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)

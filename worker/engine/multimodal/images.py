@@ -12,7 +12,7 @@
 * KV-cache sizing on CUDA: ``dummy_vision_batch`` (the largest batch one vision-tower
   call can get, ``max_encode_grids``) and ``encoder_cache_bytes`` (a full cache), which
   ``ModelRunner._profile_cuda_blocks`` keeps out of the KV cache.
-* ``MultimodalInputs``: the model runner's hook (``runner_hooks``): each step's
+* ``MultimodalInputs``: the model runner's hook (``runner.hooks``): each step's
   positions and image embeddings, and the vision tower's part of the KV sizing.
 
 Prefix caching: the block manager folds the cache key (``mm_hash`` + grid) of every
@@ -58,7 +58,7 @@ class MultiModalState:
     positions: np.ndarray  # [3, prompt_len] int64
     delta: int  # positions of tokens past the prompt: index + delta
     wire_hashes: list[str] = dataclasses.field(default_factory=list)  # items' hashes as the request named them
-    # Encoder outputs pulled from an encoder worker (ec_transfer.py), by keyed mm_hash:
+    # Encoder outputs pulled from an encoder worker (disagg/ec_transfer.py), by keyed mm_hash:
     # the request's own, so a full encoder cache cannot evict them before its prefill.
     embeds: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     _block_keys: Optional[tuple[int, dict[int, tuple[str, ...]]]] = dataclasses.field(
@@ -141,7 +141,7 @@ def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = N
                                  "mm_items")
         elif it.encoding == FLOAT32:
             expected, itemsize = [t * h * w, patch_dim], 4
-        elif it.encoding == REMOTE:  # embeddings pulled from an encoder worker (ec_transfer.py)
+        elif it.encoding == REMOTE:  # embeddings pulled from an encoder worker (disagg/ec_transfer.py)
             expected, itemsize = [], 1
         else:
             raise BadRequest(f"{where}: unknown pixel encoding {it.encoding!r} (float32, uint8_hwc or remote)",
@@ -319,7 +319,7 @@ class EncoderCache:
         self.num_queries = 0
         self.num_hits = 0
         self.num_encode_calls = 0  # vision-tower calls (a step's new images share one)
-        # An encoder worker's (ec_transfer.py): every output handed out is exported too.
+        # An encoder worker's (disagg/ec_transfer.py): every output handed out is exported too.
         self.exports: Any = None
 
     def __len__(self) -> int:
@@ -464,7 +464,7 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
 
 
 class MultimodalInputs:
-    """Vision-language models' hook on the model runner (``runner_hooks``).
+    """Vision-language models' hook on the model runner (``runner.hooks``).
 
     Input contributor: image requests' decode positions shifted by their M-RoPE delta
     (in place, so decode keeps its CUDA graphs); steps prefilling their prompts run

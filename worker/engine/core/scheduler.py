@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.request import SeqStatus, EngineSequence
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.request import SeqStatus, EngineSequence
 
 
 @dataclass

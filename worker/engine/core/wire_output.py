@@ -12,9 +12,9 @@ from typing import Optional
 import numpy as np
 
 from common.protocol import CompletionDelta
-from worker.engine.logprobs import extend_token_logprobs
-from worker.engine.outputs import SequenceOutput
-from worker.engine.request import FinishReason
+from worker.engine.sample.logprobs import extend_token_logprobs
+from worker.engine.core.outputs import SequenceOutput
+from worker.engine.core.request import FinishReason
 
 
 def to_delta(out: SequenceOutput) -> CompletionDelta:

@@ -48,8 +48,8 @@ from common.errors import BadRequest
 from common.logging import get_logger
 from common.multimodal import client_hash
 from common.protocol import MultiModalItem
-from worker.engine.kv_transfer import PULL_TIMEOUT_S, TransferError, ask, is_int
-from worker.engine.multimodal import REMOTE
+from worker.engine.disagg.kv_transfer import PULL_TIMEOUT_S, TransferError, ask, is_int
+from worker.engine.multimodal.images import REMOTE
 
 log = get_logger("tokserve.ec_transfer")
 

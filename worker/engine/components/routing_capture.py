@@ -1,5 +1,5 @@
 """Routed-experts capture (``--enable-return-routed-experts``): the model runner's KV
-hook (``runner_hooks.KVCacheHook``).  Beside the KV cache it keeps the routed experts
+hook (``runner.hooks.KVCacheHook``).  Beside the KV cache it keeps the routed experts
 of every KV slot (``[slots, moe layers, top_k]``), which the MoE layers write in the
 forward and ``ModelRunner.routed_experts`` reads when a sequence finishes."""
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from worker.engine.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
-from worker.engine.sampling_metadata import SAMPLING_EPS, RandomGroup, SamplingMetadata
+from worker.engine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
+from worker.engine.sample.sampling_metadata import SAMPLING_EPS, RandomGroup, SamplingMetadata
 
 _NEG_INF = float("-inf")
 

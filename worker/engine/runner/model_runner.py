@@ -3,7 +3,7 @@
 ``torch.inference_mode`` and computes logits only for the rows that need them.
 
 Features (LoRA, images, routing capture, tensor parallelism) are not known here: they
-contribute through the small interfaces of ``runner_hooks`` (installed with
+contribute through the small interfaces of ``runner.hooks`` (installed with
 ``install`` / ``set_parallel``).
 
 Host-side layout is vectorised numpy over the whole batch (no per-token Python);
@@ -25,9 +25,9 @@ from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import AttentionMetadata, StepLayout
 from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from worker.engine.models.llama import kv_bytes_per_block, kv_cache_shape
-from worker.engine.runner_hooks import (LOCAL, InputContributor, KVCacheHook, MemoryProfileHook, ParallelHook,
+from worker.engine.runner.hooks import (LOCAL, InputContributor, KVCacheHook, MemoryProfileHook, ParallelHook,
                                         StepExtras)
-from worker.engine.scheduler import ScheduledSeq
+from worker.engine.core.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ModelRunner:
     # --- features -----------------------------------------------------------
     def install(self, hook: Any) -> None:
         """Install a feature's hook: an ``InputContributor`` (and ``GraphInputs``), a
-        ``KVCacheHook`` and/or a ``MemoryProfileHook`` (see ``runner_hooks``)."""
+        ``KVCacheHook`` and/or a ``MemoryProfileHook`` (see ``runner.hooks``)."""
         self.hooks.append(hook)
         if isinstance(hook, InputContributor):
             self._contributors.append(hook)
@@ -384,7 +384,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of ``num_tokens`` tokens split into max_model_len sequences (profiling)."""
-        from worker.engine.request import EngineSequence as Seq
+        from worker.engine.core.request import EngineSequence as Seq
 
         scheduled = []
         block = 0

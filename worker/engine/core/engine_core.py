@@ -18,31 +18,31 @@ from common.errors import BadRequest, NotFound
 from common.transfer_peers import format_address
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
-from worker.engine.block_manager import BlockManager
-from worker.engine.kv_transfer import KvTransfer
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.disagg.kv_transfer import KvTransfer
 from worker.engine.components.base import WAIT, EngineComponent, Hooks
 from worker.engine.components.kv_transfer import KvTransferComponent
 from worker.engine.components.lora import LoRAComponent
 from worker.engine.components.routed_experts import RoutedExpertsCapture
 from worker.engine.components.sampling_mask import SamplingMaskCapture
 from worker.engine.config import EngineConfig
-from worker.engine.encoder_disaggregation import EncoderDisaggregation
+from worker.engine.disagg.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
-from worker.engine.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
+from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
-from worker.engine.model_config import ModelConfig, generation_defaults
-from worker.engine.model_runner import ModelRunner
+from worker.engine.loading.model_config import ModelConfig, generation_defaults
+from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.lora.step_inputs import LoRAStepInputs
-from worker.engine.multimodal import EncoderCache, MultimodalInputs, check_mm_items, image_config_for
-from worker.engine.model_setup import build_model
-from worker.engine.outputs import SequenceOutput
+from worker.engine.multimodal.images import EncoderCache, MultimodalInputs, check_mm_items, image_config_for
+from worker.engine.loading.model_setup import build_model
+from worker.engine.core.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
-from worker.engine.request import FinishReason, Request, EngineSequence
-from worker.engine.rl_control import RLControl
-from worker.engine.routing_capture import RoutingCapture
-from worker.engine.sampler import Sampler
-from worker.engine.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
-from worker.engine.scheduler import ScheduledSeq, Scheduler
+from worker.engine.core.request import FinishReason, Request, EngineSequence
+from worker.engine.rl.control import RLControl
+from worker.engine.components.routing_capture import RoutingCapture
+from worker.engine.sample.sampler import Sampler
+from worker.engine.sample.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
+from worker.engine.core.scheduler import ScheduledSeq, Scheduler
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.draft_model import DraftModelSpeculator
 from worker.engine.spec_decode.component import SpecDecodeComponent
@@ -124,7 +124,7 @@ class EngineCore:
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
         self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
-        # Features reach the runner through its hooks (runner_hooks).
+        # Features reach the runner through its hooks (runner.hooks).
         if self.tp_leader is not None:
             self.runner.set_parallel(self.tp_leader)
         if config.enable_return_routed_experts:

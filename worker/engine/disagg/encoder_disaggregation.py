@@ -18,12 +18,12 @@ from common.protocol import GenerateRequest
 from common.transfer_peers import TRUST_EC, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers
 from worker.engine.components.base import READY, WAIT, EngineComponent
 from worker.engine.config import EngineConfig
-from worker.engine.ec_transfer import PARAM as EC_PARAM
-from worker.engine.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
+from worker.engine.disagg.ec_transfer import PARAM as EC_PARAM
+from worker.engine.disagg.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
                                        remote_sources)
-from worker.engine.multimodal import MAX_ENCODE_PATCHES, REMOTE
-from worker.engine.outputs import SequenceOutput
-from worker.engine.request import EngineSequence, FinishReason, Request
+from worker.engine.multimodal.images import MAX_ENCODE_PATCHES, REMOTE
+from worker.engine.core.outputs import SequenceOutput
+from worker.engine.core.request import EngineSequence, FinishReason, Request
 
 log = logging.getLogger(__name__)
 
