@@ -13,7 +13,7 @@ the broker's added latency per hop is (rtt_broker - rtt_direct) / 2.  On a small
 shared machine wall-clock rates mostly measure CPU contention between the three
 processes, so the broker's own CPU time per relayed message (from /proc) and the
 delta rate one broker core sustains at that cost are printed too.
-``--full`` also runs tests/fake_worker.py (real WorkerServer loop, fake engine)
+``--full`` also runs tests/support/fake_worker.py (real WorkerServer loop, fake engine)
 with the AsyncClient, i.e. the whole Python path minus the model.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import zmq  # noqa: E402
 from common import framing, runtime_dir  # noqa: E402
 from common.protocol import (MAGIC, CompletionDelta, GenerateRequest, ModelInfo, MsgType, Outputs,  # noqa: E402
                              OutputsHeader, SamplingParams, WorkerLoad, WorkerReady)
-from tests.procs import ProcGroup, free_endpoint, wait_for_workers  # noqa: E402
+from tests.support.procs import ProcGroup, free_endpoint, wait_for_workers  # noqa: E402
 
 MODEL = ModelInfo(name="bench", vocab_size=1000, max_model_len=100_000, max_num_seqs=100_000)
 

@@ -95,7 +95,7 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ~1B presets, parameter counts checked by tests/test_gpu_check.py without allocating.
+# ~1B presets, parameter counts checked by tests/integration/test_gpu_check.py without allocating.
 PRESETS = {
     # TinyLlama-1.1B's shape: 1.12B parameters
     "llama": dict(arch="LlamaForCausalLM", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -269,7 +269,7 @@ def table(rows: list[Row], header: str) -> str:
 def cuda_test_files(tests_dir: Path = ROOT / "tests") -> list[str]:
     """Test files with a ``cuda`` mark, relative to the repo root."""
     files = []
-    for f in sorted(Path(tests_dir).glob("test_*.py")):
+    for f in sorted(Path(tests_dir).rglob("test_*.py")):
         if re.search(r"\bmark\.cuda\b", f.read_text(encoding="utf-8", errors="replace")):
             files.append(os.path.relpath(f, ROOT) if f.is_relative_to(ROOT) else str(f))
     return files

@@ -68,7 +68,7 @@ def build_model(out: Optional[str] = None) -> Path:
     import torch
     import transformers
 
-    from tests.model_factory import write_tokenizer
+    from tests.support.model_factory import write_tokenizer
 
     torch.manual_seed(0)
     cfg = transformers.Qwen2VLConfig(text_config=TEXT, vision_config=dict(VISION), image_token_id=IMAGE,

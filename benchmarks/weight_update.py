@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from benchmarks.model_presets import build_preset_model
 from common.client import Client
 from common.dist_weight_transfer import TrainerWeightSender
-from tests.procs import ProcGroup, free_port, wait_for_workers
+from tests.support.procs import ProcGroup, free_port, wait_for_workers
 
 
 def _push_zmq(client: Client, named, version: str) -> float:

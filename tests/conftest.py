@@ -1,5 +1,5 @@
 """Shared pytest fixtures.  Model fixtures build tiny random HF checkpoints once per
-session (tests/model_factory.py); append new fixtures below."""
+session (tests/support/model_factory.py); append new fixtures below."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import model_factory
+from tests.support import model_factory
 
 # A private runtime directory (common/runtime_dir.py: default ipc sockets, control and
 # worker tokens) per test session, inherited by every process the tests start: sessions
@@ -36,7 +36,43 @@ def pytest_sessionstart(session):
     load_cpu_kernels()
 
 
+# --- markers by location (added by scripts/reorganize_tests.py) ---
+# tests/integration: ``integration``; tests/fuzz: ``fuzz``, plus ``integration`` when the
+# module starts processes; tests/cuda: ``cuda``; the slowest integration files: ``slow``.
+# ``python -m pytest -q -m "not integration"`` is the fast, in-process part.
+_TESTS_DIR = Path(__file__).resolve().parent
+_STARTS_PROCESSES = ("ProcGroup", "start_gateway", "BrokerProc", "subprocess", "Popen")
+SLOW_FILES = {'test_broker.py',
+              'test_gpu_check.py',
+              'test_security_gateway.py',
+              'test_security_transfer.py',
+              'test_tensor_parallel.py',
+              'test_triton_interpreted.py'}
+
+
+def _mark_by_location(items):
+    for item in items:
+        try:
+            rel = Path(str(item.path)).resolve().relative_to(_TESTS_DIR)
+        except ValueError:
+            continue
+        top = rel.parts[0] if len(rel.parts) > 1 else ""
+        if top == "integration":
+            item.add_marker(pytest.mark.integration)
+        elif top == "fuzz":
+            item.add_marker(pytest.mark.fuzz)
+            module = getattr(getattr(item, "module", None), "__dict__", {})
+            if any(name in module for name in _STARTS_PROCESSES):
+                item.add_marker(pytest.mark.integration)
+        elif top == "cuda":
+            item.add_marker(pytest.mark.cuda)
+        if rel.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+# --- end of markers by location ---
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_by_location(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -116,7 +116,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 @dataclass(frozen=True)
 class RenderLimits:
     """What one render may spend.  ``max_steps``: loop iterations plus calls (the real
-    templates in tests/data/chat_templates take a few per message); ``timeout_s``: wall
+    templates in tests/support/data/chat_templates take a few per message); ``timeout_s``: wall
     clock, checked at every step, so a render that cannot finish stops within a step of
     its deadline; ``max_chars``: the largest string/list the template may build and its
     output (the gateway passes --max-prompt-chars: a longer prompt is refused anyway)."""

@@ -1,7 +1,7 @@
 """What the worker (worker/server.py, worker/control.py) may call on its engine.
 
 An explicit ``typing.Protocol`` instead of ``getattr`` probing: ``Engine`` implements it,
-and so does every stand-in (tests/fake_worker.py).  Feature commands are reached through
+and so does every stand-in (tests/support/fake_worker.py).  Feature commands are reached through
 the component that owns them: ``engine.rl`` (weights, versions, sleep / wake: rl/control.py)
 and ``engine.lora`` (adapters: components/lora.py; None when LoRA is off)."""
 from __future__ import annotations

@@ -7,7 +7,7 @@ Importing this package does not import triton (CPU installs may lack it); ``ops(
 loads the kernels.  They also run on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, read when the kernels are decorated), which is how CI
 checks them against torch references, and ``compile_specs`` lists each kernel with
-a signature for an ahead-of-time sm_90 compile (tests/test_triton_compile.py).
+a signature for an ahead-of-time sm_90 compile (tests/unit/kernels/test_triton_compile.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,425 @@
+"""The OpenAI facade, render, derender and tokenize routes through the real stack:
+a broker, a worker on a tiny Qwen3 checkpoint whose tokenizer carries Qwen's chat
+tokens and real chat template, and gateways with and without the qwen3 reasoning /
+hermes tool-call parsers.  The official ``openai`` client talks to the facade."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.gateway_helpers import GENERATE, sse_payloads, start_gateway
+from tests.support.procs import ProcGroup, wait_for_workers
+from worker.engine.loading.demo_model import build_byte_tokenizer
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "support" / "data" / "chat_templates"
+SPECIAL = ("<|endoftext|>", "<|im_end|>", "<|im_start|>")
+PLAIN_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # not special in Qwen's tokenizer
+WORKER_ARGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--threads", "1", "--max-model-len", "1024")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def build_chat_model(src: Path, out: Path) -> Path:
+    """The tiny qwen3 checkpoint with Qwen's chat tokens in the vocabulary and Qwen3's template."""
+    from tokenizers import AddedToken
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    reserved = tuple(f"<|reserved_{i}|>" for i in range(vocab - 256 - len(SPECIAL) - len(PLAIN_ADDED)))
+    tok = build_byte_tokenizer(SPECIAL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved])
+    tok.save(str(out / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "special": t in SPECIAL or t in reserved, "lstrip": False,
+                                       "rstrip": False, "normalized": False, "single_word": False}
+             for t in SPECIAL + PLAIN_ADDED + reserved}
+    cfg = {"tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+           "bos_token": None, "model_max_length": 512, "added_tokens_decoder": added,
+           "chat_template": (TEMPLATES / "qwen3-0.6b.jinja").read_text()}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    config = json.loads((out / "config.json").read_text())
+    config["eos_token_id"] = tok.token_to_id("<|im_end|>")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, qwen3_dir) -> Path:
+    return build_chat_model(qwen3_dir, tmp_path_factory.mktemp("qwen-chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, chat_model):
+    with ProcGroup(tmp_path_factory.mktemp("openai-stack")) as procs:
+        broker = procs.broker()
+        procs.worker(broker, 0, "--model", str(chat_model), *WORKER_ARGS)
+        wait_for_workers(broker.frontend, 1, timeout=120)
+        parsed = start_gateway(procs, broker.frontend, "--tokenizer", str(chat_model), "--reasoning-parser", "qwen3",
+                               "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                               "--enable-tokenizer-info-endpoint", "--trust-request-chat-template")
+        plain = start_gateway(procs, broker.frontend, "--tokenizer", str(chat_model))
+        yield procs, broker, parsed, plain
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(chat_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(chat_model))
+
+
+def _client(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+PRINTABLE = {"allowed_token_ids": list(range(32, 127))}
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+# ---------------------------------------------------------------- tokenize / render
+def test_tokenize_detokenize_and_tokenizer_info(stack, hf_tokenizer):
+    _, _, parsed, _ = stack
+    r = httpx.post(parsed.url + "/tokenize", json={"prompt": "héllo world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = hf_tokenizer("héllo world")["input_ids"]
+    assert body["tokens"] == want and body["count"] == len(want) and body["max_model_len"] == 1024
+    assert body["token_strs"] == hf_tokenizer.convert_ids_to_tokens(want)
+    r = httpx.post(parsed.url + "/tokenize", json={"messages": MESSAGES})
+    want = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r.json()["tokens"] == list(want)
+    r = httpx.post(parsed.url + "/detokenize", json={"tokens": want})
+    assert r.json() == {"prompt": hf_tokenizer.decode(want)}
+    info = httpx.get(parsed.url + "/tokenizer_info").json()
+    assert info["tokenizer_class"] == "Qwen2TokenizerFast" and "<|im_start|>" in info["chat_template"]
+    assert httpx.get(stack[3].url + "/tokenizer_info").status_code == 404  # off without the flag
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_render_equals_transformers(stack, hf_tokenizer, thinking):
+    _, _, parsed, _ = stack
+    req = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 7, "temperature": 0,
+           "chat_template_kwargs": {"enable_thinking": thinking}}
+    r = httpx.post(parsed.url + "/v1/chat/completions/render", json=req)
+    assert r.status_code == 200, r.text
+    gen = r.json()
+    want = hf_tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            enable_thinking=thinking)
+    assert gen["token_ids"] == list(want)
+    assert gen["request_id"].startswith("chatcmpl-")
+    sp = gen["sampling_params"]
+    assert sp["max_tokens"] == 7 and sp["temperature"] == 0 and sp["output_kind"] == 2
+    assert sp["skip_special_tokens"] is False  # the hermes parser must see its tags
+    assert gen["reasoning_parser_kwargs"] == {"chat_template_kwargs": {"enable_thinking": thinking}}
+    # Thinking off: the template closed the think block in the prompt.
+    assert gen["reasoning_ended"] is (not thinking)
+
+
+def test_completion_render_equals_encode(stack, hf_tokenizer):
+    _, _, parsed, _ = stack
+    r = httpx.post(parsed.url + "/v1/completions/render",
+                   json={"prompt": ["one", "two three"], "max_tokens": 5, "stop": "x"})
+    assert r.status_code == 200, r.text
+    gens = r.json()
+    assert [g["token_ids"] for g in gens] == [hf_tokenizer("one")["input_ids"], hf_tokenizer("two three")["input_ids"]]
+    assert gens[0]["request_id"].endswith("-0") and gens[1]["request_id"].endswith("-1")
+    assert gens[0]["sampling_params"]["stop"] == ["x"] and gens[0]["sampling_params"]["max_tokens"] == 5
+    r = httpx.post(parsed.url + "/v1/completions/render", json={"prompt": [5, 6, 7]})
+    assert r.json()[0]["token_ids"] == [5, 6, 7]
+
+
+# ---------------------------------------------------------------- the facade
+def test_openai_client_chat_stream_equals_non_stream(stack):
+    _, _, _, plain = stack
+    client = _client(plain)
+    kw = dict(model=client.models.list().data[0].id, messages=MESSAGES, temperature=0, max_completion_tokens=12,
+              seed=1)
+    full = client.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert full.usage.completion_tokens == 12 and choice.finish_reason == "length"
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+    assert "".join(pieces) == choice.message.content
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_openai_client_chat_n_logprobs_stop(stack):
+    _, _, _, plain = stack
+    client = _client(plain)
+    model = client.models.list().data[0].id
+    # Printable bytes only: logprob token strings show special tokens the text skips (as vLLM's do).
+    r = client.chat.completions.create(model=model, messages=MESSAGES, n=2, temperature=1.0, seed=3,
+                                       max_tokens=6, logprobs=True, top_logprobs=2, extra_body=PRINTABLE)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert len(c.logprobs.content) == 6 and all(len(e.top_logprobs) == 2 for e in c.logprobs.content)
+        assert "".join(e.token for e in c.logprobs.content) == c.message.content
+    greedy = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12,
+                                            extra_body=PRINTABLE)
+    text = greedy.choices[0].message.content
+    stop = text[3:5]
+    cut = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop],
+                                         extra_body=PRINTABLE)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.index(stop)]
+
+
+def test_openai_client_completions(stack, hf_tokenizer):
+    _, _, _, plain = stack
+    client = _client(plain)
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=["Hello", "Bye"], max_tokens=5, temperature=0, logprobs=1,
+                                  extra_body=PRINTABLE)
+    assert [c.index for c in r.choices] == [0, 1] and r.object == "text_completion"
+    assert r.usage.completion_tokens == 10
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == 5 and "".join(c.logprobs.tokens) == c.text
+        assert all(1 <= len(t) <= 2 for t in c.logprobs.top_logprobs)
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(model=model, prompt=["Hello", "Bye"], max_tokens=5, temperature=0,
+                                           stream=True, extra_body=PRINTABLE):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == {0: r.choices[0].text, 1: r.choices[1].text}
+    echo = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, echo=True,
+                                     extra_body=PRINTABLE)
+    assert echo.choices[0].text == "Hello" + r.choices[0].text[:len(echo.choices[0].text) - 5]
+
+
+# ---------------------------------------------------------------- derender == facade
+def _generate(gw, gen: dict) -> dict:
+    r = httpx.post(gw.url + GENERATE, json=gen, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_derender_of_generate_equals_facade(stack):
+    _, _, parsed, _ = stack
+    chat = {"messages": MESSAGES, "temperature": 0, "max_tokens": 16, "model": None}
+    gen = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat).json()
+    out = _generate(parsed, gen)
+    body = {"generate_response": out, "prompt_token_ids": gen["token_ids"], "prompt_tokens": len(gen["token_ids"]),
+            "chat_request": chat}
+    r = httpx.post(parsed.url + "/v1/chat/completions/derender", json=body)
+    assert r.status_code == 200, r.text
+    derendered = r.json()
+    facade = httpx.post(parsed.url + "/v1/chat/completions", json=chat, timeout=120).json()
+    for key in ("content", "reasoning", "tool_calls"):
+        assert derendered["choices"][0]["message"][key] == facade["choices"][0]["message"][key], key
+    assert derendered["usage"] == facade["usage"]
+    assert derendered["choices"][0]["finish_reason"] == facade["choices"][0]["finish_reason"]
+
+    # Stream derender, chunk by chunk with the carried state, concatenates to the same message.
+    stream_gen = dict(gen, stream=True)
+    r = httpx.post(parsed.url + GENERATE, json=stream_gen, timeout=120)
+    state, parts = None, {"content": "", "reasoning": ""}
+    for payload in sse_payloads(r)[:-1]:
+        d = httpx.post(parsed.url + "/v1/chat/completions/derender", json={
+            "stream": True, "generate_chunk": json.loads(payload), "stream_state": state,
+            "prompt_token_ids": gen["token_ids"], "chat_request": chat}).json()
+        state = d["stream_state"]
+        for c in d["chunk"]["choices"]:
+            for key in parts:
+                parts[key] += c["delta"].get(key) or ""
+    assert parts["content"] == (facade["choices"][0]["message"]["content"] or "")
+    assert parts["reasoning"] == (facade["choices"][0]["message"]["reasoning"] or "")
+
+
+def _chunk(request_id: str, ids: list[int], finish=None) -> dict:
+    return {"request_id": request_id, "output_mode": "tokens",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None}]}
+
+
+def test_derender_parses_reasoning_and_tool_calls_split_over_tokens(stack, hf_tokenizer):
+    _, _, parsed, _ = stack
+    chat = {"messages": MESSAGES, "tools": TOOLS}
+    prompt = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat).json()["token_ids"]
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = "<think>\nI should check.\n</think>\n\nLet me look.\n<tool_call>\n" + call + "\n</tool_call>"
+    ids = hf_tokenizer.encode(text, add_special_tokens=False) + [hf_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    full = {"request_id": "r1", "output_mode": "tokens",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None}]}
+    r = httpx.post(parsed.url + "/v1/chat/completions/derender",
+                   json={"generate_response": full, "prompt_token_ids": prompt, "chat_request": chat})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    msg = choice["message"]
+    assert msg["reasoning"].strip() == "I should check."
+    assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert msg["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+    assert choice["finish_reason"] == "tool_calls"
+    # One token per chunk: every tag arrives split over several chunks (bytes).
+    state, reasoning, content, calls, last = None, "", "", [], None
+    for j, tid in enumerate(ids):
+        finish = "stop" if j == len(ids) - 1 else None
+        r = httpx.post(parsed.url + "/v1/chat/completions/derender", json={
+            "stream": True, "generate_chunk": _chunk("r1", [tid], finish), "stream_state": state,
+            "prompt_token_ids": prompt, "chat_request": chat})
+        assert r.status_code == 200, r.text
+        d = r.json()
+        state = d["stream_state"]
+        delta = d["chunk"]["choices"][0]["delta"]
+        reasoning += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
+        calls += delta.get("tool_calls") or []
+        last = d["chunk"]["choices"][0]["finish_reason"]
+        assert "<" not in (delta.get("content") or "") + (delta.get("reasoning") or "")
+    assert reasoning == msg["reasoning"] and content.strip() == (msg["content"] or "").strip()
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and last == "tool_calls"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_completion_derender_stream_and_non_stream(stack, hf_tokenizer):
+    _, _, _, plain = stack
+    ids = hf_tokenizer.encode("naïve café", add_special_tokens=False)  # multi-byte characters split over tokens
+    full = {"request_id": "c1", "output_mode": "tokens",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "length", "stop_reason": None}]}
+    r = httpx.post(plain.url + "/v1/completions/derender", json={"generate_responses": [full], "prompt_tokens": [3]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "naïve café" and r.json()["usage"]["prompt_tokens"] == 3
+    state, text = None, ""
+    for tid in ids:
+        d = httpx.post(plain.url + "/v1/completions/derender", json={
+            "stream": True, "generate_chunk": _chunk("c1", [tid]), "stream_state": state}).json()
+        state = d["stream_state"]
+        text += d["chunk"]["choices"][0]["text"]
+        assert len(state["prev_tokens"]) <= 8  # bounded window, not the history
+    assert text == "naïve café"
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize("body, status, needle", [
+    ({}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"messages": MESSAGES, "chat_template": "{{ raise_exception('no way') }}"}, 400, "no way"),
+    ({"messages": [{"role": "user", "content": "x" * 1100}]}, 400, "maximum context length"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "function"),
+    ({"messages": MESSAGES, "tools": []}, 400, "`tools` must not be an empty array"),
+    ({"messages": MESSAGES, "tool_choice": "auto"}, 400, "`tools` must be set"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": MESSAGES, "model": "nope"}, 404, "does not exist"),
+    ({"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": MESSAGES, "top_logprobs": 3}, 400, "logprobs"),
+])
+def test_bad_chat_requests_get_vllm_errors(stack, body, status, needle):
+    _, _, parsed, _ = stack
+    for path in ("/v1/chat/completions", "/v1/chat/completions/render"):
+        r = httpx.post(parsed.url + path, json=body, timeout=60)
+        assert r.status_code == status, (path, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] and err["code"] == status, (path, err)
+
+
+def test_untrusted_request_template_and_auto_tools_without_parser_are_refused(stack):
+    _, _, _, plain = stack
+    r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": MESSAGES, "chat_template": "{{ 1 }}"})
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+
+
+def test_render_only_gateway_needs_no_broker(tmp_path_factory, chat_model, hf_tokenizer):
+    with ProcGroup(tmp_path_factory.mktemp("render-only")) as procs:
+        gw = start_gateway(procs, "tcp://127.0.0.1:9", "--render-only", "--tokenizer", str(chat_model))
+        r = httpx.post(gw.url + "/v1/chat/completions/render", json={"messages": MESSAGES})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == list(hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                               tokenize=True, return_dict=False))
+        assert httpx.post(gw.url + "/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 1024
+        assert httpx.post(gw.url + "/v1/chat/completions", json={"messages": MESSAGES}).status_code == 404
+        assert httpx.post(gw.url + GENERATE, json={"token_ids": [1], "sampling_params": {}}).status_code == 404
+
+
+def test_facade_reasoning_stream_equals_non_stream(stack):
+    """Qwen3 with thinking on starts inside reasoning: with no </think> in the output the
+    qwen3 parser puts everything in `reasoning`; with thinking off it is all content."""
+    _, _, parsed, _ = stack
+    client = _client(parsed)
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=10, extra_body=PRINTABLE)
+    full = client.chat.completions.create(**kw).choices[0].message
+    assert full.reasoning and full.content is None
+    streamed = ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed += getattr(c.delta, "reasoning", None) or ""
+            assert not c.delta.content
+    assert streamed == full.reasoning
+    off = dict(kw, extra_body=dict(PRINTABLE, chat_template_kwargs={"enable_thinking": False}))
+    plain = client.chat.completions.create(**off).choices[0].message
+    assert plain.content and getattr(plain, "reasoning", None) is None
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/v1/chat/completions/derender", {"generate_response": {"request_id": "x", "output_mode": "text", "choices": []},
+                                       "chat_request": {"messages": MESSAGES}}, "output_mode"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65])}, "chat_request is required"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]),
+                                       "chat_request": {"messages": MESSAGES}}, "prompt_token_ids is required"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65] * 1100),
+                                       "chat_request": {"messages": MESSAGES}}, "exceeds max_model_len"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", []), "chat_request": {"messages": MESSAGES}},
+     "empty or null token_ids"),
+    ("/v1/completions/derender", {"generate_responses": []}, "must not be empty"),
+    ("/v1/completions/derender", {"generate_responses": [_chunk("x", [65])], "prompt_tokens": [1, 2]},
+     "must equal generate_responses length"),
+    ("/v1/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]),
+                                  "stream_state": {"prev_tokens": ["not-a-piece"], "read_offset": 1,
+                                                   "role_sent": True}}, "invalid stream_state"),
+])
+def test_bad_derender_requests(stack, path, body, needle):
+    _, _, parsed, _ = stack
+    r = httpx.post(parsed.url + path, json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parallel, want", [(True, ["get_weather", "get_weather"]), (False, ["get_weather"])])
+def test_derender_parallel_tool_calls(stack, hf_tokenizer, parallel, want):
+    _, _, parsed, _ = stack
+    chat = {"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": parallel,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat).json()["token_ids"]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    ids = hf_tokenizer.encode(call % "Oslo" + "\n" + call % "Rome", add_special_tokens=False)
+    full = {"request_id": "p", "output_mode": "tokens",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop", "stop_reason": None}]}
+    r = httpx.post(parsed.url + "/v1/chat/completions/derender",
+                   json={"generate_response": full, "prompt_token_ids": prompt, "chat_request": chat})
+    msg = r.json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == want and msg["reasoning"] is None
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert len({c["id"] for c in msg["tool_calls"]}) == len(want)
+
+
+def test_facade_returns_prompt_logprobs(stack):
+    """Non-stream chat and completions carry vLLM's prompt_logprobs ([null, {id: {logprob, rank,
+    decoded_token}}, ...]) when asked for, one entry per prompt token."""
+    _, _, _, plain = stack
+    chat = httpx.post(plain.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    plp = chat["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat["usage"]["prompt_tokens"]
+    assert all(1 <= len(entry) <= 2 and all("logprob" in v for v in entry.values()) for entry in plp[1:])
+    comp = httpx.post(plain.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hello there", "max_tokens": 2, "prompt_logprobs": 0}).json()
+    cplp = comp["choices"][0]["prompt_logprobs"]
+    assert cplp[0] is None and len(cplp) == comp["usage"]["prompt_tokens"] and all(len(e) == 1 for e in cplp[1:])
+    assert httpx.post(plain.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hi", "max_tokens": 2}).json()["choices"][0]["prompt_logprobs"] is None

@@ -1,0 +1,179 @@
+"""Tensor parallelism on CPU with gloo: TP=2 equals TP=1 (logits within 1e-4, greedy
+ids identical), KV heads split or replicated, and one engine owning two ranks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.engine_helpers import make_engine, random_prompts, request
+from tests.support.tp_model_check import run_steps
+from worker.engine.config import EngineConfig
+from worker.engine.loading.loader import load_model
+from worker.engine.parallel.sharding import head_shard, vocab_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_head_sharding_rules():
+    assert head_shard(8, 4, 1, 2) == head_shard(8, 4, 1, 2)
+    s = head_shard(8, 4, 1, 2)
+    assert (s.num_heads, s.num_kv_heads, s.head_start, s.kv_head_start) == (4, 2, 4, 2)
+    # Fewer KV heads than ranks: each rank keeps the one head its query heads use.
+    for rank in range(4):
+        s = head_shard(8, 2, rank, 4)
+        assert (s.num_heads, s.num_kv_heads) == (2, 1)
+        assert s.kv_head_start == s.head_start // (8 // 2)
+    with pytest.raises(ValueError, match="must divide num_attention_heads"):
+        head_shard(6, 2, 0, 4)
+    with pytest.raises(ValueError, match="must divide tensor_parallel_size"):
+        head_shard(12, 2, 0, 3)
+    assert vocab_shard(10, 1, 4) == (3, 3, 3) and vocab_shard(10, 3, 4) == (9, 1, 3)
+
+
+def _tp_logits(model_dir: Path, tmp_path: Path, world: int) -> np.ndarray:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = tmp_path / "logits.npy"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.tp_model_check", "--rank", str(r), "--world", str(world),
+                               "--init", init, "--model", str(model_dir), "--out", str(out)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return np.load(out, allow_pickle=False)
+
+
+def _hf_step_logits(path: Path) -> np.ndarray:
+    """transformers' logits in run_steps' row order (full forwards of each sequence)."""
+    from tests.support.model_factory import load_hf_model
+    from tests.support.tp_model_check import STEPS_A, STEPS_B
+
+    hf = load_hf_model(path)
+    with torch.no_grad():
+        a = hf(torch.tensor([STEPS_A[:29]])).logits[0].float()
+        b = hf(torch.tensor([STEPS_B[:12]])).logits[0].float()
+    rows = [a[:18], a[18:26], b[:9]] + [r for i in range(3) for r in (a[26 + i:27 + i], b[9 + i:10 + i])]
+    return torch.cat(rows).numpy()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa"])  # kv heads 2 -> split; 1 -> replicated
+def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
+    """A prefill, a chunk after cached context beside a second prefill, and decodes
+    over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""
+    path = tiny_model(kind)
+    ref = torch.cat(run_steps(load_model(path))).numpy()
+    got = _tp_logits(path, tmp_path, 2)
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() < 1e-4
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(got - _hf_step_logits(path)).max() < 1e-4
+
+
+def test_engine_with_two_ranks_matches_one(tiny_model):
+    path = tiny_model("qwen3")
+    prompts = random_prompts(5, 4, 40, seed=9)
+
+    def greedy(engine):
+        res = engine.generate([request(str(i), p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)])
+        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+
+    one = greedy(make_engine(path))
+    engine = make_engine(path, tensor_parallel_size=2)
+    try:
+        assert engine.model.layers[0].num_kv_heads == 1 and engine.runner.kv_cache.shape[-2] == 1
+        assert greedy(engine) == one
+        procs = engine.tp_leader.procs
+        assert all(p.is_alive() for p in procs)
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
+    """Between steps followers wait on the control group, not under the step collectives'
+    timeout: an idle server longer than that timeout still serves."""
+    import time
+
+    monkeypatch.setenv("TOKSERVE_TP_STEP_TIMEOUT_S", "2")  # read by the spawned follower at import
+    path = tiny_model("llama")
+    engine = make_engine(path, tensor_parallel_size=2)
+    try:
+        first = engine.generate([request("a", [5, 6, 7], max_tokens=3, ignore_eos=True)])["a"][0].token_ids
+        time.sleep(4)
+        again = engine.generate([request("b", [5, 6, 7], max_tokens=3, ignore_eos=True)])["b"][0].token_ids
+        assert again == first and all(p.is_alive() for p in engine.tp_leader.procs)
+    finally:
+        engine.close()
+
+
+def test_unshardable_sizes_are_refused_before_starting(tiny_model):
+    with pytest.raises(ValueError, match="must divide num_attention_heads 4"):
+        make_engine(tiny_model("llama"), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(model="x", tensor_parallel_size=0)
+
+
+def _children(pid: int) -> list[int]:
+    """Descendant process ids (from /proc: no psutil here)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_tensor_parallel_worker_is_one_broker_peer(tiny_model, tmp_path):
+    """A real `tokserve worker --tensor-parallel-size 2` behind a real broker: one
+    registered worker, outputs equal to the in-process TP=1 engine, and its follower
+    rank stops with it."""
+    from common.client import Client
+    from common.protocol import GenerateRequest, SamplingParams
+    from tests.support.procs import ProcGroup, wait_for, wait_for_workers
+
+    path = tiny_model("qwen3")
+    prompt = [5, 6, 7, 8, 9, 10]
+    ref = make_engine(path).generate([request("r", prompt, max_tokens=8, ignore_eos=True)])["r"][0].token_ids
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        worker = procs.worker(broker, 0, "--model", str(path), "--threads", "1", "--num-kv-blocks", "64",
+                              "--tensor-parallel-size", "2")
+        info = wait_for_workers(broker.frontend, 1, timeout=120)
+        assert len(info.workers) == 1
+        followers = _children(worker.pid)
+        assert followers, "the follower rank runs as a child of the worker"
+        with Client(broker.frontend) as client:
+            req = GenerateRequest(request_id="tp", prompt_token_ids=prompt,
+                                  params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            assert [t for d in client.generate(req) for t in d.token_ids] == ref
+        worker.terminate()
+        wait_for(lambda: not any(_running(p) for p in followers), 20, "follower ranks exit with their worker")
+        # A worker killed outright leaves no orphan rank: its broken process group ends it.
+        worker = procs.worker(broker, 1, "--model", str(path), "--threads", "1", "--num-kv-blocks", "64",
+                              "--tensor-parallel-size", "2")
+        wait_for_workers(broker.frontend, 1, timeout=120, ranks={1})
+        followers = _children(worker.pid)
+        assert followers
+        worker.kill9()
+        wait_for(lambda: not any(_running(p) for p in followers), 60, "follower ranks exit after a kill -9")

@@ -1,0 +1,312 @@
+"""The Triton kernels against plain torch references, on CPU tensors under Triton's
+interpreter.  Run by tests/integration/test_triton_interpreted.py in a subprocess with
+TRITON_INTERPRET=1 (it must be set before the kernels are decorated)."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from worker.engine.models.layers import silu_and_mul as torch_silu_and_mul
+from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _ops():
+    from worker.engine.kernels.triton import ops
+
+    return ops()
+
+
+def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window=None):
+    """Per sequence: gather its blocks, lower-right causal (and windowed) softmax in fp32."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    block_size, hkv, d = k_cache.shape[1:]
+    g = q.shape[1] // hkv
+    for i in range(len(seq_lens)):
+        s, e, n = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
+        blocks = block_tables[i, : -(-n // block_size)].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].float().repeat_interleave(g, 1)
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].float().repeat_interleave(g, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale
+        qpos = torch.arange(n - (e - s), n)[:, None]
+        kpos = torch.arange(n)[None, :]
+        visible = kpos <= qpos
+        if window:
+            visible &= qpos - kpos < window
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    return out
+
+
+def _paged_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed):
+    """Caches with shuffled block ids, ragged rows, q a strided view of a fused qkv."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables = torch.zeros(len(q_lens), max(need) + 2, dtype=torch.int32)  # padded wider than needed
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    t = sum(q_lens)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k_cache, v_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32), tables
+
+
+CASES = [
+    # (q_lens, context lens, heads, kv heads, head_dim, block_size, dtype, window)
+    ([1, 9, 1, 20], [11, 0, 40, 6], 4, 4, 64, 16, torch.float32, None),  # mixed: decode + prefill with context
+    ([1, 1, 1], [5, 70, 33], 8, 2, 128, 16, torch.bfloat16, None),  # decode-only, GQA 4
+    ([13, 1, 7], [0, 29, 3], 16, 2, 64, 32, torch.float32, None),  # GQA 8
+    ([17, 1], [0, 0], 4, 1, 80, 16, torch.float16, None),  # fresh prefill, head_dim 80 (padded)
+    ([6, 1, 12], [30, 44, 9], 8, 2, 64, 16, torch.float32, 8),  # sliding window
+    ([5, 1], [20, 3], 4, 2, 64, 16, torch.bfloat16, 6),  # sliding window, bf16
+    ([3, 1], [9, 14], 2, 2, 64, 1, torch.float32, None),  # block size 1
+    ([4, 1], [300, 10], 4, 2, 64, 256, torch.float32, None),  # block size 256
+    # Decode-only batches of few (sequence, KV head) pairs take the split-KV path: keys in
+    # segments, partial softmax states merged by a second kernel.
+    ([1], [700], 8, 1, 64, 16, torch.float32, None),  # one long sequence: every segment busy
+    ([1, 1], [3, 250], 16, 2, 128, 1, torch.bfloat16, None),  # block size 1, a segment-less short row
+    ([1, 1, 1], [90, 40, 7], 8, 2, 64, 16, torch.float32, 20),  # window: early segments empty
+    ([1] * 64, [5 + 3 * i for i in range(64)], 4, 2, 64, 16, torch.float32, None),  # 128 pairs: the 2-D grid
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c[0]}-hq{c[2]}-hkv{c[3]}-d{c[4]}-bs{c[5]}-{c[6]}-w{c[7]}")
+def test_unified_attention_matches_reference(case):
+    q_lens, ctx, hq, hkv, d, bs, dtype, window = case
+    q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, ctx, hq, hkv, d, bs, dtype, seed=len(q_lens) + d + bs)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=d ** -0.5,
+                             sliding_window=window, max_query_len=max(q_lens))
+    ref = reference_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, window)
+    err = (out.float() - ref).abs().max().item()
+    assert err < TOL[dtype], err
+
+
+def test_decode_paths_agree():
+    """The split-KV and the 2-D decode kernels give the same rows."""
+    from worker.engine.kernels.triton import attention
+
+    q, kc, vc, qsl, sl, bt = _paged_batch([1, 1, 1], [300, 41, 128], 8, 2, 64, 16, torch.float32, seed=4)
+    outs = []
+    for below in (10 ** 9, 0):  # force split, then force 2-D
+        attention.SPLIT_KV_BELOW = below
+        out = torch.empty(q.shape)
+        _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=0.125,
+                                 max_query_len=1)
+        outs.append(out)
+    attention.SPLIT_KV_BELOW = 128
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+
+
+def test_reference_sees_a_wrong_window():
+    """The tolerance is tight enough that a window off by one is caught."""
+    q, kc, vc, qsl, sl, bt = _paged_batch([6, 1], [30, 44], 4, 2, 64, 16, torch.float32, seed=3)
+    out = torch.empty(q.shape)
+    _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=0.125,
+                             sliding_window=8)
+    assert (out - reference_attention(q, kc, vc, qsl, sl, bt, 0.125, 8)).abs().max() < 2e-5
+    assert (out - reference_attention(q, kc, vc, qsl, sl, bt, 0.125, 9)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(7, 2 * 3 * 80, generator=g).to(dtype)  # strided views of a fused projection
+    k, v = kv[:, :240].view(7, 3, 80), kv[:, 240:].view(7, 3, 80)
+    kc = torch.zeros(5, 4, 3, 80, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 17, -1, 0, 9, -1, 19])
+    _ops().reshape_and_cache(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, 3, 80), vc.view(-1, 3, 80)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [i for i in range(20) if i not in written]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 100, generator=g).to(dtype)
+    r = torch.randn(9, 100, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(100, generator=g)).to(dtype)
+
+    def ref(h):  # transformers' LlamaRMSNorm
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    tol = dict(rtol=TOL[dtype], atol=TOL[dtype])  # bf16: a rounding step apart at most
+    torch.testing.assert_close(_ops().rms_norm(x, w, 1e-6).float(), ref(x).float(), **tol)
+    res = r.clone()
+    out = _ops().rms_norm(x, w, 1e-6, res)
+    # Residual updated in place, in the model dtype (the interpreter rounds bf16 by
+    # truncation, a GPU to nearest: one ulp apart at most).
+    if dtype == torch.float32:
+        assert torch.equal(res, x + r)
+    else:
+        torch.testing.assert_close(res.float(), (x + r).float(), rtol=1 / 64, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref(x + r).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_strided_view(dtype):
+    d, heads, kv_heads, t = 64, 4, 2, 6
+    table = rotation_table(build_cos_sin_table(d, 10000.0, 512, None)).to(dtype)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    untouched = qkv[:, (heads + kv_heads) * d:].clone()
+    positions = torch.tensor([0, 1, 17, 200, 511, 3])
+    expected = apply_rotary(qk.float(), rotary_factors(table.float(), positions, heads + kv_heads))
+    _ops().rotary_(qk, table, positions)
+    assert (qk.float() - expected).abs().max() < TOL[dtype]
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    got = _ops().silu_and_mul(x)
+    assert got.shape == (5, 1500)
+    # bf16 rounds silu's output and the product: two rounding steps of relative error.
+    torch.testing.assert_close(got.float(), torch_silu_and_mul(x.float()), rtol=2 * TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (37, 8, 2), (20, 16, 1), (5, 4, 4)])
+def test_fused_experts_matches_grouped_torch(dtype, tokens, experts, top_k):
+    """The Triton grouped GEMMs (gather by sorted pair, weighted second GEMM, sum over
+    k) equal the per-expert torch path, experts with no token included."""
+    from worker.engine.kernels.triton.fused_moe import fused_experts
+    from worker.engine.models.moe import fused_experts_torch, select_experts
+
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    hidden, inter = 48, 40  # not powers of two: masked K and N tails
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, -1] = -1e4  # the last expert never routed: an empty group
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    got = fused_experts(x, w13, w2, weights, ids, _ops().silu_and_mul)
+    ref = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    tol = TOL[dtype] * (1 if dtype == torch.float32 else 4)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    assert (got.float() - ref).abs().max() < tol * max(1.0, ref.abs().max().item())
+
+
+def test_align_by_expert_pads_each_expert_run():
+    from worker.engine.kernels.triton.fused_moe import align_by_expert
+
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3]])
+    sorted_ids, block_expert, num_padded = align_by_expert(ids, 5, 4)
+    pairs = ids.numel()
+    used = int(num_padded)
+    assert used == 12  # experts 0, 1, 3 each padded to one block of 4
+    runs = sorted_ids[:used].view(-1, 4)
+    assert block_expert[:3].tolist() == [0, 1, 3]
+    flat = ids.reshape(-1)
+    for b, expert in enumerate(block_expert[:3].tolist()):
+        real = [p for p in runs[b].tolist() if p < pairs]
+        assert real and all(int(flat[p]) == expert for p in real)
+    assert sorted(p for p in sorted_ids.tolist() if p < pairs) == list(range(pairs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_sgmv_matches_torch(dtype):
+    """Shrink + per-sub-module expand of the segmented kernels == the CPU grouped path,
+    for interleaved rows of three slots and rows of none."""
+    import numpy as np
+
+    from worker.engine.lora.batch import LoRABatch
+    from worker.engine.lora.weights import LoRAGroup
+
+    g = torch.Generator().manual_seed(0)
+    slots, rank, k, outs = 3, 8, 40, (24, 8, 8)
+    group = LoRAGroup(("q_proj", "k_proj", "v_proj"), ((0, 24), (24, 32), (32, 40)),
+                      (0.3 * torch.randn(slots, 3 * rank, k, generator=g)).to(dtype),
+                      (0.3 * torch.randn(slots, sum(outs), rank, generator=g)).to(dtype), rank)
+    token_slots = np.array([2, 2, -1, 0, 1, 1, 1, -1, 0, 2] + [1] * 19, dtype=np.int64)
+    x = torch.randn(len(token_slots), k, generator=g).to(dtype)
+    y0 = torch.randn(len(token_slots), sum(outs), generator=g).to(dtype)
+    want, got = y0.clone(), y0.clone()
+    LoRABatch.build(token_slots, torch.device("cpu"), use_triton=False).apply(x, want, group)
+    LoRABatch.build(token_slots, torch.device("cpu"), use_triton=True).apply(x, got, group)
+    base_rows = token_slots < 0
+    assert torch.equal(got[base_rows], y0[base_rows])
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+def test_lora_static_batch_for_graphs_matches_torch():
+    """The CUDA-graph batch (fixed buffers, a segment per slot, empty ones included,
+    padding rows) refilled for two different steps == the CPU grouped path, for a
+    projection group and the input embedding's gather."""
+    import numpy as np
+
+    from worker.engine.lora.batch import LoRABatch
+    from worker.engine.lora.weights import EmbeddingLoRA, LoRAGroup
+
+    g = torch.Generator().manual_seed(1)
+    slots, rank, k, vocab, bs = 4, 8, 32, 50, 12
+    group = LoRAGroup(("gate_proj", "up_proj"), ((0, 20), (20, 40)), 0.3 * torch.randn(slots, 2 * rank, k, generator=g),
+                      0.3 * torch.randn(slots, 40, rank, generator=g), rank)
+    emb = EmbeddingLoRA(0.3 * torch.randn(slots, vocab, rank, generator=g),
+                        0.3 * torch.randn(slots, k, rank, generator=g), rank)
+    static = LoRABatch.static(bs, slots, torch.device("cpu"))
+    for step in (np.array([3, -1, 0, 3, 3, -1, 0], dtype=np.int64), np.array([1] * 9 + [-1, 2], dtype=np.int64)):
+        x = torch.randn(bs, k, generator=g)
+        ids = torch.randint(0, vocab, (bs,), generator=g)
+        want_y, want_h = torch.randn(bs, 40, generator=g), torch.randn(bs, k, generator=g)
+        got_y, got_h = want_y.clone(), want_h.clone()
+        n = len(step)
+        eager = LoRABatch.build(step, torch.device("cpu"), use_triton=False)
+        eager.apply(x[:n], want_y[:n], group)
+        eager.apply_embedding(ids[:n], want_h[:n], emb)
+        static.fill(step)
+        static.apply(x, got_y, group)
+        static.apply_embedding(ids, got_h, emb)
+        torch.testing.assert_close(got_y, want_y, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,head_dim,lens", [
+    (torch.float32, 80, [7, 0, 130, 64, 1]),   # padded head dim, an empty sequence, > one q-block and key tile
+    (torch.bfloat16, 64, [16, 49]),
+    (torch.float16, 32, [200]),
+])
+def test_varlen_attention_matches_per_sequence_sdpa(dtype, head_dim, lens):
+    """The vision towers' attention: each packed sequence attends within itself, non-causal;
+    q/k/v are strided views of one fused QKV projection, as the tower passes them."""
+    torch.manual_seed(sum(lens))
+    heads = 3
+    total = sum(lens)
+    qkv = torch.randn(total, 3, heads, head_dim).to(dtype)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    scale = head_dim ** -0.5
+    got = _ops().varlen_attention(q, k, v, cu, scale)
+    ref = torch.zeros(total, heads, head_dim)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b > a:
+            qs, ks, vs = (t[a:b].float().transpose(0, 1) for t in (q, k, v))
+            ref[a:b] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert (got.float() - ref).abs().max() < TOL[dtype] * 4
+    # a wrong boundary is caught: the same tokens as one sequence differ
+    if len(lens) > 1:
+        merged = _ops().varlen_attention(q, k, v, torch.tensor([0, total], dtype=torch.int32), scale)
+        assert (merged.float() - ref).abs().max() > 0.05
