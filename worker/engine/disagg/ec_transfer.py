@@ -34,7 +34,6 @@ back to the item's pixels when the request carries them, else fails the request
 """
 from __future__ import annotations
 
-import json
 import queue
 import threading
 from collections import OrderedDict
@@ -48,6 +47,7 @@ from common.errors import BadRequest
 from common.logging import get_logger
 from common.multimodal import client_hash
 from common.protocol import MultiModalItem
+from worker.engine.disagg.connector_config import parse_connector_config
 from worker.engine.disagg.kv_transfer import PULL_TIMEOUT_S, TransferError, ask, is_int
 from worker.engine.multimodal.images import REMOTE
 
@@ -64,24 +64,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def parse_ec_transfer_config(text: Optional[str]) -> Optional[str]:
-    """``--ec-transfer-config`` (vLLM's JSON) -> its ec_role, or None without one;
-    ValueError for a connector or role this worker does not serve."""
-    if not text:
-        return None
-    try:
-        cfg = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--ec-transfer-config: not JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError("--ec-transfer-config: expected a JSON object")
-    connector, role = cfg.get("ec_connector"), cfg.get("ec_role")
-    if connector != CONNECTOR:
-        raise ValueError(f"--ec-transfer-config: ec_connector {connector!r} is not supported; encoder outputs move "
-                         f"over the workers' own transfer servers, in {CONNECTOR}'s ec_transfer_params form "
-                         f"(use \"ec_connector\": \"{CONNECTOR}\")")
-    if role not in ROLES:
-        raise ValueError(f"--ec-transfer-config: ec_role must be one of {', '.join(ROLES)}, got {role!r}")
-    return role
+    """``--ec-transfer-config`` (vLLM's JSON) -> its ec_role, or None without one."""
+    return parse_connector_config(text, "ec", CONNECTOR, ROLES, "encoder outputs")
 
 
 # --- producer ------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ request id: the release runs on the engine thread (``KvTransferComponent.tick``)
 """
 from __future__ import annotations
 
-import json
 import queue
 import socket
 import threading
@@ -48,6 +47,7 @@ import zmq
 from common.errors import BadRequest
 from common.logging import RateLimitedLog, get_logger
 from worker.engine.disagg import transfer_auth
+from worker.engine.disagg.connector_config import parse_connector_config
 log = get_logger("tokserve.kv_transfer")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:*"
@@ -77,24 +77,8 @@ ENABLE_HINT = ("start it with --kv-transfer-config '{\"kv_connector\": \"NixlCon
 
 
 def parse_kv_transfer_config(text: Optional[str]) -> Optional[str]:
-    """``--kv-transfer-config`` (vLLM's JSON) -> its kv_role, or None without one;
-    ValueError for a connector or role this worker does not serve."""
-    if not text:
-        return None
-    try:
-        cfg = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--kv-transfer-config: not JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError("--kv-transfer-config: expected a JSON object")
-    connector, role = cfg.get("kv_connector"), cfg.get("kv_role", "kv_both")
-    if connector != KV_CONNECTOR:
-        raise ValueError(f"--kv-transfer-config: kv_connector {connector!r} is not supported; KV blocks move over "
-                         f"the workers' own transfer servers in {KV_CONNECTOR}'s kv_transfer_params form "
-                         f"(use \"kv_connector\": \"{KV_CONNECTOR}\")")
-    if role not in KV_ROLES:
-        raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
-    return role
+    """``--kv-transfer-config`` (vLLM's JSON) -> its kv_role (default kv_both), or None without one."""
+    return parse_connector_config(text, "kv", KV_CONNECTOR, KV_ROLES, "KV blocks", default_role="kv_both")
 
 
 # --- kv_transfer_params ------------------------------------------------------------------
