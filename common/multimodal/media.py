@@ -377,24 +377,34 @@ def image_size(data: bytes) -> tuple[int, int]:
     ``open`` is lazy).  The size is before EXIF orientation, which may swap the sides:
     everything the gateway derives from it (pixel count, patch grid size, placeholder
     count) is the same either way."""
-    try:
-        with Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS) as image:
-            return image.size
-    except Image.DecompressionBombError as e:
-        raise MediaError(f"Failed to load image: {e}") from e
-    except Image.UnidentifiedImageError as e:
-        raise MediaError(_UNIDENTIFIED) from e
-    except (OSError, SyntaxError, ValueError) as e:
-        raise MediaError(f"Failed to load image: {e}") from e
+    with _pillow_errors(), Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS) as image:
+        return image.size
 
 
 _UNIDENTIFIED = ("Failed to load image: cannot identify image file (not an image in a format Pillow reads, "
                  "e.g. PNG, JPEG, GIF, BMP, WebP)")
 
 
+@contextlib.contextmanager
+def _pillow_errors():
+    """Pillow's exceptions as MediaErrors (400s) that say what they mean."""
+    try:
+        yield
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise MediaError(f"Failed to load image: {e}") from e
+    except Image.UnidentifiedImageError as e:
+        # Pillow names the in-memory file by its repr (an object address): say what it means.
+        raise MediaError(_UNIDENTIFIED) from e
+    except (OSError, SyntaxError, ValueError) as e:
+        # Pillow raises SyntaxError/ValueError from some truncated/corrupt files.
+        raise MediaError(f"Failed to load image: {e}") from e
+
+
 def decode_image_bytes(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Decode encoded image bytes as vLLM's ``ImageMediaIO.load_bytes`` + RGB mode."""
-    try:
+    with _pillow_errors():
         image = Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS)
         # Header-only so far: refuse bombs before any pixel is decoded.
         w, h = image.size
@@ -407,16 +417,6 @@ def decode_image_bytes(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
             image = ImageOps.exif_transpose(image)
         image.load()
         return _to_rgb(image)
-    except MediaError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise MediaError(f"Failed to load image: {e}") from e
-    except Image.UnidentifiedImageError as e:
-        # Pillow names the in-memory file by its repr (an object address): say what it means.
-        raise MediaError(_UNIDENTIFIED) from e
-    except (OSError, SyntaxError, ValueError) as e:
-        # Pillow raises SyntaxError/ValueError from some truncated/corrupt files.
-        raise MediaError(f"Failed to load image: {e}") from e
 
 
 def _to_rgb(image: Image.Image, background=(255, 255, 255)) -> Image.Image:
