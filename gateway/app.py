@@ -74,7 +74,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
     abort = AbortResource(state)
-    app.add_route("/inference/v1/generate", GenerateResource(state))
+    app.add_route("/inference/v1/generate", GenerateResource(state, renderer))
     app.add_route("/inference/v1/abort_requests", abort)
     if settings.enable_rl:
         rl.add_routes(app, state)  # its /abort_requests also takes the legacy {"request_ids": [...]}

@@ -92,7 +92,10 @@ class HttpGenerateRequest(msgspec.Struct):
     request_id: Optional[str] = None
     model: Optional[str] = None
     return_token_ids: Optional[bool] = None
-    output_mode: Literal["tokens", "text"] = "tokens"
+    output_mode: Literal["tokens", "text", "derender"] = "tokens"
+    # vLLM 0.33: the chat context /v1/chat/completions/render returns, read only in derender
+    # mode; kept as JSON and checked by gateway/generate_api/parse_context.py.
+    parse_context: Optional[JsonObject] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     cache_salt: Optional[str] = None
@@ -242,6 +245,7 @@ class GenerateResponse(msgspec.Struct):
     kv_transfer_params: Optional[Any]
     ec_transfer_params: Optional[Any]
     output_mode: str
+    # TokensChoice, TextChoice or (derender) gateway/generate_api/derender_output.py's DerenderChoice
     choices: list[Union[TokensChoice, TextChoice]]
 
 

@@ -16,6 +16,7 @@ import msgspec
 from common.errors import BadRequest, NotFound, Overloaded, ServingError
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingParams
+from gateway.generate_api import parse_context as parse_ctx
 from gateway.generate_api import unserved_fields
 from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
 
@@ -40,6 +41,12 @@ class MappedRequest:
     # {"image": [{"offset", "length"}, ...]} for a request with images (gateway/multimodal.py)
     mm_placeholders: Optional[dict] = None
     kv_block_size: int = 16  # the workers' block size: image prompts' routing keys are recomputed with it
+    # output_mode "derender": the request's parse_context (None when it sent none)
+    parse_context: Optional[parse_ctx.ParseContext] = None
+
+    @property
+    def derender(self) -> bool:
+        return self.http.output_mode == "derender"
 
 
 def base_model_names(info: ModelInfo, served_model_names: list[str]) -> list[str]:
@@ -112,6 +119,10 @@ def routing_hashes(http: HttpGenerateRequest, cluster: ClusterInfo, info: ModelI
 def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: ClusterInfo, info: ModelInfo,
                 *, served_model_names: list[str], arrival_time: Optional[float] = None) -> MappedRequest:
     """``headers`` must be a lower-case keyed mapping."""
+    # vLLM's GenerateRequest model validators, before anything else.
+    if http.output_mode == "derender" and http.sampling_params.detokenize is False:
+        raise BadRequest("output_mode='derender' requires sampling_params.detokenize to be true", "output_mode")
+    context = parse_ctx.read(http.parse_context, http.output_mode)
     lora_name = check_model(http.model, info, served_model_names, cluster.lora_adapters)
     unserved_fields.refuse_unserved(http)
     params = to_sampling_params(http.sampling_params)
@@ -123,7 +134,7 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         params=params,
         priority=http.priority,
         cache_salt=http.cache_salt,
-        output_text=http.output_mode == "text",
+        output_text=http.output_mode != "tokens",  # derender parses the workers' text
         data_parallel_rank=data_parallel_rank(headers, cluster),
         session_id=headers.get("x-session-id") or None,
         kv_transfer_params=http.kv_transfer_params,
@@ -144,6 +155,7 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
         include_usage=include_usage,
         continuous_usage=include_usage and bool(opts.continuous_usage_stats),
         kv_block_size=info.kv_block_size,
+        parse_context=context,
     )
 
 

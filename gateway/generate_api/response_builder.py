@@ -14,7 +14,7 @@ from typing import Optional
 import msgspec
 
 from common.protocol import CompletionDelta, SpecDecodeStats
-from gateway.generate_api import logprobs_format
+from gateway.generate_api import derender_output, logprobs_format
 from gateway.generate_api.protocol import (
     GenerateResponse,
     Logprobs,
@@ -173,11 +173,15 @@ class ResponseAccumulator:
     """Collects every delta of a non-stream request and renders the final JSON body
     (the relay's ``BodyFormatter`` for /generate)."""
 
-    def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions()):
+    def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions(),
+                 derender: Optional[derender_output.DerenderSetup] = None):
         self.mapped = mapped
         self.facts = _RequestFacts(mapped, options.spec_decode_metrics, options.timing_metrics)
         self.details = options.prompt_tokens_details
         self.options = options
+        # output_mode "derender": the parsing of the choices' text (derender_output.setup)
+        self.derender = derender if derender is not None else (
+            derender_output.DerenderSetup(derender_output.ChatParsing()) if mapped.derender else None)
         n = mapped.wire.params.n
         self.masks: list[Optional[list[list[int]]]] = [None] * n
         self.routed: list[Optional[str]] = [None] * n
@@ -196,9 +200,14 @@ class ResponseAccumulator:
         self.token_ids[i].extend(delta.token_ids)
         if delta.text:
             self.texts[i].append(delta.text)
-        lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode)
-        if lp is not None:
-            self.logprobs[i].extend(lp.content)
+        if self.derender is not None:  # chat logprobs, as /v1/chat/completions cuts them
+            from gateway.openai_api.chat_facade import chat_logprobs
+
+            self.logprobs[i].extend(chat_logprobs(delta, self.mapped.wire.params.logprobs) or ())
+        else:
+            lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode)
+            if lp is not None:
+                self.logprobs[i].extend(lp.content)
         if delta.sampling_mask is not None and self.options.sampling_mask:
             self.masks[i] = (self.masks[i] or []) + delta.sampling_mask
         if self.options.routed_experts and delta.routed_experts is not None:
@@ -220,8 +229,12 @@ class ResponseAccumulator:
                 routed_experts=self.routed[i],
                 sampling_mask=self.masks[i],
                 weight_versions=self.versions[i] if self.finish[i] else [],
-                logprobs=Logprobs(content=self.logprobs[i]) if want_lp else None,
             )
+            if self.derender is not None:
+                choices.append(derender_output.choice(fields, "".join(self.texts[i]),
+                                                      self.logprobs[i] if want_lp else None, self.derender))
+                continue
+            fields["logprobs"] = Logprobs(content=self.logprobs[i]) if want_lp else None
             choices.append(TextChoice(text="".join(self.texts[i]), **fields) if m.text_mode else TokensChoice(**fields))
         completion = sum(len(ids) for ids in self.token_ids)
         first = facts.first_delta

@@ -14,6 +14,7 @@ from typing import Optional, Union
 from common.errors import BadRequest
 from gateway.chat.jinja_env import RenderLimits
 from gateway.chat.template import ChatTemplate, ChatTemplateError
+from gateway.generate_api import parse_context as parse_ctx
 from gateway.multimodal import expand_image_placeholders
 from gateway.openai_api import sampling
 from gateway.openai_api.chat_output import ChatParsing
@@ -61,7 +62,8 @@ def base_request_id(header_id: Optional[str], body_id: Optional[str]) -> str:
 
 def _generate_request(request_id: str, token_ids: list[int], params: dict,
                       request: Union[ChatCompletionRequest, CompletionRequest], *,
-                      reasoning_ended: Optional[bool] = None, reasoning_kwargs: Optional[dict] = None) -> dict:
+                      reasoning_ended: Optional[bool] = None, reasoning_kwargs: Optional[dict] = None,
+                      parse_context: Optional[dict] = None) -> dict:
     """vLLM GenerateRequest.model_dump(): every field, in its order."""
     stream_options = None
     if request.stream and request.stream_options is not None:
@@ -72,7 +74,8 @@ def _generate_request(request_id: str, token_ids: list[int], params: dict,
         "content_parts": None, "sampling_params": params, "model": request.model,
         "reasoning_ended": reasoning_ended,
         "reasoning_parser_kwargs": {"chat_template_kwargs": reasoning_kwargs} if reasoning_kwargs is not None else None,
-        "return_token_ids": None, "output_mode": "tokens", "stream": bool(request.stream),
+        "return_token_ids": None, "output_mode": "tokens", "parse_context": parse_context,
+        "stream": bool(request.stream),
         "stream_options": stream_options, "cache_salt": request.cache_salt, "priority": request.priority,
         "kv_transfer_params": request.kv_transfer_params, "ec_transfer_params": request.ec_transfer_params,
     }
@@ -212,7 +215,8 @@ class Renderer:
                 if request.include_reasoning:
                     reasoning_ended = not reasoning_open
         generate = _generate_request(f"chatcmpl-{base_id}", ids, params, request, reasoning_ended=reasoning_ended,
-                                     reasoning_kwargs=reasoning_kwargs)
+                                     reasoning_kwargs=reasoning_kwargs,
+                                     parse_context=parse_ctx.from_chat(request, kwargs))
         if image_urls:
             generate["content_parts"] = image_urls
         last = request.messages[-1] if isinstance(request.messages[-1], dict) else {}

@@ -6,9 +6,10 @@ import time
 
 import falcon
 
-from common.errors import ServingError
+from common.errors import BadRequest, ServingError
 from common.validation import validate_request
 from gateway.body import decode_json, is_json, read_body
+from gateway.generate_api import derender_output
 from gateway.generate_api.protocol import generate_request_decoder
 from gateway.generate_api.request_mapping import check_encodable, cluster_for, map_request
 from gateway.generate_api.response_builder import ResponseAccumulator, ResponseOptions, StreamChunker
@@ -18,8 +19,11 @@ from gateway.state import GatewayState
 
 
 class GenerateResource:
-    def __init__(self, state: GatewayState):
+    def __init__(self, state: GatewayState, renderer=None):
         self.state = state
+        # The gateway's text side (gateway/openai_api/render.py; None without --tokenizer):
+        # its reasoning / tool-call parsers parse output_mode "derender" output.
+        self.renderer = renderer
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         arrival = time.time()
@@ -33,7 +37,19 @@ class GenerateResource:
         cluster = await cluster_for(self.state, http.model)
         mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                              arrival_time=arrival)
+        derender = None
+        if mapped.derender:
+            if s.tokens_only or not cluster.model.has_tokenizer:
+                raise BadRequest("output_mode='derender' requires a tokenizer, but this server does not load one "
+                                 "(--tokens-only or --skip-tokenizer-init). Send the request to a server that "
+                                 "loads a tokenizer, or use output_mode='tokens'.", "output_mode")
+            derender_output.check(mapped.stream, mapped.parse_context, self.renderer)
         validate_request(mapped.wire, cluster.model, tokens_only=s.tokens_only, stream=mapped.stream)
+        if mapped.derender:
+            # Decodes the prompt (where generation starts inside reasoning): off the event loop.
+            args = (mapped.parse_context, self.renderer, http.token_ids, cluster.model.max_model_len)
+            pool = self.state.render_pool
+            derender = await pool.run(derender_output.setup, *args) if pool else derender_output.setup(*args)
         await attach_images(mapped, self.state.image, s)  # after the cheap checks
         if s.tokens_only:
             mapped.wire.params.detokenize = False  # after validation, as vLLM's --tokens-only does
@@ -45,5 +61,5 @@ class GenerateResource:
                                   sampling_mask=s.return_sampling_mask,
                                   spec_decode_metrics=s.per_request_spec_decode_metrics,
                                   timing_metrics=s.enable_per_request_metrics)
-        formatter = StreamChunker(mapped, details) if mapped.stream else ResponseAccumulator(mapped, details)
+        formatter = StreamChunker(mapped, details) if mapped.stream else ResponseAccumulator(mapped, details, derender)
         await respond(resp, [run], formatter, mapped.stream)

@@ -290,10 +290,11 @@ VLLM_SAMPLING_FIELDS = {
     "logit_bias", "allowed_token_ids", "extra_args", "bad_words", "skip_reading_prefix_cache",
     "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start", "trace_decode_token_ids",
 }
-# vLLM 0.32 GenerateRequest's fields (token_in_token_out/protocol.py).
+# vLLM GenerateRequest's fields (token_in_token_out/protocol.py; parse_context: 0.33).
 VLLM_REQUEST_FIELDS = {
     "request_id", "token_ids", "token_offsets", "features", "content_parts", "sampling_params", "model",
-    "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "output_mode", "stream", "stream_options",
+    "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "output_mode", "parse_context", "stream",
+    "stream_options",
     "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
 }
 

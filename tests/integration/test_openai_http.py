@@ -423,3 +423,130 @@ def test_facade_returns_prompt_logprobs(stack):
     assert cplp[0] is None and len(cplp) == comp["usage"]["prompt_tokens"] and all(len(e) == 1 for e in cplp[1:])
     assert httpx.post(plain.url + "/v1/completions", timeout=60,
                       json={"prompt": "Hi", "max_tokens": 2}).json()["choices"][0]["prompt_logprobs"] is None
+
+
+# ---------------------------------------------------------------- generate output_mode "derender" (vLLM 0.33)
+DERENDER_CHAT = {"messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 12, "logprobs": True,
+                 "top_logprobs": 2, "allowed_token_ids": PRINTABLE["allowed_token_ids"]}
+
+
+def test_chat_render_returns_parse_context(stack):
+    _, _, parsed, _ = stack
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call-2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call-2", "content": "rain"}]
+    chat = {"messages": history, "tools": TOOLS, "parallel_tool_calls": False,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat)
+    assert r.status_code == 200, r.text
+    gen = r.json()
+    keys = list(gen)
+    assert keys.index("output_mode") + 1 == keys.index("parse_context")  # vLLM's field order
+    assert gen["parse_context"] == {
+        "tools": [{"type": "function", "function": TOOLS[0]["function"]}], "tool_choice": "auto",
+        "parallel_tool_calls": False, "include_reasoning": True,
+        "chat_template_kwargs": {"enable_thinking": False}, "history_tool_call_cnt": 2}
+    plain = httpx.post(parsed.url + "/v1/chat/completions/render", json={"messages": MESSAGES}).json()
+    assert plain["parse_context"] == {"tools": None, "tool_choice": "none", "parallel_tool_calls": True,
+                                      "include_reasoning": True, "chat_template_kwargs": {},
+                                      "history_tool_call_cnt": 0}
+    completion = httpx.post(parsed.url + "/v1/completions/render", json={"prompt": "hi"}).json()
+    assert completion[0]["parse_context"] is None
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_generate_derender_equals_chat_completions(stack, thinking):
+    """The rendered request sent back with output_mode "derender": the choices carry the
+    assistant message /v1/chat/completions answers (content, reasoning, tool_calls), chat
+    logprobs and its finish_reason; token_ids stay."""
+    _, _, parsed, _ = stack
+    chat = dict(DERENDER_CHAT, chat_template_kwargs={"enable_thinking": thinking})
+    gen = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat).json()
+    out = _generate(parsed, dict(gen, output_mode="derender"))
+    facade = httpx.post(parsed.url + "/v1/chat/completions", json=chat, timeout=120).json()
+    assert out["output_mode"] == "derender" and out["request_id"] == "generate-tokens-" + gen["request_id"]
+    choice, want = out["choices"][0], facade["choices"][0]
+    assert list(choice) == ["index", "finish_reason", "stop_reason", "token_ids", "routed_experts", "sampling_mask",
+                            "weight_versions", "message", "logprobs"]
+    for key in ("role", "content", "reasoning", "tool_calls"):
+        assert choice["message"].get(key) == want["message"].get(key), key
+    assert bool(choice["message"]["reasoning"]) is thinking
+    assert choice["logprobs"] == want["logprobs"]
+    entry = choice["logprobs"]["content"][0]
+    assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+    assert choice["finish_reason"] == want["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 12
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == facade["usage"][key], key
+    # Tokens mode ignores parse_context; text mode's text is what the message was parsed from.
+    text = _generate(parsed, dict(gen, output_mode="text"))["choices"][0]
+    assert text["token_ids"] == choice["token_ids"] and "message" not in text
+    assert (choice["message"]["reasoning"] or "") + (choice["message"]["content"] or "") in text["text"]
+
+
+def test_generate_derender_hides_metadata_with_reasoning_hidden(stack):
+    _, _, parsed, _ = stack
+    chat = dict(DERENDER_CHAT, include_reasoning=False)
+    gen = httpx.post(parsed.url + "/v1/chat/completions/render", json=chat).json()
+    assert gen["parse_context"]["include_reasoning"] is False
+    choice = _generate(parsed, dict(gen, output_mode="derender"))["choices"][0]
+    facade = httpx.post(parsed.url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]
+    assert choice["message"]["reasoning"] is None and facade["message"]["reasoning"] is None
+    assert choice["message"]["content"] == facade["message"]["content"]
+    assert choice["logprobs"] is None and choice["token_ids"] is None and choice["sampling_mask"] is None
+    # Shown again with include_reasoning on.
+    gen["parse_context"]["include_reasoning"] = True
+    shown = _generate(parsed, dict(gen, output_mode="derender"))["choices"][0]
+    assert shown["message"]["reasoning"] and shown["logprobs"] is not None and len(shown["token_ids"]) == 12
+
+
+def test_generate_derender_without_parser_is_the_text(stack):
+    """A gateway with no reasoning / tool parser needs no parse_context: the content is the text."""
+    _, _, _, plain = stack
+    gen = httpx.post(plain.url + "/v1/chat/completions/render",
+                     json={"messages": MESSAGES, "temperature": 0, "max_tokens": 8, **PRINTABLE}).json()
+    text = _generate(plain, dict(gen, output_mode="text"))["choices"][0]["text"]
+    del gen["parse_context"]
+    msg = _generate(plain, dict(gen, output_mode="derender"))["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == text and msg["reasoning"] is None
+
+
+def test_generate_derender_errors(stack):
+    _, _, parsed, plain = stack
+    gen = httpx.post(parsed.url + "/v1/chat/completions/render",
+                     json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4}).json()
+
+    def post(gw, body):
+        return httpx.post(gw.url + GENERATE, json=body, timeout=120)
+
+    r = post(parsed, dict(gen, output_mode="derender", stream=True))
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "output_mode='derender' does not support stream=true.", r.text
+    r = post(parsed, dict(gen, output_mode="derender", parse_context=None))
+    assert r.status_code == 400 and "requires parse_context on a server with a tool or reasoning parser" in r.text
+    r = post(parsed, dict(gen, output_mode="derender", sampling_params=dict(gen["sampling_params"], detokenize=False)))
+    assert r.status_code == 400
+    assert "output_mode='derender' requires sampling_params.detokenize to be true" in r.json()["error"]["message"]
+    # Fields from a newer /render: refused where they would be read, ignored elsewhere.
+    newer = dict(gen["parse_context"], zeta=1, alpha={"x": 1})
+    r = post(parsed, dict(gen, output_mode="derender", parse_context=newer))
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "Unknown parse_context fields ['alpha', 'zeta']; the render server is newer than this generate server")
+    for mode in ("tokens", "text"):
+        assert post(parsed, dict(gen, output_mode=mode, parse_context=newer)).status_code == 200, mode
+        assert post(parsed, dict(gen, output_mode=mode, parse_context=newer, stream=True)).status_code == 200
+    # Known fields are type-checked in every mode.
+    for mode in ("tokens", "derender"):
+        bad = dict(gen["parse_context"], include_reasoning="yes")
+        r = post(parsed, dict(gen, output_mode=mode, parse_context=bad))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "parse_context.include_reasoning", r.text
+        r = post(parsed, dict(gen, output_mode=mode, parse_context=dict(gen["parse_context"],
+                                                                        history_tool_call_cnt=-1)))
+        assert r.status_code == 400 and "history_tool_call_cnt" in r.text
+    named = dict(gen["parse_context"], tool_choice={"type": "function", "function": {"name": "nope"}})
+    r = post(parsed, dict(gen, output_mode="derender", parse_context=named))
+    assert r.status_code == 400 and "does not match any of the specified `tools`" in r.text
+    assert post(parsed, dict(gen, output_mode="bogus")).status_code == 400
