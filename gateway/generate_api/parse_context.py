@@ -14,6 +14,7 @@ prefill leg unchanged.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Optional, Union
 
 import msgspec
@@ -22,6 +23,8 @@ from typing_extensions import Annotated
 from common.errors import BadRequest
 
 JsonObject = dict[str, Any]
+log = logging.getLogger("tokserve.gateway")
+_warned: set[tuple[tuple[str, ...], str]] = set()  # vLLM's warning_once
 
 
 class ToolFunction(msgspec.Struct):
@@ -81,8 +84,14 @@ def read(raw: Optional[JsonObject], output_mode: str) -> Optional[ParseContext]:
         raise BadRequest(message, param) from None
     unknown = sorted(k for k in raw if k not in FIELDS)
     if unknown and output_mode == "derender":
-        raise BadRequest(f"Unknown parse_context fields {unknown}; the render server is newer than this "
-                         "generate server", "parse_context")
+        message = f"Unknown parse_context fields {unknown}; the render server is newer than this generate server"
+        if len(message) > 1000:  # vLLM's validation handler bounds each error at 1000 characters
+            message = message[:1000] + "...[truncated]"
+        raise BadRequest(message, "parse_context")
+    names = tuple(repr(k[:64]) for k in unknown[:8])  # client-chosen: bounded in the log
+    if names and len(_warned) < 64 and (names, output_mode) not in _warned:
+        _warned.add((names, output_mode))
+        log.warning("Ignoring unknown parse_context fields %s at output_mode=%r", ", ".join(names), output_mode)
     return ctx
 
 
