@@ -3,15 +3,18 @@
 Owns what the broker checks before a request exists: it decodes (a well-framed
 request with a bad field gets a 400, not a hang), its id is not already in flight,
 and its transfer parameters name only this cluster's workers (the transfer-peer
-check, common/transfer_peers.py).  It then builds the Entry with the routing keys
-the policy uses, plans legs (broker/legs.py), adds it to the table and assigns it.
+check, common/transfer_peers.py), and no user pause in abort / wait mode holds (a
+retryable 503, vLLM 0.33's paused-engine rejection; broker/control.py).  It then
+builds the Entry with the routing keys the policy uses, plans legs (broker/legs.py),
+adds it to the table and assigns it.
 """
 from __future__ import annotations
 
 import msgspec
 
+from broker.control import PAUSED_MESSAGE
 from broker.legs import Legs
-from broker.requests import Entry, RequestTable
+from broker.requests import E_OVERLOADED, Entry, RequestTable
 from broker.router import Router
 from broker.settings import BrokerConfig
 from broker.workers import WorkerRegistry
@@ -48,6 +51,9 @@ class Admission:
         if vetted is None:
             return
         req, body = vetted
+        if self.router.control.rejecting:  # after validation, as vLLM's engine rejects once the API server took it
+            table.error(client, rid, 503, PAUSED_MESSAGE, E_OVERLOADED)
+            return
         session = req.session_id if self.cfg.routing != "least-loaded" else None
         entry = Entry(rid, client, body, max(1, req.params.n), req.data_parallel_rank, session, req.lora_name,
                       prefix_hashes=req.prefix_hashes if self.cfg.routing == "cache-aware" else None)

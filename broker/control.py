@@ -6,8 +6,15 @@ The broker answers some commands itself from what it knows (is_paused, abort of
 requests across all clients, weight_info, get_world_size) and keeps the pool's
 state that outlives any one worker:
 
-* paused: no request is dispatched while set; new ones wait in the pending queue
-  (bounded by max_pending) instead of being refused;
+* paused: no request is dispatched while set.  As vLLM 0.33 (EngineCoreProc
+  ``pause_generation`` / ``_reject_add_while_paused``): after ``pause`` in ``abort``
+  or ``wait`` mode (``rejecting``) a new request is refused at admission with a
+  retryable 503 (``PAUSED_MESSAGE``, ServiceUnavailableError) until ``resume`` (or a
+  full ``wake_up``); after ``pause`` in ``keep`` mode, and during ``sleep`` (which
+  leaves that policy as it was), new ones wait in the pending queue (bounded by
+  max_pending).  Requests admitted before the pause are not refused: ``abort`` (of
+  ``pause`` or ``sleep``) ends them, the queued ones here included (vLLM aborts its
+  waiting queue too); ``wait`` and ``keep`` keep the queued ones for after the resume;
 * the pool's weight version, and how to rebuild it: the checkpoint folders of the
   disk updates since start (``lineage``), or None once weights came over the wire.
   A worker that registers with another version is held out of dispatch ("stale");
@@ -83,6 +90,9 @@ _UNDO_PAUSING = {"pause": "resume", "sleep": "wake_up"}
 _SURVIVABLE = ("resume", "wake_up", "update_weight_version")
 # worker/control.py's modes, checked here too so that a bad one is refused before dispatch stops.
 PAUSE_MODES = ("abort", "wait", "keep")
+# vLLM 0.33's RequestError(code="engine_paused", retryable=True) for a request added while a user
+# pause in abort / wait mode holds (vllm/v1/engine/core.py ``_reject_add_while_paused``): HTTP 503.
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 
 
 @dataclass(eq=False)
@@ -104,6 +114,7 @@ class ControlPlane:
     def __init__(self, broker):
         self.broker = broker
         self.paused = False
+        self.rejecting = False  # paused by pause(abort | wait): new requests get 503 (PAUSED_MESSAGE)
         self.pool_version: Optional[str] = None  # None until an update names one
         self.lineage: Optional[list[str]] = []  # disk updates since start; None: not reproducible
         self._update_paths: Optional[list[str]] = []  # of the pool-wide update in progress
@@ -146,8 +157,8 @@ class ControlPlane:
             return
         on_done = None
         if req.op in _PAUSING:
-            on_done = self._pausing_done(self.paused)
-            self.paused = True
+            on_done = self._pausing_done(self.paused, self.rejecting)
+            self._pausing(req)
         elif req.rank is None and req.op == "finish_weight_update":
             self._finish_update(client, req)
             return
@@ -219,19 +230,34 @@ class ControlPlane:
     def _live(self, identities) -> list:
         return sorted((w for i in identities if (w := self.broker.workers.get(i)) is not None), key=lambda w: w.rank)
 
+    def _pausing(self, req: ControlRequest) -> None:
+        """pause / sleep, as it starts (before the fan-out): dispatch stops; a pause in
+        abort / wait mode rejects new requests from now on (vLLM 0.33 ``pause_generation``,
+        ``keep`` queues them; sleep leaves the policy as it was); abort mode also ends the
+        requests queued here, as vLLM's pause aborts its waiting queue with the running."""
+        self.paused = True
+        mode = req.args.get("mode", "abort")
+        if req.op == "pause":
+            self.rejecting = mode != "keep"
+        if mode == "abort" and req.rank is None:
+            table = self.broker.table
+            table.abort_entries([e for e in table.pending if not e.done and not e.orphaned])
+
     # ------------------------------------------------- undoing failed commands
-    def _pausing_done(self, was_paused: bool) -> Callable:
+    def _pausing_done(self, was_paused: bool, was_rejecting: bool) -> Callable:
         """pause / sleep: a failure leaves dispatch as it was, and the ranks that did stop
         are put back first (resumed / woken), unless the pool was paused already."""
 
         def done(fan: Fanout, out: ControlReply) -> None:
+            if not out.ok:
+                self.rejecting = was_rejecting
             if out.ok or was_paused:
                 self._reply(fan.client, out)
                 return
             did = self._live(fan.done_ok)
 
             def restored(undo: Optional[Fanout], res: ControlReply) -> None:
-                self.paused = False
+                self.paused = self.rejecting = False
                 self.broker.router.dispatch_pending()
                 if not res.ok:
                     log.error("undoing a failed %s on ranks %s failed: %s", fan.req.op, [w.rank for w in did],
@@ -545,8 +571,8 @@ class ControlPlane:
         op, args = req.op, req.args
         fully_awake = op == "wake_up" and all(isinstance(r.result, dict) and r.result.get("fully_awake")
                                               for r in replies)
-        if op == "resume" or fully_awake:
-            self.paused = False
+        if op == "resume" or fully_awake:  # vLLM: wake_up resumes the scheduler, which ends rejecting too
+            self.paused = self.rejecting = False
             self.broker.router.dispatch_pending()
         elif op == "start_weight_update":
             self._update_paths, self._update_restarts = [], False

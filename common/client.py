@@ -249,7 +249,9 @@ class AsyncClient:
         return reply
 
     async def pause(self, mode: str = "abort", clear_cache: bool = True, **kw) -> None:
-        """Stop serving: ``abort`` in-flight requests, ``wait`` for them, or ``keep`` them frozen."""
+        """Stop serving: ``abort`` in-flight requests, ``wait`` for them, or ``keep`` them frozen.
+        After ``abort`` / ``wait`` new requests fail with a retryable 503 until ``resume``
+        (vLLM 0.33); after ``keep`` they wait in the broker and run on resume."""
         await self.control("pause", {"mode": mode, "clear_cache": clear_cache}, **kw)
 
     async def resume(self, **kw) -> None:

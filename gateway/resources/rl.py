@@ -1,4 +1,4 @@
-"""vLLM 0.32's RL and dev routes (``vllm/entrypoints/rl/online/api_router.py``,
+"""vLLM 0.33's RL and dev routes (``vllm/entrypoints/rl/online/api_router.py``,
 ``vllm/entrypoints/serve/dev/``), served across the whole worker pool.
 
 Same paths, parameters and response bodies as vLLM.  Each route is one CONTROL

@@ -262,8 +262,25 @@ def test_pause_keep_update_resume_splits_the_stream(pool, models, references):
     assert stream.tokens[boundary:] == cont
 
 
-def test_pause_abort_and_requests_sent_while_paused(pool, references):
-    _, _, http, client = pool
+PAUSED = "Generation is paused. Please retry after it resumes."  # vLLM 0.33 core.py _reject_add_while_paused
+
+
+def _assert_rejected_while_paused(http, client, broker):
+    """vLLM 0.33: a user pause in abort / wait mode refuses new requests with a retryable 503,
+    on the ZeroMQ wire and on the generation routes (the OpenAI ones share the relay)."""
+    with pytest.raises(RequestError) as err:
+        generate(client, PROMPTS[2], rank=None)
+    assert (err.value.status, err.value.type, err.value.message) == (503, "ServiceUnavailableError", PAUSED)
+    for n in (1, 2):  # vLLM rejects each child of an n>1 request (and reclaims the siblings): one 503
+        r = http.post(GENERATE, json={"token_ids": PROMPTS[2], "sampling_params": {"max_tokens": 3, "n": n}})
+        assert r.status_code == 503, r.text
+        assert r.json() == {"error": {"message": PAUSED, "type": "ServiceUnavailableError", "param": None,
+                                      "code": 503}}
+    assert cluster_info(broker.frontend).pending == 0  # refused, not queued
+
+
+def test_pause_abort_refuses_new_requests_until_resume(pool, references):
+    _, broker, http, client = pool
     client.control("update_weight_version", {"new_version": "A"})
     stream = _Stream(client, PROMPTS[0], 200)
     stream.start()
@@ -271,24 +288,68 @@ def test_pause_abort_and_requests_sent_while_paused(pool, references):
     assert http.post("/pause", params={"mode": "abort"}).json() == {"status": "paused"}
     stream.join(30)
     assert stream.deltas[-1].finish_reason == "abort" and len(stream.tokens) < 200
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    _assert_rejected_while_paused(http, client, broker)
+    assert http.post("/resume").json() == {"status": "resumed"}
+    assert generate(client, PROMPTS[2])[0] == references["A"][2]
+    r = http.post(GENERATE, json={"token_ids": PROMPTS[2], "sampling_params": {"max_tokens": 12, "temperature": 0,
+                                                                              "ignore_eos": True}})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == references["A"][2]
+
+
+def test_pause_keep_queues_new_requests_until_resume(pool, references):
+    _, broker, http, client = pool
+    assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
     waiting = _Stream(client, PROMPTS[2], 12, rank=None)
     waiting.start()
     time.sleep(0.5)
-    assert waiting.is_alive() and not waiting.tokens  # waits, is not rejected
-    assert cluster_info(pool[1].frontend).pending == 1
+    assert waiting.is_alive() and not waiting.tokens and waiting.error is None  # waits, is not rejected
+    assert cluster_info(broker.frontend).pending == 1
     assert http.post("/resume").json() == {"status": "resumed"}
     waiting.join(60)
     assert waiting.error is None and waiting.tokens == references["A"][2]
 
 
+def test_pause_keep_then_abort_ends_the_queued_requests(pool):
+    """A pause(abort) ends the requests queued by an earlier pause(keep), as vLLM's abort
+    empties its waiting queue; then new ones are refused."""
+    _, broker, http, client = pool
+    assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+    waiting = _Stream(client, PROMPTS[2], 12, rank=None)
+    waiting.start()
+    wait_for(lambda: cluster_info(broker.frontend).pending == 1, 10, "the request to queue")
+    assert http.post("/pause", params={"mode": "abort"}).json() == {"status": "paused"}
+    waiting.join(10)
+    assert not waiting.is_alive() and waiting.error is None and waiting.deltas[-1].finish_reason == "abort"
+    _assert_rejected_while_paused(http, client, broker)
+
+
+def test_sleep_queues_new_requests_and_wake_up_ends_a_refusing_pause(pool, references):
+    """vLLM 0.33: sleep pauses the scheduler without changing the refusal policy; wake_up
+    resumes it, refusing no more."""
+    _, broker, http, client = pool
+    assert http.post("/sleep", params={"level": 0}).json() == {"status": "sleeping", "level": 0}
+    waiting = _Stream(client, PROMPTS[2], 12, rank=None)
+    waiting.start()
+    wait_for(lambda: cluster_info(broker.frontend).pending == 1, 10, "the request to queue")
+    assert http.post("/wake_up").status_code == 200
+    waiting.join(60)
+    assert waiting.error is None and waiting.tokens == references["A"][2]
+    assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+    _assert_rejected_while_paused(http, client, broker)
+    assert http.post("/wake_up").status_code == 200
+    assert not client.is_paused() and generate(client, PROMPTS[2])[0] == references["A"][2]
+
+
 def test_pause_wait_returns_when_in_flight_requests_finished(pool):
-    _, _, http, client = pool
+    _, broker, http, client = pool
     stream = _Stream(client, PROMPTS[0], 60)
     stream.start()
     wait_for(lambda: stream.tokens, 30, "the stream to start")
     assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
     stream.join(5)
     assert not stream.is_alive() and stream.deltas[-1].finish_reason == "length" and len(stream.tokens) == 60
+    _assert_rejected_while_paused(http, client, broker)
 
 
 def test_abort_requests_aborts_everything(pool):

@@ -146,8 +146,9 @@ def _gen(client, rid, rank=None):
 
 
 def test_paused_broker_queues_up_to_its_bound(fake_pool):
+    """pause(keep): new requests wait in the broker (vLLM 0.33 refuses them only after abort / wait)."""
     procs, broker, client = fake_pool
-    client.pause("abort")
+    client.pause("keep")
     assert client.is_paused() and cluster_info(broker.frontend).paused
     results, errors = {}, {}
 
@@ -168,6 +169,29 @@ def test_paused_broker_queues_up_to_its_bound(fake_pool):
     for t in threads:
         t.join(10)
     assert len(results) == 3 and all(len(r) == 3 for r in results.values())
+
+
+def test_pause_wait_refuses_new_requests_and_keeps_the_queued_ones(fake_pool):
+    """vLLM 0.33: after pause(wait) a new request is refused (retryable 503); those queued
+    before it (here by an earlier pause(keep)) stay queued and run on resume."""
+    procs, broker, client = fake_pool
+    client.pause("keep")
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _gen(client, f"q{i}"))) for i in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: cluster_info(broker.frontend).pending == 2, 10, "two requests to queue")
+    client.pause("wait")
+    with pytest.raises(RequestError) as err:
+        _gen(client, "refused")
+    assert (err.value.status, err.value.type, err.value.message) == (
+        503, "ServiceUnavailableError", "Generation is paused. Please retry after it resumes.")
+    assert cluster_info(broker.frontend).pending == 2 and not results
+    client.resume()
+    for t in threads:
+        t.join(10)
+    assert len(results) == 2 and all(len(r) == 3 for r in results.values())
+    assert len(_gen(client, "after-resume")) == 3
 
 
 def test_restarted_worker_gets_the_pool_version_replayed(fake_pool):
