@@ -216,7 +216,11 @@ def responses_tools(tools: list) -> Optional[list[dict]]:
     return out or None
 
 
-def responses_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
+def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = False) -> ChatCompletionRequest:
+    """``auto_tools``: the server parses tool calls (--enable-auto-tool-choice with a
+    --tool-call-parser), so tool_choice ``auto`` reaches the chat render, whose parser
+    keeps its markers (vLLM's ``adjust_request``); without it the tools are still
+    rendered (vLLM's Responses render does not ask for the flag)."""
     if request.previous_response_id is not None:
         raise BadRequest("previous_response_id is not supported by the stateless render endpoint.",
                          "previous_response_id")
@@ -237,11 +241,10 @@ def responses_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     continue_final = _continue_final(request.input)
     effort = (request.reasoning or {}).get("effort") if isinstance(request.reasoning, dict) else None
     logprobs = bool(request.include and "message.output_text.logprobs" in request.include)
-    # The Responses render does not ask for --enable-auto-tool-choice (vLLM renders the
-    # tools whatever the flag): the tools reach the template, tool_choice stays unset.
+    tools = responses_tools(request.tools)
     return ChatCompletionRequest(
-        messages=responses_messages(request), model=request.model, tools=responses_tools(request.tools),
-        tool_choice=None, parallel_tool_calls=request.parallel_tool_calls, include_reasoning=request.include_reasoning,
+        messages=responses_messages(request), model=request.model, tools=tools,
+        tool_choice="auto" if tools and auto_tools and tool_choice == "auto" else None, parallel_tool_calls=request.parallel_tool_calls, include_reasoning=request.include_reasoning,
         reasoning_effort=effort, add_generation_prompt=not continue_final, continue_final_message=continue_final,
         chat_template_kwargs=request.chat_template_kwargs, max_completion_tokens=request.max_output_tokens,
         temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,

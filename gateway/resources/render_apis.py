@@ -23,7 +23,9 @@ class ResponsesRender(TextRoutes):
         request = await self.decode(req, responses_request_decoder)
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
-        chat = await self.offload(req, responses_chat_request, request)
+        options = self.renderer.options
+        chat = await self.offload(req, responses_chat_request, request,
+                                  auto_tools=options.enable_auto_tool_choice and bool(options.tool_call_parser))
         images = await load_chat_images(chat.messages, self.renderer.model.image, self.state.settings)
 
         def render() -> bytes:

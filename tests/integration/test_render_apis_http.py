@@ -93,6 +93,9 @@ def test_responses_render_equals_transformers(gw, hf, body, messages, tools):
     assert gen["sampling_params"]["max_tokens"] == 9 and gen["sampling_params"]["temperature"] == 0
     assert gen["reasoning_ended"] is None and gen["stream_options"] is None and gen["token_offsets"] is None
     assert gen["output_mode"] == "tokens" and gen["features"] is None
+    # With tools and tool_choice auto the hermes parser must see its tags (vLLM's adjust_request).
+    if tools:
+        assert gen["sampling_params"]["skip_special_tokens"] is False
 
 
 def test_responses_render_request_id_reasoning_effort_and_partial_message(gw, hf):
