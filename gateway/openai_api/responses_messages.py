@@ -230,7 +230,7 @@ def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = Fals
         raise BadRequest("background can only be used when `store` is true", "background")
     if isinstance(request.input, list) and not request.input:
         raise BadRequest("input must be a string or a non-empty list of items", "input")
-    text_format = (request.text or {}).get("format") if isinstance(request.text, dict) else None
+    text_format = request.text.get("format") if isinstance(request.text, dict) else None
     if isinstance(text_format, dict) and text_format.get("type") not in (None, "text"):
         raise BadRequest(f"text.format of type {text_format.get('type')!r} (structured outputs) is not supported "
                          "by this server; only 'text'.", "text")
@@ -239,12 +239,13 @@ def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = Fals
         raise BadRequest("tool_choice 'required' and named tool choice need structured outputs, which this "
                          "server does not support; use tool_choice 'auto'.", "tool_choice")
     continue_final = _continue_final(request.input)
-    effort = (request.reasoning or {}).get("effort") if isinstance(request.reasoning, dict) else None
+    effort = request.reasoning.get("effort") if isinstance(request.reasoning, dict) else None
     logprobs = bool(request.include and "message.output_text.logprobs" in request.include)
     tools = responses_tools(request.tools)
     return ChatCompletionRequest(
         messages=responses_messages(request), model=request.model, tools=tools,
-        tool_choice="auto" if tools and auto_tools and tool_choice == "auto" else None, parallel_tool_calls=request.parallel_tool_calls, include_reasoning=request.include_reasoning,
+        tool_choice="auto" if tools and auto_tools and tool_choice == "auto" else None,
+        parallel_tool_calls=request.parallel_tool_calls, include_reasoning=request.include_reasoning,
         reasoning_effort=effort, add_generation_prompt=not continue_final, continue_final_message=continue_final,
         chat_template_kwargs=request.chat_template_kwargs, max_completion_tokens=request.max_output_tokens,
         temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,

@@ -7,8 +7,6 @@ chat and completion render routes: each token's [start, end) into the text it wa
 tokenized from, as transformers' ``offset_mapping``."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
@@ -50,8 +48,9 @@ def _post(gw, path: str, body: dict, **kw) -> httpx.Response:
 
 
 def _want(hf, messages, tools=None, **kw) -> list[int]:
-    return list(hf.apply_chat_template(messages, tools=tools, add_generation_prompt=kw.pop("add_generation_prompt", True),
-                                       tokenize=True, return_dict=False, **kw))
+    generation = kw.pop("add_generation_prompt", True)
+    return list(hf.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=True,
+                                       return_dict=False, **kw))
 
 
 # ---------------------------------------------------------------- /v1/responses/render
@@ -136,7 +135,8 @@ def test_responses_render_errors(gw, body, param, needle):
 MESSAGES_CASES = [
     # system as text blocks (the billing header dropped), multi-turn
     ({"system": [{"type": "text", "text": "x-anthropic-billing-header: h=1"}, {"type": "text", "text": "Be brief."}],
-      "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text", "text": "Hey"}]},
+      "messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": [{"type": "text", "text": "Hey"}]},
                    {"role": "user", "content": [{"type": "text", "text": "Bye"}]}]},
      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
       {"role": "assistant", "content": "Hey"}, {"role": "user", "content": "Bye"}], None),
@@ -245,7 +245,8 @@ def test_chat_render_token_offsets_index_the_templated_prompt(gw, hf):
 
 
 def test_completion_render_token_offsets(gw, hf):
-    r = _post(gw, "/v1/completions/render", {"prompt": ["héllo <|im_start|>wörld", "two"], "return_token_offsets": True})
+    r = _post(gw, "/v1/completions/render",
+              {"prompt": ["héllo <|im_start|>wörld", "two"], "return_token_offsets": True})
     assert r.status_code == 200, r.text
     first, second = r.json()
     _check_offsets(first, "héllo <|im_start|>wörld", hf, add_special_tokens=True)

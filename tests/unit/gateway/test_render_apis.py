@@ -42,8 +42,8 @@ def test_response_items_merge_into_one_assistant_turn():
 
 def test_responses_fields_map_to_chat():
     chat = responses_chat_request(_responses(
-        input="hi", instructions="sys", max_output_tokens=5, truncation="auto", include=["message.output_text.logprobs"],
-        top_logprobs=2, tools=[{"type": "function", "name": "f"}, {"type": "web_search"}], reasoning={"effort": "low"}),
+        input="hi", instructions="sys", max_output_tokens=5, truncation="auto",
+        include=["message.output_text.logprobs"], top_logprobs=2, tools=[{"type": "function", "name": "f"}, {"type": "web_search"}], reasoning={"effort": "low"}),
         auto_tools=True)
     assert chat.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
     assert chat.max_completion_tokens == 5 and chat.truncate_prompt_tokens == -1
