@@ -9,8 +9,8 @@ Both turn the request into chat messages and render them as a chat request:
   with a role as they are (``input_text`` parts are text), an assistant ``message``
   -> its first part's text, ``reasoning`` -> the assistant's ``reasoning``,
   ``function_call`` -> a tool call (merged into the assistant message before it),
-  ``function_call_output`` -> a ``tool`` message; any other item is a 400.  Flat
-  function ``tools`` -> chat tools.  ``previous_response_id`` is a 400 (the render
+  ``function_call_output`` -> a ``tool`` message; any other item is a 400.  Function
+  ``tools`` (a namespace's flattened, a custom tool as a one-string function) -> chat tools.  ``previous_response_id`` is a 400 (the render
   route is stateless).  The GenerateRequest keeps the request's ``request_id``
   (``resp_<uuid>`` when unset).
 - Messages (``AnthropicServingMessages.to_chat_completion_request``): ``system``
@@ -122,12 +122,12 @@ def _response_item_message(item: Any, prev: Optional[dict]) -> Optional[dict]:
         if kind == "function_call":
             name = item["name"]
             if item.get("namespace"):
-                name = f"{item['namespace']}.{name}"  # flat_namespace_tool_name
+                name = _flat_name(item["namespace"], name)
             arguments = item.get("arguments")
             if not isinstance(arguments, str):
                 raise BadRequest("input function_call item needs a string `arguments`", "input")
         else:
-            name, arguments = item["name"], json.dumps({"input": item.get("input") or ""})
+            name, arguments = item["name"], json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
         call = {"id": item["call_id"], "function": {"name": name, "arguments": arguments}, "type": "function"}
         if prev_assistant is not None and isinstance(prev_assistant.get("tool_calls", []), list):
             prev_assistant.setdefault("tool_calls", []).append(call)
@@ -189,30 +189,54 @@ def _continue_final(request_input: Any) -> bool:
     return last.get("status") in ("in_progress", "incomplete")
 
 
-def _chat_tool(name: Any, description: Any, parameters: Any, strict: Any) -> dict:
+def _flat_name(namespace: str, name: Any) -> str:
+    """vLLM's ``flat_namespace_tool_name``."""
+    return f"{namespace}__{name}"
+
+
+# The single-string function a ``custom`` tool is shown as (vLLM's custom_tool_parameters).
+_CUSTOM_TOOL_PARAMETERS = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The freeform text payload for this tool."}},
+    "required": ["input"], "additionalProperties": False,
+}
+
+
+def _chat_tool(name: Any, description: Any, parameters: Any, strict: Any, defer_loading: Any = None) -> dict:
     """``ChatCompletionToolsParam.model_dump()``: description and parameters always,
-    strict only when set."""
+    strict and defer_loading only when set."""
     function = {"name": name, "description": description, "parameters": parameters}
     if strict is not None:
         function["strict"] = strict
+    if defer_loading is not None:
+        function["defer_loading"] = defer_loading
     return {"type": "function", "function": function}
 
 
+def _function_tool(tool: dict, name: Any) -> dict:
+    if not isinstance(name, str):
+        raise BadRequest("a function tool needs a string `name`", "tools")
+    return _chat_tool(name, tool.get("description"), tool.get("parameters"), tool.get("strict"),
+                      tool.get("defer_loading"))
+
+
 def responses_tools(tools: list) -> Optional[list[dict]]:
-    """vLLM's ``construct_tool_dicts``: the function tools (a namespace's flattened to
-    ``namespace.name``) as chat tools; other tool types are not rendered."""
+    """vLLM's ``construct_tool_dicts`` (``get_function_tools``): function tools, a
+    namespace's functions named ``namespace__name``, a custom tool as a function of one
+    string ``input``, as chat tools in request order; other tool types are not rendered."""
     out: list[dict] = []
     for tool in tools:
         kind = tool.get("type")
         if kind == "function":
-            if not isinstance(tool.get("name"), str):
-                raise BadRequest("a function tool needs a string `name`", "tools")
-            out.append(_chat_tool(tool["name"], tool.get("description"), tool.get("parameters"), tool.get("strict")))
+            out.append(_function_tool(tool, tool.get("name")))
         elif kind == "namespace":
             for inner in tool.get("tools") or []:
                 if isinstance(inner, dict) and inner.get("type") == "function":
-                    out.append(_chat_tool(f"{tool.get('name')}.{inner.get('name')}", inner.get("description"),
-                                          inner.get("parameters"), inner.get("strict")))
+                    out.append(_function_tool(inner, _flat_name(tool.get("name"), inner.get("name"))))
+        elif kind == "custom":
+            if not isinstance(tool.get("name"), str):
+                raise BadRequest("a custom tool needs a string `name`", "tools")
+            out.append(_chat_tool(tool["name"], tool.get("description"), _CUSTOM_TOOL_PARAMETERS, None))
     return out or None
 
 
@@ -513,13 +537,9 @@ def messages_chat_request(request: MessagesRequest, *, merge_inline_system: bool
         chat.tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
             "type": "function", "function": {"name": choice.name}}
     if request.tools is not None:
-        chat.tools = []
-        for t in request.tools:
-            schema = t.input_schema if "type" in t.input_schema else {**t.input_schema, "type": "object"}
-            tool = _chat_tool(t.name, t.description, schema, t.strict)
-            if t.defer_loading is not None:
-                tool["function"]["defer_loading"] = t.defer_loading
-            chat.tools.append(tool)
+        chat.tools = [_chat_tool(t.name, t.description,
+                                 t.input_schema if "type" in t.input_schema else {**t.input_schema, "type": "object"},
+                                 t.strict, t.defer_loading) for t in request.tools]
         if chat.tool_choice is None:
             chat.tool_choice = "auto"
     return chat

@@ -35,7 +35,7 @@ def test_response_items_merge_into_one_assistant_turn():
         {"role": "user", "content": "q"},
         {"role": "assistant", "reasoning": "sum", "content": "a", "tool_calls": [
             {"id": "c1", "function": {"name": "f", "arguments": "{}"}, "type": "function"},
-            {"id": "c2", "function": {"name": "ns.g", "arguments": "{}"}, "type": "function"}]},
+            {"id": "c2", "function": {"name": "ns__g", "arguments": "{}"}, "type": "function"}]},
         {"role": "tool", "content": "r1", "tool_call_id": "c1"}]
     assert chat.add_generation_prompt and not chat.continue_final_message
 
@@ -43,12 +43,18 @@ def test_response_items_merge_into_one_assistant_turn():
 def test_responses_fields_map_to_chat():
     chat = responses_chat_request(_responses(
         input="hi", instructions="sys", max_output_tokens=5, truncation="auto",
-        include=["message.output_text.logprobs"], top_logprobs=2, tools=[{"type": "function", "name": "f"}, {"type": "web_search"}], reasoning={"effort": "low"}),
+        include=["message.output_text.logprobs"], top_logprobs=2, reasoning={"effort": "low"},
+        tools=[{"type": "function", "name": "f"}, {"type": "web_search"},
+               {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "g", "strict": True}]},
+               {"type": "custom", "name": "c", "description": "free"}]),
         auto_tools=True)
     assert chat.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
     assert chat.max_completion_tokens == 5 and chat.truncate_prompt_tokens == -1
     assert chat.logprobs is True and chat.top_logprobs == 2 and chat.reasoning_effort == "low"
-    assert chat.tools == [{"type": "function", "function": {"name": "f", "description": None, "parameters": None}}]
+    assert chat.tools[:2] == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "ns__g", "description": None, "parameters": None, "strict": True}}]
+    assert chat.tools[2]["function"]["name"] == "c" and chat.tools[2]["function"]["parameters"]["required"] == ["input"]
     assert chat.tool_choice == "auto"
     assert responses_chat_request(_responses(input="hi", tools=[{"type": "function", "name": "f"}])).tool_choice is None
 
