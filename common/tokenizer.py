@@ -75,6 +75,16 @@ class Tokenizer:
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[list[int]]]:
+        """The ids and each token's ``[start, end)`` character span in ``text``: the fast
+        tokenizer's ``offset_mapping`` (``(0, 0)`` for the special tokens
+        ``add_special_tokens`` adds), as vLLM's ``return_token_offsets`` takes it."""
+        if len(text) > _LONG:  # as encode
+            enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, [[int(s), int(e)] for s, e in enc.offsets]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
         if len(ids) > _LONG:

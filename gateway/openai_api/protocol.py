@@ -59,6 +59,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     request_id: Optional[str] = None
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: Optional[bool] = None
+    # /v1/{chat/,}completions/render: each prompt token's [start, end) in the text it was
+    # tokenized from (a chat's rendered template); ignored by the generating routes.
+    return_token_offsets: Optional[bool] = False
     cache_salt: Optional[Annotated[str, Meta(min_length=1, max_length=1024)]] = None
     kv_transfer_params: Optional[JsonObject] = None
     routed_experts_prompt_start: int = 0

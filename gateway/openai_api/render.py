@@ -85,14 +85,24 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _truncate(ids: list[int], truncate_prompt_tokens: Optional[int], side: Optional[str],
-              max_model_len: int) -> list[int]:
+def _truncate(ids: list, truncate_prompt_tokens: Optional[int], side: Optional[str],
+              max_model_len: int) -> list:
+    """Also applied to the token offsets, which run parallel to the ids (vLLM's
+    ``_PARALLEL_TO_PROMPT_TOKENS``)."""
     if truncate_prompt_tokens is None:
         return ids
     keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
     if len(ids) <= keep:
         return ids
     return ids[:keep] if side == "right" else ids[len(ids) - keep:]
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, offsets: bool) -> tuple[list[int], Optional[list]]:
+    """The ids, and with ``offsets`` (``return_token_offsets``) each token's [start, end)
+    in ``text``: the fast tokenizer's offset_mapping, as vLLM's ``_tokenize_prompt``."""
+    if offsets:
+        return tokenizer.encode_with_offsets(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens), None
 
 
 class Renderer:
@@ -185,9 +195,13 @@ class Renderer:
                                       continue_final_message=request.continue_final_message,
                                       chat_template_kwargs=kwargs, chat_template=request.chat_template,
                                       image_urls=image_urls)
-        ids = self.expand_images(self.model.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens),
-                                 image_urls, images)
+        # Offsets only for a text prompt: vLLM gives none where the prompt holds images.
+        ids, offsets = _encode(self.model.tokenizer, prompt, request.add_special_tokens,
+                               bool(request.return_token_offsets) and not image_urls)
+        ids = self.expand_images(ids, image_urls, images)
         ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
+        if offsets is not None:
+            offsets = _truncate(offsets, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
         if not ids:
             raise BadRequest("No token_ids rendered")
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -217,6 +231,7 @@ class Renderer:
         generate = _generate_request(f"chatcmpl-{base_id}", ids, params, request, reasoning_ended=reasoning_ended,
                                      reasoning_kwargs=reasoning_kwargs,
                                      parse_context=parse_ctx.from_chat(request, kwargs))
+        generate["token_offsets"] = offsets
         if image_urls:
             generate["content_parts"] = image_urls
         last = request.messages[-1] if isinstance(request.messages[-1], dict) else {}
@@ -229,8 +244,9 @@ class Renderer:
                             last_message_text=last_text, images=images if image_urls else None)
 
     # ------------------------------------------------------------------ completions
-    def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], Optional[str]]]:
-        """Each prompt's (token ids, text); token prompts have no text until decoded."""
+    def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], Optional[str], Optional[list]]]:
+        """Each prompt's (token ids, text, token offsets); token prompts have no text until
+        decoded, and no offsets (vLLM gives offsets, on ``return_token_offsets``, for text)."""
         prompt = request.prompt
         if prompt is None or prompt == []:
             raise BadRequest("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
@@ -244,11 +260,13 @@ class Renderer:
         out = []
         for item in items:
             if isinstance(item, str):
-                out.append((self.model.tokenizer.encode(item, add_special_tokens=request.add_special_tokens), item))
+                ids, offsets = _encode(self.model.tokenizer, item, request.add_special_tokens,
+                                       bool(request.return_token_offsets))
+                out.append((ids, item, offsets))
             elif isinstance(item, list) and item and all(_is_token(t) for t in item):
                 if any(t < 0 for t in item):
                     raise BadRequest("token_ids must not contain negative values", "prompt")
-                out.append((list(item), None))
+                out.append((list(item), None, None))
             else:
                 raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
                                  "lists of token ids, none of them empty", "prompt")
@@ -259,8 +277,10 @@ class Renderer:
         sampling.check_completion(request)
         prompts = self.completion_prompts(request)
         rendered = []
-        for i, (ids, text) in enumerate(prompts):
+        for i, (ids, text, offsets) in enumerate(prompts):
             ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
+            if offsets is not None:
+                offsets = _truncate(offsets, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
             if not ids:
                 raise BadRequest("No token_ids rendered", "prompt")
             sampling.check_prompt_length(len(ids), max_model_len, request.max_tokens)
@@ -272,6 +292,7 @@ class Renderer:
             params = sampling.sampling_params_json(request, max_tokens, self.model.sampling_defaults,
                                                    logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
             request_id = f"cmpl-{base_id}" if len(prompts) == 1 else f"cmpl-{base_id}-{i}"
-            rendered.append(RenderedPrompt(generate=_generate_request(request_id, ids, params, request),
-                                           prompt_text=text, token_ids=ids))
+            generate = _generate_request(request_id, ids, params, request)
+            generate["token_offsets"] = offsets
+            rendered.append(RenderedPrompt(generate=generate, prompt_text=text, token_ids=ids))
         return rendered

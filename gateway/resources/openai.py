@@ -3,6 +3,8 @@
 - ``/v1/chat/completions`` and ``/v1/completions``: render -> generate -> derender in
   this process (the OpenAI facade);
 - ``/v1/chat/completions/render``, ``/v1/completions/render``: the GenerateRequest(s);
+  ``/v1/responses/render``, ``/v1/messages/render`` (gateway/resources/render_apis.py):
+  a Responses / Anthropic Messages request's;
 - ``/v1/chat/completions/derender``, ``/v1/completions/derender``: generate output ->
   OpenAI objects;
 - ``/tokenize``, ``/detokenize`` and (``--enable-tokenizer-info-endpoint``) ``/tokenizer_info``.
@@ -265,6 +267,10 @@ def add_routes(app, state: GatewayState, renderer: Renderer) -> None:
         app.add_route("/v1/completions", Completions(state, renderer))
     app.add_route("/v1/chat/completions/render", ChatRender(state, renderer))
     app.add_route("/v1/completions/render", CompletionRender(state, renderer))
+    from gateway.resources.render_apis import MessagesRender, ResponsesRender  # they import this module
+
+    app.add_route("/v1/responses/render", ResponsesRender(state, renderer))
+    app.add_route("/v1/messages/render", MessagesRender(state, renderer))
     app.add_route("/v1/chat/completions/derender", ChatDerender(state, renderer))
     app.add_route("/v1/completions/derender", CompletionDerender(state, renderer))
     app.add_route("/tokenize", Tokenize(state, renderer))

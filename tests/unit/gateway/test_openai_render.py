@@ -113,3 +113,26 @@ def test_max_tokens_16_survives_the_round_trip(renderer):
 def test_malformed_prompts_are_400(renderer, prompt):
     with pytest.raises(BadRequest, match="prompt"):
         renderer.completion(_completion(prompt=prompt), 64, "p")
+
+
+def test_token_offsets_are_transformers_offset_mapping(bos_model, renderer):
+    """return_token_offsets: each token's [start, end) in the prompt text, (0, 0) for the
+    BOS the post-processor adds (a fast tokenizer's offset_mapping, as vLLM returns it);
+    truncation cuts them with the ids; token prompts and the default have none."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(bos_model / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                 eos_token=EOS_TOKEN)
+    (gen,) = [r.generate for r in renderer.completion(_completion(prompt="hé!", return_token_offsets=True), 64, "o")]
+    want = hf("hé!", return_offsets_mapping=True)
+    assert gen["token_ids"] == want["input_ids"]
+    assert gen["token_offsets"] == [list(o) for o in want["offset_mapping"]] and gen["token_offsets"][0] == [0, 0]
+    (cut,) = [r.generate for r in renderer.completion(
+        _completion(prompt="hé!", return_token_offsets=True, truncate_prompt_tokens=2), 64, "o")]
+    assert cut["token_offsets"] == gen["token_offsets"][-2:] and len(cut["token_ids"]) == 2
+    (ids,) = [r.generate for r in renderer.completion(_completion(prompt=[1, 2], return_token_offsets=True), 64, "o")]
+    assert ids["token_offsets"] is None
+    assert renderer.completion(_completion(prompt="hé!"), 64, "o")[0].generate["token_offsets"] is None
+    chat = renderer.chat(_chat(messages=[{"role": "user", "content": "hi"}], return_token_offsets=True), 64, "c")
+    spans = chat.generate["token_offsets"]
+    assert len(spans) == len(chat.token_ids) and chat.prompt_text[spans[-1][0]:spans[-1][1]] == chat.prompt_text[-1]
