@@ -459,6 +459,12 @@ def test_restarted_worker_is_brought_to_the_pool_version(pool, models, reference
 
 
 # --------------------------------------------------------- a rank lost mid-update
+def _frozen_on_each_rank(client) -> bool:
+    """Both ranks hold unfinished requests (their load reports, sent while paused)."""
+    loads = {w.rank: w.load for w in client.info().workers}
+    return all(r in loads and loads[r].running + loads[r].waiting > 0 for r in (0, 1))
+
+
 def test_rank_killed_during_a_disk_update_does_not_split_the_pool(pool, models, references):
     """pause(keep) -> start -> update from disk -> kill -9 rank 1 -> finish: the survivor
     commits, the pool's version is the new one, the finish says so and names rank 1, and
@@ -467,12 +473,25 @@ def test_rank_killed_during_a_disk_update_does_not_split_the_pool(pool, models, 
     client.control("update_weight_version", {"new_version": "A"})
     total = 200
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 4)] for i in range(24)]
-    streams = [_Stream(client, p, total, rank=i % 2, rid=f"lost-{i}") for i, p in enumerate(prompts)]
-    for s in streams:
-        s.start()
-    # Eight seats per worker: 16 streams decode, the others wait in the workers.
-    wait_for(lambda: sum(1 for s in streams if s.tokens) >= 16, 120, "16 streams to produce a token")
-    client.pause("keep")
+    for attempt in range(3):
+        streams = [_Stream(client, p, total, rank=i % 2, rid=f"lost-{attempt}-{i}") for i, p in enumerate(prompts)]
+        for s in streams:
+            s.start()
+        # Eight seats per worker: 16 streams decode, the others wait in the workers.
+        wait_for(lambda: sum(1 for s in streams if s.tokens) >= 16, 120, "16 streams to produce a token")
+        client.pause("keep")
+        # The scenario needs requests frozen on both ranks.  This thread sees tokens late on
+        # a loaded machine, so every stream may have finished by the time it paused: then
+        # run it again rather than depend on the clock.
+        try:
+            wait_for(lambda: _frozen_on_each_rank(client), 10, "requests frozen on both ranks")
+            break
+        except TimeoutError:
+            client.resume()
+            for s in streams:
+                s.join(120)
+    else:
+        raise AssertionError("three tries and the pause never froze requests on both ranks")
     client.control("start_weight_update")
     client.control("update_weights", {"update_info": {"path": str(models[1])}})
     victim = next(p for p in procs.procs if p.name == "worker1" and p.alive())
