@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import httpx
 import pytest
 
 from tests.integration.test_openai_http import build_chat_model
 from tests.support.gateway_helpers import sse_payloads, start_gateway
-from tests.support.procs import ProcGroup, wait_for_workers
+from tests.support.procs import ProcGroup, wait_for, wait_for_workers
 
 API_KEY = "clients-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -227,11 +228,42 @@ def greedy(http, max_tokens=8):
     return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
 
 
+class _Stream(threading.Thread):
+    """A streaming completion through the gateway: its token ids and finish reason."""
+
+    def __init__(self, http, max_tokens):
+        super().__init__(daemon=True)
+        self.body = {"model": model_id(http), "prompt": PROMPT_IDS[1], "max_tokens": max_tokens, "temperature": 0,
+                     "ignore_eos": True, "stream": True, "return_token_ids": True}
+        self.url, self.headers = str(http.base_url), dict(AUTH)
+        self.tokens: list[int] = []
+        self.finish = self.error = None
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            self.tokens.extend(c.get("token_ids") or [])
+                            self.finish = c.get("finish_reason") or self.finish
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
 def test_skyrl_weight_sync_over_collective_rpc(stack, models):
+    """SkyRL's non-colocated sync: pause(keep), sleep for the sync, wake the weights, the
+    update, wake the KV cache, resume; a rollout in flight is frozen, never aborted."""
     http, _ = stack
     a, b = models
     before = greedy(http)
+    total = 300
+    stream = _Stream(http, total)
+    stream.start()
+    wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
     assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+    assert len(stream.tokens) < total and stream.finish is None  # frozen mid-rollout
     assert rpc(http, {"method": "skyrl_sleep_for_weight_sync", "kwargs": {"offload_kv": True}}) == [None]
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
     assert rpc(http, {"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": ["weights"]}}) == [None]
@@ -242,6 +274,8 @@ def test_skyrl_weight_sync_over_collective_rpc(stack, models):
     assert rpc(http, {"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": ["kv_cache"]}}) == [None]
     assert http.post("/resume").status_code == 200
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    stream.join(120)
+    assert stream.error is None and stream.finish == "length" and len(stream.tokens) == total
     after = greedy(http)
     assert after != before  # B's weights serve now
     # back to A through vLLM's worker method names
