@@ -52,7 +52,7 @@ def stack(tmp_path_factory, models):
         procs.worker(broker, 0, "--model", str(a), *WORKER_ARGS)
         wait_for_workers(broker.frontend, 1, timeout=120)
         rl = start_gateway(procs, broker.frontend, "--tokenizer", str(a), "--enable-rl", "--api-key", API_KEY)
-        plain = start_gateway(procs, broker.frontend, "--tokenizer", str(a))
+        plain = start_gateway(procs, broker.frontend, "--tokenizer", str(a), "--return-tokens-as-token-ids")
         with httpx.Client(base_url=rl.url, timeout=120, headers=AUTH) as http, \
                 httpx.Client(base_url=plain.url, timeout=60) as plain_http:
             yield http, plain_http
@@ -126,6 +126,17 @@ def test_trl_generate_completions_token_ids(stack):
         assert a["token_ids"] == b["token_ids"]
         assert a["logprobs"]["token_logprobs"] == b["logprobs"]["token_logprobs"]
         assert not any(t.startswith("token_id:") for t in b["logprobs"]["tokens"])
+
+
+def test_server_default_return_tokens_as_token_ids(stack):
+    """vLLM's --return-tokens-as-token-ids: the default when the request leaves the field out."""
+    _, plain = stack
+    body = {"model": model_id(plain), "prompt": PROMPT_IDS[0], "max_tokens": 3, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True}
+    c = plain.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    c = plain.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert not any(t.startswith("token_id:") for t in c["logprobs"]["tokens"])
 
 
 def test_completions_echo_token_ids(stack):
