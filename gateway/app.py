@@ -123,6 +123,7 @@ def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) ->
     openai.add_routes(app, state, renderer)
     app.add_route("/health", _Alive())
     app.add_route("/version", VersionResource())
+    app.add_route("/kv_event_sources", dev.KvEventSources(state))  # {} (vLLM: "empty on render-only servers")
     return app
 
 
