@@ -48,7 +48,6 @@ def vllm_config(state: GatewayState, cluster) -> dict:
         "model_config": {
             "model": model.name,
             "served_model_name": (s.served_model_names or [model.name])[0],
-            "tokenizer": s.tokenizer,
             "skip_tokenizer_init": not model.has_tokenizer,
             "dtype": model.dtype,
             "max_model_len": model.max_model_len,
@@ -68,8 +67,9 @@ def vllm_config(state: GatewayState, cluster) -> dict:
         },
         "scheduler_config": {"max_num_seqs": model.max_num_seqs, "max_model_len": model.max_model_len},
         "lora_config": model.lora_config,
-        # --enable-rl serves /init_weight_transfer_engine: vLLM's NCCL protocol, over gloo on CPU workers.
-        "weight_transfer_config": {"backend": model.weight_transfer_backend} if s.enable_rl else None,
+        # This route comes with --enable-rl, which serves /init_weight_transfer_engine: vLLM's
+        # NCCL protocol, over gloo on CPU workers.
+        "weight_transfer_config": {"backend": model.weight_transfer_backend},
     }
 
 
