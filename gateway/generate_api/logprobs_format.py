@@ -79,16 +79,25 @@ def _id_entry(token_id: int) -> tuple[str, list[int]]:
     return token, list(token.encode("utf-8"))
 
 
-def text_logprobs(lp: TokenLogprobs, num: Optional[int], as_token_ids: bool = False) -> list[TextLogprobContent]:
+def text_logprobs(lp: TokenLogprobs, num: Optional[int], as_token_ids: bool = False,
+                  placeholders_only: bool = False) -> list[TextLogprobContent]:
     """Text mode: ``{"token","logprob","bytes","top_logprobs":[...]}`` per sampled token.
 
     ``as_token_ids`` (the request's ``return_tokens_as_token_ids``): every token string is
     ``token_id:N``, as vLLM's ``_create_chat_logprobs`` writes them; the sampled token's
     ``bytes`` stay those of its decoded text (vLLM encodes ``step_token.decoded_token``),
-    the top entries' are those of the ``token_id:N`` string."""
+    the top entries' are those of the ``token_id:N`` string.  ``placeholders_only``
+    (/inference/v1/generate under --return-tokens-as-token-ids): ``token_id:N`` everywhere,
+    no bytes, as vLLM's generate writes them without a tokenizer."""
     content = []
     for i, token_id in enumerate(lp.token_ids):
         cands = _candidates(lp, i)
+        if placeholders_only:
+            tops = [TextLogprob(token=token_id_placeholder(t), logprob=clamp(l), bytes=None)
+                    for t, l, _, _ in cands[:_keep(num, len(cands))]]
+            content.append(TextLogprobContent(token=token_id_placeholder(token_id), logprob=clamp(lp.logprobs[i]),
+                                              bytes=None, top_logprobs=tops))
+            continue
         token, raw = _text_entry(token_id, cands[0][3])
         if as_token_ids:
             token = token_id_placeholder(token_id)

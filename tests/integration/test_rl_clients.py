@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.integration.test_openai_http import build_chat_model
-from tests.support.gateway_helpers import sse_payloads, start_gateway
+from tests.support.gateway_helpers import GENERATE, sse_payloads, start_gateway
 from tests.support.procs import ProcGroup, wait_for, wait_for_workers
 
 API_KEY = "clients-secret"
@@ -137,6 +137,15 @@ def test_server_default_return_tokens_as_token_ids(stack):
     assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
     c = plain.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
     assert not any(t.startswith("token_id:") for t in c["logprobs"]["tokens"])
+    # vLLM's /inference/v1/generate in text mode: placeholders without bytes at every level
+    r = plain.post(GENERATE, json={"token_ids": PROMPT_IDS[0], "output_mode": "text",
+                                   "sampling_params": {"max_tokens": 3, "temperature": 0, "logprobs": 1}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(e["bytes"] is None and all(t["bytes"] is None and t["token"].startswith("token_id:")
+                                          for t in e["top_logprobs"]) for e in content)
 
 
 def test_completions_echo_token_ids(stack):
