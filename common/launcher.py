@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='gateways: images one prompt may carry (vLLM\'s flag, e.g. \'{"image": 4}\')')
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="gateways return per-request timing metrics (OpenAI routes, as vLLM; /generate too)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="gateways: OpenAI logprob tokens as 'token_id:N' by default (as vLLM)")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="the broker's dispatch policy across workers")
@@ -241,6 +243,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
             argv += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
         if args.enable_per_request_metrics:
             argv.append("--enable-per-request-metrics")
+        if args.return_tokens_as_token_ids:
+            argv.append("--return-tokens-as-token-ids")
         if args.limit_mm_per_prompt:
             argv += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
         if args.tokens_only:

@@ -219,6 +219,11 @@ class ModelInfo(msgspec.Struct, **_STRUCT):
     enable_prefix_caching: bool = True
     lora_adapters: Optional[dict[str, str]] = None  # LoRA serving: adapter name -> its path
     kv_block_size: int = 16  # tokens per KV block: the unit of prefix_hashes
+    dtype: Optional[str] = None  # the weights' torch dtype ("torch.bfloat16"), as vLLM's /server_info shows it
+    # vLLM's lora_config (max_loras, max_lora_rank, max_cpu_loras); None without --enable-lora
+    lora_config: Optional[dict[str, Any]] = None
+    # the torch.distributed backend /init_weight_transfer_engine joins by default (common/dist_weight_transfer.py)
+    weight_transfer_backend: str = "nccl"
 
 
 class WorkerLoad(msgspec.Struct, **_STRUCT):

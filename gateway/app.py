@@ -21,7 +21,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
-from gateway.resources import lora, openai, rl
+from gateway.resources import dev, lora, openai, rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -78,6 +78,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     app.add_route("/inference/v1/abort_requests", abort)
     if settings.enable_rl:
         rl.add_routes(app, state)  # its /abort_requests also takes the legacy {"request_ids": [...]}
+        dev.add_routes(app, state)  # /server_info, /collective_rpc: vLLM's dev-mode routes
     elif settings.tokens_only:
         app.add_route("/abort_requests", abort)  # vLLM's unauthenticated legacy path
     app.add_route("/health", HealthResource(state))
@@ -86,6 +87,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     if settings.allow_runtime_lora:
         lora.add_routes(app, state)
     app.add_route("/version", VersionResource())
+    app.add_route("/kv_event_sources", dev.KvEventSources(state))
     if renderer is not None:
         openai.add_routes(app, state, renderer)
     return app, state
@@ -121,6 +123,7 @@ def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) ->
     openai.add_routes(app, state, renderer)
     app.add_route("/health", _Alive())
     app.add_route("/version", VersionResource())
+    app.add_route("/kv_event_sources", dev.KvEventSources(state))  # {} (vLLM: "empty on render-only servers")
     return app
 
 

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="return metrics.speculative_decoding (n == 1) from workers with --speculative-config")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens of /v1/chat/completions and /v1/completions as 'token_id:N' unless the "
+                        "request sets return_tokens_as_token_ids (as vLLM)")
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="include per-request timing metrics in /v1/chat/completions and /v1/completions responses "
                         "(as vLLM) and, beyond vLLM, in /inference/v1/generate ones")
@@ -229,6 +232,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         return_sampling_mask=args.return_sampling_mask,
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
         enable_per_request_metrics=args.enable_per_request_metrics,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         allow_runtime_lora=args.allow_runtime_lora
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )

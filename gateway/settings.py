@@ -60,6 +60,9 @@ class GatewaySettings:
     # vLLM's --enable-per-request-metrics: timing metrics on /v1/chat/completions and
     # /v1/completions responses (n == 1, one prompt; stream: the include_usage chunk).
     enable_per_request_metrics: bool = False
+    # vLLM's --return-tokens-as-token-ids: the OpenAI routes' default for the request's
+    # return_tokens_as_token_ids (logprob tokens as "token_id:N")
+    return_tokens_as_token_ids: bool = False
     # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
     # tokenizer and chat template the gateway loads; None serves tokens only.
     tokenizer: Optional[str] = None

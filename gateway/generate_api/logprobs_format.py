@@ -69,15 +69,41 @@ def _text_entry(token_id: int, text: Optional[str]) -> tuple[str, Optional[list[
     return text, list(text.encode("utf-8", errors="replace"))
 
 
-def text_logprobs(lp: TokenLogprobs, num: Optional[int]) -> list[TextLogprobContent]:
-    """Text mode: ``{"token","logprob","bytes","top_logprobs":[...]}`` per sampled token."""
+def token_id_placeholder(token_id: int) -> str:
+    """vLLM's ``format_token_id_placeholder`` (``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}"
+
+
+def _id_entry(token_id: int) -> tuple[str, list[int]]:
+    token = token_id_placeholder(token_id)
+    return token, list(token.encode("utf-8"))
+
+
+def text_logprobs(lp: TokenLogprobs, num: Optional[int], as_token_ids: bool = False,
+                  placeholders_only: bool = False) -> list[TextLogprobContent]:
+    """Text mode: ``{"token","logprob","bytes","top_logprobs":[...]}`` per sampled token.
+
+    ``as_token_ids`` (the request's ``return_tokens_as_token_ids``): every token string is
+    ``token_id:N``, as vLLM's ``_create_chat_logprobs`` writes them; the sampled token's
+    ``bytes`` stay those of its decoded text (vLLM encodes ``step_token.decoded_token``),
+    the top entries' are those of the ``token_id:N`` string.  ``placeholders_only``
+    (/inference/v1/generate under --return-tokens-as-token-ids): ``token_id:N`` everywhere,
+    no bytes, as vLLM's generate writes them without a tokenizer."""
     content = []
     for i, token_id in enumerate(lp.token_ids):
         cands = _candidates(lp, i)
+        if placeholders_only:
+            tops = [TextLogprob(token=token_id_placeholder(t), logprob=clamp(l), bytes=None)
+                    for t, l, _, _ in cands[:_keep(num, len(cands))]]
+            content.append(TextLogprobContent(token=token_id_placeholder(token_id), logprob=clamp(lp.logprobs[i]),
+                                              bytes=None, top_logprobs=tops))
+            continue
         token, raw = _text_entry(token_id, cands[0][3])
+        if as_token_ids:
+            token = token_id_placeholder(token_id)
         tops = []
         for t, l, _, txt in cands[:_keep(num, len(cands))]:
-            s, b = _text_entry(t, txt)
+            s, b = _id_entry(t) if as_token_ids else _text_entry(t, txt)
             tops.append(TextLogprob(token=s, logprob=clamp(l), bytes=b))
         content.append(TextLogprobContent(token=token, logprob=clamp(lp.logprobs[i]), bytes=raw, top_logprobs=tops))
     return content

@@ -43,6 +43,9 @@ class ResponseOptions:
     # --enable-per-request-metrics: the timing fields of ``metrics``.  vLLM's /generate fills
     # only ``speculative_decoding``; with the flag it gets the OpenAI routes' timing too.
     timing_metrics: bool = False
+    # --return-tokens-as-token-ids: text-mode logprob tokens are "token_id:N" placeholders
+    # without bytes, as vLLM's generate (_logprobs_tokenizer) writes them.
+    token_id_placeholders: bool = False
 
 
 def routed_experts_b64(delta: CompletionDelta) -> Optional[str]:
@@ -50,11 +53,13 @@ def routed_experts_b64(delta: CompletionDelta) -> Optional[str]:
     return base64.b64encode(delta.routed_experts).decode("ascii") if delta.routed_experts is not None else None
 
 
-def _logprobs(delta: CompletionDelta, num: Optional[int], text_mode: bool) -> Optional[Logprobs]:
+def _logprobs(delta: CompletionDelta, num: Optional[int], text_mode: bool,
+              placeholders: bool = False) -> Optional[Logprobs]:
     if num is None or delta.logprobs is None:
         return None
-    fmt = logprobs_format.text_logprobs if text_mode else logprobs_format.token_logprobs
-    return Logprobs(content=fmt(delta.logprobs, num))
+    if not text_mode:
+        return Logprobs(content=logprobs_format.token_logprobs(delta.logprobs, num))
+    return Logprobs(content=logprobs_format.text_logprobs(delta.logprobs, num, placeholders_only=placeholders))
 
 
 def weight_version_spans(delta: CompletionDelta, num_tokens: int) -> Optional[list[WeightVersionSpan]]:
@@ -205,7 +210,8 @@ class ResponseAccumulator:
 
             self.logprobs[i].extend(chat_logprobs(delta, self.mapped.wire.params.logprobs) or ())
         else:
-            lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode)
+            lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode,
+                           self.options.token_id_placeholders)
             if lp is not None:
                 self.logprobs[i].extend(lp.content)
         if delta.sampling_mask is not None and self.options.sampling_mask:
@@ -295,7 +301,7 @@ class StreamChunker(StreamFormatter):
             # Final chunk of the choice only, covering its whole output.
             weight_versions=(weight_version_spans(delta, self.generated[i] if 0 <= i < len(self.generated) else 0)
                              if delta.finish_reason is not None else None),
-            logprobs=_logprobs(delta, m.wire.params.logprobs, m.text_mode),
+            logprobs=_logprobs(delta, m.wire.params.logprobs, m.text_mode, self.options.token_id_placeholders),
         )
         choice = TextChoice(text=delta.text or "", **fields) if m.text_mode else TokensChoice(**fields)
         usage = None

@@ -27,11 +27,11 @@ from gateway.generate_api.response_builder import routed_experts_b64, stream_met
 from gateway.relay import Generation, StreamFormatter, sse_event
 
 
-def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int]) -> Optional[list]:
+def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int], as_token_ids: bool = False) -> Optional[list]:
     """Chat entries: the k most likely (the sampled token first, as vLLM orders them)."""
     if top_logprobs is None or delta.logprobs is None:
         return None
-    entries = logprobs_format.text_logprobs(delta.logprobs, top_logprobs)
+    entries = logprobs_format.text_logprobs(delta.logprobs, top_logprobs, as_token_ids)
     if top_logprobs != -1:
         for e in entries:
             e.top_logprobs = e.top_logprobs[:top_logprobs]
@@ -68,7 +68,7 @@ class ChatCollector:
         self.ids[i].extend(delta.token_ids)
         if delta.text:
             self.texts[i].append(delta.text)
-        lp = chat_logprobs(delta, self.view.top_logprobs)
+        lp = chat_logprobs(delta, self.view.top_logprobs, self.view.tokens_as_token_ids)
         if lp:
             self.logprobs[i].extend(lp)
         if self.view.routed_experts and delta.routed_experts is not None:  # on the finishing delta
@@ -153,7 +153,7 @@ class ChatStream(StreamFormatter):
         done = delta.finish_reason is not None
         stream = self.streams[i]
         message = stream.delta(delta.text or "", done)
-        lp = chat_logprobs(delta, view.top_logprobs)
+        lp = chat_logprobs(delta, view.top_logprobs, view.tokens_as_token_ids)
         logprobs = ChatLogprobs(content=lp) if lp is not None else None
         token_ids = delta.token_ids if view.return_token_ids else None
         if message is None:

@@ -51,10 +51,10 @@ def _num_entries(k: int) -> int:
     return -1 if k == -1 else k + 1
 
 
-def output_entries(lp: Optional[TokenLogprobs], k: Optional[int]) -> list:
+def output_entries(lp: Optional[TokenLogprobs], k: Optional[int], as_token_ids: bool = False) -> list:
     if k is None or lp is None:
         return []
-    return logprobs_format.text_logprobs(lp, _num_entries(k))
+    return logprobs_format.text_logprobs(lp, _num_entries(k), as_token_ids)
 
 
 class _Prompt:
@@ -81,8 +81,13 @@ class _Prompt:
             self.prompt_logprobs = logprobs_format.prompt_logprobs(
                 delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
         if self.entries is None and self.view.echo and self.view.top_logprobs is not None:
-            first = self.tokenizer.decode(self.rendered.token_ids[:1], skip_special_tokens=False)
-            self.entries = [first] + output_entries(delta.prompt_logprobs, self.view.top_logprobs)
+            ids = self.rendered.token_ids[:1]
+            if self.view.tokens_as_token_ids and ids:
+                first = logprobs_format.token_id_placeholder(ids[0])
+            else:
+                first = self.tokenizer.decode(ids, skip_special_tokens=False)
+            self.entries = [first] + output_entries(delta.prompt_logprobs, self.view.top_logprobs,
+                                                    self.view.tokens_as_token_ids)
 
 
 class CompletionCollector:
@@ -112,7 +117,7 @@ class CompletionCollector:
         self.ids[i].extend(delta.token_ids)
         if delta.text:
             self.texts[i].append(delta.text)
-        self.entries[i].extend(output_entries(delta.logprobs, view.top_logprobs))
+        self.entries[i].extend(output_entries(delta.logprobs, view.top_logprobs, view.tokens_as_token_ids))
         if view.routed_experts and delta.routed_experts is not None:  # on the finishing delta
             self.routed[i] = routed_experts_b64(delta)
         if delta.finish_reason is not None:
@@ -169,7 +174,7 @@ class CompletionStream(StreamFormatter):
         prompt.observe_first(delta)
         i = run * view.n + delta.index
         text = delta.text or ""
-        out_entries = output_entries(delta.logprobs, view.top_logprobs)
+        out_entries = output_entries(delta.logprobs, view.top_logprobs, view.tokens_as_token_ids)
         prompt_ids = msgspec.UNSET
         if not self.echoed[i] and (view.echo or view.return_token_ids):
             self.echoed[i] = True

@@ -47,6 +47,7 @@ class ResponseView:
     top_logprobs: Optional[int] = None  # None: no logprobs; -1: all
     echo: bool = False
     return_token_ids: bool = False
+    tokens_as_token_ids: bool = False  # return_tokens_as_token_ids: logprob tokens are "token_id:N"
     return_prompt_text: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -66,6 +67,9 @@ class ResponseView:
             spec_decode_metrics=settings.per_request_spec_decode_metrics)
         return cls(n=request.n or 1, top_logprobs=top_logprobs, echo=bool(request.echo),
                    return_token_ids=bool(request.return_token_ids),
+                   tokens_as_token_ids=bool(request.return_tokens_as_token_ids
+                                            if request.return_tokens_as_token_ids is not None
+                                            else settings is not None and settings.return_tokens_as_token_ids),
                    return_prompt_text=bool(getattr(request, "return_prompt_text", False)),
                    include_usage=include, continuous_usage=include and bool(opts.continuous_usage_stats), **server)
 

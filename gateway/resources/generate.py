@@ -60,6 +60,7 @@ class GenerateResource:
                                   routed_experts=s.enable_return_routed_experts,
                                   sampling_mask=s.return_sampling_mask,
                                   spec_decode_metrics=s.per_request_spec_decode_metrics,
-                                  timing_metrics=s.enable_per_request_metrics)
+                                  timing_metrics=s.enable_per_request_metrics,
+                                  token_id_placeholders=s.return_tokens_as_token_ids)
         formatter = StreamChunker(mapped, details) if mapped.stream else ResponseAccumulator(mapped, details, derender)
         await respond(resp, [run], formatter, mapped.stream)

@@ -236,3 +236,13 @@ def test_adapter_loaded_through_another_gateway_is_served_at_once(stack, llama_d
             peft_greedy(llama_dir, adapters["mlp"], PROMPT, 4)[0]
         assert _unload(http, "elsewhere").status_code == 200
     other.proc.stop()
+
+
+def test_server_info_reports_the_lora_config_and_both_ranks(stack):
+    """vLLM's /server_info (an --enable-rl gateway): lora_config as the workers run it."""
+    procs, broker, http, _ = stack
+    rl = start_gateway(procs, broker.frontend, "--enable-rl")
+    config = httpx.get(rl.url + "/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
+    assert config["lora_config"] == {"max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 2}
+    assert config["parallel_config"]["data_parallel_size"] == 2
+    assert config["model_config"]["max_model_len"] == 256

@@ -344,6 +344,7 @@ def test_render_only_gateway_needs_no_broker(tmp_path_factory, chat_model, hf_to
         assert httpx.post(gw.url + "/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 1024
         assert httpx.post(gw.url + "/v1/chat/completions", json={"messages": MESSAGES}).status_code == 404
         assert httpx.post(gw.url + GENERATE, json={"token_ids": [1], "sampling_params": {}}).status_code == 404
+        assert httpx.get(gw.url + "/kv_event_sources").json() == {}  # vLLM: empty on render-only servers
 
 
 def test_facade_reasoning_stream_equals_non_stream(stack):

@@ -93,6 +93,36 @@ def test_text_logprobs_placeholder_without_text():
     assert entry.token == "é" and entry.bytes == [0xC3, 0xA9]
 
 
+def test_text_logprobs_as_token_ids():
+    """return_tokens_as_token_ids: vLLM's _create_chat_logprobs keeps the sampled entry's
+    bytes (its decoded text's) and gives the top entries their placeholder's bytes."""
+    lp = _lp(65, -1.0, 1, [(65, -1.0), (66, -2.0)])
+    lp.token_texts, lp.top_texts = ["é"], [["é", "x"]]
+    (entry,) = logprobs_format.text_logprobs(lp, 2, as_token_ids=True)
+    assert entry.token == "token_id:65" and entry.bytes == [0xC3, 0xA9]
+    assert [(t.token, t.bytes) for t in entry.top_logprobs] == [
+        ("token_id:65", list(b"token_id:65")), ("token_id:66", list(b"token_id:66"))]
+
+
+def test_collective_rpc_allow_list():
+    from gateway.resources.dev import map_collective_rpc
+
+    assert map_collective_rpc({"method": "skyrl_sleep_for_weight_sync", "kwargs": {"offload_kv": False}}) == (
+        "sleep", {"level": 2, "mode": "keep"})
+    assert map_collective_rpc({"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": ["weights"]}}) == (
+        "wake_up", {"tags": ["weights"]})
+    assert map_collective_rpc({"method": "update_weights", "args": [{"path": "/x"}]}) == (
+        "update_weights", {"update_info": {"path": "/x"}})
+    assert map_collective_rpc({"method": "skyrl_finish_weight_update"}) == ("finish_weight_update", {})
+    for body, words in [({"method": "exec"}, "'exec'"), ({}, "Missing 'method'"),
+                        ({"method": "sleep", "args": [1, 2]}, "takes 1"),
+                        ({"method": "sleep", "kwargs": {"level": 3}}, "level"),
+                        ({"method": "wake_up", "kwargs": {"tags": "weights"}}, "tags"),
+                        ({"method": "sleep", "args": [1], "kwargs": {"level": 1}}, "twice")]:
+        with pytest.raises(BadRequest, match=words):
+            map_collective_rpc(body)
+
+
 def test_cluster_info_cache_keeps_answers_but_not_the_absence_of_a_model():
     """A gateway that asked before the first worker registered must see it on the next
     request, not a cached 'no worker yet' for up to ttl (two gateways behind one port

@@ -89,6 +89,11 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             lora_adapters=dict(self.lora_manager.paths) if self.lora_manager is not None else None,
             kv_block_size=config.block_size,
+            dtype=str(config.torch_dtype),
+            lora_config=({"max_loras": config.max_loras, "max_lora_rank": config.max_lora_rank,
+                          "max_cpu_loras": config.max_cpu_loras or config.max_loras}
+                         if config.enable_lora else None),
+            weight_transfer_backend="nccl" if device.type == "cuda" else "gloo",
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -498,8 +503,9 @@ class EngineCore:
                 entry = prompt_token_logprobs(lists)
                 if p.detokenize and self.tokenizer is not None:
                     # vLLM fills decoded_token whenever it detokenizes, tokens mode included;
-                    # the prompt tokens before this chunk are the split-character context.
-                    attach_token_texts(entry, self.tokenizer, request.prompt_token_ids[max(first - 3, 0):first + 1])
+                    # the prompt tokens before this chunk are the split-character context, from
+                    # position 1 on (vLLM's context is the prompt logprob entries; position 0 has none).
+                    attach_token_texts(entry, self.tokenizer, request.prompt_token_ids[max(first - 3, 1):first + 1])
                 request.prompt_logprobs = extend_token_logprobs(request.prompt_logprobs, entry)
             if p.prompt_logprob_token_ids:
                 request.prompt_token_id_rows.append(

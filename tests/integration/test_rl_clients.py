@@ -1,0 +1,350 @@
+"""Real RL clients against a real stack (broker, one worker, gateways): each test replays
+the exact requests a client library sends and parses the answer as the library does.
+
+The requests and the parsing are captured from the libraries' source:
+
+* TRL 1.16 ``trl/generation/vllm_client.py``: ``VLLMClient.generate`` (``/v1/completions``
+  with ``return_token_ids`` and ``return_tokens_as_token_ids``), ``VLLMClient.chat``
+  (``/v1/chat/completions``, same flags), ``parse_logprobs`` (``int(token.removeprefix
+  ("token_id:"))``), ``get_server_info`` (``GET /server_info?config_format=json``, reads
+  ``vllm_config["weight_transfer_config"]``) and ``init_communicator``'s check.
+* SkyRL's ``RemoteInferenceClient`` (``skyrl/backends/.../remote_inference_client.py``):
+  ``/collective_rpc`` bodies ``{"method": "skyrl_start_weight_update", "kwargs":
+  {"is_checkpoint_format": true}}``, ``{"method": "skyrl_finish_weight_update"}``,
+  ``{"method": "skyrl_sleep_for_weight_sync", "kwargs": {"offload_kv": ...}}``,
+  ``{"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": [...]}}``; it reads
+  ``body["results"]``.
+* AReaL parses chat logprob tokens the same way as TRL (``int(tok.split(":")[1])``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import httpx
+import pytest
+
+from tests.integration.test_openai_http import build_chat_model
+from tests.support.gateway_helpers import GENERATE, sse_payloads, start_gateway
+from tests.support.procs import ProcGroup, wait_for, wait_for_workers
+
+API_KEY = "clients-secret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 512
+WORKER_ARGS = ("--max-num-seqs", "8", "--num-kv-blocks", "128", "--threads", "1",
+               "--max-model-len", str(MAX_MODEL_LEN))
+PROMPT_IDS = [[72, 101, 108, 108, 111], [66, 121, 101, 32]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("clients-models")
+    return (build_chat_model(tiny_model("qwen3", 0), root / "a"),
+            build_chat_model(tiny_model("qwen3", 1), root / "b"))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, models):
+    a, _ = models
+    with ProcGroup(tmp_path_factory.mktemp("clients-stack")) as procs:
+        broker = procs.broker()
+        procs.worker(broker, 0, "--model", str(a), *WORKER_ARGS)
+        wait_for_workers(broker.frontend, 1, timeout=120)
+        rl = start_gateway(procs, broker.frontend, "--tokenizer", str(a), "--enable-rl", "--api-key", API_KEY)
+        plain = start_gateway(procs, broker.frontend, "--tokenizer", str(a), "--return-tokens-as-token-ids")
+        with httpx.Client(base_url=rl.url, timeout=120, headers=AUTH) as http, \
+                httpx.Client(base_url=plain.url, timeout=60) as plain_http:
+            yield http, plain_http
+
+
+# ------------------------------------------------------------------ TRL's parsing
+def trl_parse_logprobs(choices_logprobs):
+    """TRL 1.16 ``parse_logprobs``, as written there."""
+    if choices_logprobs[0] is None:
+        return None, None
+    all_logprobs, all_token_ids = [], []
+    for logprobs in choices_logprobs:
+        if "content" in logprobs:
+            positions = [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e["top_logprobs"]})
+                         for e in logprobs["content"]]
+        else:
+            positions = list(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"],
+                                 strict=True))
+        seq_logprobs, seq_token_ids = [], []
+        for token, logprob, top_logprobs in positions:
+            top_logprobs = {token: logprob, **(top_logprobs or {})}
+            items = sorted(top_logprobs.items(), key=lambda item: -item[1])
+            seq_token_ids.append([int(token.removeprefix("token_id:")) for token, _ in items])
+            seq_logprobs.append([None if math.isnan(lp) else lp for _, lp in items])
+        all_logprobs.append(seq_logprobs)
+        all_token_ids.append(seq_token_ids)
+    return all_logprobs, all_token_ids
+
+
+def trl_generate_payload(model, prompts, n=2, logprobs=2, max_tokens=8):
+    """``VLLMClient.generate``'s body (its defaults: temperature 1.0, top_p 1, top_k -1, min_p 0)."""
+    return {"model": model, "prompt": prompts, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "n": n, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "max_tokens": max_tokens, "logprobs": logprobs, "seed": 7}
+
+
+def model_id(http):
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+# ------------------------------------------------------------------ return_tokens_as_token_ids
+def test_trl_generate_completions_token_ids(stack):
+    http, _ = stack
+    model = model_id(http)
+    body = trl_generate_payload(model, PROMPT_IDS)
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    prompt_ids = [c["prompt_token_ids"] for c in choices[::2]]
+    assert prompt_ids == PROMPT_IDS
+    logprobs, token_ids = trl_parse_logprobs([c["logprobs"] for c in choices])
+    for c, lps, ids in zip(choices, logprobs, token_ids):
+        assert len(ids) == len(c["token_ids"]) == 8
+        # the sampled token is among each position's entries, and every entry parsed as an id
+        for pos_ids, pos_lps, sampled in zip(ids, lps, c["token_ids"]):
+            assert sampled in pos_ids and 1 <= len(pos_ids) <= 3
+            assert pos_lps == sorted(pos_lps, reverse=True)
+        lp = c["logprobs"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+        assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+        # vLLM's text_offset counts the placeholder strings
+        offsets = [0]
+        for tok in lp["tokens"][:-1]:
+            offsets.append(offsets[-1] + len(tok))
+        assert lp["text_offset"] == offsets
+
+    # Same request without the flag: same ids and logprobs, decoded token strings.
+    plain = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"]
+    for a, b in zip(choices, plain):
+        assert a["token_ids"] == b["token_ids"]
+        assert a["logprobs"]["token_logprobs"] == b["logprobs"]["token_logprobs"]
+        assert not any(t.startswith("token_id:") for t in b["logprobs"]["tokens"])
+
+
+def test_server_default_return_tokens_as_token_ids(stack):
+    """vLLM's --return-tokens-as-token-ids: the default when the request leaves the field out."""
+    _, plain = stack
+    body = {"model": model_id(plain), "prompt": PROMPT_IDS[0], "max_tokens": 3, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True}
+    c = plain.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    c = plain.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert not any(t.startswith("token_id:") for t in c["logprobs"]["tokens"])
+    # vLLM's /inference/v1/generate in text mode: placeholders without bytes at every level
+    r = plain.post(GENERATE, json={"token_ids": PROMPT_IDS[0], "output_mode": "text",
+                                   "sampling_params": {"max_tokens": 3, "temperature": 0, "logprobs": 1}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(e["bytes"] is None and all(t["bytes"] is None and t["token"].startswith("token_id:")
+                                          for t in e["top_logprobs"]) for e in content)
+
+
+def test_completions_echo_token_ids(stack):
+    http, _ = stack
+    body = {"model": model_id(http), "prompt": PROMPT_IDS[0], "max_tokens": 3, "temperature": 0, "echo": True,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    tokens = c["logprobs"]["tokens"]
+    assert tokens == [f"token_id:{t}" for t in PROMPT_IDS[0] + c["token_ids"]]
+    assert c["logprobs"]["token_logprobs"][0] is None
+
+
+def test_trl_chat_token_ids(stack):
+    http, _ = stack
+    model = model_id(http)
+    payload = {"model": model, "n": 2, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+               "min_p": 0.0, "max_tokens": 6, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+               "return_tokens_as_token_ids": True, "seed": 11}
+    messages = [{"role": "user", "content": "Hi there"}]
+    r = http.post("/v1/chat/completions", json={**payload, "messages": messages})
+    assert r.status_code == 200, r.text
+    response = r.json()
+    assert response["prompt_token_ids"]
+    choices = response["choices"]
+    _, token_ids = trl_parse_logprobs([c["logprobs"] for c in choices])
+    plain = http.post("/v1/chat/completions", json={**payload, "messages": messages,
+                                                     "return_tokens_as_token_ids": False}).json()["choices"]
+    for c, ids, p in zip(choices, token_ids, plain):
+        assert all(t in pos for pos, t in zip(ids, c["token_ids"]))
+        assert c["token_ids"] == p["token_ids"]
+        for e, pe, t in zip(c["logprobs"]["content"], p["logprobs"]["content"], c["token_ids"]):
+            assert e["token"] == f"token_id:{t}"
+            # vLLM: the sampled entry's bytes are its decoded text's, the top entries' their strings'
+            assert e["bytes"] == pe["bytes"] == list(pe["token"].encode("utf-8"))
+            assert len(e["top_logprobs"]) == 2
+            for top in e["top_logprobs"]:
+                assert top["token"].startswith("token_id:")
+                assert top["bytes"] == list(top["token"].encode("utf-8"))
+            assert [x["logprob"] for x in e["top_logprobs"]] == [x["logprob"] for x in pe["top_logprobs"]]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_stream_token_ids(stack, route):
+    http, _ = stack
+    common = {"model": model_id(http), "max_tokens": 6, "temperature": 0, "stream": True, "logprobs": True,
+              "return_tokens_as_token_ids": True, "return_token_ids": True}
+    if route == "chat":
+        body = {**common, "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 1}
+    else:
+        body = {**common, "prompt": PROMPT_IDS[1], "logprobs": 1}
+    r = http.post(f"/v1/{'chat/' if route == 'chat' else ''}completions", json=body)
+    assert r.status_code == 200, r.text
+    ids, tokens = [], []
+    for payload in sse_payloads(r):
+        if payload == "[DONE]":
+            continue
+        for c in json.loads(payload)["choices"]:
+            ids.extend(c.get("token_ids") or [])
+            lp = c.get("logprobs")
+            if lp:
+                tokens.extend([e["token"] for e in lp["content"]] if route == "chat" else lp["tokens"])
+    assert len(ids) == 6
+    assert tokens == [f"token_id:{t}" for t in ids]
+
+
+# ------------------------------------------------------------------ /server_info
+def test_trl_server_info(stack):
+    http, _ = stack
+    r = http.get("/server_info", params={"config_format": "json"})
+    assert r.status_code == 200, r.text
+    config = r.json()["vllm_config"]
+    # TRL's init_communicator check
+    assert config["weight_transfer_config"] == {"backend": "gloo"}  # CPU workers: NCCL's protocol over gloo
+    assert config["model_config"]["dtype"] == "torch.float32"  # --dtype auto on a CPU worker
+    assert config["model_config"]["logprobs_mode"] == "raw_logprobs"
+    assert config["model_config"]["max_model_len"] == MAX_MODEL_LEN
+    assert config["model_config"]["model"] == model_id(http)
+    assert config["lora_config"] is None
+    assert config["parallel_config"]["data_parallel_size"] == http.get("/get_world_size").json()["world_size"] == 1
+    assert config["parallel_config"]["tensor_parallel_size"] == 1
+    assert config["scheduler_config"]["max_num_seqs"] == 8
+    text = http.get("/server_info").json()
+    assert isinstance(text["vllm_config"], str) and f"max_model_len={MAX_MODEL_LEN}" in text["vllm_config"]
+    assert set(text) == {"vllm_config", "vllm_env", "system_env"}
+    bad = http.get("/server_info", params={"config_format": "yaml"})
+    assert bad.status_code == 400 and "config_format" in bad.json()["error"]["message"]
+    assert httpx.get(str(http.base_url) + "/server_info", timeout=10).status_code == 401
+
+
+# ------------------------------------------------------------------ /collective_rpc
+def rpc(http, body):
+    r = http.post("/collective_rpc", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["results"]
+
+
+def greedy(http, max_tokens=8):
+    body = {"model": model_id(http), "prompt": PROMPT_IDS[0], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+
+class _Stream(threading.Thread):
+    """A streaming completion through the gateway: its token ids and finish reason."""
+
+    def __init__(self, http, max_tokens):
+        super().__init__(daemon=True)
+        self.body = {"model": model_id(http), "prompt": PROMPT_IDS[1], "max_tokens": max_tokens, "temperature": 0,
+                     "ignore_eos": True, "stream": True, "return_token_ids": True}
+        self.url, self.headers = str(http.base_url), dict(AUTH)
+        self.tokens: list[int] = []
+        self.finish = self.error = None
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            self.tokens.extend(c.get("token_ids") or [])
+                            self.finish = c.get("finish_reason") or self.finish
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+def test_skyrl_weight_sync_over_collective_rpc(stack, models):
+    """SkyRL's non-colocated sync: pause(keep), sleep for the sync, wake the weights, the
+    update, wake the KV cache, resume; a rollout in flight is frozen, never aborted."""
+    http, _ = stack
+    a, b = models
+    before = greedy(http)
+    total = 300
+    stream = _Stream(http, total)
+    stream.start()
+    wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
+    assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+    assert len(stream.tokens) < total and stream.finish is None  # frozen mid-rollout
+    assert rpc(http, {"method": "skyrl_sleep_for_weight_sync", "kwargs": {"offload_kv": True}}) == [None]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert rpc(http, {"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": ["weights"]}}) == [None]
+    assert rpc(http, {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": True}}) == [None]
+    # vLLM's own worker method name, positional args as vLLM's collective_rpc passes them
+    assert rpc(http, {"method": "update_weights", "args": [{"path": str(b)}]}) == [None]
+    assert rpc(http, {"method": "skyrl_finish_weight_update"}) == [None]
+    assert rpc(http, {"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": ["kv_cache"]}}) == [None]
+    assert http.post("/resume").status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    stream.join(120)
+    assert stream.error is None and stream.finish == "length" and len(stream.tokens) == total
+    after = greedy(http)
+    assert after != before  # B's weights serve now
+    # back to A through vLLM's worker method names
+    rpc(http, {"method": "start_weight_update"})
+    rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
+    rpc(http, {"method": "finish_weight_update"})
+    assert greedy(http) == before
+
+
+def test_collective_rpc_refusals(stack):
+    http, plain = stack
+    r = http.post("/collective_rpc", json={"method": "execute_model", "args": []})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "'execute_model'" in err["message"] and err["type"] == "BadRequestError" and err["code"] == 400
+    r = http.post("/collective_rpc", json={"kwargs": {}})
+    assert r.status_code == 400 and "Missing 'method'" in r.json()["error"]["message"]
+    r = http.post("/collective_rpc", json={"method": "skyrl_start_weight_update",
+                                           "kwargs": {"is_checkpoint_format": False}})
+    assert r.status_code == 400 and "is_checkpoint_format" in r.json()["error"]["message"]
+    r = http.post("/collective_rpc", json={"method": "sleep", "kwargs": {"level": 1, "oops": 2}})
+    assert r.status_code == 400 and "'oops'" in r.json()["error"]["message"]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}  # nothing ran
+    assert httpx.post(str(http.base_url) + "/collective_rpc", json={"method": "sleep"}, timeout=10).status_code == 401
+
+
+def test_without_enable_rl_dev_routes_are_absent(stack):
+    _, plain = stack
+    assert plain.get("/server_info", params={"config_format": "json"}).status_code == 404
+    assert plain.post("/collective_rpc", json={"method": "sleep"}).status_code == 404
+
+
+def test_kv_event_sources(stack):
+    http, plain = stack
+    # vLLM's {dp_rank: KVEventsConfig} of ZeroMQ KV-event publishers: none here (README)
+    assert plain.get("/kv_event_sources").json() == {}
+    assert http.get("/kv_event_sources").json() == {}
+    assert httpx.get(str(http.base_url) + "/kv_event_sources", timeout=10).status_code == 401
+
+
+def test_partial_utf8_logprob_tokens_as_vllm(stack):
+    """vLLM's logprob detokenizer (``_verify_tokens``): a token ending in a partial UTF-8
+    character is re-decoded with the tokens before it (for prompt tokens: from position 1,
+    position 0 has no logprob entry): "" while the character is incomplete, the whole
+    character on the token that completes it.  Token ids are bytes here (0xC3 0xA9 = é)."""
+    http, _ = stack
+    prompt = [0xC3, 0xA9, 33, 104, 0xC3, 0xA9]
+    body = {"model": model_id(http), "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 0, "prompt_logprobs": 0}
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["logprobs"]["tokens"][:6] == ["\ufffd", "", "!", "h", "", "é"]
+    assert [next(iter(p.values()))["decoded_token"] for p in c["prompt_logprobs"][1:]] == ["", "!", "h", "", "é"]
