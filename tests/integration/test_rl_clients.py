@@ -93,6 +93,54 @@ def model_id(http):
     return http.get("/v1/models").json()["data"][0]["id"]
 
 
+# ------------------------------------------------------------------ AReaL's parsing
+def areal_generation_payload(input_ids, max_new_tokens=8, greedy=True):
+    """AReaL 1.0.4 ``VLLMBackend.build_generation_request`` (areal/engine/vllm_remote.py) with
+    its GenerationHyperparameters defaults: a flat vLLM payload, ``use_beam_search: false``."""
+    return {"top_p": 1.0, "top_k": int(1e8), "max_tokens": max_new_tokens, "temperature": 0.0 if greedy else 1.0,
+            "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
+            "return_tokens_as_token_ids": True, "logprobs": 0, "use_beam_search": False, "stream": False,
+            "prompt": list(input_ids)}
+
+
+def areal_parse_generation_response(response):
+    """AReaL 1.0.4 ``VLLMBackend.parse_generation_response``, as written there."""
+    meta_info = response["choices"][0]
+    if "tokens" in meta_info["logprobs"]:
+        output_tokens = [int(t.split(":")[1]) for t in meta_info["logprobs"]["tokens"]]
+        output_logprobs = meta_info["logprobs"]["token_logprobs"]
+    elif "content" in meta_info["logprobs"]:
+        outputs = meta_info["logprobs"]["content"]
+        output_tokens = [int(t["token"].split(":")[1]) for t in outputs]
+        output_logprobs = [t["logprob"] for t in outputs]
+    else:
+        raise ValueError("Unexpected vLLM response format.")
+    return output_tokens, output_logprobs, meta_info["finish_reason"]
+
+
+def test_areal_completions_and_chat_requests(stack):
+    """AReaL's two request shapes (token ids -> /v1/completions; messages -> /v1/chat/completions
+    with ``logprobs: true``) parse into the ids the server generated."""
+    http, _ = stack
+    r = http.post("/v1/completions", json=areal_generation_payload(PROMPT_IDS[0]))
+    assert r.status_code == 200, r.text
+    tokens, logprobs, finish = areal_parse_generation_response(r.json())
+    assert len(tokens) == len(logprobs) == 8 and finish == "length"
+    plain = http.post("/v1/completions", json={**areal_generation_payload(PROMPT_IDS[0]),
+                                               "return_token_ids": True}).json()["choices"][0]
+    assert tokens == plain["token_ids"]
+
+    chat = {**areal_generation_payload(PROMPT_IDS[0]), "logprobs": True,
+            "messages": [{"role": "user", "content": "Hello"}]}
+    chat.pop("prompt")
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    tokens, logprobs, _ = areal_parse_generation_response(r.json())
+    again = http.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": False,
+                                                    "return_token_ids": True}).json()["choices"][0]
+    assert tokens == again["token_ids"] and len(tokens) == len(logprobs) == 8
+
+
 # ------------------------------------------------------------------ return_tokens_as_token_ids
 def test_trl_generate_completions_token_ids(stack):
     http, _ = stack
