@@ -396,3 +396,154 @@ def test_partial_utf8_logprob_tokens_as_vllm(stack):
     c = http.post("/v1/completions", json=body).json()["choices"][0]
     assert c["logprobs"]["tokens"][:6] == ["\ufffd", "", "!", "h", "", "é"]
     assert [next(iter(p.values()))["decoded_token"] for p in c["prompt_logprobs"][1:]] == ["", "!", "h", "", "é"]
+
+
+# ------------------------------------------------------------------ TRL's weight sync
+def _trainer_tensors(model_dir):
+    from safetensors.torch import load_file
+
+    return sorted(load_file(str(model_dir / "model.safetensors")).items())
+
+
+def _in_thread(fn, errors):
+    def run():
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - surfaced by the test's assert on ``errors``
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _trl_connect(http):
+    """TRL 1.16 ``VLLMClient.init_communicator`` (trl/generation/vllm_client.py), the same in
+    ``trl/experimental/async_grpo/weight_transfer.py`` ``init_weight_transfer``: world size
+    from ``GET /get_world_size`` + 1, then ``POST /init_weight_transfer_engine {"init_info":
+    {master_address, master_port, rank_offset: 1, world_size, packed: true}}`` (``packed``
+    with vLLM >= 0.28) while the trainer joins the rendezvous as rank 0.  TRL's trainer side
+    is NCCL on CUDA; here common.dist_weight_transfer.TrainerWeightSender speaks the same
+    packed broadcast over gloo, and the workers pick gloo themselves (no ``backend`` sent)."""
+    from common.dist_weight_transfer import TrainerWeightSender
+    from tests.support.procs import free_port
+
+    world_size = http.get("/get_world_size").json()["world_size"] + 1
+    sender = TrainerWeightSender("127.0.0.1", free_port(), world_size=world_size, packed=True, backend="gloo",
+                                 timeout_s=60)
+    init_info = {"master_address": "127.0.0.1", "master_port": sender.info.master_port, "rank_offset": 1,
+                 "world_size": world_size, "packed": True}
+    errors = []
+    joined = _in_thread(sender.connect, errors)
+    r = http.post("/init_weight_transfer_engine", json={"init_info": init_info})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"message": "Weight transfer initialized"}  # TRL's _post parses it as JSON
+    joined.join(60)
+    assert not errors and sender.group is not None
+    return sender
+
+
+def _trl_update_info(named):
+    """``update_named_params``' body: ``{"update_info": {names, dtype_names, shapes}}`` (vLLM >= 0.28
+    leaves ``packed`` out: the group was opened packed)."""
+    return {"names": [n for n, _ in named], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}
+
+
+def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
+    """TRL 1.16 ``VLLMClient`` (trl/generation/vllm_client.py): ``init_communicator``, then
+    ``update_named_params`` inside ``weight_update()`` (``POST /start_weight_update {}``,
+    ``POST /update_weights {"update_info": ...}`` concurrent with the broadcast, ``POST
+    /finish_weight_update {}``), then ``reset_prefix_cache`` (``POST /reset_prefix_cache``, no
+    body; ``_post`` parses the answer as JSON).  ``close_communicator`` sends nothing (it drops
+    the trainer's store and socket).
+
+    Difference from vLLM (README): TRL's server mode never pauses, and tokserve refuses a
+    torch.distributed ``/update_weights`` unless ``/pause`` came first (the receive blocks
+    the engine; vLLM applies it between steps).  The refusal is a 400 before anything is
+    received and drops the update on every rank, so TRL's ``finally: _finish_weight_update()``
+    gets a 400 too ("nothing was committed"): TRL raises, nothing changed, the server serves on.  With ``/pause?mode=keep`` before (what TRL's async GRPO client does)
+    the same bodies update the weights."""
+    http, _ = stack
+    a, b = models
+    before = greedy(http)
+    sender = _trl_connect(http)
+    try:
+        named = _trainer_tensors(b)
+        # -- VLLMClient.update_model_params as written: no pause
+        r = http.post("/start_weight_update", json={})
+        assert r.status_code == 200 and r.json() == {"message": "Weight update started"}
+        r = http.post("/update_weights", json={"update_info": _trl_update_info(named)})
+        assert r.status_code == 400 and "POST /pause" in r.json()["error"]["message"]
+        # weight_update()'s finally: the refused bucket dropped the update on every rank
+        r = http.post("/finish_weight_update", json={})
+        assert r.status_code == 400 and "nothing was committed" in r.json()["error"]["message"]
+        assert greedy(http) == before  # nothing was written, the server serves on
+
+        # -- the same calls behind a pause
+        assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        assert http.post("/start_weight_update", json={}).status_code == 200
+        errors = []
+        sending = _in_thread(lambda: sender.send(named), errors)
+        r = http.post("/update_weights", json={"update_info": _trl_update_info(named)})
+        assert r.status_code == 200 and r.json() == {"message": "Weights updated"}, r.text
+        sending.join(60)
+        assert not errors
+        assert http.post("/finish_weight_update", json={}).json() == {"message": "Weight update finished"}
+        assert http.post("/resume").json() == {"status": "resumed"}
+        after = greedy(http)
+        assert after != before
+
+        # -- VLLMClient.reset_prefix_cache (vLLM >= 0.26: self._post, a JSON answer)
+        r = http.post("/reset_prefix_cache")
+        assert r.status_code == 200 and r.json() == {"success": True}
+        assert greedy(http) == after
+    finally:
+        sender.close()
+        http.post("/shutdown_weight_transfer_engine")
+        rpc(http, {"method": "start_weight_update"})
+        rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
+        rpc(http, {"method": "finish_weight_update"})
+    assert greedy(http) == before
+
+
+def test_trl_async_grpo_weight_sync(stack, models):
+    """TRL 1.16 async GRPO (trl/experimental/async_grpo/vllm_client.py and weight_transfer.py):
+    ``get_dtype`` (``/server_info?config_format=json`` -> ``model_config.dtype`` must match the
+    trainer's), ``init_weight_transfer``, ``pause`` (``POST /pause?mode=keep``, no body),
+    ``send_weights``: ``start_weight_update`` (``{"is_checkpoint_format": true}``),
+    ``update_weights`` (``{"update_info": ...}``) concurrent with the broadcast,
+    ``finish_weight_update`` (no body), then ``resume`` (``POST /resume``).  Each checks only
+    ``status_code == 200``.  A rollout in flight is frozen across the sync, never aborted."""
+    http, _ = stack
+    a, b = models
+    before = greedy(http)
+    named = _trainer_tensors(b)
+    r = http.get("/server_info", params={"config_format": "json"})
+    assert r.status_code == 200
+    vllm_dtype = r.json()["vllm_config"]["model_config"]["dtype"].removeprefix("torch.")
+    assert vllm_dtype == str(named[0][1].dtype).removeprefix("torch.")  # TRL raises on a mismatch
+    sender = _trl_connect(http)
+    stream = _Stream(http, 200)
+    stream.start()
+    try:
+        wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        assert http.post("/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
+        errors = []
+        sending = _in_thread(lambda: sender.send(named), errors)
+        assert http.post("/update_weights", json={"update_info": _trl_update_info(named)}).status_code == 200
+        sending.join(60)
+        assert not errors
+        assert http.post("/finish_weight_update").status_code == 200
+        assert http.post("/resume").status_code == 200
+        stream.join(120)
+        assert stream.error is None and stream.finish == "length" and len(stream.tokens) == 200
+        assert greedy(http) != before
+    finally:
+        sender.close()
+        http.post("/shutdown_weight_transfer_engine")
+        rpc(http, {"method": "start_weight_update"})
+        rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
+        rpc(http, {"method": "finish_weight_update"})
+    assert greedy(http) == before
