@@ -130,13 +130,18 @@ class WeightReceiver:
                              f"world_size {info.world_size}")
         self.group, self._store = make_group(info, self.rank, device)
 
-    def receive(self, entries: Sequence[tuple[str, Any, tuple]]) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) of a bucket whose checked entries are (name, torch dtype, shape)."""
+    def receive(self, entries: Sequence[tuple[str, Any, tuple]], packed: Optional[bool] = None,
+                packed_buffer_size_bytes: Optional[int] = None) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) of a bucket whose checked entries are (name, torch dtype, shape);
+        ``packed`` / ``packed_buffer_size_bytes``: the update's own (vLLM < 0.28 and SkyRL send
+        them in update_info), else the group's from init_info."""
         import torch
 
+        packed = self.info.packed if packed is None else packed
+        buffer_bytes = packed_buffer_size_bytes or self.info.packed_buffer_size_bytes
         sizes = [_nbytes(dtype, shape) for _, dtype, shape in entries]
-        for idx in bucket_plan(sizes, self.info.packed, self.info.packed_buffer_size_bytes):
-            if not self.info.packed:
+        for idx in bucket_plan(sizes, packed, buffer_bytes):
+            if not packed:
                 name, dtype, shape = entries[idx[0]]
                 t = torch.empty(shape, dtype=dtype, device=self.device)
                 broadcast(self.group, t)

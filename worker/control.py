@@ -234,7 +234,13 @@ class WorkerControl:
             if self.paused is None:
                 raise BadRequest("the torch.distributed transfer blocks the engine while it receives: "
                                  "POST /pause before /update_weights", None)
-            for name, tensor in self.receiver.receive(entries):
+            packed, buffer_bytes = info.get("packed"), info.get("packed_buffer_size_bytes")
+            if packed is not None and not isinstance(packed, bool):
+                raise BadRequest("update_info.packed must be a boolean", "update_info")
+            if buffer_bytes is not None and not (isinstance(buffer_bytes, int) and not isinstance(buffer_bytes, bool)
+                                                 and buffer_bytes > 0):
+                raise BadRequest("update_info.packed_buffer_size_bytes must be a positive integer", "update_info")
+            for name, tensor in self.receiver.receive(entries, packed, buffer_bytes):
                 # paused: in place, one tensor at a time
                 engine.rl.write_weights({name: tensor}, more_to_come=self.session is not None)
                 if self.session is not None:

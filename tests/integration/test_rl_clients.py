@@ -547,3 +547,204 @@ def test_trl_async_grpo_weight_sync(stack, models):
         rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
         rpc(http, {"method": "finish_weight_update"})
     assert greedy(http) == before
+
+
+# ------------------------------------------------------------------ SkyRL's RemoteInferenceClient
+# From the ``skyrl`` wheel on PyPI (0.3.0, the newest published; ``skyrl_train`` 0.4.0 is the
+# older package whose client spoke SkyRL's own server routes), file
+# skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py.
+def skyrl_sampling_params(max_tokens=8, logprobs=1):
+    """``get_vllm_sampling_params`` (inference_servers/engine_utils.py) with ``SamplingParams``'
+    defaults (temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, logprobs 1, stop None)."""
+    return {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,
+            "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "logprobs": logprobs, "stop": None}
+
+
+def skyrl_call_server(http, endpoint, json=None, method="POST", params=None):
+    """``RemoteInferenceClient._call_server``: ``body = await resp.json() if resp.content_length
+    else None``, then ``raise_for_status`` (reads ``body["error"]["message"]``)."""
+    r = http.request(method, endpoint, json=json, params=params)
+    assert r.status_code == 200, r.text
+    body = r.json() if int(r.headers.get("content-length") or 0) else None
+    return {"status": r.status_code, "body": body}
+
+
+def test_skyrl_generate(stack):
+    """SkyRL ``RemoteInferenceClient._generate_single``: ``POST /inference/v1/generate`` with
+    ``{"sampling_params", "model", "token_ids"}`` and an ``X-Session-ID`` header; it reads
+    ``choices[0]["token_ids"]``, ``["finish_reason"]`` and ``logprobs.content[*].logprob``."""
+    http, _ = stack
+    model = model_id(http)
+    payload = {"sampling_params": {**skyrl_sampling_params(), "seed": 3}, "model": model, "token_ids": PROMPT_IDS[0]}
+    r = http.post(GENERATE, json=payload, headers={"Content-Type": "application/json", "X-Session-ID": "traj-1"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    response_ids, stop_reason = choice["token_ids"], choice["finish_reason"]
+    response_logprobs = [info["logprob"] for info in choice["logprobs"]["content"]]
+    assert len(response_ids) == len(response_logprobs) == 8 and stop_reason == "length"
+    assert all(lp <= 0 for lp in response_logprobs)
+    assert choice.get("routed_experts") is None
+    # logprobs None (SkyRL's get_logprobs False): no logprobs to read
+    payload["sampling_params"]["logprobs"] = None
+    choice = http.post(GENERATE, json=payload).json()["choices"][0]
+    assert choice["token_ids"] == response_ids and choice.get("logprobs") is None
+
+
+def test_skyrl_sample_n(stack):
+    """SkyRL ``RemoteInferenceClient.sample`` (Tinker's sample): ``POST /inference/v1/generate``
+    with ``sampling_params {"n": num_samples, "logprobs": 0, "output_kind": 2, "prompt_logprobs":
+    k or None, ...mapped Tinker params}``; it reads each choice's ``token_ids``,
+    ``logprobs.content[*].logprob``, ``finish_reason`` and the top-level ``prompt_logprobs``
+    (``{str(token_id): {"logprob": ...}}`` per position)."""
+    http, _ = stack
+    token_ids = PROMPT_IDS[0]
+    for k in (0, 2):
+        sampling_params = {"n": 3, "logprobs": 0, "output_kind": 2, "prompt_logprobs": k,
+                           "temperature": 1.0, "max_tokens": 5, "seed": 5}
+        payload = {"sampling_params": sampling_params, "model": model_id(http), "token_ids": token_ids}
+        r = http.post(GENERATE, json=payload, headers={"Content-Type": "application/json", "X-Session-ID": "s"})
+        assert r.status_code == 200, r.text
+        response = r.json()
+        raw = response["prompt_logprobs"]
+        prompt_logprobs = [(pos.get(str(tid)) or {}).get("logprob") if pos is not None else None
+                           for tid, pos in zip(token_ids, raw)]
+        assert prompt_logprobs[0] is None and all(isinstance(lp, float) for lp in prompt_logprobs[1:])
+        if k:
+            topk = [sorted([(int(t), e["logprob"]) for t, e in pos.items()], key=lambda x: x[1], reverse=True)[:k]
+                    if pos is not None else None for pos in raw]
+            assert topk[0] is None and all(len(p) == k for p in topk[1:])
+        sequences = [{"tokens": c["token_ids"], "logprobs": [lp["logprob"] for lp in c["logprobs"]["content"]],
+                      "stop_reason": c.get("finish_reason")} for c in response["choices"]]
+        assert len(sequences) == 3
+        assert all(len(s["tokens"]) == len(s["logprobs"]) == 5 and s["stop_reason"] == "length" for s in sequences)
+    # include_prompt_logprobs false: "prompt_logprobs": null
+    payload["sampling_params"]["prompt_logprobs"] = None
+    response = http.post(GENERATE, json=payload).json()
+    assert len(response["choices"]) == 3 and response.get("prompt_logprobs") is None
+
+
+def test_skyrl_control_plane(stack):
+    """SkyRL ``RemoteInferenceClient`` control plane, fanned out by ``_call_all_servers``:
+    ``get_world_size`` (``GET /get_world_size`` with a ``{}`` JSON body; reads
+    ``body["world_size"]``), ``pause`` (``POST /pause?mode=keep&clear_cache=false``),
+    ``resume`` (``POST /resume``), ``sleep`` (``POST /sleep?level=2[&tags=...]``), ``wake_up``
+    (``POST /wake_up[?tags=...]``), ``reset_prefix_cache`` (``POST /reset_prefix_cache
+    {"reset_running_requests": false}``).  A rollout in flight survives pause and resume."""
+    http, _ = stack
+    assert skyrl_call_server(http, "/get_world_size", {}, method="GET")["body"]["world_size"] == 1
+    before = greedy(http)
+    stream = _Stream(http, 150)
+    stream.start()
+    wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
+    for mode in ("keep", "wait", "abort"):  # PauseMode values; pause_generation is keep
+        if mode == "keep":
+            got = skyrl_call_server(http, "/pause", params={"mode": mode, "clear_cache": "false"})
+            assert got["body"] == {"status": "paused"}
+            assert len(stream.tokens) < 150 and stream.finish is None
+            assert skyrl_call_server(http, "/resume")["body"] == {"status": "resumed"}
+            stream.join(120)
+            assert stream.error is None and stream.finish == "length" and len(stream.tokens) == 150
+        else:
+            assert skyrl_call_server(http, "/pause", params={"mode": mode, "clear_cache": "true"})["status"] == 200
+            assert skyrl_call_server(http, "/resume")["status"] == 200
+
+    # sleep: level is sent as a string; tags only when given
+    assert skyrl_call_server(http, "/sleep", params={"level": "2"})["status"] == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert skyrl_call_server(http, "/wake_up", params={"tags": ["weights"]})["status"] == 200
+    assert skyrl_call_server(http, "/wake_up", params={})["status"] == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert skyrl_call_server(http, "/sleep", params={"level": "1", "tags": ["weights", "kv_cache"]})["status"] == 200
+    assert skyrl_call_server(http, "/wake_up", params={"tags": ["weights", "kv_cache"]})["status"] == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    got = skyrl_call_server(http, "/reset_prefix_cache", {"reset_running_requests": False})
+    assert got["body"] == {"success": True}
+    assert greedy(http) == before
+
+
+def test_skyrl_checkpoint_weight_update(stack, models):
+    """SkyRL ``RemoteInferenceClient.start_weight_update`` / ``finish_weight_update`` (bodies
+    ``{"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": true}}`` and
+    ``{"method": "skyrl_finish_weight_update"}`` on ``/collective_rpc``) around vLLM's disk
+    reload (``update_weights`` with ``{"update_info": {"path": ...}}``), each answer parsed by
+    ``_call_server`` as ``{"status", "body"}``.  (The client's CUDA IPC chunks,
+    ``update_weights_ipc``, are refused; its broadcast chunks: the next test.)"""
+    http, _ = stack
+    a, b = models
+    before = greedy(http)
+    got = skyrl_call_server(http, "/collective_rpc", {"method": "skyrl_start_weight_update",
+                                                       "kwargs": {"is_checkpoint_format": True}})
+    assert got["body"] == {"results": [None]}
+    assert skyrl_call_server(http, "/update_weights", {"update_info": {"path": str(b)}})["body"] == {
+        "message": "Weights updated"}
+    assert skyrl_call_server(http, "/collective_rpc", {"method": "skyrl_finish_weight_update"})["body"] == {
+        "results": [None]}
+    assert greedy(http) != before
+    # CUDA IPC handles cannot reach a CPU worker: refused by name, nothing runs
+    r = http.post("/collective_rpc", json={"method": "update_weights_ipc", "kwargs": {"update_info": {"names": []}}})
+    assert r.status_code == 400 and "'update_weights_ipc'" in r.json()["error"]["message"]
+    skyrl_call_server(http, "/collective_rpc", {"method": "skyrl_start_weight_update",
+                                                 "kwargs": {"is_checkpoint_format": True}})
+    skyrl_call_server(http, "/update_weights", {"update_info": {"path": str(a)}})
+    skyrl_call_server(http, "/collective_rpc", {"method": "skyrl_finish_weight_update"})
+    assert greedy(http) == before
+
+
+def test_skyrl_broadcast_weight_sync(stack, models):
+    """SkyRL's broadcast weight sync (``skyrl`` 0.3.0, weight_sync/broadcast_strategy.py
+    ``BroadcastWeightTransferSender._send_chunks_vllm_native`` through
+    ``RemoteInferenceClient``): ``get_world_size``, ``init_weight_update_communicator``
+    (``POST /init_weight_transfer_engine {"init_info": BroadcastInitInfo.to_api_payload()}``:
+    master_address, master_port, rank_offset, world_size and no ``packed``), then
+    ``start_weight_update`` (``/collective_rpc`` ``skyrl_start_weight_update``),
+    ``update_weights_nccl`` (``/collective_rpc {"method": "update_weights_nccl", "kwargs":
+    {"update_info": {names, dtype_names, shapes, "packed": true}}}``) concurrent with
+    ``trainer_send_weights(packed=True)``, ``finish_weight_update``; around it the trainer's
+    ``pause_generation`` (keep) and ``resume_generation``.  The trainer side: gloo here.
+
+    SkyRL says ``packed`` in update_info (vLLM < 0.28's place), not in init_info: the workers
+    follow the update's ``packed`` (server fix; they followed init_info only, and waited for
+    per-tensor broadcasts the trainer never sent)."""
+    from common.dist_weight_transfer import TrainerWeightSender
+    from tests.support.procs import free_port
+
+    http, _ = stack
+    a, b = models
+    before = greedy(http)
+    named = _trainer_tensors(b)
+    per_server = skyrl_call_server(http, "/get_world_size", {}, method="GET")["body"]["world_size"]
+    world_size = per_server + 1
+    sender = TrainerWeightSender("127.0.0.1", free_port(), world_size=world_size, packed=True, backend="gloo",
+                                 timeout_s=60)
+    init_info = {"master_address": "127.0.0.1", "master_port": sender.info.master_port, "rank_offset": 1,
+                 "world_size": world_size}
+    errors = []
+    joined = _in_thread(sender.connect, errors)
+    assert skyrl_call_server(http, "/init_weight_transfer_engine", {"init_info": init_info})["status"] == 200
+    joined.join(60)
+    assert not errors
+    try:
+        skyrl_call_server(http, "/pause", params={"mode": "keep", "clear_cache": "false"})
+        got = skyrl_call_server(http, "/collective_rpc", {"method": "skyrl_start_weight_update",
+                                                           "kwargs": {"is_checkpoint_format": True}})
+        assert got["body"] == {"results": [None]}
+        update_info = {**_trl_update_info(named), "packed": True}
+        sending = _in_thread(lambda: sender.send(named), errors)
+        got = skyrl_call_server(http, "/collective_rpc", {"method": "update_weights_nccl",
+                                                           "kwargs": {"update_info": update_info}})
+        assert got["body"] == {"results": [None]}
+        sending.join(60)
+        assert not errors
+        assert skyrl_call_server(http, "/collective_rpc", {"method": "skyrl_finish_weight_update"})["body"] == {
+            "results": [None]}
+        skyrl_call_server(http, "/resume")
+        assert greedy(http) != before
+    finally:
+        sender.close()
+        http.post("/resume")
+        http.post("/shutdown_weight_transfer_engine")
+        rpc(http, {"method": "start_weight_update"})
+        rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
+        rpc(http, {"method": "finish_weight_update"})
+    assert greedy(http) == before
