@@ -15,6 +15,17 @@ The requests and the parsing are captured from the libraries' source:
   ``{"method": "skyrl_wake_for_weight_sync", "kwargs": {"tags": [...]}}``; it reads
   ``body["results"]``.
 * AReaL parses chat logprob tokens the same way as TRL (``int(tok.split(":")[1])``).
+* TRL 1.16 weight sync: ``VLLMClient.init_communicator`` / ``weight_update`` /
+  ``update_named_params`` / ``reset_prefix_cache`` / ``close_communicator``, and the async GRPO
+  client (trl/experimental/async_grpo/vllm_client.py, weight_transfer.py): ``pause``,
+  ``start_weight_update``, ``update_weights``, ``finish_weight_update``, ``resume``,
+  ``load_lora_adapter``, ``unload_lora_adapter``.  The trainer's NCCL group is replayed over
+  gloo with common.dist_weight_transfer.TrainerWeightSender (same packed broadcast).
+* SkyRL's ``RemoteInferenceClient`` (PyPI ``skyrl`` 0.3.0, the newest published):
+  ``_generate_single``, ``sample`` (n > 1, prompt logprobs), ``pause`` / ``resume`` /
+  ``sleep`` / ``wake_up`` / ``reset_prefix_cache`` / ``get_world_size`` (``_call_server``),
+  ``start_weight_update`` / ``update_weights_nccl`` / ``finish_weight_update`` with the
+  broadcast strategy's ``init_info``, and a checkpoint reload between start and finish.
 """
 from __future__ import annotations
 
@@ -748,3 +759,67 @@ def test_skyrl_broadcast_weight_sync(stack, models):
         rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
         rpc(http, {"method": "finish_weight_update"})
     assert greedy(http) == before
+
+
+# ------------------------------------------------------------------ TRL async GRPO's LoRA sync
+@pytest.fixture(scope="module")
+def lora_stack(tmp_path_factory, models):
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import build_adapter
+
+    a, _ = models
+    root = tmp_path_factory.mktemp("clients-lora")
+    adapters = [build_adapter(a, root / f"step{i}", ["q_proj", "v_proj"], rank=4, seed=i) for i in (1, 2)]
+    with ProcGroup(tmp_path_factory.mktemp("clients-lora-stack")) as procs:
+        broker = procs.broker()
+        procs.worker(broker, 0, "--model", str(a), *WORKER_ARGS, "--enable-lora", "--max-loras", "2",
+                     "--max-lora-rank", "8")
+        wait_for_workers(broker.frontend, 1, timeout=120)
+        gw = start_gateway(procs, broker.frontend, "--tokenizer", str(a), "--enable-rl", "--allow-runtime-lora",
+                           "--api-key", API_KEY)
+        with httpx.Client(base_url=gw.url, timeout=120, headers=AUTH) as http:
+            yield http, adapters
+
+
+def test_trl_async_grpo_lora_sync(lora_stack):
+    """TRL 1.16 async GRPO's adapter sync (trl/experimental/async_grpo/async_grpo_trainer.py, the
+    LoRA branch of the weight sync, through async_grpo/vllm_client.py): ``pause`` (``POST
+    /pause?mode=keep``), ``load_lora_adapter`` (``POST /v1/load_lora_adapter {"lora_name":
+    "<name>-v<version>", "lora_path", "load_inplace": false}``, 200 expected, 404 means the
+    routes are off), ``resume``, later ``unload_lora_adapter`` of the stale version (``POST
+    /v1/unload_lora_adapter {"lora_name"}``, answer ignored).  The rollout worker
+    (async_rollout_worker.py ``_generate_one_turn``) then names the adapter in ``/v1/completions``
+    and reads ``choices[0]["token_ids"]`` and ``["logprobs"]["token_logprobs"]``."""
+    http, adapters = lora_stack
+    base = model_id(http)
+
+    def turn(model):
+        payload = {"model": model, "prompt": PROMPT_IDS[0], "max_tokens": 6, "temperature": 0.0, "top_p": 1.0,
+                   "top_k": -1, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0,
+                   "seed": 12345}
+        r = http.post("/v1/completions", json=payload)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 6
+        return choice["token_ids"]
+
+    base_ids = turn(base)
+    outputs = {}
+    for version, path in enumerate(adapters, start=1):
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": f"policy-v{version}", "lora_path": str(path),
+                                                     "load_inplace": False})
+        assert r.status_code == 200, r.text
+        assert r.text == f"Success: LoRA adapter 'policy-v{version}' added successfully."
+        assert http.post("/resume").status_code == 200
+        outputs[version] = turn(f"policy-v{version}")
+    assert outputs[1] != base_ids or outputs[2] != base_ids
+    assert {m["id"] for m in http.get("/v1/models").json()["data"]} >= {"policy-v1", "policy-v2"}
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "policy-v1"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'policy-v1' removed successfully."
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "policy-v1"}).status_code == 404  # ignored by TRL
+    assert turn("policy-v2") == outputs[2] and turn(base) == base_ids
+    # SkyRL's RemoteInferenceClient.load_lora_adapter posts to its own server's route
+    # /skyrl/v1/load_lora_adapter (vLLM has none); its unload_lora_adapter is vLLM's, as above.
+    assert http.post("/skyrl/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters[0])}
+                     ).status_code == 404
