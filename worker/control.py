@@ -231,16 +231,21 @@ class WorkerControl:
             if self.receiver is None:
                 raise BadRequest("no weight-transfer group: POST /init_weight_transfer_engine first "
                                  "(or send the tensors with the direct client)", None)
-            if self.paused is None:
-                raise BadRequest("the torch.distributed transfer blocks the engine while it receives: "
-                                 "POST /pause before /update_weights", None)
             packed, buffer_bytes = info.get("packed"), info.get("packed_buffer_size_bytes")
             if packed is not None and not isinstance(packed, bool):
                 raise BadRequest("update_info.packed must be a boolean", "update_info")
             if buffer_bytes is not None and not (isinstance(buffer_bytes, int) and not isinstance(buffer_bytes, bool)
                                                  and buffer_bytes > 0):
                 raise BadRequest("update_info.packed_buffer_size_bytes must be a positive integer", "update_info")
-            for name, tensor in self.receiver.receive(entries, packed, buffer_bytes):
+            stream = self.receiver.receive(entries, packed, buffer_bytes)
+            if self.paused is None:
+                # Not paused (TRL's VLLMClient never pauses): the engine thread receives the
+                # whole bucket, so no step runs meanwhile (vLLM applies it between steps too);
+                # then it is staged in the open update, or written at once without one, so no
+                # step ever sees half an update.
+                self._apply(dict(stream), from_disk=None)
+                return {"tensors": len(entries)}
+            for name, tensor in stream:
                 # paused: in place, one tensor at a time
                 engine.rl.write_weights({name: tensor}, more_to_come=self.session is not None)
                 if self.session is not None:

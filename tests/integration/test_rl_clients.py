@@ -469,12 +469,10 @@ def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
     body; ``_post`` parses the answer as JSON).  ``close_communicator`` sends nothing (it drops
     the trainer's store and socket).
 
-    Difference from vLLM (README): TRL's server mode never pauses, and tokserve refuses a
-    torch.distributed ``/update_weights`` unless ``/pause`` came first (the receive blocks
-    the engine; vLLM applies it between steps).  The refusal is a 400 before anything is
-    received and drops the update on every rank, so TRL's ``finally: _finish_weight_update()``
-    gets a 400 too ("nothing was committed"): TRL raises, nothing changed, the server serves on.  With ``/pause?mode=keep`` before (what TRL's async GRPO client does)
-    the same bodies update the weights."""
+    TRL's server mode never pauses: each rank receives the bucket on its engine thread
+    between two steps (as vLLM does) and stages it until ``/finish_weight_update``.  The
+    same bodies behind ``/pause?mode=keep`` (what TRL's async GRPO client does) write the
+    weights in place."""
     http, _ = stack
     a, b = models
     before = greedy(http)
@@ -484,12 +482,16 @@ def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
         # -- VLLMClient.update_model_params as written: no pause
         r = http.post("/start_weight_update", json={})
         assert r.status_code == 200 and r.json() == {"message": "Weight update started"}
+        errors = []
+        sending = _in_thread(lambda: sender.send(named), errors)
         r = http.post("/update_weights", json={"update_info": _trl_update_info(named)})
-        assert r.status_code == 400 and "POST /pause" in r.json()["error"]["message"]
-        # weight_update()'s finally: the refused bucket dropped the update on every rank
-        r = http.post("/finish_weight_update", json={})
-        assert r.status_code == 400 and "nothing was committed" in r.json()["error"]["message"]
-        assert greedy(http) == before  # nothing was written, the server serves on
+        assert r.status_code == 200 and r.json() == {"message": "Weights updated"}, r.text
+        sending.join(60)
+        assert not errors
+        assert greedy(http) == before  # staged: still A until the finish
+        assert http.post("/finish_weight_update", json={}).json() == {"message": "Weight update finished"}
+        staged_then_swapped = greedy(http)
+        assert staged_then_swapped != before
 
         # -- the same calls behind a pause
         assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
@@ -503,7 +505,7 @@ def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
         assert http.post("/finish_weight_update", json={}).json() == {"message": "Weight update finished"}
         assert http.post("/resume").json() == {"status": "resumed"}
         after = greedy(http)
-        assert after != before
+        assert after == staged_then_swapped  # B again: the same weights, written in place
 
         # -- VLLMClient.reset_prefix_cache (vLLM >= 0.26: self._post, a JSON answer)
         r = http.post("/reset_prefix_cache")

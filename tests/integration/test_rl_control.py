@@ -179,9 +179,18 @@ def test_update_over_gloo_with_a_trainer(pool, models, references):
     assert http.post("/init_weight_transfer_engine", json={"init_info": sender.init_info()}).json() == {
         "message": "Weight transfer initialized"}
     joined.join(60)
-    # The broadcast blocks the engine: the backend requires a pause.
-    r = http.post("/update_weights", json={"update_info": sender.update_info(named)})
-    assert r.status_code == 400 and "POST /pause" in r.json()["error"]["message"]
+    # Not paused (as TRL's VLLMClient sends it): the engine threads receive each bucket
+    # between two steps and stage it; serving stays on A until finish swaps B in.
+    assert http.post("/start_weight_update").status_code == 200
+    for half in (named[: len(named) // 2], named[len(named) // 2:]):
+        sending = run(lambda half=half: sender.send(half))
+        assert http.post("/update_weights", json={"update_info": sender.update_info(half)}).status_code == 200
+        sending.join(60)
+    assert not errors
+    assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
+    assert http.post("/finish_weight_update", json={"weight_version": "v-gloo-staged"}).status_code == 200
+    assert served_by_each_rank(client) == {0: references["B"], 1: references["B"]}
+    # Paused: written in place as it arrives.
     assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
     assert http.post("/start_weight_update").status_code == 200
     for half in (named[: len(named) // 2], named[len(named) // 2:]):  # two buckets
