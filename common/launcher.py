@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='gateways: images one prompt may carry (vLLM\'s flag, e.g. \'{"image": 4}\')')
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="gateways return per-request timing metrics (OpenAI routes, as vLLM; /generate too)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="gateways report usage.prompt_tokens_details (cached_tokens), as vLLM's flag")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="the broker's dispatch policy across workers")
@@ -241,6 +243,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
             argv += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
         if args.enable_per_request_metrics:
             argv.append("--enable-per-request-metrics")
+        if args.enable_prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")
         if args.limit_mm_per_prompt:
             argv += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
         if args.tokens_only:

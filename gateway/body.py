@@ -2,7 +2,8 @@
 and decode it as JSON (400 for what does not decode, nesting too deep included)."""
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Any, Optional
 
 import msgspec
 
@@ -44,8 +45,59 @@ def decode_json(decoder, body: bytes):
         return decoder.decode(body)
     except RecursionError:
         raise BadRequest(TOO_DEEP) from None
+    except msgspec.ValidationError as exc:
+        target = getattr(decoder, "type", None)
+        if target is not None and _int_wanted(exc) is not None:
+            return _decode_lax_ints(body, target, exc)
+        raise bad_request_from_decode_error(exc) from None
     except msgspec.MsgspecError as exc:
         raise bad_request_from_decode_error(exc) from None
+
+
+# msgspec's "an int was expected, a float came" error, and the path it names.
+_INT_GOT_FLOAT = re.compile(r"^Expected `([^`]*)`, got `float` - at `\$((?:\.\w+|\[\d+\])*)`$")
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+_MAX_LAX_RETRIES = 32
+
+
+def _int_wanted(exc: msgspec.ValidationError) -> Optional[list]:
+    """The path (keys / indexes) of a float where an int was expected, else None."""
+    m = _INT_GOT_FLOAT.match(str(exc))
+    if m is None or not re.search(r"\bint\b", m.group(1)):
+        return None
+    return [name if name else int(index) for name, index in _STEP.findall(m.group(2))]
+
+
+def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
+    """vLLM's pydantic models take an integral float for an int field (``"max_tokens": 1e18``
+    is 10**18, then clamped as any int) and refuse a fractional one.  msgspec refuses both:
+    the floats it names are made ints (the whole list at once for a list element) and the
+    body converted again."""
+    from gateway.errors import bad_request_from_decode_error
+
+    raw = msgspec.json.decode(body)
+    exc = first
+    for _ in range(_MAX_LAX_RETRIES):
+        path = _int_wanted(exc)
+        if path is None:
+            break
+        parent = raw
+        for step in path[:-1]:
+            parent = parent[step]
+        value = parent[path[-1]]
+        if not isinstance(value, float) or not value.is_integer():
+            where = str(exc).rsplit(" - at `$.", 1)[-1].rstrip("`")
+            raise BadRequest(f"Input should be a valid integer, got a number with a fractional part: {value!r} "
+                             f"- at `$.{where}`", where) from None
+        if isinstance(path[-1], int):  # a list of ids: all of its integral floats in one go
+            parent[:] = [int(v) if isinstance(v, float) and v.is_integer() else v for v in parent]
+        else:
+            parent[path[-1]] = int(value)
+        try:
+            return msgspec.convert(raw, target)
+        except msgspec.ValidationError as again:
+            exc = again
+    raise bad_request_from_decode_error(exc) from None
 
 
 async def json_object_body(req, limit: int) -> dict:

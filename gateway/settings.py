@@ -60,6 +60,9 @@ class GatewaySettings:
     # vLLM's --enable-per-request-metrics: timing metrics on /v1/chat/completions and
     # /v1/completions responses (n == 1, one prompt; stream: the include_usage chunk).
     enable_per_request_metrics: bool = False
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details (cached_tokens) on
+    # /inference/v1/generate, /v1/chat/completions and /v1/completions; off, it is null.
+    enable_prompt_tokens_details: bool = False
     # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
     # tokenizer and chat template the gateway loads; None serves tokens only.
     tokenizer: Optional[str] = None
