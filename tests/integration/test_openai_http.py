@@ -528,16 +528,24 @@ def test_prompt_tokens_details_follow_the_flag_on_every_route(stack):
             assert usage["prompt_tokens_details"] is None
 
 
-def test_integral_float_max_tokens_is_clamped_as_vllm(stack):
-    """vLLM takes ``max_tokens: 1e18`` (pydantic: an integral float is an int) and clamps it to
-    the room the context leaves (get_max_tokens); a fractional one is a 400."""
+def test_integral_float_max_tokens_as_vllm(stack):
+    """vLLM 0.33 takes ``max_tokens: 1e3`` (pydantic: an integral float is an int), clamps
+    what the context has no room for (get_max_tokens), refuses more than max_model_len
+    (TokenizeParams) and a fractional number."""
     _, _, _, plain = stack
-    r = httpx.post(plain.url + "/v1/completions/render", json={"prompt": [5, 6, 7], "max_tokens": 1e18})
+    r = httpx.post(plain.url + "/v1/completions/render", json={"prompt": [5, 6, 7], "max_tokens": 1.024e3})
     assert r.status_code == 200, r.text
     assert r.json()[0]["sampling_params"]["max_tokens"] == 1024 - 3
-    r = httpx.post(plain.url + "/v1/chat/completions/render", json={"messages": MESSAGES, "max_tokens": 1e18})
+    r = httpx.post(plain.url + "/v1/chat/completions/render", json={"messages": MESSAGES, "max_tokens": 1000.0})
     assert r.status_code == 200, r.text
     assert r.json()["sampling_params"]["max_tokens"] == 1024 - len(r.json()["token_ids"])
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        err = httpx.post(plain.url + path, json={**body, "max_tokens": 1e18}).json()["error"]
+        assert err["message"] == ("max_tokens=1000000000000000000 cannot be greater than max_model_len=1024. "
+                                  "Please request fewer output tokens.") and err["param"] == "max_tokens", err
+    err = httpx.post(plain.url + "/v1/chat/completions",
+                     json={"messages": MESSAGES, "max_completion_tokens": 2000}).json()["error"]
+    assert err["param"] == "max_completion_tokens" and "cannot be greater than max_model_len" in err["message"]
     r = httpx.post(plain.url + "/v1/completions", timeout=60,
                    json={"prompt": "Hi", "max_tokens": 2.0, "logprobs": 1.0, "ignore_eos": True})
     assert r.status_code == 200, r.text

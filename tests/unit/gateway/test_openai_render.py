@@ -82,7 +82,7 @@ def test_chat_max_tokens_and_echo_prompt_logprobs(renderer):
 
 @pytest.mark.parametrize("body, needle", [
     (dict(prompt="x" * 70), "maximum context length is 64 tokens"),
-    (dict(prompt="x" * 20, max_tokens=50), "maximum context length"),
+    (dict(prompt="x" * 20, max_tokens=65), "max_tokens=65 cannot be greater than max_model_len=64"),
     (dict(prompt=[]), "prompt"),
     (dict(prompt=[-1]), "negative"),
     (dict(prompt="a", suffix="b"), "suffix"),
@@ -113,3 +113,9 @@ def test_max_tokens_16_survives_the_round_trip(renderer):
 def test_malformed_prompts_are_400(renderer, prompt):
     with pytest.raises(BadRequest, match="prompt"):
         renderer.completion(_completion(prompt=prompt), 64, "p")
+
+
+def test_completion_max_tokens_past_the_room_is_clamped(renderer):
+    """vLLM 0.33: the prompt need not leave room for max_tokens; get_max_tokens clamps it."""
+    (r,) = renderer.completion(_completion(prompt="x" * 20, max_tokens=50), 64, "c")
+    assert r.generate["sampling_params"]["max_tokens"] == 64 - len(r.token_ids)
