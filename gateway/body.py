@@ -38,9 +38,8 @@ TOO_DEEP = "The JSON body is nested too deeply."
 def decode_json(decoder, body: bytes):
     """``decoder.decode(body)`` (a msgspec decoder or ``msgspec.json``); a 400 instead of
     msgspec's RecursionError for a body nested past its depth limit (a 200k-deep
-    kv_transfer_params was a 500)."""
-    from gateway.errors import bad_request_from_decode_error
-
+    kv_transfer_params was a 500).  A field of the wrong type or shape is named as vLLM's
+    validation handler names it: ``body.`` and the pydantic location (``body.token_ids.1``)."""
     try:
         return decoder.decode(body)
     except RecursionError:
@@ -49,9 +48,32 @@ def decode_json(decoder, body: bytes):
         target = getattr(decoder, "type", None)
         if target is not None and _int_wanted(exc) is not None:
             return _decode_lax_ints(body, target, exc)
-        raise bad_request_from_decode_error(exc) from None
+        raise _body_error(exc) from None
     except msgspec.MsgspecError as exc:
-        raise bad_request_from_decode_error(exc) from None
+        raise _body_error(exc) from None
+
+
+_AT = re.compile(r" - at `\$((?:\.\w+|\[\d+\])*)`$")
+_MISSING = re.compile(r"^Object missing required field `(\w+)`")
+
+
+def body_param(message: str) -> Optional[str]:
+    """msgspec's path (``- at `$.token_ids[1]```) in vLLM's ``param`` form: ``body.token_ids.1``
+    (FastAPI's loc joined by dots); a missing field is named after its object."""
+    at, missing = _AT.search(message), _MISSING.match(message)
+    if at is None and missing is None:
+        return None
+    steps = [name or index for name, index in _STEP.findall(at.group(1))] if at is not None else []
+    return ".".join(["body", *steps, *([missing.group(1)] if missing else [])])
+
+
+def _body_error(exc: msgspec.MsgspecError) -> BadRequest:
+    from gateway.errors import bad_request_from_decode_error
+
+    err = bad_request_from_decode_error(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        err.param = body_param(str(exc))
+    return err
 
 
 # msgspec's "an int was expected, a float came" error, and the path it names.
@@ -73,8 +95,6 @@ def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
     is 10**18, then clamped as any int) and refuse a fractional one.  msgspec refuses both:
     the floats it names are made ints (the whole list at once for a list element) and the
     body converted again."""
-    from gateway.errors import bad_request_from_decode_error
-
     raw = msgspec.json.decode(body)
     exc = first
     for _ in range(_MAX_LAX_RETRIES):
@@ -88,7 +108,7 @@ def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
         if not isinstance(value, float) or not value.is_integer():
             where = str(exc).rsplit(" - at `$.", 1)[-1].rstrip("`")
             raise BadRequest(f"Input should be a valid integer, got a number with a fractional part: {value!r} "
-                             f"- at `$.{where}`", where) from None
+                             f"- at `$.{where}`", body_param(str(exc))) from None
         if isinstance(path[-1], int):  # a list of ids: all of its integral floats in one go
             parent[:] = [int(v) if isinstance(v, float) and v.is_integer() else v for v in parent]
         else:
@@ -97,7 +117,7 @@ def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
             return msgspec.convert(raw, target)
         except msgspec.ValidationError as again:
             exc = again
-    raise bad_request_from_decode_error(exc) from None
+    raise _body_error(exc) from None
 
 
 async def json_object_body(req, limit: int) -> dict:

@@ -230,9 +230,21 @@ def test_integral_floats_are_ints_as_in_vllm(gw):
     assert r.status_code == 200, r.text
     assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": 3, "completion_tokens": 2}
     err = error_of(post(gw, gen_body(PROMPT, max_tokens=2.5)), 400)
-    assert "fractional part" in err["message"] and err["param"] == "sampling_params.max_tokens", err
+    assert "fractional part" in err["message"] and err["param"] == "body.sampling_params.max_tokens", err
     err = error_of(post(gw, {"token_ids": [5, 6.5], "sampling_params": {}}), 400)
-    assert "fractional part" in err["message"] and err["param"] == "token_ids[1]", err
+    assert "fractional part" in err["message"] and err["param"] == "body.token_ids.1", err
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"token_ids": [1, "x"], "sampling_params": {}}, "body.token_ids.1"),
+    ({"sampling_params": {}}, "body.token_ids"),
+    ({"token_ids": [1], "sampling_params": {"n": "two"}}, "body.sampling_params.n"),
+    ({"token_ids": [1], "sampling_params": {}, "stream": "yes"}, "body.stream"),
+])
+def test_mistyped_fields_are_named_in_vllms_location_form(gw, body, param):
+    """vLLM's validation handler joins pydantic's loc: ``body.sampling_params.n``."""
+    err = error_of(post(gw, body), 400)
+    assert err["param"] == param and err["type"] == "BadRequestError", err
 
 
 def test_prefix_cache_reports_cached_tokens(gw):

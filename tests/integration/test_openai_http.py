@@ -423,7 +423,7 @@ CHAT = {"messages": MESSAGES}
     ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]), "prompt_token_ids": [1],
                                        "chat_request": CHAT, "stream_state": {"output_token_ids": [-1],
                                                                               "output_chunk_lens": [1]}},
-     "stream_state.output_token_ids[0]"),
+     "body.stream_state.output_token_ids.0"),
     ("/v1/completions/derender", {"generate_responses": [_chunk("x", [65]), _chunk("y", [-1])]},
      "body.generate_responses.1.choices.0.token_ids"),
     ("/v1/completions/derender", {"generate_responses": [_chunk("x", [65])], "prompt_token_ids": [[-4]]},
@@ -432,7 +432,7 @@ CHAT = {"messages": MESSAGES}
      "body.generate_chunk.choices.0.token_ids"),
     ("/v1/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]),
                                   "stream_state": {"logprob_context_token_ids": [-9]}},
-     "stream_state.logprob_context_token_ids[0]"),
+     "body.stream_state.logprob_context_token_ids.0"),
     ("/v1/completions/derender", {"generate_responses": [_logprob_chunk(-5)]}, "logprobs"),
 ])
 def test_derender_refuses_ids_no_tokenizer_has(stack, path, body, param):
