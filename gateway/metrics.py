@@ -100,7 +100,6 @@ class BrokerCollector:
                 c.add_metric([], getattr(stats, field))
                 yield c
 
-
     def _sleep_state(self, info: ClusterInfo) -> GaugeMetricFamily:
         """vLLM's ``record_sleep_state``: awake 1 until a /sleep; asleep, weights_offloaded
         marks level 1 and discard_all level 2 (level 0, a paused scheduler, sets neither)."""
