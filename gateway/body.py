@@ -95,16 +95,22 @@ def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
     is 10**18, then clamped as any int) and refuse a fractional one.  msgspec refuses both:
     the floats it names are made ints (the whole list at once for a list element) and the
     body converted again."""
-    raw = msgspec.json.decode(body)
+    try:
+        raw = msgspec.json.decode(body)
+    except (msgspec.MsgspecError, RecursionError):  # e.g. a number past float range further on
+        raise _body_error(first) from None
     exc = first
     for _ in range(_MAX_LAX_RETRIES):
         path = _int_wanted(exc)
         if path is None:
             break
-        parent = raw
-        for step in path[:-1]:
-            parent = parent[step]
-        value = parent[path[-1]]
+        try:
+            parent = raw
+            for step in path[:-1]:
+                parent = parent[step]
+            value = parent[path[-1]]
+        except (KeyError, IndexError, TypeError):  # not where the path says: keep msgspec's error
+            break
         if not isinstance(value, float) or not value.is_integer():
             where = str(exc).rsplit(" - at `$.", 1)[-1].rstrip("`")
             raise BadRequest(f"Input should be a valid integer, got a number with a fractional part: {value!r} "
@@ -117,6 +123,8 @@ def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
             return msgspec.convert(raw, target)
         except msgspec.ValidationError as again:
             exc = again
+        except RecursionError:
+            raise BadRequest(TOO_DEEP) from None
     raise _body_error(exc) from None
 
 
