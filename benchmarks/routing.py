@@ -384,7 +384,7 @@ class Pool:
 def bench_stack(model_dir: str, pool: Pool, wl: Workload, args) -> None:
     """One fresh stack for ``pool``'s configuration: warm-up, ``--rounds`` workload runs."""
     stack = Stack(model_dir, pool.workers, args.worker_args, args.device)
-    stack.argv += ["--routing", pool.routing]
+    stack.argv += ["--routing", pool.routing, "--enable-prompt-tokens-details"]  # the hit rate reads cached_tokens
     turns: list[Turn] = []
     with stack:
         wait_live_workers(stack.url, pool.workers)

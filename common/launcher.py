@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateways return per-request timing metrics (OpenAI routes, as vLLM; /generate too)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="gateways: OpenAI logprob tokens as 'token_id:N' by default (as vLLM)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="gateways report usage.prompt_tokens_details (cached_tokens), as vLLM's flag")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="the broker's dispatch policy across workers")
@@ -245,6 +247,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
             argv.append("--enable-per-request-metrics")
         if args.return_tokens_as_token_ids:
             argv.append("--return-tokens-as-token-ids")
+        if args.enable_prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")
         if args.limit_mm_per_prompt:
             argv += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
         if args.tokens_only:

@@ -246,6 +246,9 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     # since the worker started, and those found there (cumulative).
     mm_cache_queries: int = 0
     mm_cache_hits: int = 0
+    # vllm:engine_sleep_state: the level of the last /sleep (0 pauses only, 1 the KV cache,
+    # 2 the weights too) until a wake-up leaves the worker fully awake; -1 while awake.
+    sleep_level: int = -1
 
 
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one

@@ -127,7 +127,29 @@ def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) ->
     return app
 
 
+def untyped_health(app):
+    """vLLM's ``/health`` is a bare ``Response(status_code=...)``: an empty body and no
+    content-type.  Falcon adds its default media type to every response, so the header
+    is dropped here, for GET /health answers without a body only (errors keep theirs)."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or scope.get("path", "").rstrip("/") != "/health":
+            await app(scope, receive, send)
+            return
+
+        async def send_untyped(message):
+            if message["type"] == "http.response.start" and message["status"] in (200, 503):
+                headers = list(message.get("headers") or ())
+                if (b"content-length", b"0") in headers:
+                    message = dict(message, headers=[(k, v) for k, v in headers if k.lower() != b"content-type"])
+            await send(message)
+
+        await app(scope, receive, send_untyped)
+
+    return wrapped
+
+
 def create_app(settings: GatewaySettings, client=None):
     """The ASGI callable to hand to uvicorn."""
     app, state = create_falcon_app(settings, client)
-    return guard_requests(keep_receive_in_scope(app), settings.body_read_timeout_s, state.trimmer)
+    return guard_requests(untyped_health(keep_receive_in_scope(app)), settings.body_read_timeout_s, state.trimmer)

@@ -2,7 +2,8 @@
 and decode it as JSON (400 for what does not decode, nesting too deep included)."""
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Any, Optional
 
 import msgspec
 
@@ -37,15 +38,94 @@ TOO_DEEP = "The JSON body is nested too deeply."
 def decode_json(decoder, body: bytes):
     """``decoder.decode(body)`` (a msgspec decoder or ``msgspec.json``); a 400 instead of
     msgspec's RecursionError for a body nested past its depth limit (a 200k-deep
-    kv_transfer_params was a 500)."""
-    from gateway.errors import bad_request_from_decode_error
-
+    kv_transfer_params was a 500).  A field of the wrong type or shape is named as vLLM's
+    validation handler names it: ``body.`` and the pydantic location (``body.token_ids.1``)."""
     try:
         return decoder.decode(body)
     except RecursionError:
         raise BadRequest(TOO_DEEP) from None
+    except msgspec.ValidationError as exc:
+        target = getattr(decoder, "type", None)
+        if target is not None and _int_wanted(exc) is not None:
+            return _decode_lax_ints(body, target, exc)
+        raise _body_error(exc) from None
     except msgspec.MsgspecError as exc:
-        raise bad_request_from_decode_error(exc) from None
+        raise _body_error(exc) from None
+
+
+_AT = re.compile(r" - at `\$((?:\.\w+|\[\d+\])*)`$")
+_MISSING = re.compile(r"^Object missing required field `(\w+)`")
+
+
+def body_param(message: str) -> Optional[str]:
+    """msgspec's path (``- at `$.token_ids[1]```) in vLLM's ``param`` form: ``body.token_ids.1``
+    (FastAPI's loc joined by dots); a missing field is named after its object."""
+    at, missing = _AT.search(message), _MISSING.match(message)
+    if at is None and missing is None:
+        return None
+    steps = [name or index for name, index in _STEP.findall(at.group(1))] if at is not None else []
+    return ".".join(["body", *steps, *([missing.group(1)] if missing else [])])
+
+
+def _body_error(exc: msgspec.MsgspecError) -> BadRequest:
+    from gateway.errors import bad_request_from_decode_error
+
+    err = bad_request_from_decode_error(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        err.param = body_param(str(exc))
+    return err
+
+
+# msgspec's "an int was expected, a float came" error, and the path it names.
+_INT_GOT_FLOAT = re.compile(r"^Expected `([^`]*)`, got `float` - at `\$((?:\.\w+|\[\d+\])*)`$")
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+_MAX_LAX_RETRIES = 32
+
+
+def _int_wanted(exc: msgspec.ValidationError) -> Optional[list]:
+    """The path (keys / indexes) of a float where an int was expected, else None."""
+    m = _INT_GOT_FLOAT.match(str(exc))
+    if m is None or not re.search(r"\bint\b", m.group(1)):
+        return None
+    return [name if name else int(index) for name, index in _STEP.findall(m.group(2))]
+
+
+def _decode_lax_ints(body: bytes, target: Any, first: msgspec.ValidationError):
+    """vLLM's pydantic models take an integral float for an int field (``"max_tokens": 1e18``
+    is 10**18, then clamped as any int) and refuse a fractional one.  msgspec refuses both:
+    the floats it names are made ints (the whole list at once for a list element) and the
+    body converted again."""
+    try:
+        raw = msgspec.json.decode(body)
+    except (msgspec.MsgspecError, RecursionError):  # e.g. a number past float range further on
+        raise _body_error(first) from None
+    exc = first
+    for _ in range(_MAX_LAX_RETRIES):
+        path = _int_wanted(exc)
+        if path is None:
+            break
+        try:
+            parent = raw
+            for step in path[:-1]:
+                parent = parent[step]
+            value = parent[path[-1]]
+        except (KeyError, IndexError, TypeError):  # not where the path says: keep msgspec's error
+            break
+        if not isinstance(value, float) or not value.is_integer():
+            where = str(exc).rsplit(" - at `$.", 1)[-1].rstrip("`")
+            raise BadRequest(f"Input should be a valid integer, got a number with a fractional part: {value!r} "
+                             f"- at `$.{where}`", body_param(str(exc))) from None
+        if isinstance(path[-1], int):  # a list of ids: all of its integral floats in one go
+            parent[:] = [int(v) if isinstance(v, float) and v.is_integer() else v for v in parent]
+        else:
+            parent[path[-1]] = int(value)
+        try:
+            return msgspec.convert(raw, target)
+        except msgspec.ValidationError as again:
+            exc = again
+        except RecursionError:
+            raise BadRequest(TOO_DEEP) from None
+    raise _body_error(exc) from None
 
 
 async def json_object_body(req, limit: int) -> dict:

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="include per-request timing metrics in /v1/chat/completions and /v1/completions responses "
                         "(as vLLM) and, beyond vLLM, in /inference/v1/generate ones")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details (cached_tokens) on /inference/v1/generate and the OpenAI "
+                        "routes, as vLLM's flag")
     p.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
                    help="model folder whose tokenizer and chat template serve render, derender, /tokenize and the "
                         "OpenAI routes (/v1/chat/completions, /v1/completions)")
@@ -233,6 +236,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
         enable_per_request_metrics=args.enable_per_request_metrics,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         allow_runtime_lora=args.allow_runtime_lora
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )

@@ -91,12 +91,30 @@ class BrokerCollector:
                 hits.add_metric([self.model_name, str(w.rank)], w.load.mm_cache_hits)
             yield queries
             yield hits
+        if info.workers:
+            yield self._sleep_state(info)
         stats = info.stats
         if stats is not None:
             for field, name, doc in self._COUNTERS:
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], getattr(stats, field))
                 yield c
+
+    def _sleep_state(self, info: ClusterInfo) -> GaugeMetricFamily:
+        """vLLM's ``record_sleep_state``: awake 1 until a /sleep; asleep, weights_offloaded
+        marks level 1 and discard_all level 2 (level 0, a paused scheduler, sets neither)."""
+        gauge = GaugeMetricFamily("vllm:engine_sleep_state", _SLEEP_STATE_DOC,
+                                  labels=["model_name", "engine", "sleep_state"])
+        for w in info.workers:
+            level = w.load.sleep_level
+            values = {"awake": int(level < 0), "weights_offloaded": int(level == 1), "discard_all": int(level == 2)}
+            for state in ("awake", "weights_offloaded", "discard_all"):
+                gauge.add_metric([self.model_name, str(w.rank), state], values[state])
+        return gauge
+
+
+_SLEEP_STATE_DOC = ("Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+                    "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
 
 
 class GatewayMetrics:

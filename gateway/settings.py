@@ -63,6 +63,9 @@ class GatewaySettings:
     # vLLM's --return-tokens-as-token-ids: the OpenAI routes' default for the request's
     # return_tokens_as_token_ids (logprob tokens as "token_id:N")
     return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details (cached_tokens) on
+    # /inference/v1/generate, /v1/chat/completions and /v1/completions; off, it is null.
+    enable_prompt_tokens_details: bool = False
     # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
     # tokenizer and chat template the gateway loads; None serves tokens only.
     tokenizer: Optional[str] = None

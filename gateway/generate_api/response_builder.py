@@ -36,7 +36,7 @@ from gateway.relay import StreamFormatter, sse_event
 class ResponseOptions:
     """Server-level switches that shape every response."""
 
-    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (prefix caching on)
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
     routed_experts: bool = False  # --enable-return-routed-experts
     sampling_mask: bool = False  # --return-sampling-mask
     spec_decode_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed

@@ -21,6 +21,7 @@ from gateway.openai_api.protocol import (
     DeltaMessage,
     UsageInfo,
     json_encoder,
+    prompt_tokens_details,
 )
 from gateway.openai_api.render import RenderedChat
 from gateway.generate_api.response_builder import routed_experts_b64, stream_metrics
@@ -52,6 +53,7 @@ class ChatCollector:
         self.stop: list = [None] * n
         self.routed: list[Optional[str]] = [None] * n
         self.num_prompt_tokens = len(rendered.token_ids)
+        self.num_cached_tokens: Optional[int] = None
         self.prompt_logprobs = None
 
     def add(self, delta: CompletionDelta, run: int = 0) -> None:
@@ -62,6 +64,7 @@ class ChatCollector:
         i = delta.index
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = logprobs_format.prompt_logprobs(
                 delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
@@ -98,7 +101,9 @@ class ChatCollector:
         body = ChatCompletionResponse(
             id=self.rendered.generate["request_id"], created=now(), model=self.model, choices=choices,
             usage=UsageInfo(prompt_tokens=self.num_prompt_tokens, total_tokens=self.num_prompt_tokens + completion,
-                            completion_tokens=completion),
+                            completion_tokens=completion,
+                            prompt_tokens_details=prompt_tokens_details(
+                                self.view.prompt_tokens_details, self.num_cached_tokens, stream=False)),
             prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.rendered.token_ids if self.view.return_token_ids else None,
             prompt_text=self.rendered.prompt_text if self.view.return_prompt_text else None,
@@ -114,6 +119,7 @@ class ChatStream(StreamFormatter):
         self.request_id = rendered.generate["request_id"]
         self.created = 0
         self.num_prompt = len(rendered.token_ids)
+        self.num_cached_tokens: Optional[int] = None
         self.streams = [ChatChoiceStream(rendered.parsing) for _ in range(view.n)]
         self.generated = [0] * view.n
         self.finished = [False] * view.n
@@ -149,6 +155,7 @@ class ChatStream(StreamFormatter):
             return None
         if delta.num_prompt_tokens:
             self.num_prompt = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         self.generated[i] += len(delta.token_ids)
         done = delta.finish_reason is not None
         stream = self.streams[i]
@@ -176,7 +183,9 @@ class ChatStream(StreamFormatter):
             return None
         completion = sum(self.generated)
         usage = UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=completion,
-                          total_tokens=self.num_prompt + completion, prompt_tokens_details=msgspec.UNSET,
+                          total_tokens=self.num_prompt + completion,
+                          prompt_tokens_details=prompt_tokens_details(self.view.prompt_tokens_details,
+                                                                      self.num_cached_tokens, stream=True),
                           completion_tokens_details=msgspec.UNSET)
         return sse_event(json_encoder.encode(ChatCompletionStreamResponse(
             id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage,

@@ -21,6 +21,7 @@ from gateway.openai_api.protocol import (
     CompletionStreamResponse,
     UsageInfo,
     json_encoder,
+    prompt_tokens_details,
 )
 from gateway.openai_api.render import RenderedPrompt
 from gateway.generate_api.response_builder import routed_experts_b64, stream_metrics
@@ -67,6 +68,7 @@ class _Prompt:
         self.view = view
         self.num_tokens = len(rendered.token_ids)
         self.prompt_logprobs = None  # vLLM's per-choice prompt_logprobs ([None, {id: Logprob}, ...])
+        self.num_cached_tokens: Optional[int] = None
 
     @functools.cached_property
     def text(self) -> str:
@@ -77,6 +79,7 @@ class _Prompt:
     def observe_first(self, delta: CompletionDelta) -> None:
         if delta.num_prompt_tokens:
             self.num_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = logprobs_format.prompt_logprobs(
                 delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
@@ -146,7 +149,10 @@ class CompletionCollector:
         body = CompletionResponse(
             id=self.rendered[0].generate["request_id"], created=now(), model=self.model, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt + completion,
-                            completion_tokens=completion),
+                            completion_tokens=completion,
+                            # vLLM reads the last prompt's result
+                            prompt_tokens_details=prompt_tokens_details(
+                                view.prompt_tokens_details, prompts[-1].num_cached_tokens, stream=False)),
             metrics=request_metrics(self.runs, view, completion), **self.transfer)
         return json_encoder.encode(body)
 
@@ -161,6 +167,7 @@ class CompletionStream(StreamFormatter):
         self.prompts = [_Prompt(r, tokenizer, view) for r in rendered]
         total = len(runs) * view.n
         self.echoed = [False] * total
+        self.num_cached_tokens: Optional[int] = None  # vLLM reads the first result's, whichever prompt
         self.generated = [0] * total
         self.offsets = [0] * total
 
@@ -172,6 +179,8 @@ class CompletionStream(StreamFormatter):
         view = self.view
         prompt = self.prompts[run]
         prompt.observe_first(delta)
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = delta.num_cached_tokens
         i = run * view.n + delta.index
         text = delta.text or ""
         out_entries = output_entries(delta.logprobs, view.top_logprobs, view.tokens_as_token_ids)
@@ -206,7 +215,9 @@ class CompletionStream(StreamFormatter):
         num_prompt = sum(p.num_tokens for p in self.prompts)
         completion = sum(self.generated)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion, total_tokens=num_prompt + completion,
-                          prompt_tokens_details=msgspec.UNSET, completion_tokens_details=msgspec.UNSET)
+                          prompt_tokens_details=prompt_tokens_details(self.view.prompt_tokens_details,
+                                                                      self.num_cached_tokens, stream=True),
+                          completion_tokens_details=msgspec.UNSET)
         return sse_event(json_encoder.encode(CompletionStreamResponse(
             id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage,
             metrics=stream_metrics(request_metrics(self.runs, self.view, completion)))))

@@ -70,9 +70,19 @@ class _Generated(msgspec.Struct):
     ec_transfer_params: Optional[dict] = None
 
 
-def _generated(raw: Optional[dict], name: str) -> _Generated:
+MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's id type (u32): past it decoding cannot even start
+
+
+def _bad_id(ids: Optional[list]) -> Optional[int]:
+    """The first id no tokenizer has (negative, or past u32), if any."""
+    return next((t for t in ids or () if not 0 <= t <= MAX_TOKEN_ID), None)
+
+
+def _generated(raw: Optional[dict], name: str, where: Optional[str] = None) -> _Generated:
+    """``where``: the payload's place in the body, vLLM's loc form (``generate_responses.0``)."""
     if raw is None:
         raise BadRequest(f"`{name}` is required", name)
+    where = f"body.{where or name}"
     try:
         gen = msgspec.convert(raw, _Generated, strict=False)
     except msgspec.ValidationError as exc:
@@ -80,6 +90,17 @@ def _generated(raw: Optional[dict], name: str) -> _Generated:
     if gen.output_mode != "tokens":
         raise BadRequest("Only output_mode='tokens' generate responses can be derendered: other modes are already "
                          "detokenized.", name)
+    # vLLM's GenerateChoiceBase / NonNegativeInt validators: a 400, not a failed decode.
+    for i, c in enumerate(gen.choices):
+        bad = _bad_id(c.token_ids)
+        if bad is not None:
+            raise BadRequest(f"Value error, token_ids must not contain negative values (got {bad})" if bad < 0 else
+                             f"token id {bad} is out of range", f"{where}.choices.{i}.token_ids")
+    bad = _bad_id(gen.prompt_token_ids)
+    if bad is not None:
+        raise BadRequest(f"Input should be greater than or equal to 0 (got {bad})" if bad < 0 else
+                         f"token id {bad} is out of range",
+                         f"{where}.prompt_token_ids.{gen.prompt_token_ids.index(bad)}")
     return gen
 
 
@@ -95,7 +116,8 @@ def _request(raw: Optional[dict], kind: type, name: str):
 def _ids(raw: Any, name: str) -> Optional[list[int]]:
     if raw is None:
         return None
-    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+                                            for t in raw):
         raise BadRequest(f"`{name}` must be a list of non-negative token ids", name)
     return raw
 
@@ -140,6 +162,11 @@ class Derenderer:
         if content is None:
             return []
         try:
+            for entry in content:
+                for tid in [entry["token_id"]] + [t["token_id"] for t in entry.get("top_logprobs") or ()]:
+                    if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid <= MAX_TOKEN_ID:
+                        raise BadRequest(f"malformed logprobs in choice {choice.index}: token_id {tid!r} is not a "
+                                         "token id", "logprobs")
             return resolve_token_logprobs(content, self.tokenizer, context)
         except (KeyError, TypeError) as exc:
             raise BadRequest(f"malformed logprobs in choice {choice.index}: {exc!r}", "logprobs") from None
@@ -287,7 +314,7 @@ class Derenderer:
         raws = body.generate_responses
         if not raws:
             raise BadRequest("generate_responses must not be empty", "generate_responses")
-        gens = [_generated(r, "generate_responses") for r in raws]
+        gens = [_generated(r, "generate_responses", f"generate_responses.{i}") for i, r in enumerate(raws)]
         self._bounds(gens)
         counts = body.prompt_tokens if isinstance(body.prompt_tokens, list) else None
         if counts is not None and len(counts) != len(gens):

@@ -54,6 +54,7 @@ class ResponseView:
     # Server switches (vLLM's): routed_experts on non-stream choices, per-request timing
     # metrics, metrics.speculative_decoding.
     routed_experts: bool = False
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
     timing_metrics: bool = False
     spec_decode_metrics: str = "none"
 
@@ -63,6 +64,7 @@ class ResponseView:
         include = bool(opts and opts.include_usage)
         server = {} if settings is None else dict(
             routed_experts=settings.enable_return_routed_experts,
+            prompt_tokens_details=settings.enable_prompt_tokens_details,
             timing_metrics=settings.enable_per_request_metrics,
             spec_decode_metrics=settings.per_request_spec_decode_metrics)
         return cls(n=request.n or 1, top_logprobs=top_logprobs, echo=bool(request.echo),

@@ -144,9 +144,20 @@ class DetokenizeResponse(msgspec.Struct):
 
 
 class PromptTokenUsageInfo(msgspec.Struct):
-    cached_tokens: Optional[int] = None
-    created_cache_tokens: Optional[int] = None
-    multimodal_tokens: Optional[dict[str, int]] = None
+    cached_tokens: Union[int, None, UnsetType] = None
+    created_cache_tokens: Union[int, None, UnsetType] = None
+    multimodal_tokens: Union[dict[str, int], None, UnsetType] = None
+
+
+def prompt_tokens_details(enabled: bool, cached_tokens: Optional[int], *, stream: bool):
+    """vLLM's ``--enable-prompt-tokens-details``: ``{"cached_tokens": N}`` in the usage, with
+    the null fields a non-stream body carries (``model_dump``); off, null (stream: absent)."""
+    if not enabled or cached_tokens is None:
+        return msgspec.UNSET if stream else None
+    if stream:
+        return PromptTokenUsageInfo(cached_tokens=cached_tokens, created_cache_tokens=msgspec.UNSET,
+                                    multimodal_tokens=msgspec.UNSET)
+    return PromptTokenUsageInfo(cached_tokens=cached_tokens)
 
 
 class UsageInfo(msgspec.Struct):
@@ -308,6 +319,9 @@ class CompletionStreamResponse(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------- derender
+_TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1)]  # ids the tokenizer can decode (a 400 otherwise, not a 500)
+
+
 class DerenderStreamState(msgspec.Struct, kw_only=True):
     """vLLM's client-carried streaming derender state (field names and bounds as vLLM's)."""
 
@@ -315,9 +329,9 @@ class DerenderStreamState(msgspec.Struct, kw_only=True):
     prefix_offset: Annotated[int, Meta(ge=0)] = 0
     read_offset: Annotated[int, Meta(ge=0)] = 0
     role_sent: bool = False
-    logprob_context_token_ids: Annotated[list[int], Meta(max_length=4)] = msgspec.field(default_factory=list)
+    logprob_context_token_ids: Annotated[list[_TokenId], Meta(max_length=4)] = msgspec.field(default_factory=list)
     logprob_text_offset: Annotated[int, Meta(ge=0)] = 0
-    output_token_ids: list[int] = msgspec.field(default_factory=list)
+    output_token_ids: list[_TokenId] = msgspec.field(default_factory=list)
     output_chunk_lens: list[Annotated[int, Meta(gt=0)]] = msgspec.field(default_factory=list)
     tools_streamed: bool = False
     last_tool_call_ids: list[str] = msgspec.field(default_factory=list)

@@ -205,7 +205,8 @@ class Renderer:
         if not ids:
             raise BadRequest("No token_ids rendered")
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        sampling.check_prompt_length(len(ids), max_model_len, requested)
+        sampling.check_prompt_length(len(ids), max_model_len, requested, "max_completion_tokens"
+                                     if request.max_completion_tokens is not None else "max_tokens")
         max_tokens = sampling.max_tokens_for(max_model_len, requested, len(ids), self.model.sampling_defaults,
                                              request.truncate_prompt_tokens)
         prompt_logprobs = request.prompt_logprobs

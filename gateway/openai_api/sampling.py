@@ -143,10 +143,15 @@ def max_tokens_for(max_model_len: int, requested: Optional[int], input_length: i
     return min(v for v in (max_model_len - input_length, fallback) if v is not None)
 
 
-def check_prompt_length(num_tokens: int, max_model_len: int, requested_output: Optional[int]) -> None:
-    """vLLM's TokenizeParams length check: the prompt must leave room for the requested output."""
-    max_input = max_model_len - (requested_output or 0)
-    if num_tokens > max_input:
+def check_prompt_length(num_tokens: int, max_model_len: int, requested_output: Optional[int],
+                        output_param: str = "max_tokens") -> None:
+    """vLLM 0.33's TokenizeParams checks: no more output asked for than the whole context,
+    and a prompt that fits the context (the output is not reserved here: ``max_tokens_for``
+    then clamps it to the room left, as ``get_max_tokens``)."""
+    if requested_output and requested_output > max_model_len:
+        raise BadRequest(f"{output_param}={requested_output} cannot be greater than max_model_len={max_model_len}. "
+                         "Please request fewer output tokens.", output_param)
+    if num_tokens > max_model_len:
         raise BadRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
             f"{num_tokens} input tokens, which exceeds this limit even without any output tokens. "

@@ -40,7 +40,7 @@ class AbortResource:
         except msgspec.DecodeError as exc:
             raise BadRequest(f"JSON decode error: {exc}") from None
         if parsed.request_ids is None:
-            raise BadRequest("Missing 'request_ids' in request body", "request_ids")
+            raise BadRequest("Missing 'request_ids' in request body", None)  # vLLM's HTTPException: no param
         # Like vLLM, answer at once and abort in the background.
         task = asyncio.ensure_future(self._abort(ids_to_abort(parsed.request_ids)))
         self._pending.add(task)

@@ -56,7 +56,7 @@ class GenerateResource:
         check_encodable(mapped.wire)
 
         run = Generation(self.state, req, mapped, num_prompt_tokens=len(http.token_ids))
-        details = ResponseOptions(prompt_tokens_details=bool(cluster.model.enable_prefix_caching),
+        details = ResponseOptions(prompt_tokens_details=s.enable_prompt_tokens_details,
                                   routed_experts=s.enable_return_routed_experts,
                                   sampling_mask=s.return_sampling_mask,
                                   spec_decode_metrics=s.per_request_spec_decode_metrics,

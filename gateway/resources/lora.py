@@ -39,7 +39,7 @@ def _invalid(message: str) -> BadRequest:
 def _string(body: dict, name: str) -> str:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
-        raise BadRequest(f"'{name}' must be a string", name)
+        raise BadRequest(f"'{name}' must be a string", f"body.{name}")  # vLLM's pydantic body location
     return value or ""
 
 
@@ -82,7 +82,7 @@ class LoadLoRAAdapter(_LoRARoute):
             raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
         inplace = body.get("load_inplace", False)
         if not isinstance(inplace, bool):
-            raise BadRequest("'load_inplace' must be a boolean", "load_inplace")
+            raise BadRequest("'load_inplace' must be a boolean", "body.load_inplace")
         if body.get("is_3d_lora_weight"):
             raise BadRequest("is_3d_lora_weight: LoRA on mixture-of-experts expert weights is not supported",
                              "is_3d_lora_weight")

@@ -18,6 +18,7 @@ from gateway.generate_api.protocol import json_encoder
 from gateway.state import GatewayState
 
 PAUSE_MODES = ("abort", "wait", "keep")
+WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -29,7 +30,7 @@ def _bool(req, name: str, default: bool) -> bool:
         return True
     if raw.lower() in _FALSE:
         return False
-    raise BadRequest(f"query parameter {name}={raw!r} is not a boolean", name)
+    raise BadRequest(f"query parameter {name}={raw!r} is not a boolean", query(name))
 
 
 def _int(req, name: str, default: Optional[int]) -> Optional[int]:
@@ -39,14 +40,24 @@ def _int(req, name: str, default: Optional[int]) -> Optional[int]:
     try:
         return int(raw)
     except ValueError:
-        raise BadRequest(f"query parameter {name}={raw!r} is not an integer", name) from None
+        raise BadRequest(f"query parameter {name}={raw!r} is not an integer", query(name)) from None
 
 
 def _mode(req) -> str:
     mode = req.get_param("mode") or "abort"
     if mode not in PAUSE_MODES:
-        raise BadRequest(f"unknown pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}", "mode")
+        raise BadRequest(f"unknown pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}", query("mode"))
     return mode
+
+
+def query(name: str) -> str:
+    """A query parameter's ``param``: FastAPI's location form, as vLLM's validation errors name it."""
+    return f"query.{name}"
+
+
+def body_field(name: str) -> str:
+    """A body field's ``param`` on routes vLLM declares with ``Body(embed=True)``."""
+    return f"body.{name}"
 
 
 def _respond(resp, content: Any) -> None:
@@ -89,7 +100,7 @@ class AbortAll(_Route):
         body = await json_object_body(req, self.state.settings.max_body_bytes)
         ids = body.get("request_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
-            raise BadRequest("request_ids must be a list of strings", "request_ids")
+            raise BadRequest("request_ids must be a list of strings", body_field("request_ids"))
         reply = await self.state.client.control("abort", {"request_ids": ids_to_abort(ids)} if ids else {})
         aborted = reply.result["aborted"]
         _respond(resp, {"status": "aborted", "aborted": len(ids) if ids else aborted})
@@ -99,7 +110,7 @@ class InitWeightTransfer(_Route):
     async def on_post(self, req, resp):
         body = await json_object_body(req, self.state.settings.max_body_bytes)
         if not isinstance(body.get("init_info"), dict):
-            raise BadRequest("body needs an 'init_info' object", "init_info")
+            raise BadRequest("body needs an 'init_info' object", body_field("init_info"))
         await self.control(req, "init_weight_transfer_engine", {"init_info": body["init_info"]})
         _respond(resp, {"message": "Weight transfer initialized"})
 
@@ -121,7 +132,7 @@ class UpdateWeights(_Route):
         body = await json_object_body(req, self.state.settings.max_body_bytes)
         info = body.get("update_info")
         if not isinstance(info, (dict, list)):
-            raise BadRequest("body needs an 'update_info' object", "update_info")
+            raise BadRequest("body needs an 'update_info' object", body_field("update_info"))
         await self.control(req, "update_weights", {"update_info": info})
         _respond(resp, {"message": "Weights updated"})
 
@@ -131,7 +142,7 @@ class FinishWeightUpdate(_Route):
         body = await json_object_body(req, self.state.settings.max_body_bytes)
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
-            raise BadRequest("weight_version must be a string", "weight_version")
+            raise BadRequest("weight_version must be a string", body_field("weight_version"))
         reply = await self.control(req, "finish_weight_update", {"weight_version": version} if version else {})
         body = {"message": "Weight update finished"}
         result = reply.result if isinstance(reply.result, dict) else {}
@@ -147,7 +158,7 @@ class UpdateWeightVersion(_Route):
         body = await json_object_body(req, self.state.settings.max_body_bytes)
         version = body.get("new_version")
         if not isinstance(version, str) or not version:
-            raise BadRequest("body needs a non-empty 'new_version' string", "new_version")
+            raise BadRequest("body needs a non-empty 'new_version' string", body_field("new_version"))
         await self.control(req, "update_weight_version", {"new_version": version})
         _respond(resp, {"success": True, "new_version": version})
 
@@ -162,9 +173,10 @@ class WeightChecker(_Route):
         body = await json_object_body(req, self.state.settings.max_body_bytes)
         action, baseline = body.get("action"), body.get("baseline")
         if action not in ("checksum", "reset", "compare"):
-            raise BadRequest(f"unknown action {action!r}: expected checksum, reset or compare", "action")
+            raise BadRequest(f"unknown action {action!r}: expected checksum, reset or compare", body_field("action"))
         if action == "compare" and not isinstance(baseline, dict):
-            raise BadRequest("action='compare' requires a 'baseline' object", "baseline")
+            # vLLM raises an HTTPException here: no param
+            raise BadRequest("action='compare' requires a 'baseline' object", None)
         reply = await self.control(req, "weight_checker", {"action": action})
         if action == "reset":
             _respond(resp, {"status": "reset"})
@@ -189,7 +201,7 @@ class ResetPrefixCache(_Route):
     async def on_post(self, req, resp):
         if _bool(req, "reset_external", False):
             raise BadRequest("reset_external: no external (connector-managed) prefix cache is configured",
-                             "reset_external")
+                             query("reset_external"))
         _bool(req, "reset_running_requests", False)  # validated; running requests never share stale blocks
         reply = await self.control(req, "reset_prefix_cache")
         _respond(resp, {"success": all(r.result.get("success") for r in reply.ranks)})
@@ -199,7 +211,7 @@ class Sleep(_Route):
     async def on_post(self, req, resp):
         level = _int(req, "level", 1)
         if not 0 <= level <= 2:
-            raise BadRequest(f"level must be 0, 1 or 2, got {level}", "level")
+            raise BadRequest(f"level must be 0, 1 or 2, got {level}", query("level"))
         await self.control(req, "sleep", {"level": level, "mode": _mode(req)})
         _respond(resp, {"status": "sleeping", "level": level})
 
@@ -207,6 +219,9 @@ class Sleep(_Route):
 class WakeUp(_Route):
     async def on_post(self, req, resp):
         tags = req.get_param_as_list("tags") or None
+        unknown = sorted(set(tags or ()) - set(WAKE_UP_TAGS))
+        if unknown:
+            raise BadRequest(f"unknown wake_up tag(s) {unknown}: expected weights, kv_cache", query("tags"))
         reply = await self.control(req, "wake_up", {"tags": tags} if tags else {})
         awake = all(r.result.get("fully_awake") for r in reply.ranks)
         _respond(resp, {"status": "awake" if awake else "sleeping", "tags": tags})

@@ -39,7 +39,7 @@ def stack(tmp_path_factory, qwen2_dir):
         broker = procs.broker()
         procs.worker(broker, 0, "--model", str(qwen2_dir), *WORKER_ARGS)
         wait_for_workers(broker.frontend, 1, timeout=120)
-        plain = start_gateway(procs, broker.frontend)
+        plain = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # vLLM's flag: usage.prompt_tokens_details
         locked = start_gateway(procs, broker.frontend, "--tokens-only", "--api-key", API_KEY,
                                "--served-model-name", SERVED, "--max-body-bytes", "4096")
         yield dict(plain=plain, locked=locked, model_dir=qwen2_dir, procs=procs)
@@ -175,6 +175,18 @@ def test_token_logprobs_and_prompt_logprobs(gw):
         assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
 
 
+@pytest.mark.parametrize("prompt", [[PROMPT[0]], PROMPT[:2]])
+def test_prompt_logprobs_at_the_edge_lengths(gw, prompt):
+    """vLLM's list starts at [null]: a one-token prompt (nothing to score) answers [null],
+    not null; two tokens answer [null, {...}]; prompt_logprobs=0 keeps the prompt token only."""
+    r = post(gw, gen_body(prompt, max_tokens=1, prompt_logprobs=0))
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(prompt)
+    assert all(list(entry) == [str(t)] for entry, t in zip(plp[1:], prompt[1:]))
+    assert post(gw, gen_body(prompt, max_tokens=1)).json()["prompt_logprobs"] is None  # not asked for
+
+
 def test_prompt_token_id_logprobs_npy(gw):
     rows = [[1, 2], [3, -1], [4, 5]] + [[6, 7]] * (len(PROMPT) - 4)
     r = post(gw, gen_body(PROMPT, max_tokens=1, prompt_logprob_token_ids=rows))
@@ -204,6 +216,35 @@ def test_text_mode_text_logprobs_and_stop_string(gw):
     assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
     assert cut["text"] == text[:text.index(stop)]
     assert len(cut["token_ids"]) < 12
+
+
+def test_integral_floats_are_ints_as_in_vllm(gw):
+    """vLLM's pydantic models take 1e18 for an int field (10**18, then capped by the context
+    like any int) and 2.0 for 2; a fractional number stays a 400."""
+    prompt = [3 + i % 200 for i in range(1020)]  # max_model_len 1024: room for 4
+    r = post(gw, json.dumps(gen_body(prompt, max_tokens=1e18, n=1.0, ignore_eos=True, temperature=0)))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
+    r = post(gw, {"token_ids": [5.0, 6.0, 7e0], "sampling_params": {"max_tokens": 2.0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": 3, "completion_tokens": 2}
+    err = error_of(post(gw, gen_body(PROMPT, max_tokens=2.5)), 400)
+    assert "fractional part" in err["message"] and err["param"] == "body.sampling_params.max_tokens", err
+    err = error_of(post(gw, {"token_ids": [5, 6.5], "sampling_params": {}}), 400)
+    assert "fractional part" in err["message"] and err["param"] == "body.token_ids.1", err
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"token_ids": [1, "x"], "sampling_params": {}}, "body.token_ids.1"),
+    ({"sampling_params": {}}, "body.token_ids"),
+    ({"token_ids": [1], "sampling_params": {"n": "two"}}, "body.sampling_params.n"),
+    ({"token_ids": [1], "sampling_params": {}, "stream": "yes"}, "body.stream"),
+])
+def test_mistyped_fields_are_named_in_vllms_location_form(gw, body, param):
+    """vLLM's validation handler joins pydantic's loc: ``body.sampling_params.n``."""
+    err = error_of(post(gw, body), 400)
+    assert err["param"] == param and err["type"] == "BadRequestError", err
 
 
 def test_prefix_cache_reports_cached_tokens(gw):
@@ -439,7 +480,11 @@ def test_client_disconnect_aborts_non_stream_request(gw):
 
 # ----------------------------------------------------------------------------- ops routes
 def test_health_models_version_and_metrics(gw):
-    assert httpx.get(gw.url + "/health").status_code == 200
+    health = httpx.get(gw.url + "/health")
+    assert health.status_code == 200
+    # vLLM's bare Response(status_code=200): an empty body and no content-type.
+    assert health.content == b"" and "content-type" not in health.headers
+    assert health.headers["content-length"] == "0"
     models = httpx.get(gw.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["max_model_len"] == 1024
     assert "version" in httpx.get(gw.url + "/version").json()
@@ -537,6 +582,8 @@ def test_health_is_503_without_workers(tmp_path):
     with ProcGroup(tmp_path) as procs:
         broker = procs.broker()
         lonely = start_gateway(procs, broker.frontend, wait_healthy=False)
-        assert httpx.get(lonely.url + "/health").status_code == 503
+        health = httpx.get(lonely.url + "/health")
+        assert health.status_code == 503
+        assert health.content == b"" and "content-type" not in health.headers  # vLLM's Response(status_code=503)
         err = error_of(post(lonely, gen_body([1], max_tokens=1)), 503)
         assert err["type"] == "ServiceUnavailableError"

@@ -138,11 +138,15 @@ def test_launcher_plans_cuda_ranks_shared_port_and_secret_env():
         assert "--reuse-port" in g.argv and "--tokens-only" in g.argv
         assert "k" not in g.argv and g.env == {"TOKSERVE_API_KEY": "k"}
         assert "--enable-per-request-metrics" not in g.argv
+        assert "--enable-prompt-tokens-details" not in g.argv
     _, workers, gateways = plan_children(build_parser().parse_args(["--enable-per-request-metrics",
                                                                     "--return-tokens-as-token-ids",
+                                                                    "--enable-prompt-tokens-details",
                                                                     "--limit-mm-per-prompt", '{"image": 2}']), "/m")
     assert "--enable-per-request-metrics" in gateways[0].argv and "--enable-per-request-metrics" not in workers[0].argv
     assert "--return-tokens-as-token-ids" in gateways[0].argv and "--return-tokens-as-token-ids" not in workers[0].argv
+    assert "--enable-prompt-tokens-details" in gateways[0].argv
+    assert "--enable-prompt-tokens-details" not in workers[0].argv
     argv = gateways[0].argv
     assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"image": 2}' and "--limit-mm-per-prompt" not in workers[0].argv
 

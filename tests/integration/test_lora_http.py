@@ -142,6 +142,9 @@ def test_runtime_load_use_unload(stack, llama_dir, adapters, tmp_path):
     assert _error(http.post("/v1/load_lora_adapter", content=b"{nope", headers={"Content-Type": "application/json"}),
                   400)
     assert _error(_load(http, "moe", adapters["qv"], is_3d_lora_weight=True), 400)["param"] == "is_3d_lora_weight"
+    # Type errors name the field as vLLM's validation handler does (the pydantic body's location).
+    assert _error(_load(http, "x", adapters["qv"], load_inplace="yes"), 400)["param"] == "body.load_inplace"
+    assert _error(_load(http, 7, adapters["qv"]), 400)["param"] == "body.lora_name"
     # Nothing refused was registered, and the workers still serve.
     assert {c["id"] for c in http.get("/v1/models").json()["data"][1:]} == {"qv"}
     assert _tokens(_generate(http, "qv")) == peft_greedy(llama_dir, adapters["qv"], PROMPT, 8)[0]

@@ -187,7 +187,7 @@ def test_image_conversations_follow_their_cache(tmp_path_factory, model_dir):
         for rank in range(2):
             procs.worker(broker, rank, "--model", str(model_dir), *WORKER_ARGS)
         wait_for_workers(broker.frontend, 2, timeout=120)
-        gw = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir))
+        gw = start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir), "--enable-prompt-tokens-details")
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             convs = []
             for c in range(4):  # a different 84x56 image (6 placeholders) per conversation

@@ -67,7 +67,8 @@ def stack(tmp_path_factory, chat_model):
         parsed = start_gateway(procs, broker.frontend, "--tokenizer", str(chat_model), "--reasoning-parser", "qwen3",
                                "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
                                "--enable-tokenizer-info-endpoint", "--trust-request-chat-template")
-        plain = start_gateway(procs, broker.frontend, "--tokenizer", str(chat_model))
+        plain = start_gateway(procs, broker.frontend, "--tokenizer", str(chat_model),
+                              "--enable-prompt-tokens-details")
         yield procs, broker, parsed, plain
 
 
@@ -391,6 +392,58 @@ def test_bad_derender_requests(stack, path, body, needle):
     assert needle in r.json()["error"]["message"]
 
 
+def _with(chunk: dict, **fields) -> dict:
+    return {**chunk, **fields}
+
+
+def _logprob_chunk(token_id: int, top_id: int = 66) -> dict:
+    chunk = _chunk("x", [65])
+    chunk["choices"][0]["logprobs"] = {"content": [{"token_id": token_id, "logprob": -0.5,
+                                                    "top_logprobs": [{"token_id": top_id, "logprob": -1.0}]}]}
+    return chunk
+
+
+CHAT = {"messages": MESSAGES}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    # vLLM's GenerateChoiceBase validator and NonNegativeInt: a 400 naming where, not a 500
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65, -1]), "chat_request": CHAT},
+     "body.generate_response.choices.0.token_ids"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65, 2**40]), "chat_request": CHAT},
+     "body.generate_response.choices.0.token_ids"),
+    ("/v1/chat/completions/derender", {"generate_response": _with(_chunk("x", [65]), prompt_token_ids=[1, -3]),
+                                       "chat_request": CHAT}, "body.generate_response.prompt_token_ids.1"),
+    ("/v1/chat/completions/derender", {"generate_response": _chunk("x", [65]), "prompt_token_ids": [-1],
+                                       "chat_request": CHAT}, "prompt_token_ids"),
+    ("/v1/chat/completions/derender", {"generate_response": _logprob_chunk(-5), "chat_request": CHAT}, "logprobs"),
+    ("/v1/chat/completions/derender", {"generate_response": _logprob_chunk(65, -7), "chat_request": CHAT},
+     "logprobs"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [-2]), "prompt_token_ids": [1],
+                                       "chat_request": CHAT}, "body.generate_chunk.choices.0.token_ids"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]), "prompt_token_ids": [1],
+                                       "chat_request": CHAT, "stream_state": {"output_token_ids": [-1],
+                                                                              "output_chunk_lens": [1]}},
+     "body.stream_state.output_token_ids.0"),
+    ("/v1/completions/derender", {"generate_responses": [_chunk("x", [65]), _chunk("y", [-1])]},
+     "body.generate_responses.1.choices.0.token_ids"),
+    ("/v1/completions/derender", {"generate_responses": [_chunk("x", [65])], "prompt_token_ids": [[-4]]},
+     "prompt_token_ids"),
+    ("/v1/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [-1])},
+     "body.generate_chunk.choices.0.token_ids"),
+    ("/v1/completions/derender", {"stream": True, "generate_chunk": _chunk("x", [65]),
+                                  "stream_state": {"logprob_context_token_ids": [-9]}},
+     "body.stream_state.logprob_context_token_ids.0"),
+    ("/v1/completions/derender", {"generate_responses": [_logprob_chunk(-5)]}, "logprobs"),
+])
+def test_derender_refuses_ids_no_tokenizer_has(stack, path, body, param):
+    _, _, parsed, _ = stack
+    r = httpx.post(parsed.url + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "BadRequestError" and err["code"] == 400, err
+
+
 @pytest.mark.parametrize("parallel, want", [(True, ["get_weather", "get_weather"]), (False, ["get_weather"])])
 def test_derender_parallel_tool_calls(stack, hf_tokenizer, parallel, want):
     _, _, parsed, _ = stack
@@ -551,3 +604,79 @@ def test_generate_derender_errors(stack):
     r = post(parsed, dict(gen, output_mode="derender", parse_context=named))
     assert r.status_code == 400 and "does not match any of the specified `tools`" in r.text
     assert post(parsed, dict(gen, output_mode="bogus")).status_code == 400
+
+
+def test_one_token_prompt_logprobs_are_a_lone_null(stack):
+    """vLLM: a one-token prompt's prompt_logprobs is [null] (nothing to score), not null;
+    echo + logprobs lists the prompt token with a null logprob, then the output's."""
+    _, _, _, plain = stack
+    one = httpx.post(plain.url + "/v1/completions", timeout=60,
+                     json={"prompt": [72], "max_tokens": 2, "prompt_logprobs": 1}).json()
+    assert one["usage"]["prompt_tokens"] == 1 and one["choices"][0]["prompt_logprobs"] == [None]
+    echo = httpx.post(plain.url + "/v1/completions", timeout=60,
+                      json={"prompt": [72], "max_tokens": 2, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echo["prompt_logprobs"] == [None]  # echo with logprobs asks for them (vLLM)
+    lp = echo["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == 3 and all(v is not None for v in lp["token_logprobs"][1:])
+
+
+def _usage_of_stream(r: httpx.Response) -> dict:
+    return [json.loads(p) for p in sse_payloads(r) if p != "[DONE]"][-1]["usage"]
+
+
+def test_prompt_tokens_details_follow_the_flag_on_every_route(stack):
+    """vLLM's --enable-prompt-tokens-details: with it (plain), usage.prompt_tokens_details
+    carries cached_tokens on /generate and the OpenAI routes (non-stream: with the null fields
+    of model_dump; stream: nulls dropped); without it (parsed), null, or absent in a stream."""
+    _, _, parsed, plain = stack
+    prompt = "The same long prompt, sent twice so that its full blocks are cached. " * 3
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    comp = {"prompt": prompt, "max_tokens": 2}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    for gw, on in ((plain, True), (parsed, False)):
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", comp)):
+            httpx.post(gw.url + path, json=body, timeout=60)  # warms the prefix cache
+            usage = httpx.post(gw.url + path, json=body, timeout=60).json()["usage"]
+            streamed = _usage_of_stream(httpx.post(gw.url + path, json={**body, **stream}, timeout=60))
+            if on:
+                details = usage["prompt_tokens_details"]
+                assert details["cached_tokens"] > 0 and details["created_cache_tokens"] is None, details
+                assert set(streamed["prompt_tokens_details"]) == {"cached_tokens"}
+                assert streamed["prompt_tokens_details"]["cached_tokens"] > 0
+            else:
+                assert usage["prompt_tokens_details"] is None
+                assert "prompt_tokens_details" not in streamed
+        ids = httpx.post(gw.url + "/v1/completions/render", json=comp).json()[0]["token_ids"]
+        gen = {"token_ids": ids, "sampling_params": {"max_tokens": 2}}
+        usage = httpx.post(gw.url + GENERATE, json=gen, timeout=60).json()["usage"]
+        if on:
+            assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+        else:
+            assert usage["prompt_tokens_details"] is None
+
+
+def test_integral_float_max_tokens_as_vllm(stack):
+    """vLLM 0.33 takes ``max_tokens: 1e3`` (pydantic: an integral float is an int), clamps
+    what the context has no room for (get_max_tokens), refuses more than max_model_len
+    (TokenizeParams) and a fractional number."""
+    _, _, _, plain = stack
+    r = httpx.post(plain.url + "/v1/completions/render", json={"prompt": [5, 6, 7], "max_tokens": 1.024e3})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["sampling_params"]["max_tokens"] == 1024 - 3
+    r = httpx.post(plain.url + "/v1/chat/completions/render", json={"messages": MESSAGES, "max_tokens": 1000.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["sampling_params"]["max_tokens"] == 1024 - len(r.json()["token_ids"])
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        err = httpx.post(plain.url + path, json={**body, "max_tokens": 1e18}).json()["error"]
+        assert err["message"] == ("max_tokens=1000000000000000000 cannot be greater than max_model_len=1024. "
+                                  "Please request fewer output tokens.") and err["param"] == "max_tokens", err
+    err = httpx.post(plain.url + "/v1/chat/completions",
+                     json={"messages": MESSAGES, "max_completion_tokens": 2000}).json()["error"]
+    assert err["param"] == "max_completion_tokens" and "cannot be greater than max_model_len" in err["message"]
+    r = httpx.post(plain.url + "/v1/completions", timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 2.0, "logprobs": 1.0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 2
+    r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2.5})
+    assert r.status_code == 400 and "fractional part" in r.json()["error"]["message"], r.text

@@ -26,7 +26,7 @@ def stack(tmp_path_factory, llama_dir):
         procs.worker(broker, 0, "--model", str(llama_dir), *WORKER_ARGS, "--role", "prefill")
         procs.worker(broker, 1, "--model", str(llama_dir), *WORKER_ARGS, "--role", "decode")
         wait_for_workers(broker.frontend, 2, timeout=120)
-        gw = start_gateway(procs, broker.frontend)
+        gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # cached_tokens, as vLLM's flag
         with httpx.Client(base_url=gw.url, timeout=120) as http:
             yield procs, broker, http
 

@@ -37,7 +37,7 @@ def stack(tmp_path_factory, llama_dir):
                                "--kv-transfer-timeout", "2")
         procs.worker(broker, 1, "--model", str(llama_dir), *WORKER_ARGS, "--role", "decode")
         wait_for_workers(broker.frontend, 2, timeout=120)
-        gw = start_gateway(procs, broker.frontend)
+        gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # cached_tokens, as vLLM's flag
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             yield procs, broker, prefill, http
 

@@ -19,7 +19,7 @@ from common.client import Client, RequestError
 from common.dist_weight_transfer import TrainerWeightSender, weight_checksums
 from common.protocol import GenerateRequest, SamplingParams
 from tests.support.engine_helpers import make_engine, request
-from tests.support.gateway_helpers import GENERATE, start_gateway
+from tests.support.gateway_helpers import GENERATE, metric_value, start_gateway
 from tests.support.model_factory import tiny_model_dir
 from tests.support.procs import ProcGroup, cluster_info, free_port, wait_for, wait_for_workers
 
@@ -383,17 +383,41 @@ def test_reset_prefix_cache_drops_cached_blocks(pool):
     assert generate(client, prompt, 0, 2)[1][0].num_cached_tokens == 0
 
 
+def sleep_states(http) -> dict:
+    """vllm:engine_sleep_state per engine (rank): {rank: (awake, weights_offloaded, discard_all)}."""
+    text = http.get("/metrics").text
+    assert "# TYPE vllm:engine_sleep_state gauge" in text
+    return {rank: tuple(metric_value(text, "vllm:engine_sleep_state", engine=str(rank), sleep_state=s)
+                        for s in ("awake", "weights_offloaded", "discard_all")) for rank in (0, 1)}
+
+
+def wait_sleep_states(http, want: tuple) -> None:
+    """The gauges follow the workers' load reports (the gateway caches them for a second)."""
+    wait_for(lambda: sleep_states(http) == {0: want, 1: want}, 10, f"vllm:engine_sleep_state {want}")
+
+
 def test_sleep_releases_and_wake_up_restores(pool, references, models):
     procs, broker, http, client = pool
+    wait_sleep_states(http, (1, 0, 0))
+    assert 'model_name="' in next(line for line in http.get("/metrics").text.splitlines()
+                                  if line.startswith("vllm:engine_sleep_state{"))
+    # Level 0 only pauses the scheduler: asleep, neither level flag (vLLM's record_sleep_state(1, 0)).
+    assert http.post("/sleep", params={"level": 0}).json() == {"status": "sleeping", "level": 0}
+    wait_sleep_states(http, (0, 0, 0))
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    wait_sleep_states(http, (1, 0, 0))
     for level in (1, 2):
         assert http.post("/sleep", params={"level": level}).json() == {"status": "sleeping", "level": level}
+        wait_sleep_states(http, (0, int(level == 1), int(level == 2)))
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         wait_for(lambda: all(w.load.total_kv_blocks == 0 for w in cluster_info(broker.frontend).workers), 10,
                  "KV memory released")
         if level == 2:
             partial = http.post("/wake_up", params={"tags": "kv_cache"}).json()
             assert partial == {"status": "sleeping", "tags": ["kv_cache"]}
+            wait_sleep_states(http, (0, 0, 1))  # not fully awake: the state stays
         assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+        wait_sleep_states(http, (1, 0, 0))
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         wait_for(lambda: all(w.load.free_kv_blocks == 128 for w in cluster_info(broker.frontend).workers), 10,
                  "KV memory restored")
@@ -425,6 +449,37 @@ def test_bad_control_input_is_a_400_and_nothing_changes(pool, references, path, 
     assert needle in r.json()["error"]["message"]
     assert http.get("/is_paused").json() == {"is_paused": False}  # else the generate below would wait
     assert generate(client, PROMPTS[0], 1)[0] == references["A"][0]
+
+
+@pytest.mark.parametrize("method, path, kwargs, param", [
+    # FastAPI's location form, as vLLM's validation_exception_handler names them
+    ("post", "/pause", {"params": {"mode": "invalid"}}, "query.mode"),
+    ("post", "/pause", {"params": {"clear_cache": "maybe"}}, "query.clear_cache"),
+    ("post", "/pause", {"params": {"rank": "first"}}, "query.rank"),
+    ("post", "/sleep", {"params": {"level": "3"}}, "query.level"),
+    ("post", "/sleep", {"params": {"level": "deep"}}, "query.level"),
+    ("post", "/sleep", {"params": {"mode": "later"}}, "query.mode"),
+    ("post", "/wake_up", {"params": {"tags": "gpu"}}, "query.tags"),
+    ("get", "/get_world_size", {"params": {"include_dp": "maybe"}}, "query.include_dp"),
+    ("post", "/reset_prefix_cache", {"params": {"reset_running_requests": "maybe"}},
+     "query.reset_running_requests"),
+    ("post", "/reset_prefix_cache", {"params": {"reset_external": "maybe"}}, "query.reset_external"),
+    # Body(embed=True) fields
+    ("post", "/init_weight_transfer_engine", {"json": {}}, "body.init_info"),
+    ("post", "/update_weights", {"json": {}}, "body.update_info"),
+    ("post", "/finish_weight_update", {"json": {"weight_version": 1}}, "body.weight_version"),
+    ("post", "/update_weight_version", {"json": {}}, "body.new_version"),
+    ("post", "/weight_checker", {"json": {"action": "sum"}}, "body.action"),
+    ("post", "/abort_requests", {"json": {"request_ids": 5}}, "body.request_ids"),
+    # vLLM's HTTPException: no param
+    ("post", "/weight_checker", {"json": {"action": "compare"}}, None),
+])
+def test_bad_parameters_are_named_as_vllm_names_them(stack, method, path, kwargs, param):
+    _, _, http, _ = stack
+    r = getattr(http, method)(path, **kwargs)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "BadRequestError" and err["code"] == 400, err
 
 
 def test_update_without_transfer_group_is_refused(pool, references):

@@ -21,7 +21,7 @@ def _stack(tmp_path_factory, llama_dir, routing: str):
     for rank in range(2):
         procs.worker(broker, rank, "--model", str(llama_dir), *WORKER_ARGS)
     wait_for_workers(broker.frontend, 2, timeout=120)
-    gw = start_gateway(procs, broker.frontend)
+    gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # cached_tokens, as vLLM's flag
     return procs, broker, gw
 
 

@@ -45,7 +45,7 @@ def stack(tmp_path_factory, llama_dir):
         procs.worker(broker, 2, "--model", str(llama_dir), *WORKER_ARGS, "--role", "prefill",
                      "--kv-transfer-max-held", "1", "--kv-transfer-timeout", "6")
         wait_for_workers(broker.frontend, 3, timeout=120)
-        gw = start_gateway(procs, broker.frontend)
+        gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # cached_tokens, as vLLM's flag
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             yield broker, http, transfer_port
 
@@ -321,7 +321,7 @@ def test_broker_runs_a_request_whole_when_its_prefill_worker_is_at_the_cap(tmp_p
                      "--kv-transfer-max-held", "0")
         procs.worker(broker, 1, "--model", str(llama_dir), *WORKER_ARGS, "--role", "decode")
         wait_for_workers(broker.frontend, 2, timeout=120)
-        gw = start_gateway(procs, broker.frontend)
+        gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # cached_tokens, as vLLM's flag
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             r = http.post(GENERATE, json={"token_ids": _prompt(7), "sampling_params": {"max_tokens": 5,
                                                                                        "temperature": 0}})

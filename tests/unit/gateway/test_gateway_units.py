@@ -167,6 +167,24 @@ def test_lora_requests_info_metric_per_lora_worker():
     assert float(lines[0].rsplit(" ", 1)[1]) > 1.6e9  # when it was reported, as vLLM's set_to_current_time
 
 
+@pytest.mark.parametrize("level, want", [(-1, (1, 0, 0)), (0, (0, 0, 0)), (1, (0, 1, 0)), (2, (0, 0, 1))])
+def test_engine_sleep_state_as_vllm_records_it(level, want):
+    """vLLM's record_sleep_state: awake until a sleep; level 1 weights_offloaded, level 2
+    discard_all, level 0 (a paused scheduler) neither; per engine, with model_name."""
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.update_cluster(ClusterInfo(workers=[WorkerStatus(rank=3, load=WorkerLoad(sleep_level=level))], model=MODEL),
+                     "served")
+    text = m.render()[0].decode()
+    assert "# TYPE vllm:engine_sleep_state gauge" in text
+    got = tuple(float(next(line for line in text.splitlines() if line.startswith("vllm:engine_sleep_state{")
+                           and f'sleep_state="{state}"' in line).rsplit(" ", 1)[1])
+                for state in ("awake", "weights_offloaded", "discard_all"))
+    assert got == want
+    assert 'vllm:engine_sleep_state{engine="3",model_name="served",sleep_state="awake"}' in text
+
+
 def test_stream_errors_keep_their_status_or_become_a_logged_500(caplog):
     """After an SSE stream began, the last event carries the error in vLLM's shape: a
     broker/worker/validation error keeps its status; anything else is logged as a 500."""

@@ -82,7 +82,7 @@ def test_chat_max_tokens_and_echo_prompt_logprobs(renderer):
 
 @pytest.mark.parametrize("body, needle", [
     (dict(prompt="x" * 70), "maximum context length is 64 tokens"),
-    (dict(prompt="x" * 20, max_tokens=50), "maximum context length"),
+    (dict(prompt="x" * 20, max_tokens=65), "max_tokens=65 cannot be greater than max_model_len=64"),
     (dict(prompt=[]), "prompt"),
     (dict(prompt=[-1]), "negative"),
     (dict(prompt="a", suffix="b"), "suffix"),
@@ -136,3 +136,9 @@ def test_token_offsets_are_transformers_offset_mapping(bos_model, renderer):
     chat = renderer.chat(_chat(messages=[{"role": "user", "content": "hi"}], return_token_offsets=True), 64, "c")
     spans = chat.generate["token_offsets"]
     assert len(spans) == len(chat.token_ids) and chat.prompt_text[spans[-1][0]:spans[-1][1]] == chat.prompt_text[-1]
+
+
+def test_completion_max_tokens_past_the_room_is_clamped(renderer):
+    """vLLM 0.33: the prompt need not leave room for max_tokens; get_max_tokens clamps it."""
+    (r,) = renderer.completion(_completion(prompt="x" * 20, max_tokens=50), 64, "c")
+    assert r.generate["sampling_params"]["max_tokens"] == 64 - len(r.token_ids)

@@ -63,7 +63,11 @@ class Request:
         # Prompt logprobs need logits of every prompt position, so cached prefixes can't be used.
         self.wants_prompt_scores = (req.params.prompt_logprobs is not None
                                     or bool(req.params.prompt_logprob_token_ids))
-        self.prompt_logprobs: Optional[TokenLogprobs] = None  # accumulated over prefill chunks
+        # Accumulated over prefill chunks.  Asked for, it starts empty, as vLLM's starts at
+        # [None]: a one-token prompt (no position to score) still answers [null].
+        self.prompt_logprobs: Optional[TokenLogprobs] = (
+            TokenLogprobs(token_ids=[], logprobs=[], ranks=[], top_ids=[], top_logprobs=[])
+            if req.params.prompt_logprobs is not None else None)
         self.prompt_token_id_rows: list[Any] = []  # float32 numpy row blocks, in prompt order
         self.num_prompt_scored = 0  # prompt positions whose logits were scored already
         self.bad_words_ids: Optional[list[list[int]]] = None

@@ -65,6 +65,7 @@ class RLControl(EngineComponent):
         self.version_spans: dict[int, VersionSpans] = {}  # seq_id -> the versions of its output tokens
         self._weights: Optional[ModelWeights] = None
         self.asleep: set[str] = set()  # subset of SLEEP_TAGS that is released
+        self.sleep_level = -1  # the last sleep's level until fully awake (vllm:engine_sleep_state)
         # Checkpoint folders whose weights the model holds now, in order: the model's own, then
         # every update from disk since.  None once weights came over the wire (not reproducible).
         self.disk_lineage: Optional[list[str]] = [self.config.model]
@@ -95,6 +96,7 @@ class RLControl(EngineComponent):
                 delta.weight_versions = tracked.spans(len(seq.output_ids)) if tracked is not None else []
 
     def fill_load(self, load) -> None:
+        load.sleep_level = self.sleep_level
         if "kv_cache" in self.asleep:  # released: no blocks to offer
             load.free_kv_blocks = load.total_kv_blocks = 0
 
@@ -183,6 +185,7 @@ class RLControl(EngineComponent):
         """Level 1: release the KV cache; level 2: the weights as well.  Running
         sequences are preempted first (recomputed after wake-up)."""
         self.require_single_rank("sleep mode")
+        self.sleep_level = level  # vLLM's record_sleep_state(1, level), level 0 included
         if level < 1:
             return
         for seq in list(self.core.scheduler.running):
@@ -225,6 +228,8 @@ class RLControl(EngineComponent):
             self.asleep.discard("kv_cache")
         if not self.asleep and self.device.type == "cuda":
             self.core.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses
+        if not self.asleep:
+            self.sleep_level = -1  # vLLM's record_sleep_state(0, 0) once fully awake
         return not self.asleep
 
     def _reload_weights(self) -> None:
