@@ -21,7 +21,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
-from gateway.resources import dev, lora, openai, rl
+from gateway.resources import dev, lora, openai, render_apis, rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -90,6 +90,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     app.add_route("/kv_event_sources", dev.KvEventSources(state))
     if renderer is not None:
         openai.add_routes(app, state, renderer)
+        render_apis.add_routes(app, state, renderer)
     return app, state
 
 
@@ -121,6 +122,7 @@ def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) ->
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
     openai.add_routes(app, state, renderer)
+    render_apis.add_routes(app, state, renderer)
     app.add_route("/health", _Alive())
     app.add_route("/version", VersionResource())
     app.add_route("/kv_event_sources", dev.KvEventSources(state))  # {} (vLLM: "empty on render-only servers")

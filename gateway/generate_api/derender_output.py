@@ -19,7 +19,7 @@ import msgspec
 from common.errors import BadRequest
 from gateway.generate_api.parse_context import ParseContext, check_tool_choice, to_chat_request
 from gateway.generate_api.protocol import WeightVersionSpan
-from gateway.openai_api.chat_output import ChatParsing, chat_finish_reason, chat_message
+from gateway.openai_api.chat_output import ChatParsing, chat_finish_reason, chat_message, chat_parsing
 from gateway.openai_api.protocol import ChatLogprobs, ChatMessage
 
 
@@ -65,10 +65,7 @@ def setup(context: Optional[ParseContext], renderer, prompt_ids: list[int], max_
     content is the text (and nothing is hidden), as in vLLM."""
     if renderer is None or renderer.parser is None or context is None:
         return DerenderSetup(ChatParsing())
-    from gateway.openai_api.derender import Derenderer
-
-    chat = to_chat_request(context)
-    parsing = Derenderer(renderer, max_model_len)._chat_parsing(chat, prompt_ids)
+    parsing = chat_parsing(renderer, to_chat_request(context), prompt_ids)
     return DerenderSetup(parsing, hide_metadata=not context.include_reasoning)
 
 

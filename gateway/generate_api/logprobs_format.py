@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from common.protocol import TokenLogprobs
+from common.protocol import CompletionDelta, TokenLogprobs
 from gateway.generate_api.protocol import (
     PromptLogprob,
     TextLogprob,
@@ -130,3 +130,14 @@ def prompt_token_id_logprobs(scores: Optional[bytes], shape: Optional[list[int]]
     with io.BytesIO() as buffer:
         np.save(buffer, array, allow_pickle=False)
         return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int], as_token_ids: bool = False) -> Optional[list]:
+    """Chat entries: the k most likely (the sampled token first, as vLLM orders them)."""
+    if top_logprobs is None or delta.logprobs is None:
+        return None
+    entries = text_logprobs(delta.logprobs, top_logprobs, as_token_ids)
+    if top_logprobs != -1:
+        for e in entries:
+            e.top_logprobs = e.top_logprobs[:top_logprobs]
+    return entries

@@ -206,9 +206,8 @@ class ResponseAccumulator:
         if delta.text:
             self.texts[i].append(delta.text)
         if self.derender is not None:  # chat logprobs, as /v1/chat/completions cuts them
-            from gateway.openai_api.chat_facade import chat_logprobs
-
-            self.logprobs[i].extend(chat_logprobs(delta, self.mapped.wire.params.logprobs) or ())
+            self.logprobs[i].extend(logprobs_format.chat_logprobs(delta, self.mapped.wire.params.logprobs,
+                                                                  self.options.token_id_placeholders) or ())
         else:
             lp = _logprobs(delta, self.mapped.wire.params.logprobs, self.mapped.text_mode,
                            self.options.token_id_placeholders)

@@ -10,6 +10,7 @@ import msgspec
 
 from common.protocol import CompletionDelta
 from gateway.generate_api import logprobs_format
+from gateway.generate_api.logprobs_format import chat_logprobs
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
 from gateway.openai_api.facade import ResponseView, now, request_metrics
 from gateway.openai_api.protocol import (
@@ -26,17 +27,6 @@ from gateway.openai_api.protocol import (
 from gateway.openai_api.render import RenderedChat
 from gateway.generate_api.response_builder import routed_experts_b64, stream_metrics
 from gateway.relay import Generation, StreamFormatter, sse_event
-
-
-def chat_logprobs(delta: CompletionDelta, top_logprobs: Optional[int], as_token_ids: bool = False) -> Optional[list]:
-    """Chat entries: the k most likely (the sampled token first, as vLLM orders them)."""
-    if top_logprobs is None or delta.logprobs is None:
-        return None
-    entries = logprobs_format.text_logprobs(delta.logprobs, top_logprobs, as_token_ids)
-    if top_logprobs != -1:
-        for e in entries:
-            e.top_logprobs = e.top_logprobs[:top_logprobs]
-    return entries
 
 
 class ChatCollector:

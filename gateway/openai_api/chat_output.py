@@ -111,3 +111,19 @@ def _grown(before: Optional[str], after: Optional[str]) -> str:
     """The text ``after`` adds to ``before`` (nothing when the parse is not an extension)."""
     before, after = before or "", after or ""
     return after[len(before):] if after.startswith(before) else ""
+
+
+def chat_parsing(renderer, chat, prompt_ids: Optional[list[int]]) -> ChatParsing:
+    """How a chat request's output is parsed (reasoning, tool calls) by ``renderer``'s
+    parser; no parsing without a parser or a chat request.  Shared by the derender routes
+    and /generate's ``output_mode: "derender"``."""
+    parser = renderer.parser
+    if parser is None or chat is None:
+        return ChatParsing()
+    tools_enabled = bool(chat.tools) and chat.tool_choice in (None, "auto") and \
+        renderer.options.enable_auto_tool_choice and bool(renderer.options.tool_call_parser)
+    prompt_text = renderer.model.tokenizer.decode(prompt_ids or [], skip_special_tokens=False)
+    kwargs = renderer.chat_template_kwargs(chat)
+    return ChatParsing(parser, reasoning_open=parser.reasoning_open_at_start(prompt_text, kwargs),
+                       tools_enabled=tools_enabled, include_reasoning=chat.include_reasoning,
+                       parallel_tool_calls=chat.parallel_tool_calls is not False)

@@ -17,7 +17,8 @@ import msgspec
 
 from common.errors import BadRequest
 from gateway.generate_api.protocol import PerRequestMetrics, PromptLogprob
-from gateway.openai_api.chat_output import ChatChoiceStream, ChatParsing, chat_finish_reason, chat_message
+from gateway.openai_api.chat_output import (ChatChoiceStream, ChatParsing, chat_finish_reason, chat_message,
+                                          chat_parsing)
 from gateway.openai_api.completion_facade import completion_logprobs
 from gateway.openai_api.facade import now
 from gateway.openai_api.protocol import (
@@ -172,16 +173,7 @@ class Derenderer:
             raise BadRequest(f"malformed logprobs in choice {choice.index}: {exc!r}", "logprobs") from None
 
     def _chat_parsing(self, chat: Optional[ChatCompletionRequest], prompt_ids: Optional[list[int]]) -> ChatParsing:
-        parser = self.renderer.parser
-        if parser is None or chat is None:
-            return ChatParsing()
-        tools_enabled = bool(chat.tools) and chat.tool_choice in (None, "auto") and \
-            self.renderer.options.enable_auto_tool_choice and bool(self.renderer.options.tool_call_parser)
-        prompt_text = self.tokenizer.decode(prompt_ids or [], skip_special_tokens=False)
-        kwargs = self.renderer.chat_template_kwargs(chat)
-        return ChatParsing(parser, reasoning_open=parser.reasoning_open_at_start(prompt_text, kwargs),
-                           tools_enabled=tools_enabled, include_reasoning=chat.include_reasoning,
-                           parallel_tool_calls=chat.parallel_tool_calls is not False)
+        return chat_parsing(self.renderer, chat, prompt_ids)
 
     def _decode_params(self, request, parsed: bool) -> tuple[bool, bool]:
         skip = False if parsed else (request.skip_special_tokens if request is not None else True)

@@ -267,10 +267,6 @@ def add_routes(app, state: GatewayState, renderer: Renderer) -> None:
         app.add_route("/v1/completions", Completions(state, renderer))
     app.add_route("/v1/chat/completions/render", ChatRender(state, renderer))
     app.add_route("/v1/completions/render", CompletionRender(state, renderer))
-    from gateway.resources.render_apis import MessagesRender, ResponsesRender  # they import this module
-
-    app.add_route("/v1/responses/render", ResponsesRender(state, renderer))
-    app.add_route("/v1/messages/render", MessagesRender(state, renderer))
     app.add_route("/v1/chat/completions/derender", ChatDerender(state, renderer))
     app.add_route("/v1/completions/derender", CompletionDerender(state, renderer))
     app.add_route("/tokenize", Tokenize(state, renderer))

@@ -54,3 +54,10 @@ class MessagesRender(TextRoutes):
 
         resp.data = await self.offload(req, render)
         resp.content_type = falcon.MEDIA_JSON
+
+
+def add_routes(app, state, renderer) -> None:
+    """The Responses and Messages render routes (beside resources/openai.py's, whose
+    TextRoutes they build on; registered by the app, so the two modules form no cycle)."""
+    app.add_route("/v1/responses/render", ResponsesRender(state, renderer))
+    app.add_route("/v1/messages/render", MessagesRender(state, renderer))
