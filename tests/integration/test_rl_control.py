@@ -322,9 +322,8 @@ def test_pause_keep_queues_new_requests_until_resume(pool, references):
     assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
     waiting = _Stream(client, PROMPTS[2], 12, rank=None)
     waiting.start()
-    time.sleep(0.5)
+    wait_for(lambda: cluster_info(broker.frontend).pending == 1, 10, "the request queued in the broker")
     assert waiting.is_alive() and not waiting.tokens and waiting.error is None  # waits, is not rejected
-    assert cluster_info(broker.frontend).pending == 1
     assert http.post("/resume").json() == {"status": "resumed"}
     waiting.join(60)
     assert waiting.error is None and waiting.tokens == references["A"][2]
