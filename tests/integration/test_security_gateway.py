@@ -324,12 +324,10 @@ def test_slow_headers_are_cut_off(small):
     assert any(a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
 
 
-def test_trickled_body_of_an_answered_request_is_cut_off(small):
-    """A route that answers without reading the body (405 here) closes the connection
-    instead of letting the rest trickle in under the keep-alive timer."""
-    sock = socket.create_connection(("127.0.0.1", small.port))
-    sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nab")
-    deadline = time.monotonic() + 30
+def _trickle_until_closed(sock, within_s: float = 30.0):
+    """Send the body a byte at a time (a slow client: the pacing is the point) until the
+    server answers and closes; its answer, b"reset", or None past ``within_s``."""
+    deadline = time.monotonic() + within_s
     got = None
     while got is None and time.monotonic() < deadline:
         got = _closed_with(sock, deadline)
@@ -339,6 +337,15 @@ def test_trickled_body_of_an_answered_request_is_cut_off(small):
             except OSError:
                 got = b"reset"
             time.sleep(0.05)
+    return got
+
+
+def test_trickled_body_of_an_answered_request_is_cut_off(small):
+    """A route that answers without reading the body (405 here) closes the connection
+    instead of letting the rest trickle in under the keep-alive timer."""
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nab")
+    got = _trickle_until_closed(sock)
     sock.close()
     assert got is not None, "the trickling body was never cut off"
     assert got.startswith(b"HTTP/1.1 405"), got[:300]
@@ -366,16 +373,7 @@ def test_slow_body_is_cut_off_with_408(small):
     sock = socket.create_connection(("127.0.0.1", small.port))
     sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100000\r\n\r\n{\"prompt\": \"")
-    deadline = time.monotonic() + 30
-    got = None
-    while got is None and time.monotonic() < deadline:
-        got = _closed_with(sock, deadline)
-        if got is None:
-            try:
-                sock.sendall(b"a")
-            except OSError:
-                got = b"reset"
-            time.sleep(0.05)
+    got = _trickle_until_closed(sock)
     sock.close()
     assert got is not None, "the trickling body was never cut off"
     head, _, body = got.partition(b"\r\n\r\n")
