@@ -461,6 +461,15 @@ def _trl_update_info(named):
             "shapes": [list(t.shape) for _, t in named]}
 
 
+def _reset_to(http, sender, model_dir) -> None:
+    """After a weight-sync test: drop the trainer's group and load ``model_dir`` back."""
+    sender.close()
+    http.post("/shutdown_weight_transfer_engine")
+    rpc(http, {"method": "start_weight_update"})
+    rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(model_dir)}}})
+    rpc(http, {"method": "finish_weight_update"})
+
+
 def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
     """TRL 1.16 ``VLLMClient`` (trl/generation/vllm_client.py): ``init_communicator``, then
     ``update_named_params`` inside ``weight_update()`` (``POST /start_weight_update {}``,
@@ -512,11 +521,7 @@ def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
         assert r.status_code == 200 and r.json() == {"success": True}
         assert greedy(http) == after
     finally:
-        sender.close()
-        http.post("/shutdown_weight_transfer_engine")
-        rpc(http, {"method": "start_weight_update"})
-        rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
-        rpc(http, {"method": "finish_weight_update"})
+        _reset_to(http, sender, a)
     assert greedy(http) == before
 
 
@@ -554,11 +559,7 @@ def test_trl_async_grpo_weight_sync(stack, models):
         assert stream.error is None and stream.finish == "length" and len(stream.tokens) == 200
         assert greedy(http) != before
     finally:
-        sender.close()
-        http.post("/shutdown_weight_transfer_engine")
-        rpc(http, {"method": "start_weight_update"})
-        rpc(http, {"method": "update_weights", "kwargs": {"update_info": {"path": str(a)}}})
-        rpc(http, {"method": "finish_weight_update"})
+        _reset_to(http, sender, a)
     assert greedy(http) == before
 
 
