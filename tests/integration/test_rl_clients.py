@@ -461,6 +461,16 @@ def _trl_update_info(named):
             "shapes": [list(t.shape) for _, t in named]}
 
 
+def _trl_update_weights(http, sender, named) -> None:
+    """One ``/update_weights`` while the trainer broadcasts the bucket (as TRL's clients do)."""
+    errors = []
+    sending = _in_thread(lambda: sender.send(named), errors)
+    r = http.post("/update_weights", json={"update_info": _trl_update_info(named)})
+    assert r.status_code == 200 and r.json() == {"message": "Weights updated"}, r.text
+    sending.join(60)
+    assert not errors
+
+
 def _reset_to(http, sender, model_dir) -> None:
     """After a weight-sync test: drop the trainer's group and load ``model_dir`` back."""
     sender.close()
@@ -491,12 +501,7 @@ def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
         # -- VLLMClient.update_model_params as written: no pause
         r = http.post("/start_weight_update", json={})
         assert r.status_code == 200 and r.json() == {"message": "Weight update started"}
-        errors = []
-        sending = _in_thread(lambda: sender.send(named), errors)
-        r = http.post("/update_weights", json={"update_info": _trl_update_info(named)})
-        assert r.status_code == 200 and r.json() == {"message": "Weights updated"}, r.text
-        sending.join(60)
-        assert not errors
+        _trl_update_weights(http, sender, named)
         assert greedy(http) == before  # staged: still A until the finish
         assert http.post("/finish_weight_update", json={}).json() == {"message": "Weight update finished"}
         staged_then_swapped = greedy(http)
@@ -505,12 +510,7 @@ def test_trl_vllm_client_weight_update_and_reset_prefix_cache(stack, models):
         # -- the same calls behind a pause
         assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
         assert http.post("/start_weight_update", json={}).status_code == 200
-        errors = []
-        sending = _in_thread(lambda: sender.send(named), errors)
-        r = http.post("/update_weights", json={"update_info": _trl_update_info(named)})
-        assert r.status_code == 200 and r.json() == {"message": "Weights updated"}, r.text
-        sending.join(60)
-        assert not errors
+        _trl_update_weights(http, sender, named)
         assert http.post("/finish_weight_update", json={}).json() == {"message": "Weight update finished"}
         assert http.post("/resume").json() == {"status": "resumed"}
         after = greedy(http)
@@ -548,11 +548,7 @@ def test_trl_async_grpo_weight_sync(stack, models):
         wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
         assert http.post("/pause", params={"mode": "keep"}).status_code == 200
         assert http.post("/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
-        errors = []
-        sending = _in_thread(lambda: sender.send(named), errors)
-        assert http.post("/update_weights", json={"update_info": _trl_update_info(named)}).status_code == 200
-        sending.join(60)
-        assert not errors
+        _trl_update_weights(http, sender, named)
         assert http.post("/finish_weight_update").status_code == 200
         assert http.post("/resume").status_code == 200
         stream.join(120)
