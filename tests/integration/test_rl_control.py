@@ -240,6 +240,21 @@ class _Stream(threading.Thread):
             self.error = exc
 
 
+def _settled_length(stream, quiet_s: float = 0.3, timeout: float = 20.0) -> int:
+    """The stream's token count once no delta has arrived for ``quiet_s`` (a paused stream's
+    last deltas may reach this loaded process late)."""
+    deadline = time.monotonic() + timeout
+    seen, since = len(stream.tokens), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = len(stream.tokens)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return seen
+    raise TimeoutError("the paused stream kept receiving tokens")
+
+
 def test_pause_keep_update_resume_splits_the_stream(pool, models, references):
     _, _, http, client = pool
     client.control("update_weight_version", {"new_version": "A"})
@@ -260,9 +275,8 @@ def test_pause_keep_update_resume_splits_the_stream(pool, models, references):
     else:
         raise AssertionError("three tries and the pause never caught the stream running")
     assert http.get("/is_paused").json() == {"is_paused": True}
-    time.sleep(0.3)  # deltas of the step that ran as the pause landed may still be on the wire
-    frozen = len(stream.tokens)
-    time.sleep(0.5)
+    frozen = _settled_length(stream)  # deltas of the step that ran as the pause landed may still arrive
+    time.sleep(0.5)  # the negative check: nothing more while paused
     assert len(stream.tokens) == frozen < total  # frozen: no token while paused
     client.update_weights(_state_dict(models[1]).items(), "v-new")
     assert http.post("/resume").json() == {"status": "resumed"}
