@@ -40,6 +40,28 @@ _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
 GREEDY_TEMPERATURE = 1e-5
 
 
+class StructuredOutputs(msgspec.Struct, **_STRUCT):
+    """vLLM's ``StructuredOutputsParams`` as it travels: exactly one constraint is set
+    (the gateway checks it; the worker checks it again for direct ZeroMQ clients).
+    ``json`` is the JSON schema serialised to a string, so the struct stays flat."""
+
+    json: Optional[str] = None  # a JSON schema (serialised)
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None  # EBNF (xgrammar's GBNF dialect)
+    json_object: Optional[bool] = None  # any JSON object
+    structural_tag: Optional[str] = None  # vLLM's structural tag JSON (serialised)
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    # Reasoning models: the constraint starts only once the model has emitted this token
+    # sequence (its reasoning parser's end marker, e.g. ``</think>``), as vLLM's
+    # ``reasoning_ended``; None: it applies from the first generated token.  A prompt that
+    # already holds the end marker after its last ``reasoning_start`` is past reasoning.
+    reasoning_end: Optional[list[int]] = None
+    reasoning_start: Optional[list[int]] = None
+
+
 class SamplingParams(msgspec.Struct, **_STRUCT):
     """vLLM SamplingParams subset of the token-in/token-out endpoint (../shared/SPEC.md)."""
 
@@ -71,6 +93,7 @@ class SamplingParams(msgspec.Struct, **_STRUCT):
     bad_words: Optional[list[str]] = None
     spaces_between_special_tokens: bool = True
     routed_experts_prompt_start: int = 0  # routed_experts skips this many leading prompt positions
+    structured_outputs: Optional[StructuredOutputs] = None  # constrained decoding (xgrammar)
 
 
 class MultiModalItem(msgspec.Struct, **_STRUCT):
