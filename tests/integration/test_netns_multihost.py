@@ -37,8 +37,9 @@ pytestmark = [pytest.mark.timeout(240)]
 
 ROLES = ["broker", "worker0", "worker1", "gateway", "stray"]
 FRONTEND_PORT, BACKEND_PORT, GATEWAY_PORTS = 7001, 7002, (8000, 8001)
-# Small heartbeats so that a cut is noticed fast: a worker is dead after 5 x 0.3 s of silence.
-HEARTBEAT_INTERVAL, LIVENESS = 0.3, 5
+# Small heartbeats so that a cut is noticed fast: a worker is dead after 5 x 0.5 s of silence
+# (not smaller: a loaded 2-core box must never starve a healthy worker into a false death).
+HEARTBEAT_INTERVAL, LIVENESS = 0.5, 5
 HEARTBEAT_DEADLINE = HEARTBEAT_INTERVAL * LIVENESS
 SLACK = 20.0  # a loaded 2-core box: the bound the error must arrive within, not a timing claim
 API_KEY = "netns-test-key"
