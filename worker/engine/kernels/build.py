@@ -32,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = kernels.kernel_module_name(Path(kernels.__file__).parent)
     existed = (kernels.build_directory(name) / f"{name}.so").is_file()  # stamped or not: torch's load checks it
-    started = time.monotonic()
-    if not existed:
-        print(f"tokserve: compiling the native CPU kernels ({kernels.BUILD_HINT.split(';')[0]})...", flush=True)
+    started = time.monotonic()  # a compile announces itself in the log (kernels.BUILD_HINT)
     module = kernels.load_cpu_kernels()
     if module is None:
         print("tokserve: the native CPU kernels cannot be built here (see above); workers will use torch's ops")
