@@ -10,6 +10,8 @@ COMMANDS = {
     "broker": ("broker.main:main", "run the ZeroMQ broker"),
     "worker": ("worker.main:main", "run one inference worker (one per GPU)"),
     "gateway": ("gateway.main:main", "run the HTTP gateway (Falcon ASGI on uvicorn)"),
+    "build-kernels": ("worker.engine.kernels.build:main",
+                      "compile the native CPU kernels now (the install's last step) instead of at first start"),
     "demo-model": ("worker.engine.loading.demo_model:main", "build the seeded random-weight demo model"),
     "bench": ("benchmarks.bench_serve:main", "benchmark a deployment like `vllm bench serve` (tokserve bench serve)"),
     "curve-keys": ("common.security:main", "create a CURVE certificate (key files) for encrypted broker links"),

@@ -28,11 +28,15 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_sessionstart(session):
-    # Build the native CPU kernels once, up front (~45 s on a fresh machine, then
-    # cached): worker processes started by the tests then load them instead of
-    # compiling inside their start-up timeouts.
-    from worker.engine.kernels import load_cpu_kernels
+    # The install builds the native CPU kernels (`tokserve build-kernels`); should it
+    # not have (an edited kernel, an install without that step), build them here, up
+    # front, so that worker processes started by the tests load them instead of
+    # compiling inside their start-up timeouts.  Whether the install had built them is
+    # what tests/integration/test_kernels_prebuilt.py checks.
+    from worker.engine.kernels import kernel_module_name, load_cpu_kernels, prebuilt_library
 
+    name = kernel_module_name(Path(__file__).resolve().parents[1] / "worker" / "engine" / "kernels")
+    os.environ["TOKSERVE_TEST_KERNELS_PREBUILT"] = "1" if prebuilt_library(name) is not None else "0"
     load_cpu_kernels()
 
 

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU kernels: compiled (decode and prefill attention reading the paged cache in place, "
                         "RMSNorm, SwiGLU, rotary) "
                         "or torch's (SDPA); "
-                        "auto: native when it builds (first build ~45 s, then cached)")
+                        "auto: native when it builds (`tokserve build-kernels` at install time, else at first start: "
+                        "1 to 3 minutes, then cached)")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU GEMMs: oneDNN with prepacked weights, or torch's (MKL); auto: oneDNN where supported")
     p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())

@@ -130,9 +130,13 @@ class BrokerLink(threading.Thread):
                             if frames[1] == MsgType.READY:
                                 self.registered = True
                                 self.welcomed = False
-                            elif frames[1] == MsgType.KV_EVENTS and not self.registered:
-                                # Changes made before a re-registration the engine loop has
-                                # not sent yet: the snapshot after its READY supersedes them.
+                            elif not self.registered and frames[1] != MsgType.DISCONNECT:
+                                # Sent by the engine loop before it saw the reset: outputs and
+                                # errors of requests the broker already failed, control replies,
+                                # KV changes the snapshot after READY supersedes.  Ahead of our
+                                # READY the broker would take them for an unknown peer's and
+                                # answer DISCONNECT: a needless second registration, and a
+                                # warning that blames the worker token.
                                 continue
                             _send(dealer, frames)
         finally:

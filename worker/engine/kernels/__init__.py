@@ -1,8 +1,15 @@
 """Native CPU kernels (decode and prefill attention over the paged cache, RMSNorm,
-SwiGLU, rotary), compiled on first use by ``torch.utils.cpp_extension`` into
-torch's extension cache (about 45 s once per machine; needs a C++ compiler and
-ninja).  Where they cannot be built the engine keeps torch's kernels and says so
-once in the log.
+SwiGLU, rotary), compiled by ``torch.utils.cpp_extension`` into torch's extension
+cache: at install time by ``tokserve build-kernels`` (worker/engine/kernels/build.py,
+the last step of the README's install), else on first use (45 s on an idle machine,
+about 3 minutes on a busy one; needs a C++ compiler and ninja).  Where they cannot be
+built the engine keeps torch's kernels and says so once in the log.
+
+A build that completed is recorded next to its library (``STAMP``: the torch, Python
+and library it was made with); a later load imports that library directly, with no
+compiler or ninja involved.  A library without a matching stamp (built by another
+torch, half-written, replaced) goes through torch's ``load``, which rebuilds what it
+must: the direct import is a shortcut, never a way around the checks.
 
 The build is tuned for the CPU it runs on (``-march=native``), so the module name
 carries a hash of the CPU's feature flags (a cache shared between different
@@ -19,9 +26,12 @@ environment's checkouts and installed copies share one build, and each environme
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,8 +46,10 @@ _HEADERS = ("paged_cache.h", "vec_math.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A
-# build takes ~45 s here, so a lock this old has no live owner.
+# build takes 45 s to 3 minutes here, so a lock this old has no live owner.
 STALE_LOCK_S = 300.0
+STAMP = "tokserve-build.json"  # written beside the library once a build loaded fine
+BUILD_HINT = "1 to 3 minutes, once per machine and torch install; `tokserve build-kernels` does it at install time"
 _lock = threading.Lock()
 _module: Optional[Any] = None
 _tried = False
@@ -95,6 +107,62 @@ def stage_sources(here: Path, dest: Path) -> Path:
     return dest
 
 
+def build_directory(name: str) -> Path:
+    """Where torch's extension cache keeps the build of module ``name`` (created if missing)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _stamp_fields(library: Path) -> dict:
+    """What a library's stamp must say for this process to import it directly."""
+    st = library.stat()
+    return {"module": library.stem, "torch": torch.__version__,
+            "torch_git": str(getattr(torch.version, "git_version", "")),
+            "python": sys.implementation.cache_tag, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_stamp(library: Path) -> None:
+    tmp = library.parent / f".{STAMP}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(_stamp_fields(library)))
+    os.replace(tmp, library.parent / STAMP)
+
+
+def prebuilt_library(name: str) -> Optional[Path]:
+    """The completed build of ``name`` for this torch and Python, or None."""
+    build_dir = build_directory(name)
+    library = build_dir / f"{name}.so"
+    try:
+        stamp = json.loads((build_dir / STAMP).read_text())
+        return library if stamp == _stamp_fields(library) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _import_library(name: str, library: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile_and_load(here: Path, name: str) -> Any:
+    """torch's ``load``: builds what is missing or stale (ninja), then imports it."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = build_directory(name)
+    _clear_stale_lock(build_dir / "lock")
+    if not (build_dir / f"{name}.so").is_file():
+        log.warning("compiling the native CPU kernels into %s (%s)", build_dir, BUILD_HINT)
+    src = stage_sources(here, build_dir / "src")
+    started = time.monotonic()
+    module = load(name=name, sources=[str(src / s) for s in _SOURCES], extra_cflags=list(_CFLAGS), verbose=False)
+    if time.monotonic() - started > 5:
+        log.info("native CPU kernels ready (%.0f s)", time.monotonic() - started)
+    write_stamp(Path(module.__file__))
+    return module
+
+
 def load_cpu_kernels() -> Optional[Any]:
     """The compiled kernels module, or None when it can't be built here (logged once)."""
     global _module, _tried
@@ -102,23 +170,16 @@ def load_cpu_kernels() -> Optional[Any]:
         if not _tried:
             _tried = True
             try:
-                from torch.utils.cpp_extension import _get_build_directory, load
-
                 here = Path(__file__).parent
                 name = kernel_module_name(here)
-                build_dir = Path(_get_build_directory(name, verbose=False))
-                _clear_stale_lock(build_dir / "lock")
-                if not (build_dir / f"{name}.so").is_file():
-                    log.warning("compiling the native CPU kernels into %s: first start on this machine, "
-                                "about a minute (cached afterwards)", build_dir)
-                src = stage_sources(here, build_dir / "src")
-                started = time.monotonic()
-                _module = load(name=name,
-                               sources=[str(src / s) for s in _SOURCES],
-                               extra_cflags=list(_CFLAGS),
-                               verbose=False)
-                if time.monotonic() - started > 5:
-                    log.info("native CPU kernels ready (%.0f s)", time.monotonic() - started)
+                library = prebuilt_library(name)
+                if library is not None:
+                    try:
+                        _module = _import_library(name, library)
+                    except (ImportError, OSError) as e:  # e.g. deleted or replaced meanwhile
+                        log.warning("cannot import the built CPU kernels %s (%s); rebuilding", library, e)
+                if _module is None:
+                    _module = _compile_and_load(here, name)
             except Exception as e:  # no compiler / ninja / headers: torch's kernels still work
                 log.warning("native CPU kernels unavailable (%s); using torch's ops",
                             str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
@@ -153,5 +214,5 @@ def _clear_stale_lock(lock: Path) -> None:
         except OSError:
             pass
     else:
-        log.warning("another process is building the native CPU kernels (%.0f s so far; about a minute on a "
-                    "first start); waiting for it", age)
+        log.warning("another process is building the native CPU kernels (%.0f s so far; %s); waiting for it",
+                    age, BUILD_HINT)
