@@ -87,7 +87,9 @@ class FakeEngine:
         if self.record_dir is not None:
             import msgspec
 
-            record = {"request_id": req.request_id, "structured_outputs": msgspec.to_builtins(req.params.structured_outputs)}
+            so = req.params.structured_outputs  # an array_like struct: recorded by field name
+            record = {"request_id": req.request_id,
+                      "structured_outputs": None if so is None else msgspec.structs.asdict(so)}
             path = os.path.join(self.record_dir, req.request_id + ".json")
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)
