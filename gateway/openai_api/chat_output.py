@@ -23,6 +23,7 @@ from gateway.openai_api.protocol import (
 )
 from gateway.parsers import OutputParser, ParsedOutput, make_tool_call_id
 from gateway.parsers import forced_tool_calls as forced
+from gateway.structured_outputs.tool_schema import forced_tool_choice
 
 
 @dataclass(frozen=True)
@@ -188,15 +189,20 @@ def _grown(before: Optional[str], after: Optional[str]) -> str:
 
 def chat_parsing(renderer, chat, prompt_ids: Optional[list[int]]) -> ChatParsing:
     """How a chat request's output is parsed (reasoning, tool calls) by ``renderer``'s
-    parser; no parsing without a parser or a chat request.  Shared by the derender routes
+    parser and its forced tool choice; no parsing without either, or without a chat request.  Shared by the derender routes
     and /generate's ``output_mode: "derender"``."""
     parser = renderer.parser
-    if parser is None or chat is None:
+    if chat is None:
         return ChatParsing()
+    forced_choice, named = forced_tool_choice(chat.tools, chat.tool_choice)
+    if parser is None:
+        return ChatParsing(forced_tool_choice=forced_choice, named_tool=named,
+                           parallel_tool_calls=chat.parallel_tool_calls is not False)
     tools_enabled = bool(chat.tools) and chat.tool_choice in (None, "auto") and \
         renderer.options.enable_auto_tool_choice and bool(renderer.options.tool_call_parser)
     prompt_text = renderer.model.tokenizer.decode(prompt_ids or [], skip_special_tokens=False)
     kwargs = renderer.chat_template_kwargs(chat)
     return ChatParsing(parser, reasoning_open=parser.reasoning_open_at_start(prompt_text, kwargs),
                        tools_enabled=tools_enabled, include_reasoning=chat.include_reasoning,
-                       parallel_tool_calls=chat.parallel_tool_calls is not False)
+                       parallel_tool_calls=chat.parallel_tool_calls is not False,
+                       forced_tool_choice=forced_choice, named_tool=named)

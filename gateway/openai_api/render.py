@@ -22,7 +22,7 @@ from gateway.openai_api.model_files import TextModel
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.parsers import OutputParser
 from gateway.structured_outputs import openai_mapping as so_mapping
-from gateway.structured_outputs.tool_schema import named_tool
+from gateway.structured_outputs.tool_schema import forced_tool_choice
 
 
 MAX_REQUEST_TEMPLATE_CHARS = 128 * 1024
@@ -81,17 +81,6 @@ def _generate_request(request_id: str, token_ids: list[int], params: dict,
         "stream_options": stream_options, "cache_salt": request.cache_salt, "priority": request.priority,
         "kv_transfer_params": request.kv_transfer_params, "ec_transfer_params": request.ec_transfer_params,
     }
-
-
-def forced_tool_choice(request: ChatCompletionRequest) -> tuple[Optional[str], Optional[str]]:
-    """("required" | "named" | None, the named function): a tool choice whose output the
-    grammar shapes into tool-call JSON (gateway/structured_outputs/tool_schema.py)."""
-    if not request.tools:
-        return None, None
-    name = named_tool(request.tool_choice)
-    if name is not None:
-        return "named", name
-    return ("required", None) if request.tool_choice == "required" else (None, None)
 
 
 def _is_token(value) -> bool:
@@ -191,7 +180,7 @@ class Renderer:
         tool_choice = request.tool_choice
         # response_format / structured_outputs / a forced tool choice (which clears response_format)
         structured = so_mapping.chat_structured_outputs(request)
-        forced = forced_tool_choice(request)
+        forced = forced_tool_choice(request.tools, request.tool_choice)
         tools_enabled = bool(request.tools) and tool_choice == "auto"
         if tools_enabled and not (self.options.enable_auto_tool_choice and self.options.tool_call_parser):
             raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',

@@ -86,3 +86,14 @@ def json_schema_from_tools(tool_choice: Union[str, dict, None], tools: Optional[
     if tool_choice == "required":
         return _required_schema(tools, parallel_tool_calls)
     return None
+
+
+def forced_tool_choice(tools: Optional[list], tool_choice: Any) -> tuple[Optional[str], Optional[str]]:
+    """("required" | "named" | None, the named function): a tool choice whose output the
+    grammar shapes into tool-call JSON (parsed by gateway/parsers/forced_tool_calls.py)."""
+    if not tools:
+        return None, None
+    name = named_tool(tool_choice)
+    if name is not None:
+        return "named", name
+    return ("required", None) if tool_choice == "required" else (None, None)
