@@ -9,6 +9,8 @@ here, with its messages; converting the constraint to a grammar is ``grammar_che
 Bounds (ours, vLLM has none beyond the nesting depth): every string is at most
 ``MAX_SPEC_CHARS`` characters and ``choice`` holds at most ``MAX_CHOICES`` strings, so that what
 the gateway converts, caches and sends to every worker compiling it stays small.
+``whitespace_pattern`` is refused: the xgrammar backend has no such option (vLLM's xgrammar
+backend ignores it silently; the workers refuse it, so the gateway says so before admission).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Optional
 from common.errors import BadRequest
 from common.protocol import StructuredOutputs
 
-MAX_SPEC_CHARS = 256 * 1024
+MAX_SPEC_CHARS = 64 * 1024  # the workers' bound too (worker/engine/structured_output/spec.py)
 MAX_CHOICES = 1024
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's dataclass fields in order (its error messages print them, private ones included)
@@ -120,6 +122,9 @@ def parse_structured_outputs(raw: Any) -> StructuredOutputs:
     _check_types(raw)
     _check_count(raw)
     _check_values(raw)
+    if raw.get("whitespace_pattern") is not None:
+        raise BadRequest("structured_outputs.whitespace_pattern is not supported by the xgrammar backend",
+                         f"{_PARAM}.whitespace_pattern")
     text = schema_text(raw.get("json"))
     _check_bounds(raw, text)
     return StructuredOutputs(
