@@ -22,6 +22,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Optional
 
+import msgspec
+
 from common.errors import BadRequest
 from common.protocol import StructuredOutputs
 
@@ -211,11 +213,13 @@ def convert_structural_tag(payload: str) -> None:
         xgr.Grammar.from_structural_tag(payload)
 
 
+_key_encoder = msgspec.msgpack.Encoder()
+
+
 def _digest(so: StructuredOutputs) -> bytes:
     """The constraint's identity (the whitespace options do not change whether it converts)."""
-    key = json.dumps([so.json, so.regex, so.choice, so.grammar, so.json_object, so.structural_tag],
-                     ensure_ascii=False)
-    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    key = _key_encoder.encode((so.json, so.regex, so.choice, so.grammar, so.json_object, so.structural_tag))
+    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 class GrammarChecker:

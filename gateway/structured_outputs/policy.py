@@ -63,8 +63,12 @@ class StructuredOutputsPolicy:
         on the event loop, a new one is computed on the render pool."""
         if so is None:
             return
-        known, _ = self.checker.cached(so)
-        if known or pool is None:
+        known, refusal = self.checker.cached(so)
+        if known:
+            if refusal is not None:
+                raise BadRequest(refusal, "structured_outputs")
+            return
+        if pool is None:  # no render pool (in-process tests): convert here
             self.checker.check(so)
             return
         await pool.run(self.checker.check, so)

@@ -119,7 +119,7 @@ def test_the_cache_answers_a_warm_spec_without_converting(monkeypatch):
 
 def test_json_travels_as_a_string_and_choice_grammar_is_vllms():
     so = params.parse_structured_outputs({"json": {"b": 1, "a": {"c": "é"}}})
-    assert so.json == '{"b": 1, "a": {"c": "é"}}'
+    assert so.json == '{"b":1,"a":{"c":"é"}}'
     with pytest.raises(BadRequest, match="whitespace_pattern is not supported by the xgrammar backend"):
         params.parse_structured_outputs({"json": {}, "whitespace_pattern": " "})
     assert choice_as_grammar(['a"b', "x\\y\n", "\x01"]) == r'root ::= "a\"b" | "x\\y\n" | "\u0001"'
@@ -354,3 +354,29 @@ def test_derender_parses_a_forced_tool_choice_from_the_parse_context():
     got = derender_output.choice(fields, CALLS, None, setup)
     assert [c.function.name for c in got.message.tool_calls] == ["get_weather", "now"]
     assert got.finish_reason == "tool_calls" and got.message.content == ""
+
+
+def test_policy_converts_new_specs_on_the_pool_and_answers_warm_ones_on_the_loop():
+    import asyncio
+
+    class Pool:
+        def __init__(self):
+            self.jobs = 0
+
+        async def run(self, fn, *args):
+            self.jobs += 1
+            return fn(*args)
+
+    policy, pool = StructuredOutputsPolicy(), Pool()
+    good = policy.wire({"regex": "a+"}, reasoning_ended=None, has_tokenizer=True)
+    bad = policy.wire({"regex": "(a"}, reasoning_ended=None, has_tokenizer=True)
+
+    async def run():
+        for _ in range(3):
+            await policy.check(good, pool)
+            with pytest.raises(BadRequest, match="Failed to transform regex"):
+                await policy.check(bad, pool)
+        await policy.check(None, pool)
+
+    asyncio.run(run())
+    assert pool.jobs == 2  # one conversion per spec; the rest from the cache
