@@ -43,10 +43,14 @@ class GrammarError(ValueError):
 _XGRAMMAR_LOCATION = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 
 
+MAX_REASON_CHARS = 1000  # a compiler message may quote the spec: the cache keeps at most this much
+
+
 def _reason(err: Exception) -> str:
     """xgrammar's message without its log prefix (time of day, C++ source location): the
     same constraint gives the same message, and the cache holds it."""
-    return _XGRAMMAR_LOCATION.sub("", str(err)).strip()
+    reason = _XGRAMMAR_LOCATION.sub("", str(err)).strip()
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
 
 
 def exceeds_json_nesting(spec: Any, limit: int) -> bool:
