@@ -380,3 +380,41 @@ def test_policy_converts_new_specs_on_the_pool_and_answers_warm_ones_on_the_loop
 
     asyncio.run(run())
     assert pool.jobs == 2  # one conversion per spec; the rest from the cache
+
+
+def test_fuzzed_constraints_are_served_or_refused_with_400():
+    """Whatever a client puts in structured_outputs / response_format / tool_choice: a wire
+    struct whose grammar converts, or a BadRequest -- never another exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(max_size=40) | st.sampled_from(['{"type": "object"}', "[ab]+", 'root ::= "a"', "{", "(", "\x00",
+                                                   json.dumps({"type": "structural_tag", "format": {}})])
+    leaf = st.none() | st.booleans() | st.integers() | text
+    values = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                          max_leaves=12)
+    schema_like = st.dictionaries(st.sampled_from(["type", "properties", "items", "enum", "required", "$ref",
+                                                   "anyOf", "minItems", "pattern", "format"]), values, max_size=4)
+    constraint = st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                         "disable_any_whitespace", "whitespace_pattern"]),
+        values | schema_like | text, max_size=3)
+    checker = GrammarChecker()
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(constraint, values | schema_like, st.sampled_from([None, "auto", "required", {"type": "function",
+                                                                                         "function": {"name": "now"}}]))
+    def check(raw, fmt, tool_choice):
+        try:
+            checker.check(params.parse_structured_outputs(raw))
+        except BadRequest:
+            pass
+        body = {"response_format": fmt if isinstance(fmt, dict) else None, "tools": TOOLS, "tool_choice": tool_choice}
+        if isinstance(raw, dict) and raw:
+            body["structured_outputs"] = raw
+        try:
+            openai_mapping.chat_structured_outputs(_chat(**{k: v for k, v in body.items() if v is not None}))
+        except BadRequest:
+            pass
+
+    check()
