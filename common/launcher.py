@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from common import config, runtime_dir
+from common.structured_outputs_config import parse_structured_outputs_config
 from common.logging import get_logger, setup_logging
 
 log = get_logger("tokserve.launcher")
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateways: OpenAI logprob tokens as 'token_id:N' by default (as vLLM)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="gateways report usage.prompt_tokens_details (cached_tokens), as vLLM's flag")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="vLLM's structured outputs config for the gateways (and workers), e.g. "
+                        "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true}'; xgrammar only")
     p.add_argument("--served-model-name", nargs="+", default=[])
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="the broker's dispatch policy across workers")
@@ -215,6 +219,15 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                 worker_args += [flag, str(value)]
     if args.speculative_config:
         worker_args += ["--speculative-config", args.speculative_config]
+    so_config = None
+    if args.structured_outputs_config:
+        try:  # a bad value stops `serve` here, not in every child
+            so_config = parse_structured_outputs_config(args.structured_outputs_config).to_json()
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        # TODO(structured outputs, engine side): the workers take the same flag
+        # (worker/main.py, branch so-engine); pass it to them once their parser has it:
+        #     worker_args += ["--structured-outputs-config", so_config]
     for rank in range(args.workers):
         # Each worker sees only its own GPUs, which it then calls cuda:0 .. cuda:N-1.
         gpus = ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))
@@ -241,6 +254,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
         argv += replay_flags
         if args.allow_runtime_lora:
             argv.append("--allow-runtime-lora")
+        if so_config is not None:
+            argv += ["--structured-outputs-config", so_config]
         if args.per_request_spec_decode_metrics != "none":
             argv += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
         if args.enable_per_request_metrics:

@@ -16,6 +16,7 @@ from gateway.disconnect import keep_receive_in_scope
 from gateway.guards import guard_requests
 from gateway.metrics import GatewayMetrics
 from gateway.render_pool import MemoryTrimmer, RenderPool
+from gateway.structured_outputs.policy import StructuredOutputsPolicy
 from gateway.resources.abort import AbortResource
 from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
@@ -64,6 +65,9 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     )
     renderer = make_renderer(settings)
     state.image = renderer.model.image if renderer is not None else None
+    state.structured_outputs = StructuredOutputsPolicy.build(
+        settings.structured_outputs_config, settings.reasoning_parser,
+        renderer.model.tokenizer if renderer is not None else None)
     if settings.render_only:
         return render_only_app(settings, state, renderer), state
     middleware = [ClientLifecycle(client)]

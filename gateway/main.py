@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, help="parse tool calls: hermes | llama3_json")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto': the model's tool calls are parsed (needs --tool-call-parser)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="vLLM's structured outputs config, e.g. '{\"backend\": \"xgrammar\", "
+                        "\"disable_any_whitespace\": true}' (backend auto|xgrammar: tokserve serves xgrammar only; "
+                        "reasoning_parser, enable_in_reasoning)")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET /tokenizer_info")
     p.add_argument("--render-only", action="store_true",
                    help="serve render, derender and tokenize only, with no broker (vLLM's `vllm launch render`)")
@@ -173,6 +177,14 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
             raise SystemExit(f"--default-chat-template-kwargs is not JSON: {exc}") from None
         if not isinstance(kwargs, dict):
             raise SystemExit("--default-chat-template-kwargs must be a JSON object")
+    from common.structured_outputs_config import parse_structured_outputs_config
+
+    try:
+        so_config = parse_structured_outputs_config(args.structured_outputs_config)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    # vLLM: --reasoning-parser wins; the config's reasoning_parser is the default.
+    args.reasoning_parser = args.reasoning_parser or so_config.reasoning_parser or None
     if (args.render_only or args.reasoning_parser or args.tool_call_parser) and not args.tokenizer:
         raise SystemExit("--render-only, --reasoning-parser and --tool-call-parser need --tokenizer MODEL_DIR")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -205,6 +217,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        structured_outputs_config=so_config,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         render_only=args.render_only,
         max_model_len=args.max_model_len,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from common.structured_outputs_config import StructuredOutputsConfig
+
 
 @dataclass
 class GatewaySettings:
@@ -75,6 +77,9 @@ class GatewaySettings:
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
+    # vLLM's --structured-outputs-config (common/structured_outputs_config.py): xgrammar only;
+    # its reasoning_parser is the --reasoning-parser default.
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     enable_tokenizer_info_endpoint: bool = False
     # vLLM's `vllm launch render`: render, derender and tokenize only, no broker.
     render_only: bool = False

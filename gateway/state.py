@@ -20,3 +20,6 @@ class GatewayState:
     # there, off the event loop (created with the app; its threads start on first use).
     render_pool: Optional[object] = None
     trimmer: Optional[object] = None  # gateway.render_pool.MemoryTrimmer
+    # gateway.structured_outputs.policy.StructuredOutputsPolicy: --structured-outputs-config,
+    # the reasoning markers and the grammar-check cache (None: defaults, no markers).
+    structured_outputs: Optional[object] = None

@@ -19,7 +19,7 @@ import msgspec
 from common.errors import BadRequest
 from gateway.generate_api.parse_context import ParseContext, check_tool_choice, to_chat_request
 from gateway.generate_api.protocol import WeightVersionSpan
-from gateway.openai_api.chat_output import ChatParsing, chat_finish_reason, chat_message, chat_parsing
+from gateway.openai_api.chat_output import ChatParsing, chat_message, chat_parsing
 from gateway.openai_api.protocol import ChatLogprobs, ChatMessage
 
 
@@ -63,10 +63,10 @@ def check(stream: bool, context: Optional[ParseContext], renderer) -> None:
 def setup(context: Optional[ParseContext], renderer, prompt_ids: list[int], max_model_len: int) -> DerenderSetup:
     """The parsing of a request that passed :func:`check`.  Without a parser the message's
     content is the text (and nothing is hidden), as in vLLM."""
-    if renderer is None or renderer.parser is None or context is None:
+    if renderer is None or context is None:
         return DerenderSetup(ChatParsing())
     parsing = chat_parsing(renderer, to_chat_request(context), prompt_ids)
-    return DerenderSetup(parsing, hide_metadata=not context.include_reasoning)
+    return DerenderSetup(parsing, hide_metadata=renderer.parser is not None and not context.include_reasoning)
 
 
 def choice(fields: dict, text: str, logprobs: Optional[list], setup: DerenderSetup) -> DerenderChoice:
@@ -74,8 +74,8 @@ def choice(fields: dict, text: str, logprobs: Optional[list], setup: DerenderSet
     message = chat_message(text, setup.parsing)
     engine_reason = fields.pop("finish_reason")
     # vLLM 0.33's resolve_finish_reason: "tool_calls" only when the engine stopped on its own.
-    fields["finish_reason"] = chat_finish_reason(engine_reason, bool(message.tool_calls)
-                                                 and (engine_reason or "stop") == "stop")
+    fields["finish_reason"] = setup.parsing.finish_reason(engine_reason, bool(message.tool_calls)
+                                                          and (engine_reason or "stop") == "stop")
     lp = ChatLogprobs(content=logprobs) if logprobs is not None else None
     if setup.hide_metadata:
         lp = None

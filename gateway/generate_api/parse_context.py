@@ -96,18 +96,13 @@ def read(raw: Optional[JsonObject], output_mode: str) -> Optional[ParseContext]:
 
 
 def check_tool_choice(ctx: ParseContext) -> None:
-    """vLLM's ``ParseContext.to_chat_request`` check, then what this server's parsers serve:
-    tool_choice "required" and named tool choice need structured outputs (refused by the
-    chat routes too), so their output cannot be parsed here."""
+    """vLLM's ``ParseContext.to_chat_request`` check (a named tool must be among the tools;
+    "required" and named output is parsed as the forced tool-call JSON)."""
     choice = ctx.tool_choice
     if isinstance(choice, NamedToolChoice):
         if not any(tool.function.name == choice.function.name for tool in ctx.tools or ()):
             raise BadRequest("The tool specified in `tool_choice` does not match any of the specified `tools`",
                              "tool_choice")
-    if isinstance(choice, NamedToolChoice) or choice == "required":
-        raise BadRequest("output_mode='derender' with tool_choice 'required' or a named tool choice is not "
-                         "supported by this server: it needs structured outputs. Use tool_choice 'auto'.",
-                         "parse_context.tool_choice")
 
 
 def to_chat_request(ctx: ParseContext):

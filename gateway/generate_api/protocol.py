@@ -66,6 +66,7 @@ class HttpSamplingParams(msgspec.Struct):
     logprob_token_ids: Union[list[int], None, UnsetType] = UNSET
     stream_interval: Union[int, None, UnsetType] = UNSET
     output_text_buffer_length: Union[int, UnsetType] = UNSET
+    # vLLM's StructuredOutputsParams, checked by gateway/structured_outputs/params.py
     structured_outputs: Union[JsonObject, None, UnsetType] = UNSET
     extra_args: Union[JsonObject, None, UnsetType] = UNSET
     skip_reading_prefix_cache: Union[bool, None, UnsetType] = UNSET
@@ -107,8 +108,9 @@ class HttpGenerateRequest(msgspec.Struct):
     features: Optional[JsonObject] = None
     content_parts: Optional[list[JsonObject]] = None
     # Filled in by vLLM's /render from the chat request (reasoning_ended is true when
-    # include_reasoning is off).  In vLLM they only gate structured outputs, which are
-    # refused here, so they are type-checked like vLLM's and have nothing to act on.
+    # include_reasoning is off or the prompt closed reasoning).  They gate structured
+    # outputs: true constrains from the first token, else the grammar starts after the
+    # reasoning parser's end marker (gateway/structured_outputs/policy.py).
     reasoning_ended: Optional[bool] = None
     reasoning_parser_kwargs: Optional[ReasoningParserKwargs] = None
 

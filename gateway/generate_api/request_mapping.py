@@ -19,12 +19,16 @@ from common.protocol import ClusterInfo, GenerateRequest, ModelInfo, SamplingPar
 from gateway.generate_api import parse_context as parse_ctx
 from gateway.generate_api import unserved_fields
 from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
+from gateway.structured_outputs.policy import StructuredOutputsPolicy
+
+_DEFAULT_POLICY = StructuredOutputsPolicy()
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 _wire_encoder = msgspec.msgpack.Encoder()
 TRACE_HEADERS = ("traceparent", "tracestate")
 _SAMPLING_FIELDS = tuple(f for f in HttpSamplingParams.__struct_fields__
-                         if f not in unserved_fields.SAMPLING_FIELDS and f not in unserved_fields.INERT_SAMPLING_FIELDS)
+                         if f not in unserved_fields.SAMPLING_FIELDS and f not in unserved_fields.INERT_SAMPLING_FIELDS
+                         and f != "structured_outputs")  # mapped by the structured-outputs policy
 
 
 @dataclass
@@ -117,8 +121,11 @@ def routing_hashes(http: HttpGenerateRequest, cluster: ClusterInfo, info: ModelI
 
 
 def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: ClusterInfo, info: ModelInfo,
-                *, served_model_names: list[str], arrival_time: Optional[float] = None) -> MappedRequest:
-    """``headers`` must be a lower-case keyed mapping."""
+                *, served_model_names: list[str], arrival_time: Optional[float] = None,
+                structured_outputs: Optional[StructuredOutputsPolicy] = None) -> MappedRequest:
+    """``headers`` must be a lower-case keyed mapping.  ``structured_outputs``: the server's
+    policy (its config and reasoning markers); the constraint's grammar is checked after
+    mapping, off the event loop (``StructuredOutputsPolicy.check``)."""
     # vLLM's GenerateRequest model validators, before anything else.
     if http.output_mode == "derender" and http.sampling_params.detokenize is False:
         raise BadRequest("output_mode='derender' requires sampling_params.detokenize to be true", "output_mode")
@@ -126,6 +133,9 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
     lora_name = check_model(http.model, info, served_model_names, cluster.lora_adapters)
     unserved_fields.refuse_unserved(http)
     params = to_sampling_params(http.sampling_params)
+    params.structured_outputs = (structured_outputs or _DEFAULT_POLICY).wire(
+        http.sampling_params.structured_outputs, reasoning_ended=http.reasoning_ended,
+        has_tokenizer=info.has_tokenizer)
     base_id = headers.get("x-request-id") or http.request_id or uuid.uuid4().hex
     trace = {h: headers[h] for h in TRACE_HEADERS if h in headers} or None
     wire = GenerateRequest(

@@ -7,8 +7,8 @@ send when they mean "off") pass.  The fields' types are checked at decode time
 (gateway/generate_api/protocol.py), as vLLM's pydantic model checks them.
 
 Not listed, so accepted: fields with no effect on what the client gets here
-(``INERT_SAMPLING_FIELDS``; ``reasoning_ended`` / ``reasoning_parser_kwargs``, which in
-vLLM only gate structured outputs, refused below).  Keys vLLM's model does not have
+(``INERT_SAMPLING_FIELDS``), and ``structured_outputs`` with ``reasoning_ended`` /
+``reasoning_parser_kwargs``, served by gateway/structured_outputs/.  Keys vLLM's model does not have
 (``lora_request`` ...) are ignored, as pydantic's default ``extra="ignore"`` does in vLLM.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprob_start": (None, 0),  # 0: the first row, vLLM's default
     "logprob_token_ids": (None,),
     "stream_interval": (None, 1),
-    "structured_outputs": (None,),
     "extra_args": (None, {}),
     "skip_reading_prefix_cache": (None, False),
     "thinking_token_budget": (None,),

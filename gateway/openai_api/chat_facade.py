@@ -11,7 +11,7 @@ import msgspec
 from common.protocol import CompletionDelta
 from gateway.generate_api import logprobs_format
 from gateway.generate_api.logprobs_format import chat_logprobs
-from gateway.openai_api.chat_output import ChatChoiceStream, chat_finish_reason, chat_message
+from gateway.openai_api.chat_output import ChatChoiceStream, chat_message
 from gateway.openai_api.facade import ResponseView, now, request_metrics
 from gateway.openai_api.protocol import (
     ChatChoice,
@@ -83,7 +83,7 @@ class ChatCollector:
             choices.append(ChatChoice(
                 index=i, message=message,
                 logprobs=ChatLogprobs(content=self.logprobs[i]) if self.view.top_logprobs is not None else None,
-                finish_reason=chat_finish_reason(self.finish[i], bool(message.tool_calls)),
+                finish_reason=self.rendered.parsing.finish_reason(self.finish[i], bool(message.tool_calls)),
                 stop_reason=self.stop[i],
                 token_ids=self.ids[i] if self.view.return_token_ids else None,
                 routed_experts=self.routed[i]))
@@ -162,8 +162,8 @@ class ChatStream(StreamFormatter):
                                       token_ids=token_ids)
         else:
             self.finished[i] = True
-            reason = chat_finish_reason(delta.finish_reason, stream.tools_streamed
-                                        and delta.finish_reason == "stop")
+            reason = self.rendered.parsing.finish_reason(delta.finish_reason, stream.tools_streamed
+                                                         and delta.finish_reason == "stop")
             choice = ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=reason,
                                       stop_reason=delta.stop_reason, token_ids=token_ids)
         return self._chunk(choice, usage=self._running_usage(i))

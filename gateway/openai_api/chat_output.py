@@ -22,6 +22,8 @@ from gateway.openai_api.protocol import (
     ToolCall,
 )
 from gateway.parsers import OutputParser, ParsedOutput, make_tool_call_id
+from gateway.parsers import forced_tool_calls as forced
+from gateway.structured_outputs.tool_schema import forced_tool_choice
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,40 @@ class ChatParsing:
     tools_enabled: bool = False  # tools given, tool_choice not "none", auto tool choice on
     include_reasoning: bool = True
     parallel_tool_calls: bool = True  # False: only the first call is returned (vLLM's filter)
+    # A forced tool choice, whose output the grammar shapes as JSON (parsers/forced_tool_calls.py):
+    # "required" (an array of calls) or "named" (the arguments of named_tool).
+    forced_tool_choice: Optional[str] = None
+    named_tool: Optional[str] = None
+
+    @property
+    def named(self) -> bool:
+        return self.forced_tool_choice == "named"
+
+    def finish_reason(self, engine_reason: Optional[str], tools_called: bool) -> str:
+        """The choice's finish_reason; a forced choice follows vLLM 0.33's
+        ``resolve_finish_reason`` ("tool_calls" only when the engine stopped on its own)."""
+        if self.forced_tool_choice is not None:
+            tools_called = tools_called and engine_reason == "stop"
+        return chat_finish_reason(engine_reason, tools_called, self.named)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to parse: the text is the content."""
+        return self.parser is None and self.forced_tool_choice is None
+
+    def split(self, text: str, final: bool) -> ParsedOutput:
+        """Reasoning and content, and the tool parser's calls unless the tool choice is forced."""
+        if self.parser is None:
+            return ParsedOutput(reasoning=None, content=text, tool_calls=[])
+        return self.parser.parse(text, reasoning_open=self.reasoning_open,
+                                 tools_enabled=self.tools_enabled and self.forced_tool_choice is None, final=final)
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        assert self.parser is not None
-        parsed = self.parser.parse(text, reasoning_open=self.reasoning_open, tools_enabled=self.tools_enabled,
-                                   final=final)
+        parsed = self.split(text, final)
+        if self.forced_tool_choice is not None:  # vLLM's _extract_tool_calls, required / named
+            calls = (forced.parse_named(parsed.content, self.named_tool) if self.forced_tool_choice == "named"
+                     else forced.parse_required(parsed.content))
+            parsed = ParsedOutput(reasoning=parsed.reasoning, content=None, tool_calls=calls)
         if not self.include_reasoning and parsed.reasoning is not None:
             parsed = ParsedOutput(reasoning=None, content=parsed.content, tool_calls=parsed.tool_calls)
         if not self.parallel_tool_calls and len(parsed.tool_calls) > 1:
@@ -47,7 +78,7 @@ class ChatParsing:
 
 def chat_message(text: str, parsing: ChatParsing, tool_call_ids: Optional[list[str]] = None) -> ChatMessage:
     """The assistant message of a finished choice (vLLM's chat_completion_full_generator)."""
-    if parsing.parser is None:
+    if parsing.plain:
         return ChatMessage(role="assistant", content=text)
     parsed = parsing.parse(text, final=True)
     ids = list(tool_call_ids or [])
@@ -56,12 +87,17 @@ def chat_message(text: str, parsing: ChatParsing, tool_call_ids: Optional[list[s
         if i >= len(ids):
             ids.append(make_tool_call_id())
         calls.append(ToolCall(id=ids[i], function=FunctionCall(name=call.name, arguments=call.arguments)))
-    return ChatMessage(role="assistant", content=parsed.content, tool_calls=calls, reasoning=parsed.reasoning)
+    content = parsed.content
+    if parsing.forced_tool_choice is not None:
+        content = content or ""  # vLLM's assemble_chat_message_fields for a forced choice
+    return ChatMessage(role="assistant", content=content, tool_calls=calls, reasoning=parsed.reasoning)
 
 
-def chat_finish_reason(engine_reason: Optional[str], tools_called: bool) -> str:
-    """OpenAI's rule as vLLM applies it: a choice that called tools (auto) ends in "tool_calls"."""
-    if tools_called:
+def chat_finish_reason(engine_reason: Optional[str], tools_called: bool, named: bool = False) -> str:
+    """OpenAI's rule as vLLM applies it: a choice that called tools ends in "tool_calls" --
+    except under a named tool_choice (vLLM 0.33's ``resolve_finish_reason``: OpenAI answers
+    "stop" there; a "length" cut of a named call stays "length")."""
+    if tools_called and not named:
         return "tool_calls"
     return engine_reason or "stop"
 
@@ -81,8 +117,10 @@ class ChatChoiceStream:
 
     def delta(self, new_text: str, finished: bool) -> Optional[DeltaMessage]:
         self.text += new_text
-        if self.parsing.parser is None:
+        if self.parsing.plain:
             return DeltaMessage(content=new_text)
+        if self.parsing.forced_tool_choice is not None:
+            return self._forced_delta(finished)
         parsed = self.parsing.parse(self.text, final=finished)
         before = self.previous or ParsedOutput(reasoning=None, content=None, tool_calls=[])
         self.previous = parsed
@@ -107,6 +145,42 @@ class ChatChoiceStream:
         return delta
 
 
+    def _forced_delta(self, finished: bool) -> Optional[DeltaMessage]:
+        """A forced tool choice streams its calls as the JSON grows (vLLM's
+        ``extract_named_tool_call_streaming`` / ``extract_required_tool_call_streaming``):
+        a call's first piece carries its id and name, later ones argument text only."""
+        parsing = self.parsing
+        parsed = parsing.split(self.text, finished)
+        before = self.previous or ParsedOutput(reasoning=None, content=None, tool_calls=[])
+        self.previous = parsed
+        delta = DeltaMessage()
+        reasoning = _grown(before.reasoning, parsed.reasoning)
+        if reasoning and parsing.include_reasoning:
+            delta.reasoning = reasoning
+        old, new = before.content or "", parsed.content or ""
+        if parsing.forced_tool_choice == "named":
+            grown = _grown(old, new)
+            pieces = [forced.ToolCallPiece(0, None if self.tool_call_ids else parsing.named_tool, grown)] \
+                if grown else []
+        else:
+            pieces = forced.required_stream_pieces(old, new)
+        if not parsing.parallel_tool_calls:
+            pieces = [p for p in pieces if p.index == 0]
+        calls = []
+        for piece in pieces:
+            if piece.name is not None:
+                self.tool_call_ids.append(make_tool_call_id())
+                calls.append(DeltaToolCall(index=piece.index, id=self.tool_call_ids[-1], type="function",
+                                           function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments)))
+            else:
+                calls.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
+        if calls:
+            delta.tool_calls = calls
+        if delta.reasoning is UNSET and delta.tool_calls is UNSET:
+            return None
+        return delta
+
+
 def _grown(before: Optional[str], after: Optional[str]) -> str:
     """The text ``after`` adds to ``before`` (nothing when the parse is not an extension)."""
     before, after = before or "", after or ""
@@ -115,15 +189,20 @@ def _grown(before: Optional[str], after: Optional[str]) -> str:
 
 def chat_parsing(renderer, chat, prompt_ids: Optional[list[int]]) -> ChatParsing:
     """How a chat request's output is parsed (reasoning, tool calls) by ``renderer``'s
-    parser; no parsing without a parser or a chat request.  Shared by the derender routes
+    parser and its forced tool choice; no parsing without either, or without a chat request.  Shared by the derender routes
     and /generate's ``output_mode: "derender"``."""
     parser = renderer.parser
-    if parser is None or chat is None:
+    if chat is None:
         return ChatParsing()
+    forced_choice, named = forced_tool_choice(chat.tools, chat.tool_choice)
+    if parser is None:
+        return ChatParsing(forced_tool_choice=forced_choice, named_tool=named,
+                           parallel_tool_calls=chat.parallel_tool_calls is not False)
     tools_enabled = bool(chat.tools) and chat.tool_choice in (None, "auto") and \
         renderer.options.enable_auto_tool_choice and bool(renderer.options.tool_call_parser)
     prompt_text = renderer.model.tokenizer.decode(prompt_ids or [], skip_special_tokens=False)
     kwargs = renderer.chat_template_kwargs(chat)
     return ChatParsing(parser, reasoning_open=parser.reasoning_open_at_start(prompt_text, kwargs),
                        tools_enabled=tools_enabled, include_reasoning=chat.include_reasoning,
-                       parallel_tool_calls=chat.parallel_tool_calls is not False)
+                       parallel_tool_calls=chat.parallel_tool_calls is not False,
+                       forced_tool_choice=forced_choice, named_tool=named)

@@ -17,7 +17,7 @@ import msgspec
 
 from common.errors import BadRequest
 from gateway.generate_api.protocol import PerRequestMetrics, PromptLogprob
-from gateway.openai_api.chat_output import (ChatChoiceStream, ChatParsing, chat_finish_reason, chat_message,
+from gateway.openai_api.chat_output import (ChatChoiceStream, ChatParsing, chat_message,
                                           chat_parsing)
 from gateway.openai_api.completion_facade import completion_logprobs
 from gateway.openai_api.facade import now
@@ -215,7 +215,7 @@ class Derenderer:
             return_ids = chat is not None and chat.return_token_ids
             choices.append(ChatChoice(
                 index=c.index, message=message, logprobs=ChatLogprobs(content=lp) if lp is not None else None,
-                finish_reason=chat_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                finish_reason=parsing.finish_reason(c.finish_reason, bool(message.tool_calls)),
                 stop_reason=c.stop_reason, token_ids=c.token_ids if return_ids else None))
         prompt_tokens = body.prompt_tokens if isinstance(body.prompt_tokens, int) else 0
         completion = sum(len(c.token_ids or []) for c in gen.choices)
@@ -281,7 +281,7 @@ class Derenderer:
             state.logprob_context_token_ids = logprob_context_tail(state.logprob_context_token_ids, new_ids)
             reason = c.finish_reason
             if finished:
-                reason = chat_finish_reason(c.finish_reason, state.tools_streamed and c.finish_reason == "stop")
+                reason = parsing.finish_reason(c.finish_reason, state.tools_streamed and c.finish_reason == "stop")
             return_ids = chat is not None and chat.return_token_ids
             choices.append(ChatStreamChoice(index=c.index, delta=delta,
                                             logprobs=ChatLogprobs(content=lp) if lp is not None else None,

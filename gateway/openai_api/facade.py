@@ -30,11 +30,14 @@ async def map_rendered(state: GatewayState, req, generate: dict, arrival: float)
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc)) from None
     cluster = await cluster_for(state, http.model)
+    policy = state.structured_outputs
     mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
-                         arrival_time=arrival)
+                         arrival_time=arrival, structured_outputs=policy)
     mapped.wire.request_id = generate["request_id"]
     mapped.wire.output_text = True
     validate_request(mapped.wire, cluster.model, tokens_only=False, stream=mapped.stream)
+    if policy is not None:
+        await policy.check(mapped.wire.params.structured_outputs, state.render_pool)
     check_encodable(mapped.wire)
     return mapped
 

@@ -65,9 +65,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: Optional[Annotated[str, Meta(min_length=1, max_length=1024)]] = None
     kv_transfer_params: Optional[JsonObject] = None
     routed_experts_prompt_start: int = 0
+    # vLLM's StructuredOutputsParams (gateway/structured_outputs/openai_mapping.py)
+    structured_outputs: Optional[JsonObject] = None
     # vLLM fields not served here: refused by name when set (gateway/openai/sampling.py).
     watermarking: Optional[bool] = None
-    structured_outputs: Optional[JsonObject] = None
     logprob_token_ids: Optional[list[int]] = None
     vllm_xargs: Optional[JsonObject] = None
     repetition_detection: Optional[JsonObject] = None

@@ -21,6 +21,8 @@ from gateway.openai_api.chat_output import ChatParsing
 from gateway.openai_api.model_files import TextModel
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.parsers import OutputParser
+from gateway.structured_outputs import openai_mapping as so_mapping
+from gateway.structured_outputs.tool_schema import forced_tool_choice
 
 
 MAX_REQUEST_TEMPLATE_CHARS = 128 * 1024
@@ -176,10 +178,9 @@ class Renderer:
         sampling.refuse_unserved(request)
         sampling.check_chat(request)
         tool_choice = request.tool_choice
-        if isinstance(tool_choice, dict) or tool_choice == "required":
-            raise BadRequest("tool_choice 'required' and named tool choice need structured outputs, which this "
-                             "server does not support; use tool_choice 'auto' with --tool-call-parser.",
-                             "tool_choice")
+        # response_format / structured_outputs / a forced tool choice (which clears response_format)
+        structured = so_mapping.chat_structured_outputs(request)
+        forced = forced_tool_choice(request.tools, request.tool_choice)
         tools_enabled = bool(request.tools) and tool_choice == "auto"
         if tools_enabled and not (self.options.enable_auto_tool_choice and self.options.tool_call_parser):
             raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
@@ -214,17 +215,20 @@ class Renderer:
             prompt_logprobs = request.top_logprobs
         params = sampling.sampling_params_json(
             request, max_tokens, self.model.sampling_defaults,
-            logprobs=request.top_logprobs if request.logprobs else None, prompt_logprobs=prompt_logprobs)
+            logprobs=request.top_logprobs if request.logprobs else None, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured)
         if self.parser is not None and self.parser.keeps_special_tokens(tools_enabled=tools_enabled):
             params["skip_special_tokens"] = False  # the parser must see its markers (vLLM's adjust_request)
-        parsing = ChatParsing()
+        parsing = ChatParsing(forced_tool_choice=forced[0], named_tool=forced[1],
+                              parallel_tool_calls=request.parallel_tool_calls is not False)
         reasoning_ended = None if request.include_reasoning else True
         reasoning_kwargs = None
         if self.parser is not None:
             reasoning_open = self.parser.reasoning_open_at_start(prompt, kwargs)
             parsing = ChatParsing(self.parser, reasoning_open=reasoning_open, tools_enabled=tools_enabled,
                                   include_reasoning=request.include_reasoning,
-                                  parallel_tool_calls=request.parallel_tool_calls is not False)
+                                  parallel_tool_calls=request.parallel_tool_calls is not False,
+                                  forced_tool_choice=forced[0], named_tool=forced[1])
             if self.options.reasoning_parser:
                 reasoning_kwargs = kwargs
                 if request.include_reasoning:
@@ -276,6 +280,7 @@ class Renderer:
     def completion(self, request: CompletionRequest, max_model_len: int, base_id: str) -> list[RenderedPrompt]:
         sampling.refuse_unserved(request)
         sampling.check_completion(request)
+        structured = so_mapping.completion_structured_outputs(request)
         prompts = self.completion_prompts(request)
         rendered = []
         for i, (ids, text, offsets) in enumerate(prompts):
@@ -291,7 +296,8 @@ class Renderer:
             if prompt_logprobs is None and request.echo:
                 prompt_logprobs = request.logprobs
             params = sampling.sampling_params_json(request, max_tokens, self.model.sampling_defaults,
-                                                   logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
+                                                   logprobs=request.logprobs, prompt_logprobs=prompt_logprobs,
+                                                   structured_outputs=structured)
             request_id = f"cmpl-{base_id}" if len(prompts) == 1 else f"cmpl-{base_id}-{i}"
             generate = _generate_request(request_id, ids, params, request)
             generate["token_offsets"] = offsets

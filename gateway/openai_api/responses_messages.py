@@ -36,6 +36,7 @@ from typing_extensions import Annotated
 from common.errors import BadRequest
 from gateway.openai_api.protocol import ChatCompletionRequest, Int64, JsonObject, StopParam
 from gateway.openai_api.render import Renderer
+from gateway.structured_outputs.openai_mapping import responses_structured_outputs
 
 
 # ---------------------------------------------------------------- Responses
@@ -81,9 +82,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: Optional[JsonObject] = None
     kv_transfer_params: Optional[JsonObject] = None
     ec_transfer_params: Optional[JsonObject] = None
+    structured_outputs: Optional[JsonObject] = None  # vLLM's; exclusive with text.format
     # vLLM fields not served here: refused by name when set, as on chat.
     vllm_xargs: Optional[JsonObject] = None
-    structured_outputs: Optional[JsonObject] = None
     watermarking: Optional[bool] = None
     mm_processor_kwargs: Optional[JsonObject] = None
     media_io_kwargs: Optional[JsonObject] = None
@@ -240,6 +241,25 @@ def responses_tools(tools: list) -> Optional[list[dict]]:
     return out or None
 
 
+def _chat_tool_choice(tool_choice: Union[str, JsonObject], tools: Optional[list], auto_tools: bool):
+    """A Responses tool_choice as the chat render reads it: ``"required"`` and a function
+    (``{"type": "function", "name": ...}``) force calls through structured outputs (vLLM's
+    adjust_request); ``"auto"`` needs the server's tool parser; anything else renders the
+    tools without parsing calls."""
+    if not tools:
+        return None
+    if tool_choice == "required":
+        return "required"
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        if not isinstance(tool_choice.get("name"), str):
+            raise BadRequest("tool_choice of type 'function' needs a string `name`", "tool_choice")
+        if not any(isinstance(t.get("function"), dict) and t["function"].get("name") == tool_choice["name"]
+                   for t in tools):
+            raise BadRequest(f"Tool '{tool_choice['name']}' has not been passed in `tools`.", "tool_choice")
+        return {"type": "function", "function": {"name": tool_choice["name"]}}
+    return "auto" if auto_tools and tool_choice == "auto" else None
+
+
 def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = False) -> ChatCompletionRequest:
     """``auto_tools``: the server parses tool calls (--enable-auto-tool-choice with a
     --tool-call-parser), so tool_choice ``auto`` reaches the chat render, whose parser
@@ -254,21 +274,15 @@ def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = Fals
         raise BadRequest("background can only be used when `store` is true", "background")
     if isinstance(request.input, list) and not request.input:
         raise BadRequest("input must be a string or a non-empty list of items", "input")
-    text_format = request.text.get("format") if isinstance(request.text, dict) else None
-    if isinstance(text_format, dict) and text_format.get("type") not in (None, "text"):
-        raise BadRequest(f"text.format of type {text_format.get('type')!r} (structured outputs) is not supported "
-                         "by this server; only 'text'.", "text")
+    structured_outputs = responses_structured_outputs(request.text, request.structured_outputs)
     tool_choice = request.tool_choice
-    if isinstance(tool_choice, dict) or tool_choice == "required":
-        raise BadRequest("tool_choice 'required' and named tool choice need structured outputs, which this "
-                         "server does not support; use tool_choice 'auto'.", "tool_choice")
     continue_final = _continue_final(request.input)
     effort = request.reasoning.get("effort") if isinstance(request.reasoning, dict) else None
     logprobs = bool(request.include and "message.output_text.logprobs" in request.include)
     tools = responses_tools(request.tools)
     return ChatCompletionRequest(
         messages=responses_messages(request), model=request.model, tools=tools,
-        tool_choice="auto" if tools and auto_tools and tool_choice == "auto" else None,
+        tool_choice=_chat_tool_choice(tool_choice, tools, auto_tools),
         parallel_tool_calls=request.parallel_tool_calls, include_reasoning=request.include_reasoning,
         reasoning_effort=effort, add_generation_prompt=not continue_final, continue_final_message=continue_final,
         chat_template_kwargs=request.chat_template_kwargs, max_completion_tokens=request.max_output_tokens,
@@ -283,7 +297,7 @@ def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = Fals
         truncate_prompt_tokens=-1 if request.truncation not in (None, "disabled") else None,
         cache_salt=request.cache_salt, priority=request.priority, kv_transfer_params=request.kv_transfer_params,
         ec_transfer_params=request.ec_transfer_params, vllm_xargs=request.vllm_xargs,
-        structured_outputs=request.structured_outputs, watermarking=request.watermarking,
+        structured_outputs=structured_outputs, watermarking=request.watermarking,
         mm_processor_kwargs=request.mm_processor_kwargs, media_io_kwargs=request.media_io_kwargs)
 
 

@@ -27,7 +27,7 @@ _SAMPLING_DEFAULTS: tuple[tuple[str, Any], ...] = (
     ("min_tokens", 0), ("logprobs", None), ("prompt_logprobs", None), ("detokenize", True),
     ("skip_special_tokens", True), ("spaces_between_special_tokens", True),
     ("include_stop_str_in_output", False), ("output_kind", 0), ("stream_interval", None),
-    ("skip_clone", False), ("output_text_buffer_length", 0), ("logit_bias", None),
+    ("skip_clone", False), ("output_text_buffer_length", 0), ("structured_outputs", None), ("logit_bias", None),
     ("allowed_token_ids", None), ("bad_words", None), ("routed_experts_prompt_start", 0),
 )
 # OpenAI defaults under the server's generation_config defaults (vLLM's _DEFAULT_SAMPLING_PARAMS).
@@ -36,7 +36,7 @@ _OPENAI_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequen
 _SAMPLING_EPS = 1e-5
 
 # Request fields vLLM serves that this server does not: refused by name when set.
-_UNSERVED = ("watermarking", "structured_outputs", "logprob_token_ids", "vllm_xargs", "repetition_detection",
+_UNSERVED = ("watermarking", "logprob_token_ids", "vllm_xargs", "repetition_detection",
              "thinking_token_budget", "mm_processor_kwargs", "media_io_kwargs")
 
 
@@ -49,15 +49,6 @@ def refuse_unserved(request: Union[ChatCompletionRequest, CompletionRequest]) ->
             raise BadRequest(f"`{name}` is not supported by this server.", name)
     if request.stream_interval not in (None, 1):
         raise BadRequest("`stream_interval` is not supported by this server.", "stream_interval")
-    fmt = request.response_format
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_schema" and fmt.get("json_schema") is None:
-            raise BadRequest("When response_format type is 'json_schema', the 'json_schema' field must be "
-                             "provided.", "response_format")
-        if kind != "text":
-            raise BadRequest(f"response_format of type {kind!r} (structured outputs) is not supported by this "
-                             "server; only 'text'.", "response_format")
     if isinstance(request, CompletionRequest):
         if request.suffix is not None:
             raise BadRequest("suffix is not currently supported", "suffix")
@@ -174,8 +165,10 @@ def _logit_bias(raw: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
 
 
 def sampling_params_json(request: Union[ChatCompletionRequest, CompletionRequest], max_tokens: int,
-                         defaults: dict, *, logprobs: Optional[int], prompt_logprobs: Optional[int]) -> dict:
-    """vLLM ``SamplingParams.from_optional(...)`` dumped with omit_defaults."""
+                         defaults: dict, *, logprobs: Optional[int], prompt_logprobs: Optional[int],
+                         structured_outputs: Optional[dict] = None) -> dict:
+    """vLLM ``SamplingParams.from_optional(...)`` dumped with omit_defaults;
+    ``structured_outputs``: gateway/structured_outputs/openai_mapping.py's render JSON."""
     values: dict[str, Any] = {}
     for name, openai_default in _OPENAI_DEFAULTS.items():
         value = getattr(request, name)
@@ -202,6 +195,7 @@ def sampling_params_json(request: Union[ChatCompletionRequest, CompletionRequest
         allowed_token_ids=request.allowed_token_ids,
         bad_words=list(dict.fromkeys(request.bad_words or [])),
         routed_experts_prompt_start=request.routed_experts_prompt_start,
+        structured_outputs=structured_outputs,
     )
     if stop and not request.include_stop_str_in_output:
         values["output_text_buffer_length"] = max(len(s) for s in stop) - 1

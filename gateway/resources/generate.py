@@ -35,8 +35,9 @@ class GenerateResource:
         http = decode_json(generate_request_decoder, body)
         del body  # a big body need not outlive its decoding
         cluster = await cluster_for(self.state, http.model)
+        so_policy = self.state.structured_outputs
         mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
-                             arrival_time=arrival)
+                             arrival_time=arrival, structured_outputs=so_policy)
         derender = None
         if mapped.derender:
             if s.tokens_only or not cluster.model.has_tokenizer:
@@ -45,6 +46,8 @@ class GenerateResource:
                                  "loads a tokenizer, or use output_mode='tokens'.", "output_mode")
             derender_output.check(mapped.stream, mapped.parse_context, self.renderer)
         validate_request(mapped.wire, cluster.model, tokens_only=s.tokens_only, stream=mapped.stream)
+        if so_policy is not None:  # the constraint must convert to a grammar: before admission
+            await so_policy.check(mapped.wire.params.structured_outputs, self.state.render_pool)
         if mapped.derender:
             # Decodes the prompt (where generation starts inside reasoning): off the event loop.
             args = (mapped.parse_context, self.renderer, http.token_ids, cluster.model.max_model_len)

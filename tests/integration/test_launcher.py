@@ -6,6 +6,7 @@ SIGTERM stops every child.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -212,6 +213,18 @@ def test_speculative_flags_reach_workers_and_gateways():
     _, workers, gateways = plan_children(build_parser().parse_args(args), "/m")
     assert all(w.argv[w.argv.index("--speculative-config") + 1] == cfg for w in workers)
     assert all(g.argv[g.argv.index("--per-request-spec-decode-metrics") + 1] == "summary" for g in gateways)
+
+
+def test_structured_outputs_config_reaches_gateways_and_bad_values_stop_serve():
+    from common.launcher import build_parser, plan_children
+
+    cfg = '{"backend": "xgrammar", "disable_any_whitespace": true}'
+    _, workers, gateways = plan_children(build_parser().parse_args(["--structured-outputs-config", cfg,
+                                                                    "--gateways", "2"]), "/m")
+    assert all(json.loads(g.argv[g.argv.index("--structured-outputs-config") + 1]) == json.loads(cfg)
+               for g in gateways)
+    with pytest.raises(SystemExit, match="not served by tokserve"):
+        plan_children(build_parser().parse_args(["--structured-outputs-config", '{"backend": "outlines"}']), "/m")
 
 
 def test_common_imports_no_other_package_of_ours():

@@ -6,11 +6,19 @@ choice ``i`` of a request served by rank ``r`` emits tokens
 ``r * 1000 + i * 100 + k`` for k = 0..max_tokens-1, one per step, then finishes
 with "length".  So tests can tell which worker served a request from its tokens.
 
+For the gateway's text routes: ``--has-tokenizer`` reports a tokenizer (structured outputs
+need one); ``--reply-file PATH`` (JSON ``{"text": ..., "chunk": N}``, read per request) makes
+a request that asks for text emit that text, N characters per step, then finish with "stop";
+``--record-dir DIR`` writes each request's ``params.structured_outputs`` there
+(``<request_id>.json``), so tests see what reached a worker.
+
     python -m tests.support.fake_worker [--broker tcp://127.0.0.1:5556] --rank 0 [--step-delay 0.01]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +39,7 @@ class _Req:
     req: GenerateRequest
     start_at: float  # not scheduled ("waiting") before this time
     produced: list = field(default_factory=list)  # per choice
+    reply: list = field(default_factory=list)  # --reply-file: the text pieces to emit, one per step
 
 
 class _FakeRL:
@@ -50,14 +59,17 @@ class _FakeRL:
 class FakeEngine:
     def __init__(self, rank: int = 0, max_num_seqs: int = 64, vocab_size: int = 1_000_000,
                  step_delay: float = 0.0, first_delay: float = 0.0, num_kv_blocks: int = 128,
-                 hold_token: int | None = None):
+                 hold_token: int | None = None, has_tokenizer: bool = False, reply_file: str | None = None,
+                 record_dir: str | None = None):
         self.rank = rank
         self.step_delay = step_delay
         self.first_delay = first_delay
         self.num_kv_blocks = num_kv_blocks
         self.hold_token = hold_token  # prompts starting with it stay "waiting" forever here
         self.model_info = ModelInfo(name="fake-model", vocab_size=vocab_size, max_model_len=4096,
-                                    max_num_seqs=max_num_seqs, eos_token_ids=[2], has_tokenizer=False)
+                                    max_num_seqs=max_num_seqs, eos_token_ids=[2], has_tokenizer=has_tokenizer)
+        self.reply_file = reply_file
+        self.record_dir = record_dir
         self.reqs: dict[str, _Req] = {}
         self._crash_next = False
         # The control-plane surface the worker needs (no weights to update here).
@@ -72,8 +84,23 @@ class FakeEngine:
             self._crash_next = True
         held = self.hold_token is not None and req.prompt_token_ids[:1] == [self.hold_token]
         start_at = float("inf") if held else time.monotonic() + self.first_delay
-        self.reqs[req.request_id] = _Req(req, start_at,
-                                         [0] * max(1, req.params.n))
+        if self.record_dir is not None:
+            import msgspec
+
+            so = req.params.structured_outputs  # an array_like struct: recorded by field name
+            record = {"request_id": req.request_id,
+                      "structured_outputs": None if so is None else msgspec.structs.asdict(so)}
+            path = os.path.join(self.record_dir, req.request_id + ".json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)  # whole or absent for a reader polling the folder
+        reply = []
+        if self.reply_file is not None and req.output_text:
+            with open(self.reply_file) as f:
+                spec = json.load(f)
+            text, chunk = spec["text"], max(1, int(spec.get("chunk", 4)))
+            reply = [text[i:i + chunk] for i in range(0, len(text), chunk)] or [""]
+        self.reqs[req.request_id] = _Req(req, start_at, [0] * max(1, req.params.n), reply)
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
@@ -91,9 +118,16 @@ class FakeEngine:
         for rid, r in list(self.reqs.items()):
             if r.start_at > now:
                 continue
-            max_tokens = r.req.params.max_tokens or DEFAULT_MAX_TOKENS
+            max_tokens = len(r.reply) if r.reply else (r.req.params.max_tokens or DEFAULT_MAX_TOKENS)
             for i, k in enumerate(r.produced):
                 if k >= max_tokens:
+                    continue
+                if r.reply:
+                    r.produced[i] = k + 1
+                    done = k + 1 >= max_tokens
+                    out.append(CompletionDelta(request_id=rid, index=i, token_ids=[100 + k], text=r.reply[k],
+                                               finish_reason="stop" if done else None,
+                                               num_prompt_tokens=len(r.req.prompt_token_ids)))
                     continue
                 r.produced[i] = k + 1
                 done = k + 1 >= max_tokens
@@ -108,7 +142,7 @@ class FakeEngine:
         r = self.reqs.pop(request_id, None)
         if r is None:
             return []
-        max_tokens = r.req.params.max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = len(r.reply) if r.reply else (r.req.params.max_tokens or DEFAULT_MAX_TOKENS)
         return [CompletionDelta(request_id=request_id, index=i, finish_reason="abort")
                 for i, k in enumerate(r.produced) if k < max_tokens]
 
@@ -150,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--curve-client-key-file", default=None, help="this worker's CURVE certificate (.key_secret)")
     p.add_argument("--worker-token-file", default=None, help="as tokserve worker's flag")
     p.add_argument("--hold-token", type=int, default=None, help="prompts starting with it never start here")
+    p.add_argument("--has-tokenizer", action="store_true", help="report a tokenizer (structured outputs need one)")
+    p.add_argument("--reply-file", default=None, help='JSON {"text": ..., "chunk": N}: text requests emit that text')
+    p.add_argument("--record-dir", default=None, help="write each request's structured_outputs here")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0)
@@ -164,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     client_keys = load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
     engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay,
-                        hold_token=args.hold_token)
+                        hold_token=args.hold_token, has_tokenizer=args.has_tokenizer, reply_file=args.reply_file,
+                        record_dir=args.record_dir)
     engine.transfer_address = lambda: args.transfer_address
     server = WorkerServer(engine, args.broker or config.backend_address(), args.rank,
                           interval=args.heartbeat_interval, liveness=args.liveness,

@@ -10,7 +10,7 @@ included: a lazy ``import`` inside a function is still a dependency.
   feature and not ``parallel/`` (features reach it through ``runner.hooks``);
 * in ``gateway/``: the generation relay (``gateway.relay``) knows no API (its formatters
   plug in), and the API packages (``generate_api``, ``openai_api``, ``chat``,
-  ``parsers``) import no route module (``gateway.resources``) nor the app.
+  ``parsers``, ``structured_outputs``) import no route module (``gateway.resources``) nor the app.
 
 Edges: ``import a.b.c`` is an edge to the module ``a.b.c`` (or its deepest existing
 package); ``from a.b import c`` to ``a.b.c`` when that is a module, else to ``a.b``;
@@ -186,7 +186,7 @@ def test_runner_hooks_and_config_are_leaves():
 
 
 G = "gateway"
-GATEWAY_APIS = (f"{G}.generate_api", f"{G}.openai_api", f"{G}.chat", f"{G}.parsers")
+GATEWAY_APIS = (f"{G}.generate_api", f"{G}.openai_api", f"{G}.chat", f"{G}.parsers", f"{G}.structured_outputs")
 GATEWAY_ROUTES = (f"{G}.resources", f"{G}.app", f"{G}.main")
 
 

@@ -89,7 +89,7 @@ def test_chat_max_tokens_and_echo_prompt_logprobs(renderer):
     (dict(prompt="a", use_beam_search=True), "Beam search"),
     (dict(prompt="a", logit_bias={"x": 1.0}), "logit_bias"),
     (dict(prompt="a", stream_options={"include_usage": True}), "Stream options"),
-    (dict(prompt="a", structured_outputs={"regex": "a+"}), "structured_outputs"),
+    (dict(prompt="a", structured_outputs={"regex": "a+", "json": {}}), "one kind of constraints"),
     (dict(prompt="a", prompt_logprobs=2, stream=True), "prompt_logprobs"),
 ])
 def test_completion_errors(renderer, body, needle):

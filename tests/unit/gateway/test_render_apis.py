@@ -60,10 +60,12 @@ def test_responses_fields_map_to_chat():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
     ({"input": [], }, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
-    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
     ({"input": "x", "background": True, "store": False}, "background"),
 ])
 def test_responses_refusals(body, param):
