@@ -5,7 +5,9 @@
 N simulated workers (one process, N registered DEALER peers) each run ``--batch``
 streams and emit one OUTPUTS message per decode step at ``--step-rate`` steps/s, one
 delta per stream per step, split by gateway as the real worker does (one
-identity/body pair per gateway: tests/support/fake_worker.py's layout); ``--gateways``
+identity/body pair per gateway: tests/support/fake_worker.py's layout), followed by the
+step's KV_EVENTS message (``--kv-events``: ``batch / 16`` blocks filled and as many
+evicted per step, what the broker's prefix index and the cell's publisher digest); ``--gateways``
 simulated gateways (one process, one DEALER each) open the streams through the broker
 and count every delta they receive.  For each N the offered load grows (N x batch x
 step-rate deltas/s, N x step-rate messages/s) until the broker saturates: it delivers
@@ -29,17 +31,39 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from benchmarks.broker_relay import MODEL, cpu_seconds  # noqa: E402
 from common import framing, runtime_dir  # noqa: E402
-from common.protocol import (MAGIC, CompletionDelta, GenerateRequest, MsgType, Outputs, OutputsHeader,  # noqa: E402
-                             WorkerLoad, WorkerReady)
-from tests.support.procs import ProcGroup, wait_for_workers  # noqa: E402
+from common.protocol import (MAGIC, CompletionDelta, GenerateRequest, KvBlockTokens, KvEvents, MsgType,  # noqa: E402
+                             Outputs, OutputsHeader, WorkerLoad, WorkerReady)
+from tests.support.procs import ProcGroup, free_endpoint, wait_for_workers  # noqa: E402
 
 
-def sim_workers(backend: str, n: int, batch: int, step_rate: float, seconds: float, blasting, report) -> None:
-    """N workers in one process: register, collect n*batch streams, then emit paced steps."""
+KV_RING = 64  # distinct KV_EVENTS messages per worker, cycled
+
+
+def kv_event_ring(rank: int, batch: int, block_size: int, with_tokens: bool) -> list[list[bytes]]:
+    """Steady-state decode KV events of one worker: each step ``batch / block_size`` blocks
+    fill up (stored) and as many old ones are evicted (removed), as a real worker reports
+    after every step; with tokens (for the cell's KV-event publisher) as the worker sends them."""
+    per_step = max(1, batch // block_size)
+    key = lambda j, i: rank.to_bytes(3, "big") + (j % KV_RING).to_bytes(3, "big") + i.to_bytes(2, "big")  # noqa: E731
+    tokens = np.arange(block_size, dtype="<i4").tobytes()
+    ring = []
+    for j in range(KV_RING):
+        stored = [key(j, i) for i in range(per_step)]
+        ev = KvEvents(stored=stored, removed=[key(j - KV_RING // 2, i) for i in range(per_step)],
+                      tokens=[KvBlockTokens(k, None, tokens) for k in stored] if with_tokens else [])
+        ring.append(framing.message(MsgType.KV_EVENTS, ev))
+    return ring
+
+
+def sim_workers(backend: str, n: int, batch: int, step_rate: float, seconds: float, blasting, report,
+                kv_events: str = "on") -> None:
+    """N workers in one process: register, collect n*batch streams, then emit paced steps
+    (an OUTPUTS message per step and worker, then its KV_EVENTS unless ``kv_events`` is "off")."""
     ctx = zmq.Context.instance()
     token = runtime_dir.load_or_create_token(runtime_dir.WORKER)
     socks = []
@@ -85,6 +109,7 @@ def sim_workers(backend: str, n: int, batch: int, step_rate: float, seconds: flo
     first = [message(w, 0) for w in range(n)]
     mid = [message(w, 1) for w in range(n)]
     last = [message(w, steps - 1) for w in range(n)]
+    rings = [kv_event_ring(w, batch, 16, kv_events == "tokens") for w in range(n)] if kv_events != "off" else None
     blasting.set()
     t0 = time.perf_counter()
     sent = 0
@@ -95,6 +120,8 @@ def sim_workers(backend: str, n: int, batch: int, step_rate: float, seconds: flo
         for w, s in enumerate(socks):
             s.send_multipart(first[w] if k == 0 else last[w] if k == steps - 1 else mid[w], copy=False)
             sent += counts[w]
+            if rings is not None:
+                s.send_multipart(rings[w][k % KV_RING], copy=False)
         if time.monotonic() - last_beat > 0.3:
             for s in socks:
                 s.send_multipart(beat)
@@ -141,10 +168,10 @@ def sim_gateways(frontend: str, gateways: int, streams: int, report) -> None:
 
 def run_level(procs: ProcGroup, n: int, args) -> dict:
     ctx = mp.get_context("spawn")
-    broker = procs.broker()
+    broker = procs.broker(*(["--kv-events-endpoint", free_endpoint()] if args.kv_events == "tokens" else []))
     blasting, wq, gq = ctx.Event(), ctx.Queue(), ctx.Queue()
     w = ctx.Process(target=sim_workers, args=(broker.backend, n, args.batch, args.step_rate, args.seconds, blasting,
-                                              wq), daemon=True)
+                                              wq, args.kv_events), daemon=True)
     w.start()
     wait_for_workers(broker.frontend, n, timeout=60)
     g = ctx.Process(target=sim_gateways, args=(broker.frontend, args.gateways, n * args.batch, gq), daemon=True)
@@ -170,11 +197,14 @@ def main(argv=None) -> int:
     p.add_argument("--step-rate", type=float, default=40.0, help="decode steps/s per worker (tokens/s per stream)")
     p.add_argument("--gateways", type=int, default=4)
     p.add_argument("--seconds", type=float, default=5.0, help="blast duration per run")
+    p.add_argument("--kv-events", default="on", choices=["off", "on", "tokens"],
+                   help="per step and worker also a KV_EVENTS message (batch/16 blocks stored, as many evicted); "
+                        "tokens: with the blocks' token ids and the broker's KV-event publisher on (cells)")
     args = p.parse_args(argv)
     per_worker = args.batch * args.step_rate
     print(f"broker ceiling ({os.cpu_count()} CPUs shared by broker, simulated workers and gateways); "
           f"per worker: batch {args.batch} x {args.step_rate:g} steps/s = {per_worker:,.0f} deltas/s, "
-          f"{args.gateways} gateways")
+          f"{args.gateways} gateways, KV events {args.kv_events}")
     print(f"{'workers':>8} {'streams':>8} {'offered/s':>10} {'sent/s':>10} {'received/s':>12} {'recv/sent':>9} "
           f"{'broker cores':>13} {'us/delta':>9} {'deltas/s/core':>14} {'workers/core':>13}")
     with ProcGroup(tempfile.mkdtemp(prefix="bench-ceiling-")) as procs:

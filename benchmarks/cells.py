@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import sys
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
         return 2
     root = Path(tempfile.mkdtemp(prefix="bench-cells-"))
     if args.model:
-        model, vocab = Path(args.model), 1000
+        model = Path(args.model)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     else:
         from tests.support.model_factory import VOCAB_SIZE, tiny_model_dir
 
