@@ -169,6 +169,12 @@ def test_vllm_router_cell_broker_death_ends_only_that_cells_streams(cells):
     on_a, on_b = int(counts[0]), int(counts[1])
     assert on_a >= 1 and on_b >= 1, counts
     a.broker.kill9()
+    # New requests while the dead cell is still in the router's rotation: cell a's gateway
+    # answers 503 (its broker is unreachable) and the router retries them on cell b.
+    with httpx.Client(base_url=router.url, headers=AUTH, timeout=120) as http:
+        for i in range(4):
+            r = http.post(GENERATE, json={"token_ids": [9, 8, 7, i + 3], "sampling_params": {"max_tokens": 4}})
+            assert r.status_code == 200 and r.json()["model"] == "tiny-cell1", r.text
     for t in threads:
         t.join(300)
         assert not t.is_alive()
@@ -183,7 +189,7 @@ def test_vllm_router_cell_broker_death_ends_only_that_cells_streams(cells):
     for r in complete:  # the other cell's: untouched, every token
         assert r["tokens"] == max_tokens
     assert (len(failed), len(complete)) == (on_a, on_b)
-    # The router's health checks take the dead cell out; new requests are served by the other.
+    # The router's health checks take the dead cell out; new requests go straight to the other.
     wait_for(lambda: _router_sees(router, a.url, healthy=False), 60, "vllm-router to mark the dead cell unhealthy")
     with httpx.Client(base_url=router.url, headers=AUTH, timeout=120) as http:
         for i in range(6):
