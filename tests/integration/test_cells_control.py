@@ -10,12 +10,13 @@ import sys
 import httpx
 import pytest
 
-from tests.support.cells import start_cell
+from tests.support.cells import CELL_WORKER_ARGS, start_cell
 from tests.support.model_factory import tiny_model_dir
 from tests.support.procs import REPO, ProcGroup, free_port
 
 API_KEY = "cells-rl-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def cells(tmp_path_factory, tiny_model_root):
     root = tmp_path_factory.mktemp("cells-control")
     with ProcGroup(root / "logs") as procs:
         yield model, [start_cell(procs, root / f"cell{i}", model, api_key=API_KEY, kv_events=False,
-                                 gateway_args=("--enable-rl",)) for i in range(2)]
+                                 worker_args=(*CELL_WORKER_ARGS, *LORA_ARGS),
+                                 gateway_args=("--enable-rl", "--allow-runtime-lora")) for i in range(2)]
 
 
 def _tokserve_cells(*args: str, key: str = API_KEY) -> tuple[int, list[dict], str]:
@@ -86,3 +88,30 @@ def test_cells_update_weights_commits_on_every_cell(cells):
     assert rc == 1 and "nothing was committed on any cell" in out, out
     for cell in (a, b):
         assert httpx.get(cell.url + "/weight_info", headers=AUTH, timeout=30).json()["weight_version"] == "cells-v1"
+
+
+def _models(cell) -> set[str]:
+    return {m["id"] for m in httpx.get(cell.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]}
+
+
+def test_cells_load_and_unload_lora_on_every_cell(cells, tmp_path):
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import build_adapter
+
+    model, (a, b) = cells
+    adapter = build_adapter(model, tmp_path / "qv", ["q_proj", "v_proj"], rank=4, seed=1)
+    urls = ["--cell", a.url, "--cell", b.url]
+    rc, lines, out = _tokserve_cells("load-lora", "--name", "qv", "--path", str(adapter), *urls)
+    assert rc == 0 and all(l["ok"] for l in lines), out
+    assert "qv" in _models(a) and "qv" in _models(b)
+    # Served by both cells: a request naming the adapter works on each.
+    for cell in (a, b):
+        r = httpx.post(cell.url + "/inference/v1/generate", headers=AUTH, timeout=60,
+                       json={"model": "qv", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}})
+        assert r.status_code == 200, r.text
+    rc, lines, out = _tokserve_cells("unload-lora", "--name", "qv", *urls)
+    assert rc == 0, out
+    assert "qv" not in _models(a) and "qv" not in _models(b)
+    # Unloading again: each cell's 4xx, reported per cell, exit status 1.
+    rc, lines, out = _tokserve_cells("unload-lora", "--name", "qv", *urls)
+    assert rc == 1 and all(400 <= l["status"] < 500 for l in lines), out
