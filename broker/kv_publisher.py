@@ -83,14 +83,19 @@ def is_loopback_tcp(endpoint: str) -> bool:
     return host in ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
+def check_endpoint(endpoint: str, allow_remote: bool) -> None:
+    """ValueError unless ``endpoint`` is a TCP address this publisher may bind."""
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (an outside router connects), "
+                         f"got {endpoint!r}")
+    if not allow_remote and not is_loopback_tcp(endpoint):
+        raise ValueError(f"--kv-events-endpoint {endpoint!r} is beyond loopback: subscribers read the token "
+                         f"ids of cached prompt prefixes; add --kv-events-allow-remote to mean it")
+
+
 class CellKvPublisher:
     def __init__(self, ctx: zmq.Context, endpoint: str, allow_remote: bool = False, topic: str = ""):
-        if not endpoint.startswith("tcp://"):
-            raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (an outside router connects), "
-                             f"got {endpoint!r}")
-        if not allow_remote and not is_loopback_tcp(endpoint):
-            raise ValueError(f"--kv-events-endpoint {endpoint!r} is beyond loopback: subscribers read the token "
-                             f"ids of cached prompt prefixes; add --kv-events-allow-remote to mean it")
+        check_endpoint(endpoint, allow_remote)
         self.topic = topic.encode()
         self.sock = ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -6,7 +6,7 @@ import signal
 
 import zmq
 
-from broker import disagg
+from broker import disagg, kv_publisher
 from broker.broker import Broker, BrokerConfig
 from common import config, runtime_dir, security
 from common.logging import get_logger, setup_logging
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before the tokens are created: a refused command line leaves nothing behind
         for flag, endpoint in (("--frontend", args.frontend), ("--backend", args.backend)):
             security.refuse_plaintext_beyond_host(flag, endpoint, bool(args.curve_secret_file))
+        if args.kv_events_endpoint:
+            kv_publisher.check_endpoint(args.kv_events_endpoint, args.kv_events_allow_remote)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     try:
