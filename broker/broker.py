@@ -110,6 +110,9 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        kv_pub = self.kv_publisher
+        if kv_pub is not None:
+            poller.register(kv_pub.sock, zmq.POLLIN)  # subscriptions: a late router gets the cell's blocks
         interval = self.cfg.heartbeat_interval
         next_beat = time.monotonic()
         log.info("broker frontend=%s backend=%s", self.cfg.frontend, self.cfg.backend)
@@ -120,11 +123,18 @@ class Broker:
                 next_beat = now + interval
             self.membership.expire(now)
             timeout_ms = max(1, min(int((next_beat - now) * 1000), 100))
+            if kv_pub is not None and kv_pub.replaying:
+                timeout_ms = 0  # a batch of the re-announcement per turn, between the sockets' work
             events = dict(poller.poll(timeout_ms))
             if self.backend in events:
                 self._drain(self.backend, self._on_backend)
             if self.frontend in events:
                 self._drain(self.frontend, self._on_frontend)
+            if kv_pub is not None:
+                if kv_pub.sock in events:
+                    kv_pub.on_subscriptions()
+                if kv_pub.replaying:
+                    kv_pub.pump()
 
     def close(self) -> None:
         """Tell clients their requests are gone (instead of leaving them to time out), then close."""

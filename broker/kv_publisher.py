@@ -17,12 +17,18 @@ own index by the token ids each ``BlockStored`` carries, which the workers send 
 their KV events (common/protocol.py ``KvBlockTokens``).  Blocks whose chain holds a cache
 salt or an image are never announced: a token-only router cannot compute their keys.
 
-Bounded: each worker contributes at most ``capacity`` keys (twice its KV blocks, as the
-broker's own prefix index); the PUB socket drops at its high-water mark rather than
-block the broker's loop (a subscriber that misses a sequence number resets its view of
-this cell, as with vLLM's publisher without a replay socket).
+A subscriber that joins late (a router started, or restarted, after the cell) gets every
+block the cell holds re-announced, a batch per turn of the broker's loop: the socket is
+an XPUB, which hears subscriptions, and the publisher keeps each announced block's parent
+and token ids.  Existing subscribers see the repeats, which change nothing for them.
 
-Trust: the socket only sends.  Anyone who can connect reads the token ids of prompt
+Bounded: each worker contributes at most ``capacity`` keys (twice its KV blocks, as the
+broker's own prefix index); the socket drops at its high-water mark rather than block the
+broker's loop (a subscriber that misses a sequence number resets its view of this cell,
+as with vLLM's publisher without a replay socket).
+
+Trust: the socket only sends, apart from subscriptions (which at most trigger one
+re-announcement at a time, a batch per loop turn).  Anyone who can connect reads the token ids of prompt
 prefixes cached in the cell, so it binds to loopback unless ``--kv-events-allow-remote``
 says otherwise (then network policy must keep it to the router's hosts).
 """
@@ -78,6 +84,12 @@ MEDIUM = "GPU"  # vLLM's label for the device KV cache (CPU workers' cache plays
 _encoder = msgspec.msgpack.Encoder()
 
 
+def _stored(key: bytes, parent: Optional[bytes], tokens: bytes, block_size: int) -> BlockStored:
+    return BlockStored(block_hashes=[key], parent_block_hash=parent,
+                       token_ids=np.frombuffer(tokens, dtype="<i4").tolist(), block_size=block_size,
+                       lora_id=None, medium=MEDIUM, lora_name=None)
+
+
 def is_loopback_tcp(endpoint: str) -> bool:
     host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     return host in ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -97,16 +109,27 @@ class CellKvPublisher:
     def __init__(self, ctx: zmq.Context, endpoint: str, allow_remote: bool = False, topic: str = ""):
         check_endpoint(endpoint, allow_remote)
         self.topic = topic.encode()
-        self.sock = ctx.socket(zmq.PUB)
+        # XPUB: a PUB that also hears subscriptions, so a router that subscribes late (or
+        # again, after a restart) gets the blocks already announced (VERBOSE: every one,
+        # not only a topic's first subscriber).
+        self.sock = ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the port when bound to :0
         self._seq = 0
         self._refs: dict[bytes, int] = {}  # routing key -> workers of the cell holding it
-        self._announced: set[bytes] = set()  # keys the router was told about (stored, not removed)
+        # Announced keys (stored in the cell, not removed), in announcement order (parents
+        # first) -> parent key (b"": none) + token ids: what a late subscriber is sent.  About
+        # 200 bytes per key, the order of the broker's own prefix index.
+        self._announced: dict[bytes, bytes] = {}
         self._held: dict[bytes, set[bytes]] = {}  # worker identity -> its keys
+        self._block_size = 0
+        self._replay: list[bytes] = []  # keys still to re-announce for a new subscriber
+        self._replay_at = 0
         self.dropped_keys = 0  # keys past a worker's capacity (never announced)
+        self.snapshots = 0  # re-announcements started for new subscribers
         log.info("KV events for outside routers on %s", self.endpoint)
 
     # ------------------------------------------------------------------ input
@@ -127,10 +150,9 @@ class CellKvPublisher:
                 refs[key] = refs.get(key, 0) + 1
             block = tokens.get(key)
             if block is not None and key not in announced:
-                announced.add(key)
-                out.append(BlockStored(block_hashes=[key], parent_block_hash=block.parent,
-                                       token_ids=np.frombuffer(block.token_ids, dtype="<i4").tolist(),
-                                       block_size=block_size, lora_id=None, medium=MEDIUM, lora_name=None))
+                announced[key] = (block.parent or b"") + block.token_ids
+                out.append(_stored(key, block.parent, block.token_ids, block_size))
+        self._block_size = block_size
         self._send(out)
 
     def on_worker_gone(self, worker: bytes) -> None:
@@ -150,11 +172,47 @@ class CellKvPublisher:
                 refs[key] = n
                 continue
             refs.pop(key, None)
-            if key in announced:
-                announced.discard(key)
+            if announced.pop(key, None) is not None:
                 removed.append(key)
         if removed:
             out.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+
+    # ------------------------------------------------------------- subscribers
+    def on_subscriptions(self) -> None:
+        """Read the XPUB's subscription messages (the broker polls the socket); a new
+        subscription starts re-announcing every block the cell holds, sent a batch per
+        ``pump()`` so that a large cell never stalls the broker's loop."""
+        subscribed = False
+        while True:
+            try:
+                msg = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            subscribed |= msg[:1] == b"\x01"
+        if subscribed:
+            self._replay, self._replay_at = list(self._announced), 0
+            self.snapshots += 1
+
+    @property
+    def replaying(self) -> bool:
+        return self._replay_at < len(self._replay)
+
+    def pump(self) -> None:
+        """One batch of the re-announcement in progress.  A key removed since it started is
+        skipped (its BlockRemoved already went out); one stored since went out live."""
+        announced, out, bs = self._announced, [], self._block_size
+        keys, i = self._replay, self._replay_at
+        while i < len(keys) and len(out) < MAX_EVENTS_PER_BATCH:
+            key = keys[i]
+            i += 1
+            blob = announced.get(key)
+            if blob is not None:
+                parent, tokens = (blob[:len(key)], blob[len(key):]) if len(blob) > 4 * bs else (None, blob)
+                out.append(_stored(key, parent, tokens, bs))
+        self._replay_at = i
+        if not self.replaying:
+            self._replay, self._replay_at = [], 0
+        self._send(out)
 
     # ------------------------------------------------------------------ output
     def _send(self, events: list) -> None:

@@ -4,8 +4,10 @@ private runtime directory) behind vllm-router, the L7 router for vLLM deployment
 - ``--policy kv_aware`` reads each gateway's ``/get_server_info`` and
   ``/kv_event_sources`` and subscribes to the cell's KV-event publisher
   (broker/kv_publisher.py): a conversation's later turns go to the cell holding its
-  prefix.  The prefix-cache hit rate of later turns (``usage.prompt_tokens_details
-  .cached_tokens``) is measured against ``round_robin`` in the same run.
+  prefix, even though its first turn was served before the router started (the cells
+  re-announce their blocks to a new subscriber).  The prefix-cache hit rate of later
+  turns (``usage.prompt_tokens_details.cached_tokens``) and the share served by the
+  conversation's cell are measured against ``round_robin`` in the same run.
 - Killing one cell's broker under load ends only that cell's streams (error chunk +
   ``[DONE]``), the other cell's streams complete untouched, and the router, whose health
   checks take the dead cell out, keeps serving new requests.
@@ -63,31 +65,42 @@ def _conversations(seed: int) -> list[list[list[int]]]:
     return out
 
 
-def _route_later_turns(router_url: str, cells, conversations, watcher: KvEventWatcher) -> tuple[float, float]:
-    """Each conversation's first turn goes straight to its home cell (conversation i: cell
-    i % 2), bypassing the router, so the router learns where it lives only from the cells'
-    KV events; the later turns go through the router.  Before each next round, each
-    prompt's last full block must have been announced: the router, subscribed to the same
-    publishers, then knows.  Returns (cached prompt tokens / prompt tokens of the later
-    turns, fraction of later turns served by the conversation's home cell)."""
+def _last_block(prompt: list[int]) -> list[int]:
+    full = len(prompt) // BLOCK * BLOCK
+    return prompt[full - BLOCK:full]
+
+
+def _first_turns(cells, conversations, watcher: KvEventWatcher) -> None:
+    """Each conversation's first turn, straight to its home cell (conversation i: cell i % 2),
+    before any router runs: a router learns where it lives only from the cells' KV events,
+    re-announced to it when it subscribes (broker/kv_publisher.py)."""
+    with httpx.Client(headers=AUTH, timeout=120) as http:
+        for i, conv in enumerate(conversations):
+            r = http.post(cells[i % 2].url + GENERATE, json={"token_ids": conv[0], "sampling_params": {"max_tokens": 2}})
+            assert r.status_code == 200 and r.json()["model"] == f"tiny-cell{i % 2}", r.text
+            watcher.wait_stored(_last_block(conv[0]))
+
+
+def _later_turns(router_url: str, conversations, watcher: KvEventWatcher) -> tuple[float, float]:
+    """The later turns through the router, round by round; before each next round each
+    prompt's last full block must have been announced (the router is subscribed to the same
+    publishers).  Returns (cached prompt tokens / prompt tokens, fraction of the turns
+    served by the conversation's home cell)."""
     cached = total = home = later = 0
     with httpx.Client(headers=AUTH, timeout=120) as http:
-        for turn in range(TURNS):
+        for turn in range(1, TURNS):
             for i, conv in enumerate(conversations):
                 prompt = conv[turn]
-                url = cells[i % 2].url if turn == 0 else router_url
-                r = http.post(url + GENERATE, json={"token_ids": prompt,
-                                                    "sampling_params": {"max_tokens": 2, "temperature": 0}})
+                r = http.post(router_url + GENERATE, json={"token_ids": prompt,
+                                                           "sampling_params": {"max_tokens": 2, "temperature": 0}})
                 assert r.status_code == 200, r.text
                 usage = r.json()["usage"]
                 assert usage["prompt_tokens"] == len(prompt)
-                if turn:
-                    cached += usage["prompt_tokens_details"]["cached_tokens"]
-                    total += len(prompt)
-                    later += 1
-                    home += r.json()["model"] == f"tiny-cell{i % 2}"  # each cell serves under its own name
-                full = len(prompt) // BLOCK * BLOCK
-                watcher.wait_stored(prompt[full - BLOCK:full])
+                cached += usage["prompt_tokens_details"]["cached_tokens"]
+                total += len(prompt)
+                later += 1
+                home += r.json()["model"] == f"tiny-cell{i % 2}"  # each cell serves under its own name
+                watcher.wait_stored(_last_block(prompt))
     return cached / total, home / later
 
 
@@ -105,9 +118,13 @@ def test_vllm_router_kv_aware_routes_turns_to_the_cell_holding_the_prefix(cells)
     rates, home = {}, {}
     try:
         for seed, policy in enumerate(("kv_aware", "round_robin")):
+            conversations = _conversations(seed)  # new prefixes per policy: no run finds another's cached
+            _first_turns((a, b), conversations, watcher)
             router = start_vllm_router(procs, [a.url, b.url], policy, api_key=API_KEY)
-            # new prefixes per policy: neither run finds the other's conversations cached
-            rates[policy], home[policy] = _route_later_turns(router.url, (a, b), _conversations(seed), watcher)
+            if policy == "kv_aware":  # its subscriptions made both cells re-announce what they hold
+                for conv in conversations:
+                    watcher.wait_stored(_last_block(conv[0]), times=2)
+            rates[policy], home[policy] = _later_turns(router.url, conversations, watcher)
             router.proc.stop()
     finally:
         watcher.close()

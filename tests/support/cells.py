@@ -104,9 +104,9 @@ def start_vllm_router(procs: ProcGroup, urls: list[str], policy: str, *extra: st
 
 
 class KvEventWatcher:
-    """Subscribes to cells' KV-event publishers (as vllm-router does) and remembers the
-    token ids of every block announced stored, so a test can wait until a prompt's
-    blocks were published before sending the conversation's next turn."""
+    """Subscribes to cells' KV-event publishers (as vllm-router does) and counts the
+    announcements of every stored block by its token ids, so a test can wait until a
+    prompt's blocks were published before sending the conversation's next turn."""
 
     def __init__(self, endpoints: list[str]):
         import threading
@@ -114,7 +114,7 @@ class KvEventWatcher:
         import zmq
 
         self._zmq = zmq
-        self._stored: set[tuple[int, ...]] = set()
+        self._stored: dict[tuple[int, ...], int] = {}  # token ids -> times announced
         self._cond = threading.Condition()
         self._stop = False
         self._sock = zmq.Context.instance().socket(zmq.SUB)
@@ -136,14 +136,17 @@ class KvEventWatcher:
             with self._cond:
                 for event in events:
                     if event.get("type") == "BlockStored":
-                        self._stored.add(tuple(event["token_ids"]))
+                        key = tuple(event["token_ids"])
+                        self._stored[key] = self._stored.get(key, 0) + 1
                 self._cond.notify_all()
 
-    def wait_stored(self, block: list[int], timeout: float = 30.0) -> None:
+    def wait_stored(self, block: list[int], times: int = 1, timeout: float = 30.0) -> None:
+        """Until a cell has announced ``block`` (these token ids) ``times`` times: a second
+        time is a re-announcement for a subscriber that joined later (broker/kv_publisher.py)."""
         key = tuple(block)
         with self._cond:
-            if not self._cond.wait_for(lambda: key in self._stored, timeout):
-                raise TimeoutError(f"no cell announced the block {block[:4]}... within {timeout}s")
+            if not self._cond.wait_for(lambda: self._stored.get(key, 0) >= times, timeout):
+                raise TimeoutError(f"no cell announced the block {block[:4]}... {times} time(s) within {timeout}s")
 
     def close(self) -> None:
         self._stop = True

@@ -104,3 +104,52 @@ def test_refuses_to_publish_beyond_loopback_unless_told():
     pub = CellKvPublisher(ctx, "tcp://0.0.0.0:0", allow_remote=True)
     assert pub.endpoint.startswith("tcp://0.0.0.0:")
     pub.close()
+
+
+def test_a_late_subscriber_gets_the_cells_blocks_again(pub_sub):
+    """A router that subscribes after blocks were announced (started late, restarted) gets
+    them re-announced: the XPUB hears the subscription; the broker's loop pumps a batch per
+    turn.  Blocks removed meanwhile are not sent; the early subscriber sees harmless repeats."""
+    pub, sub = pub_sub
+    k0, k1, k2 = b"late-k0-", b"late-k1-", b"late-k2-"
+    pub.on_events(b"w0", KvEvents(stored=[k0, k1, k2], tokens=[
+        _block(k0, None, [1, 2, 3, 4]), _block(k1, k0, [5, 6, 7, 8]), _block(k2, k1, [9, 10, 11, 12])]), BS, 64)
+    pub.on_events(b"w0", KvEvents(removed=[k2]), BS, 64)
+    _next(sub), _next(sub)
+    while pub.sock.poll(0):  # the early subscriber's own subscription (its re-announcement was empty)
+        pub.on_subscriptions()
+    pub._replay, pub._replay_at = [], 0
+    late = zmq.Context.instance().socket(zmq.SUB)
+    late.setsockopt(zmq.LINGER, 0)
+    late.setsockopt(zmq.SUBSCRIBE, b"")
+    late.connect(pub.endpoint)
+    try:
+        assert pub.sock.poll(5000), "the late subscription never reached the publisher"
+        pub.on_subscriptions()
+        assert pub.replaying and pub.snapshots >= 1
+        while pub.replaying:
+            pub.pump()
+        for s in (late, sub):
+            _, events = _next(s)
+            assert [(e["block_hashes"], e["parent_block_hash"], e["token_ids"]) for e in events] == [
+                ([k0], None, [1, 2, 3, 4]), ([k1], k0, [5, 6, 7, 8])]
+    finally:
+        late.close(0)
+
+
+def test_reannouncement_goes_a_batch_at_a_time_and_skips_removed_keys(pub_sub):
+    from broker.kv_publisher import MAX_EVENTS_PER_BATCH
+
+    pub, sub = pub_sub
+    keys = [b"m%07d" % i for i in range(MAX_EVENTS_PER_BATCH + 10)]
+    pub.on_events(b"w0", KvEvents(stored=keys, tokens=[_block(k, None, [i % 300] * BS) for i, k in enumerate(keys)]),
+                  BS, 1 << 20)
+    _next(sub), _next(sub)  # announced live: two batches
+    pub._replay, pub._replay_at = list(pub._announced), 0  # as on_subscriptions() starts it
+    pub.pump()
+    assert pub.replaying and len(_next(sub)[1]) == MAX_EVENTS_PER_BATCH  # one batch per loop turn
+    pub.on_events(b"w0", KvEvents(removed=keys[-5:]), BS, 1 << 20)  # evicted meanwhile: its BlockRemoved goes out
+    assert _next(sub)[1] == [{"type": "BlockRemoved", "block_hashes": keys[-5:], "medium": "GPU"}]
+    pub.pump()
+    assert not pub.replaying
+    assert [e["block_hashes"][0] for e in _next(sub)[1]] == keys[MAX_EVENTS_PER_BATCH:-5]
