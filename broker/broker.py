@@ -11,6 +11,7 @@ expiry), and frame dispatch: each message type goes to the component for that jo
   broker/membership.py  READY (worker token), heartbeats, draining, expiry, a worker's departure
   broker/outputs.py     OUTPUTS (the hot path) and ERRORs from workers, the foreign-output check
   broker/control.py     CONTROL commands fanned out to the pool
+  broker/kv_publisher.py  the cell's KV events for an outside router (vllm-router kv_aware), optional
 
 Frame layouts are documented in common/framing.py.  The hot path (worker OUTPUTS ->
 clients) decodes only the small OutputsHeader and the deltas' request ids, and
@@ -19,6 +20,7 @@ forwards delta bodies as-is.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Optional
 
 import zmq
@@ -26,6 +28,7 @@ import zmq
 from broker.admission import Admission
 from broker.control import ControlPlane
 from broker.dispatch import make_policy
+from broker.kv_publisher import CellKvPublisher
 from broker.legs import Legs
 from broker.links import Links
 from broker.membership import Membership
@@ -75,6 +78,11 @@ class Broker:
                                     RateLimitedLog(log))
         self.links.on_client_gone = self.table.client_gone
         self.links.on_worker_unreachable = self.membership.worker_gone
+        self.kv_publisher = (CellKvPublisher(self.ctx, cfg.kv_events_endpoint, cfg.kv_events_allow_remote)
+                             if cfg.kv_events_endpoint else None)
+        if self.kv_publisher is not None:
+            self.membership.on_worker_removed = self.kv_publisher.on_worker_gone
+        self.instance_id = uuid.uuid4().hex  # a new cell to outside routers after each start
         self._stop = False
 
     def _router(self, endpoint: str, max_frame: int) -> zmq.Socket:
@@ -102,6 +110,9 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        kv_pub = self.kv_publisher
+        if kv_pub is not None:
+            poller.register(kv_pub.sock, zmq.POLLIN)  # subscriptions: a late router gets the cell's blocks
         interval = self.cfg.heartbeat_interval
         next_beat = time.monotonic()
         log.info("broker frontend=%s backend=%s", self.cfg.frontend, self.cfg.backend)
@@ -112,11 +123,18 @@ class Broker:
                 next_beat = now + interval
             self.membership.expire(now)
             timeout_ms = max(1, min(int((next_beat - now) * 1000), 100))
+            if kv_pub is not None and kv_pub.replaying:
+                timeout_ms = 0  # a batch of the re-announcement per turn, between the sockets' work
             events = dict(poller.poll(timeout_ms))
             if self.backend in events:
                 self._drain(self.backend, self._on_backend)
             if self.frontend in events:
                 self._drain(self.frontend, self._on_frontend)
+            if kv_pub is not None:
+                if kv_pub.sock in events:
+                    kv_pub.on_subscriptions()
+                if kv_pub.replaying:
+                    kv_pub.pump()
 
     def close(self) -> None:
         """Tell clients their requests are gone (instead of leaving them to time out), then close."""
@@ -127,6 +145,8 @@ class Broker:
             self.membership.reject_unknown(worker.identity)
         self.frontend.close(linger=500)
         self.backend.close(linger=500)
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self._auth is not None:
             self._auth.stop()
 
@@ -173,7 +193,9 @@ class Broker:
         self.stats.prefix_routed = getattr(self.router.policy, "prefix_routed", 0)
         return ClusterInfo(workers=[w.status() for w in live], model=self.workers.last_model,
                            pending=self.table.pending_count, stats=self.stats, paused=self.control.paused,
-                           weight_version=self.control.pool_version, lora_adapters=self.control.lora_adapters)
+                           weight_version=self.control.pool_version, lora_adapters=self.control.lora_adapters,
+                           kv_events_endpoint=self.kv_publisher.endpoint if self.kv_publisher else None,
+                           instance_id=self.instance_id)
 
     # ------------------------------------------------------------- backend
     def _on_backend(self, frames: list) -> None:
@@ -204,7 +226,11 @@ class Broker:
             if worker is None:
                 return  # its snapshot follows its next READY
             framing.expect_count(rest, 1, "KV_EVENTS")
-            worker.prefix_index.apply(framing.decode(rest[0], KvEvents))
+            events = framing.decode(rest[0], KvEvents)
+            worker.prefix_index.apply(events)
+            if self.kv_publisher is not None:
+                self.kv_publisher.on_events(identity, events, worker.model.kv_block_size,
+                                            worker.prefix_index.capacity)
         elif msg_type == MsgType.CONTROL:
             if worker is None:
                 self.membership.reject_unknown(identity)

@@ -6,7 +6,7 @@ import signal
 
 import zmq
 
-from broker import disagg
+from broker import disagg, kv_publisher
 from broker.broker import Broker, BrokerConfig
 from common import config, runtime_dir, security
 from common.logging import get_logger, setup_logging
@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epd", default="off", choices=disagg.EPD_MODES,
                    help="auto: run an image request's vision encoder on a --mm-encoder-only worker first, then the "
                         "request on another worker that pulls the encodings (no proxy needed)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish the cell's cached prefixes as vLLM KV events on this ZeroMQ PUB socket, for an "
+                        "outside router (vllm-router --policy kv_aware); loopback only unless "
+                        "--kv-events-allow-remote (subscribers read cached prompts' token ids)")
+    p.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="let --kv-events-endpoint bind beyond loopback (keep it to the router's hosts)")
     p.add_argument("--log-level", default=None)
     return p
 
@@ -68,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
                        no_worker_timeout=args.no_worker_timeout,
                        max_inflight_per_worker=args.max_inflight_per_worker,
                        max_client_frame_bytes=args.max_frame_bytes, routing=args.routing, pd=args.pd,
-                       epd=args.epd)
+                       epd=args.epd, kv_events_endpoint=args.kv_events_endpoint,
+                       kv_events_allow_remote=args.kv_events_allow_remote)
     if args.curve_authorized_keys and not args.curve_secret_file:
         raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
     try:  # before the tokens are created: a refused command line leaves nothing behind
         for flag, endpoint in (("--frontend", args.frontend), ("--backend", args.backend)):
             security.refuse_plaintext_beyond_host(flag, endpoint, bool(args.curve_secret_file))
+        if args.kv_events_endpoint:
+            kv_publisher.check_endpoint(args.kv_events_endpoint, args.kv_events_allow_remote)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     try:

@@ -10,7 +10,7 @@ broker/workers.py's WorkerRegistry stays the data structure; this is its protoco
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -43,6 +43,7 @@ class Membership:
         self.stats = stats
         self._refused = refused  # shared with the control plane's token refusals
         self._rejected: dict[bytes, float] = {}  # identity -> last DISCONNECT sent to an unknown worker
+        self.on_worker_removed: Optional[Callable[[bytes], None]] = None  # set by the broker (its KV publisher)
 
     # ------------------------------------------------------------ joining
     def on_ready(self, identity: bytes, worker: Optional[Worker], ready: WorkerReady) -> None:
@@ -129,6 +130,8 @@ class Membership:
 
     def worker_gone(self, worker: Worker, reason: str, notify: bool = True) -> None:
         self.workers.remove(worker)
+        if self.on_worker_removed is not None:  # the cell's KV-event publisher forgets its blocks
+            self.on_worker_removed(worker.identity)
         self.control.on_worker_gone(worker)
         table = self.table
         retried = failed = 0

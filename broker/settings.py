@@ -32,3 +32,7 @@ class BrokerConfig:
     # registers and every CONTROL command is refused (fail closed).
     worker_token: Optional[str] = None
     control_token: Optional[str] = None
+    # A ZeroMQ PUB socket announcing the cell's cached prefixes to an outside router
+    # (vllm-router --policy kv_aware), in vLLM's KV-event format; None: off.
+    kv_events_endpoint: Optional[str] = None
+    kv_events_allow_remote: bool = False  # bind it beyond loopback (it reveals prompt prefixes' token ids)

@@ -15,6 +15,7 @@ COMMANDS = {
     "demo-model": ("worker.engine.loading.demo_model:main", "build the seeded random-weight demo model"),
     "bench": ("benchmarks.bench_serve:main", "benchmark a deployment like `vllm bench serve` (tokserve bench serve)"),
     "curve-keys": ("common.security:main", "create a CURVE certificate (key files) for encrypted broker links"),
+    "cells": ("common.cells_control:main", "fan an RL control operation (pause, weights, LoRA) out to every cell"),
 }
 
 

@@ -277,13 +277,27 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one
 
 
+class KvBlockTokens(msgspec.Struct, **_STRUCT):
+    """What an outside router needs of one stored block (vLLM's ``BlockStored``): its
+    routing key, its parent's (None: first block) and its token ids (int32 little-endian)."""
+
+    key: bytes
+    parent: Optional[bytes]
+    token_ids: bytes
+
+
 class KvEvents(msgspec.Struct, **_STRUCT):
     """Prefix-cache changes since the worker's last report (vLLM's KV events, routing keys
-    of base-model blocks; ``cleared``: everything before ``stored`` is gone)."""
+    of base-model blocks; ``cleared``: everything before ``stored`` is gone).
+
+    ``tokens``: for the stored keys an outside router can match by token ids alone (no
+    cache salt, no image in the chain), the block's parent key and tokens; the broker's
+    cell-wide KV-event publisher (broker/kv_publisher.py) announces only those."""
 
     stored: list[bytes] = msgspec.field(default_factory=list)
     removed: list[bytes] = msgspec.field(default_factory=list)
     cleared: bool = False
+    tokens: list[KvBlockTokens] = msgspec.field(default_factory=list)
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):
@@ -338,6 +352,9 @@ class ClusterInfo(msgspec.Struct, **_STRUCT):
     weight_version: Optional[str] = None  # the pool's version (None: no update finished yet)
     # LoRA adapters the pool serves (name -> path): startup ones and runtime loads.
     lora_adapters: Optional[dict[str, str]] = None
+    # The broker's KV-event publisher for outside routers (broker/kv_publisher.py), None: off.
+    kv_events_endpoint: Optional[str] = None
+    instance_id: str = ""  # this broker's boot id: names the cell to an outside router
 
 
 class OutputsHeader(msgspec.Struct, **_STRUCT):

@@ -22,7 +22,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
-from gateway.resources import dev, lora, openai, render_apis, rl
+from gateway.resources import dev, kv_events, lora, openai, render_apis, rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -91,7 +91,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     if settings.allow_runtime_lora:
         lora.add_routes(app, state)
     app.add_route("/version", VersionResource())
-    app.add_route("/kv_event_sources", dev.KvEventSources(state))
+    kv_events.add_routes(app, state)  # /kv_event_sources, /get_server_info: for an outside KV-aware router
     if renderer is not None:
         openai.add_routes(app, state, renderer)
         render_apis.add_routes(app, state, renderer)
@@ -129,7 +129,7 @@ def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) ->
     render_apis.add_routes(app, state, renderer)
     app.add_route("/health", _Alive())
     app.add_route("/version", VersionResource())
-    app.add_route("/kv_event_sources", dev.KvEventSources(state))  # {} (vLLM: "empty on render-only servers")
+    app.add_route("/kv_event_sources", kv_events.KvEventSources(state, has_broker=False))  # {} (vLLM: "empty on render-only servers")
     return app
 
 

@@ -1,7 +1,7 @@
 """vLLM's development routes that RL clients use: ``GET /server_info``
 (``vllm/entrypoints/serve/dev/server_info``) and ``POST /collective_rpc``
-(``vllm/entrypoints/serve/dev/rpc``), plus the router-facing ``GET /kv_event_sources``
-(``vllm/entrypoints/serve/instrumentator/basic.py``).
+(``vllm/entrypoints/serve/dev/rpc``).  The router-facing ``GET /kv_event_sources`` is in
+gateway/resources/kv_events.py.
 
 vLLM registers the first two only in dev mode (``VLLM_SERVER_DEV_MODE=1``); here they
 come with ``--enable-rl`` like the other RL and dev routes (gateway/resources/rl.py),
@@ -27,11 +27,9 @@ import platform
 import sys
 from typing import Any, Callable, Optional
 
-import falcon
 
 from common.errors import BadRequest, Overloaded
 from gateway.body import json_object_body
-from gateway.generate_api.protocol import json_encoder
 from gateway.resources.rl import _respond
 from gateway.state import GatewayState
 
@@ -235,23 +233,6 @@ class CollectiveRpc:
             self.state.cluster.invalidate()
         # vLLM: each worker's return value; these methods return None in vLLM's workers.
         _respond(resp, {"results": [None for _ in reply.ranks]})
-
-
-# --- /kv_event_sources ---------------------------------------------------------------
-class KvEventSources:
-    """vLLM's ``{dp_rank: KVEventsConfig}`` of the engines that publish KV events over
-    ZeroMQ for an external router.  The workers here report their prefix-cache changes
-    to the broker only (it routes by prefix itself, broker/prefix_index.py); no engine
-    publishes a ZeroMQ KV-event stream, so the map is empty, as vLLM answers without
-    ``--kv-events-config``."""
-
-    def __init__(self, state: GatewayState):
-        self.state = state
-
-    async def on_get(self, req, resp):
-        resp.status = falcon.HTTP_200
-        resp.content_type = falcon.MEDIA_JSON
-        resp.data = json_encoder.encode({})
 
 
 def add_routes(app, state: GatewayState) -> None:

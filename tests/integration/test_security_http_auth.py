@@ -89,7 +89,7 @@ def test_route_list_covers_the_dangerous_routes(demo_model_dir):
     routes = registered_routes(_flags(demo_model_dir))
     for must in ("/pause", "/inference/v1/generate", "/v1/chat/completions", "/v1/load_lora_adapter",
                  "/weight_info", "/v1/models", "/tokenize", "/update_weights", "/weight_checker",
-                 "/collective_rpc", "/server_info", "/kv_event_sources"):
+                 "/collective_rpc", "/server_info", "/kv_event_sources", "/get_server_info"):
         assert must in routes, routes
 
 

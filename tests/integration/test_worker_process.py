@@ -8,13 +8,14 @@ import random
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
 from common import framing
 from common.client import AsyncClient, Client, RequestError
 from common.prefix_hash import prompt_routing_hashes
-from common.protocol import MAGIC, GenerateRequest, KvEvents, MsgType, OutputsHeader, SamplingParams, WorkerReady
+from common.protocol import MAGIC, GenerateRequest, KvBlockTokens, KvEvents, MsgType, OutputsHeader, SamplingParams, WorkerReady
 from tests.support.procs import ProcGroup, cluster_info, free_endpoint, wait_for, wait_for_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -174,13 +175,16 @@ def test_worker_publishes_kv_events(llama_dir, tmp_path):
             events = serve(identity, GenerateRequest(request_id="kv-1", prompt_token_ids=prompt, params=params))
             keys = prompt_routing_hashes(prompt, bs)
             assert len(keys) == 2
-            assert len(events) == 1 and events[0] == KvEvents(stored=keys), events
+            # With their parent keys and token ids, for the cell's KV-event publisher (broker/kv_publisher.py).
+            tokens = [KvBlockTokens(keys[i], keys[i - 1] if i else None,
+                                    np.asarray(prompt[i * bs:(i + 1) * bs], dtype="<i4").tobytes()) for i in range(2)]
+            assert len(events) == 1 and events[0] == KvEvents(stored=keys, tokens=tokens), events
 
             salted = [(11 * i + 5) % 200 for i in range(3 * bs + 1)]
             events = serve(identity, GenerateRequest(request_id="kv-2", prompt_token_ids=salted, params=params,
                                                      cache_salt="tenant-a"))
             salted_keys = prompt_routing_hashes(salted, bs, "tenant-a")
-            assert len(salted_keys) == 3 and events == [KvEvents(stored=salted_keys)], events
+            assert len(salted_keys) == 3 and events == [KvEvents(stored=salted_keys)], events  # salted: no tokens
 
             # The same prompt again is a cache hit: nothing new to publish.
             assert serve(identity, GenerateRequest(request_id="kv-3", prompt_token_ids=prompt, params=params)) == []

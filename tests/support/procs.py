@@ -39,15 +39,18 @@ def free_endpoint() -> str:
 
 class Proc:
     def __init__(self, name: str, args: list[str], log_path: Path, env: Optional[dict] = None,
-                 prefix: Optional[list[str]] = None):
-        """``prefix``: a command that execs Python in another context (``ip netns exec NS``)."""
+                 prefix: Optional[list[str]] = None, python: bool = True):
+        """``args`` follow ``python`` (``-m ...``), or are a whole command line when
+        ``python`` is False (another program, e.g. vllm-router); ``prefix``: a command
+        that execs it in another context (``ip netns exec NS``)."""
         self.name, self.args, self.log_path = name, args, log_path
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.setdefault("TOKSERVE_LOG_LEVEL", "INFO")
         full_env.update(env or {})
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen([*(prefix or ()), sys.executable, *args], cwd=REPO, env=full_env, stdout=self._log,
+        argv = [sys.executable, *args] if python else list(args)
+        self.popen = subprocess.Popen([*(prefix or ()), *argv], cwd=REPO, env=full_env, stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
@@ -173,8 +176,9 @@ class ProcGroup:
         self.procs.append(proc)
         return proc
 
-    def spawn(self, name: str, args: list[str], env=None, prefix: Optional[list[str]] = None) -> Proc:
-        proc = Proc(name, args, self._log(name), env, prefix)
+    def spawn(self, name: str, args: list[str], env=None, prefix: Optional[list[str]] = None,
+              python: bool = True) -> Proc:
+        proc = Proc(name, args, self._log(name), env, prefix, python)
         self.procs.append(proc)
         return proc
 

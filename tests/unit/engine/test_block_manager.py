@@ -633,3 +633,31 @@ def test_kv_events_replayed_equal_the_cache_under_random_traffic():
             view.update(ev.stored)
         assert view == published(bm) == set(bm.snapshot_kv_events().stored)
     assert overflows  # the collapse into a snapshot was exercised
+
+
+def test_kv_events_carry_tokens_an_outside_router_can_match():
+    """Stored keys come with their parent key and token ids (for vllm-router's kv_aware,
+    via the broker's publisher), except for salted chains: a token-only router cannot
+    compute their keys."""
+    import numpy as np
+
+    bm = BlockManager(16, BS)
+    a = make_seq(range(9), rid="a")
+    run_prefill(bm, a)
+    ev = bm.drain_kv_events()
+    keys = _keys(a)
+    assert [(t.key, t.parent, np.frombuffer(t.token_ids, dtype="<i4").tolist()) for t in ev.tokens] == \
+        [(keys[0], None, [0, 1, 2, 3]), (keys[1], keys[0], [4, 5, 6, 7])]
+    salted = make_seq(range(50, 59), salt="tenant", rid="s")
+    run_prefill(bm, salted)
+    ev = bm.drain_kv_events()
+    assert ev.stored == _keys(salted) and ev.tokens == []
+    # A key stored then evicted before the drain goes out removed, without tokens.
+    bm2 = BlockManager(2, BS)
+    b = make_seq(range(4), rid="b")
+    run_prefill(bm2, b)
+    bm2.free(b)
+    c = make_seq(range(100, 108), rid="c")
+    assert bm2.allocate_slots(c, 8)
+    ev = bm2.drain_kv_events()
+    assert ev.removed == _keys(b) and ev.tokens == []

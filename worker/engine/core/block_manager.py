@@ -35,7 +35,7 @@ from typing import Optional, Sequence as Seq
 import numpy as np
 
 from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, fold_mm_hashes, hash_block
-from common.protocol import KvEvents
+from common.protocol import KvBlockTokens, KvEvents
 from worker.engine.core.request import EngineSequence
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
@@ -115,6 +115,8 @@ class BlockManager:
         # and the changes not drained yet (routing key -> stored; netted per key).
         self._published = np.zeros(num_blocks, dtype=bool)
         self._kv_pending: dict[bytes, bool] = {}
+        # Pending stored keys an outside router can match by tokens: key -> (parent key, tokens).
+        self._kv_tokens: dict[bytes, tuple[Optional[bytes], bytes]] = {}
         self._kv_cleared = False
         self._kv_overflow = False  # too many pending changes: the next drain is a snapshot
         # At most this many pending changes (memory stays small when nobody drains; a
@@ -258,6 +260,7 @@ class BlockManager:
                 if self._publishes(seq, i):
                     self._published[block_id] = True
                     self._kv_event(h, True)
+                    self._kv_block_tokens(seq, i)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: EngineSequence) -> None:
@@ -313,6 +316,7 @@ class BlockManager:
             if self._publishes(seq, i):
                 self._published[block_id] = True
                 self._kv_event(h, True)
+                self._kv_block_tokens(seq, i)
             out.append((i, block_id))
         return out
 
@@ -332,6 +336,7 @@ class BlockManager:
         self._published[:] = False
         if self.enable_prefix_caching:
             self._kv_pending.clear()  # whatever was reported before is gone with the rest
+            self._kv_tokens.clear()
             self._kv_overflow = False
             self._kv_cleared = True
         return dropped
@@ -341,10 +346,25 @@ class BlockManager:
         if self._kv_overflow:
             return
         pending = self._kv_pending
-        pending[block_hash[:ROUTING_HASH_BYTES]] = stored  # the latest change of a key wins
+        key = block_hash[:ROUTING_HASH_BYTES]
+        pending[key] = stored  # the latest change of a key wins
+        if not stored:
+            self._kv_tokens.pop(key, None)
         if len(pending) > self._kv_limit:  # bounded: report the whole state instead
             pending.clear()
+            self._kv_tokens.clear()
             self._kv_overflow = True
+
+    def _kv_block_tokens(self, seq: EngineSequence, i: int) -> None:
+        """Remember block ``i``'s parent key and tokens for the stored event just queued,
+        when an outside router can match it by token ids alone: a salted chain (tenant
+        isolation) or one holding an image has keys no token-only router can compute."""
+        if self._kv_overflow or seq.request.cache_salt is not None or getattr(seq.request, "mm", None) is not None:
+            return
+        bs, n = self.block_size, ROUTING_HASH_BYTES
+        parent = seq.block_hashes[i - 1][:n] if i else None
+        tokens = np.asarray(seq.token_ids[i * bs:(i + 1) * bs], dtype="<i4").tobytes()
+        self._kv_tokens[seq.block_hashes[i][:n]] = (parent, tokens)
 
     def drain_kv_events(self) -> Optional[KvEvents]:
         """The prefix-cache changes since the last drain or snapshot (None: none).
@@ -356,8 +376,11 @@ class BlockManager:
             return None
         stored = [k for k, s in pending.items() if s]
         removed = [k for k, s in pending.items() if not s]
-        events = KvEvents(stored=stored, removed=removed, cleared=self._kv_cleared)
+        known = self._kv_tokens
+        tokens = [KvBlockTokens(k, *known[k]) for k in stored if k in known]
+        events = KvEvents(stored=stored, removed=removed, cleared=self._kv_cleared, tokens=tokens)
         self._kv_pending = {}
+        self._kv_tokens = {}
         self._kv_cleared = False
         return events
 
@@ -366,6 +389,7 @@ class BlockManager:
         (re)registration); pending changes are dropped (the snapshot includes them).
         O(cached blocks)."""
         self._kv_pending = {}
+        self._kv_tokens = {}  # a snapshot names keys only: the block manager keeps no token ids
         self._kv_cleared = self._kv_overflow = False
         cached = self._cached
         if not cached:
