@@ -73,25 +73,34 @@ class GrammarCache:
                 raise Overloaded(f"{PARAM}: {len(self._pending)} grammars are being compiled on this worker "
                                  f"(the limit); retry later", PARAM)
             self.misses += 1
-            future = self._pool.submit(self._compile, key)
+            future = self._pool.submit(self._run, key)
             self._pending[key] = future
-        future.add_done_callback(lambda f, key=key: self._finished(key, f))
         return future
 
-    def _finished(self, key: GrammarKey, future: Future) -> None:
+    def _run(self, key: GrammarKey) -> Any:
+        """In the pool: compile, and cache before the Future resolves (whoever sees it
+        done finds the entry)."""
+        try:
+            compiled = self._compile(key)
+        except BaseException:
+            with self._lock:  # failures are not cached: the next request gets the compiler's reason again
+                self._pending.pop(key, None)
+            raise
         with self._lock:
             self._pending.pop(key, None)
-            if future.cancelled() or future.exception() is not None:
-                return  # failures are not cached: the next request gets the compiler's reason again
-            compiled = future.result()
-            size = int(getattr(compiled, "memory_size_bytes", 0) or 0)
-            if size > self.max_bytes:
-                return  # larger than the whole cache: used by its requests, not kept
-            self._entries[key] = (compiled, size)
-            self._bytes += size
-            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
-                self._bytes -= evicted
+            self._insert(key, compiled)
+        return compiled
+
+    def _insert(self, key: GrammarKey, compiled: Any) -> None:
+        """(under the lock) keep ``compiled``, evicting the least recently used past the bounds."""
+        size = int(getattr(compiled, "memory_size_bytes", 0) or 0)
+        if size > self.max_bytes:
+            return  # larger than the whole cache: used by its requests, not kept
+        self._entries[key] = (compiled, size)
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self._bytes -= evicted
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
