@@ -455,3 +455,19 @@ def test_tokens_only_worker_refuses(llama_dir, tmp_path):
     with pytest.raises(BadRequest, match="tokenizer"):
         engine.add_request(request("t", [1], structured_outputs=StructuredOutputs(regex="a")))
     assert not engine.requests
+
+
+def test_triton_bitmask_kernel_under_the_interpreter(tmp_path):
+    """kernels/triton/bitmask.py against the torch op, on CPU tensors under TRITON_INTERPRET=1
+    (set before the kernels are decorated: a fresh interpreter)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                           str(tmp_path / "t"), str(root / "tests/support/triton_interpreted_kernels.py"),
+                           "-k", "apply_bitmask"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "6 passed" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
