@@ -72,6 +72,7 @@ REGEXES = [r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)", r"(\+|-)?[0-9]{1,4}(\.[0-9]{1,2}
 CHOICES = [["positive", "negative", "neutral"], ["A", "B", "C", "D"]]
 GRAMMARS = ['root ::= "(" expr ")"\nexpr ::= term ("+" term){0,3}\nterm ::= [0-9] | "x"',
             'root ::= ("cat" | "dog") " " [a-z]{1,4} "."']
+LARK = 'start: pair ("," pair)~0..2\npair: KEY "=" VALUE\nKEY: /[a-z]{1,3}/\nVALUE: /[0-9]{1,2}/'
 # A structural tag's JSON content allows free whitespace (no disable_any_whitespace there),
 # which a random model never stops emitting inside an object: a string enum has no inside.
 STRUCTURAL_TAG_SCHEMA = {"type": "string", "enum": ["get", "put", "delete"]}
@@ -92,6 +93,7 @@ def cases() -> list[tuple[str, StructuredOutputs, Any]]:
         out.append((f"choice{i}", StructuredOutputs(choice=ch), ("choice", ch)))
     for i, g in enumerate(GRAMMARS):
         out.append((f"grammar{i}", StructuredOutputs(grammar=g), ("grammar", g)))
+    out.append(("lark", StructuredOutputs(grammar=LARK), ("regex", r"[a-z]{1,3}=[0-9]{1,2}(,[a-z]{1,3}=[0-9]{1,2}){0,2}")))
     out.append(("json_object", StructuredOutputs(json_object=True, disable_any_whitespace=True),
                 ("json_object", None)))
     out.append(("structural_tag", StructuredOutputs(structural_tag=json.dumps(STRUCTURAL_TAG)),

@@ -139,11 +139,23 @@ def _nested(depth: int):
     (StructuredOutputs(regex="a", reasoning_end=[]), "reasoning_end"),
     (StructuredOutputs(regex="a", reasoning_end=[10_000]), "outside the vocabulary"),
     (StructuredOutputs(structural_tag="[]"), "JSON object"),
+    (StructuredOutputs(json=json.dumps({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}})),
+     "multipleOf"),
+    (StructuredOutputs(json=json.dumps({"type": "array", "uniqueItems": True})), "uniqueItems"),
+    (StructuredOutputs(json=json.dumps({"allOf": [{"type": "string"}, {"enum": ["a"]}]})), "allOf"),
+    (StructuredOutputs(json=json.dumps({"type": "string", "format": "color"})), "format 'color'"),
 ])
 def test_bad_specs_are_refused_with_the_reason(so, message):
     with pytest.raises(BadRequest, match=message) as e:
         grammar_key(so, 320)
     assert e.value.status == 400 and e.value.param == "structured_outputs"
+
+
+def test_lark_grammars_are_told_apart():
+    from worker.engine.structured_output.spec import grammar_is_likely_lark
+
+    assert grammar_is_likely_lark('start: "a" | "b"')
+    assert not grammar_is_likely_lark('# a comment: x\nroot ::= "a"')
 
 
 def test_grammar_key_includes_the_options():

@@ -225,6 +225,10 @@ class StructuredOutputComponent(EngineComponent):
             for seq_id in entry.sequences:  # a choice never finished (a failed request)
                 self.matchers.pop(seq_id, None)
 
+    def fill_load(self, load) -> None:
+        load.grammar_matchers = len(self.matchers)
+        load.grammars_compiling = len(self.pending)
+
     def close(self) -> None:
         if self._cache is not None:
             self._cache.close()

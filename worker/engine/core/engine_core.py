@@ -355,7 +355,7 @@ class EngineCore:
         load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                           free_kv_blocks=self.block_manager.num_free_blocks,
                           total_kv_blocks=self.block_manager.num_blocks,
-                          max_num_seqs=self.config.max_num_seqs)
+                          max_num_seqs=self.config.max_num_seqs, num_preemptions=self.scheduler.num_preemptions)
         for fill in self.hooks.fill_load:  # LoRA adapters, encoder cache, a released KV cache
             fill(load)
         return load

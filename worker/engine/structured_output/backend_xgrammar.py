@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import xgrammar as xgr
 
-from worker.engine.structured_output.spec import GrammarKey
+from worker.engine.structured_output.spec import GrammarKey, grammar_is_likely_lark
 
 if TYPE_CHECKING:  # pragma: no cover
     from common.tokenizer import Tokenizer
@@ -110,6 +110,8 @@ class XgrammarBackend:
         if key.kind == "regex":
             return self.compiler().compile_regex(key.spec)
         if key.kind == "grammar":
+            if grammar_is_likely_lark(key.spec):  # as vLLM: Lark on the full vocabulary
+                return self.compiler(full_vocab=True).compile_lark(key.spec)
             return self.compiler().compile_grammar(key.spec)
         if key.kind == "choice":
             return self.compiler().compile_grammar(choice_as_grammar(json.loads(key.spec)))

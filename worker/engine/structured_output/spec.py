@@ -9,8 +9,9 @@ compile pool, as a 400 carrying its reason (grammar_cache.py / the component).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from common.errors import BadRequest
 from common.protocol import StructuredOutputs
@@ -62,6 +63,69 @@ def _load_json_object(text: str, what: str, limit: int) -> dict:
     return value
 
 
+def grammar_is_likely_lark(grammar: str) -> bool:
+    """vLLM's test: a grammar with no ``::=`` rule (comments aside) is Lark, else EBNF."""
+    for line in grammar.split("\n"):
+        if "::=" in re.sub(r"(#|//).*$", "", line):
+            return False
+    return True
+
+
+# xgrammar's JSON-schema converter ignores these (or mis-handles them), which would let
+# outputs the schema forbids through.  vLLM's xgrammar backend refuses such schemas
+# (backend_xgrammar.py: has_xgrammar_unsupported_json_features; with backend "auto" it
+# falls back to guidance, which this server does not have): so do we, with a 400.
+_STRING_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                   "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+
+
+def _types(node: dict) -> set:
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+
+
+def _bounded_pattern(node: dict) -> bool:
+    return ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node)
+
+
+def unsupported_json_feature(node: Any) -> Optional[str]:
+    """The first schema feature xgrammar cannot enforce, or None."""
+    if not isinstance(node, dict):
+        return None
+    types = _types(node)
+    if types & {"integer", "number"} and "multipleOf" in node:
+        return "multipleOf"
+    if "array" in types:
+        for key in ("uniqueItems", "contains", "minContains", "maxContains"):
+            if key in node:
+                return key
+    if "string" in types:
+        if "format" in node and node["format"] not in _STRING_FORMATS:
+            return f"format {node['format']!r}"
+        if _bounded_pattern(node):
+            return "pattern / format with minLength / maxLength"
+    if "object" in types:
+        names = node.get("propertyNames")
+        if names is not None:
+            if (isinstance(names, dict) and _bounded_pattern(names)) or "patternProperties" in node \
+                    or "properties" in node or node.get("unevaluatedProperties", True) is not True:
+                return "propertyNames with properties, patternProperties, unevaluatedProperties or length bounds"
+        patterns = node.get("patternProperties")
+        if isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1):
+            return "patternProperties with properties, or more than one pattern"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) >= 2:
+        return "allOf with several branches"
+    for value in node.values():
+        children = value if isinstance(value, list) else [value]
+        for child in children:
+            found = unsupported_json_feature(child)
+            if found:
+                return found
+    return None
+
+
 def _check_marker(ids: Any, name: str, vocab_size: int) -> None:
     if ids is None:
         return
@@ -104,7 +168,10 @@ def grammar_key(so: StructuredOutputs, vocab_size: int, *, disable_any_whitespac
     if "\x00" in spec and kind in ("regex", "grammar"):
         raise BadRequest(f"{PARAM}.{kind} must not contain a NUL character", PARAM)
     if kind == "json":
-        _load_json_object(spec, "json", MAX_JSON_NESTING)
+        unsupported = unsupported_json_feature(_load_json_object(spec, "json", MAX_JSON_NESTING))
+        if unsupported:
+            raise BadRequest(f"{PARAM}.json: the JSON schema uses {unsupported}, which the xgrammar backend does "
+                             f"not support", PARAM)
     elif kind == "structural_tag":
         _load_json_object(spec, "structural_tag", MAX_JSON_NESTING + STRUCTURAL_TAG_WRAPPER_NESTING)
     return GrammarKey(kind, spec, any_whitespace=not (so.disable_any_whitespace or disable_any_whitespace))
