@@ -50,6 +50,20 @@ def test_torch_bitmask_matches_xgrammars_apply(vocab):
     assert torch.isinf(got[4]).any() and not torch.isinf(got[4]).all()
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [2, 3, 4], [5, 1, 3]])
+def test_cpu_kernel_path_matches_the_torch_op(rows):
+    vocab = 32000
+    gen = torch.Generator().manual_seed(len(rows))
+    buf = BitmaskBuffer(vocab, torch.device("cpu"))
+    mask = buf.rows(len(rows))
+    mask.copy_(torch.randint(-2**31, 2**31 - 1, mask.shape, generator=gen, dtype=torch.int64).to(torch.int32))
+    logits = torch.randn(6, vocab, generator=gen)
+    want = logits.clone()
+    apply_bitmask_torch_(want, mask.clone(), torch.tensor(rows))
+    buf.apply_(logits, len(rows), rows)
+    assert torch.equal(logits, want)
+
+
 def test_bitmask_buffer_grows_and_applies_the_filled_rows():
     buf = BitmaskBuffer(70, torch.device("cpu"))
     rows = buf.rows(2)
@@ -349,7 +363,12 @@ def test_a_slow_compile_does_not_hold_other_requests(llama_dir):
         engine.add_request(request("slow", [1, 2], max_tokens=50, structured_outputs=StructuredOutputs(
             json=JSON_AB, disable_any_whitespace=True)))
         engine.add_request(request("plain", [3, 4], max_tokens=12, ignore_eos=True))
+        engine.add_request(request("gone", [1, 2], max_tokens=5, structured_outputs=StructuredOutputs(regex="[0-9]+")))
         got: dict = {}
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+        assert {d.finish_reason for d in engine.abort("gone")} == {"abort"}  # aborted while compiling
+        assert "gone" not in so.pending and "gone" not in so.grammars
         while "plain" in engine.requests:
             for d in engine.step():
                 got.setdefault(d.request_id, []).extend(d.token_ids)
@@ -360,6 +379,23 @@ def test_a_slow_compile_does_not_hold_other_requests(llama_dir):
             for d in engine.step():
                 got.setdefault(d.request_id, []).extend(d.token_ids)
         assert json.loads(engine.tokenizer.decode(got["slow"]))["a"] in ("x", "yy")
+    finally:
+        gate.set()
+
+
+def test_a_compile_past_the_timeout_is_a_400(llama_dir):
+    engine = make_engine(llama_dir)
+    so = engine.structured_output
+    gate = threading.Event()
+    real = so.cache._compile
+    so.cache._compile = lambda key: (gate.wait(60), real(key))[1]
+    so.compile_timeout_s = 0.2
+    try:
+        engine.add_request(request("t", [1], max_tokens=5, structured_outputs=StructuredOutputs(regex="[a-z]+")))
+        while "t" in engine.requests:
+            engine.step()
+        [(rid, status, message, param)] = engine.take_request_errors()
+        assert (rid, status, param) == ("t", 400, "structured_outputs") and "longer than 0.2 s" in message
     finally:
         gate.set()
 

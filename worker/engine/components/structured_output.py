@@ -53,7 +53,7 @@ class _RequestGrammar:
     seq: Any = None  # choice 0, handed to the scheduler when compiled (when we hold it)
     schedules: bool = False  # we returned WAIT first: the scheduler gets the sequence from us
     deadline: float = 0.0
-    error: Optional[str] = None  # compile failure seen inside a step: reported by the next tick
+    error: Optional[str] = None  # compile failure seen inside a step (another component scheduled it)
     sequences: set = field(default_factory=set)  # seq ids with a matcher
 
 
@@ -71,6 +71,7 @@ class StructuredOutputComponent(EngineComponent):
         self.grammars: dict[str, _RequestGrammar] = {}  # request id -> its grammar
         self.pending: dict[str, _RequestGrammar] = {}  # request id -> compiling
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> matcher
+        self._failed: list[_RequestGrammar] = []  # compile failures seen inside a step
         self._buffer = BitmaskBuffer(self.vocab_size, core.device)
 
     # --- the compile side ---------------------------------------------------------------
@@ -128,8 +129,9 @@ class StructuredOutputComponent(EngineComponent):
                     del self.pending[rid]
                     self._fail(entry, f"{PARAM}: compiling the grammar took longer than "
                                       f"{self.compile_timeout_s:g} s")
-        if len(self.grammars) > len(self.pending):
-            for entry in [e for e in self.grammars.values() if e.error is not None]:
+        while self._failed:
+            entry = self._failed.pop()
+            if self.grammars.get(entry.request.request_id) is entry:  # not aborted meanwhile
                 self._fail(entry, entry.error)
 
     def _compiled(self, entry: _RequestGrammar) -> None:
@@ -172,7 +174,9 @@ class StructuredOutputComponent(EngineComponent):
                 entry.compiled = entry.future.result(timeout=max(entry.deadline - time.monotonic(), 0.0))
             except Exception as exc:  # noqa: BLE001 - the compiler's reason goes to the client
                 self.pending.pop(seq.request.request_id, None)
+                # The choice samples unconstrained this once; the next tick fails the request.
                 entry.error = f"{PARAM}: the {entry.key.kind} constraint does not compile: {exc}"
+                self._failed.append(entry)
                 return None
             self.pending.pop(seq.request.request_id, None)
         so = seq.request.params.structured_outputs
