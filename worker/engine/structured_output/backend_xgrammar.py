@@ -33,7 +33,8 @@ def _vocab_type(tokenizer: "Tokenizer") -> tuple[xgr.VocabType, bool]:
     fast tokenizer: tokenizer.json first, the vocabulary's own spelling when they disagree."""
     metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
     vocab_type, add_prefix_space = metadata["vocab_type"], metadata["add_prefix_space"]
-    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(tokenizer.get_vocab())
+    detect = getattr(xgr.TokenizerInfo, "_detect_vocab_type_from_vocab", None)  # xgrammar >= 0.2.9
+    from_vocab = detect(tokenizer.get_vocab()) if detect is not None else None
     if from_vocab is not None and from_vocab != vocab_type:
         vocab_type = from_vocab
         ids = tokenizer.encode("a")
