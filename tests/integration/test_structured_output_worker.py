@@ -49,7 +49,8 @@ def cluster(llama_dir, tmp_path_factory):
 
 
 def _load(broker, rank):
-    return next(w.load for w in cluster_info(broker.frontend).workers if w.rank == rank)
+    info = wait_for(lambda: cluster_info(broker.frontend), 30, "the broker's cluster info")  # None: no answer yet
+    return next(w.load for w in info.workers if w.rank == rank)
 
 
 def _run(broker, reqs) -> dict[str, dict[int, tuple[list[int], str]]]:
