@@ -277,6 +277,16 @@ def test_draft_rows_advance_and_roll_back(compiler):
     assert m.matcher.is_terminated() and not m.constrains
 
 
+def test_a_draft_that_ends_the_grammar_rolls_back_too(compiler):
+    m = SequenceMatcher(xgr.GrammarMatcher(compiler.compile_regex("ab")), None, True)
+    bitmask = torch.zeros(4, 10, dtype=torch.int32)
+    filled = m.fill_rows(bitmask, 0, (ord("a"), ord("b"), 257), ())  # the stop token ends it: no row after
+    assert [j for j, _ in filled] == [0, 1, 2] and _allowed(bitmask[2]) == {257}
+    assert not m.matcher.is_terminated()
+    m.fill_rows(bitmask, 0, (), ())
+    assert _allowed(bitmask[0]) == {ord("a")}
+
+
 def test_reasoning_end_starts_the_grammar(compiler):
     end = [ord("<"), ord(">")]
     assert not prompt_ended_reasoning([5, 6], [9], end)
@@ -398,6 +408,24 @@ def test_a_compile_past_the_timeout_is_a_400(llama_dir):
         assert (rid, status, param) == ("t", 400, "structured_outputs") and "longer than 0.2 s" in message
     finally:
         gate.set()
+
+
+def test_a_grammar_error_fails_only_its_request(llama_dir, monkeypatch):
+    engine = make_engine(llama_dir)
+    real = SequenceMatcher.fill_rows
+
+    def broken(self, bitmask, index, drafts, context):
+        if self.matcher.stop_token_ids == [257, 300]:  # only the request with stop_token_ids=[300]
+            raise RuntimeError("boom")
+        return real(self, bitmask, index, drafts, context)
+
+    monkeypatch.setattr(SequenceMatcher, "fill_rows", broken)
+    so = StructuredOutputs(regex="[a-z]{5}")
+    res = engine.generate([request("bad", [1], max_tokens=9, stop_token_ids=[300], structured_outputs=so),
+                           request("ok", [1], max_tokens=9, structured_outputs=so)])
+    assert [(rid, status) for rid, status, _, _ in engine.take_request_errors()] == [("bad", 500)]
+    assert is_valid(("regex", "[a-z]{5}"), engine.tokenizer.decode(res["ok"][0].token_ids))
+    assert engine.structured_output.num_matchers == 0 and not engine.requests
 
 
 def test_abort_mid_grammar_frees_matchers_and_blocks(llama_dir):

@@ -53,7 +53,8 @@ class _RequestGrammar:
     seq: Any = None  # choice 0, handed to the scheduler when compiled (when we hold it)
     schedules: bool = False  # we returned WAIT first: the scheduler gets the sequence from us
     deadline: float = 0.0
-    error: Optional[str] = None  # compile failure seen inside a step (another component scheduled it)
+    error: Optional[str] = None  # a failure seen inside a step: the next tick fails the request
+    status: int = 400
     sequences: set = field(default_factory=set)  # seq ids with a matcher
 
 
@@ -132,7 +133,7 @@ class StructuredOutputComponent(EngineComponent):
         while self._failed:
             entry = self._failed.pop()
             if self.grammars.get(entry.request.request_id) is entry:  # not aborted meanwhile
-                self._fail(entry, entry.error)
+                self._fail(entry, entry.error, entry.status)
 
     def _compiled(self, entry: _RequestGrammar) -> None:
         future = entry.future
@@ -144,12 +145,12 @@ class StructuredOutputComponent(EngineComponent):
         if entry.schedules:
             self.core.scheduler.add(entry.seq)
 
-    def _fail(self, entry: _RequestGrammar, message: str) -> None:
+    def _fail(self, entry: _RequestGrammar, message: str, status: int = 400) -> None:
         log.info("request %s: %s", entry.request.request_id, message)
-        if entry.schedules:  # never scheduled: nothing to undo but the registration
-            self.core.fail_request(entry.request, 400, message, PARAM)
-        else:  # another component scheduled it (or will): its sequences are aborted first
-            self.core.fail_admitted_request(entry.request, 400, message, PARAM)
+        if entry.schedules and entry.compiled is None:  # never scheduled: nothing to undo but the registration
+            self.core.fail_request(entry.request, status, message, PARAM)
+        else:  # scheduled (by us or another component): its sequences are aborted first
+            self.core.fail_admitted_request(entry.request, status, message, PARAM)
 
     def wait_idle(self) -> bool:
         """Only compiles in flight: wait for one a little instead of spinning."""
@@ -193,30 +194,32 @@ class StructuredOutputComponent(EngineComponent):
     def process_logits(self, seqs, specs, logits: torch.Tensor) -> None:
         if not self.grammars:
             return
-        plan = []
-        num_rows = row = 0
-        for seq, drafts in zip(seqs, specs):
-            if seq.request.request_id in self.grammars:
-                m = self._matcher(seq)
-                if m is not None:
-                    m.catch_up(seq.token_ids, seq.num_prompt_tokens)
-                    if m.constrains or (drafts and not m.reasoning_ended):
-                        plan.append((m, seq, row, drafts))
-                        num_rows += 1 + len(drafts)
-            row += 1 + len(drafts)
-        if not plan:
-            return
-        bitmask = self._buffer.rows(num_rows)
+        bitmask = None
         logit_rows: list[int] = []
-        index = 0
-        for m, seq, row, drafts in plan:
-            context: Any = ()
-            if drafts and not m.reasoning_ended and len(m.reasoning_end) > 1:
-                context = seq.token_ids[-(len(m.reasoning_end) - 1):]  # an end marker may close across drafts
-            filled = m.fill_rows(bitmask, index, drafts, context)
-            logit_rows += [row + j for j, _ in filled]
-            index += len(filled)
-        self._buffer.apply_(logits, index, logit_rows)
+        index = row = 0
+        for seq, drafts in zip(seqs, specs):
+            m = self._matcher(seq) if seq.request.request_id in self.grammars else None
+            if m is not None:
+                if bitmask is None:  # room for every row of the step: filled ones are a prefix
+                    bitmask = self._buffer.rows(len(seqs) + sum(len(d) for d in specs))
+                try:
+                    m.catch_up(seq.token_ids, seq.num_prompt_tokens)
+                    context: Any = ()
+                    if drafts and not m.reasoning_ended and len(m.reasoning_end) > 1:
+                        context = seq.token_ids[-(len(m.reasoning_end) - 1):]  # a marker may close across drafts
+                    filled = m.fill_rows(bitmask, index, drafts, context) if m.constrains or drafts else []
+                except Exception:  # noqa: BLE001 - one request's grammar must not fail the whole step
+                    log.exception("structured outputs: request %s failed in the grammar", seq.request.request_id)
+                    m.failed = True
+                    entry = self.grammars[seq.request.request_id]
+                    entry.error, entry.status = "structured outputs failed on this worker", 500
+                    self._failed.append(entry)
+                    filled = []
+                logit_rows += [row + j for j, _ in filled]
+                index += len(filled)
+            row += 1 + len(drafts)
+        if index:
+            self._buffer.apply_(logits, index, logit_rows)
 
     # --- the end of a choice / request ----------------------------------------------------
     def on_finished(self, seq) -> None:
