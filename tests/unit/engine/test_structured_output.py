@@ -287,6 +287,32 @@ def test_a_draft_that_ends_the_grammar_rolls_back_too(compiler):
     assert _allowed(bitmask[0]) == {ord("a")}
 
 
+def test_valid_prefix_of_drafts(compiler):
+    m = SequenceMatcher(xgr.GrammarMatcher(compiler.compile_regex("[0-9]{3}")), None, True)
+    assert m.valid_prefix([ord("1"), ord("2"), ord("x"), ord("3")]) == 2
+    assert m.valid_prefix([ord("1"), ord("2"), ord("3"), 257, ord("4")]) == 4  # up to the end of the grammar
+    assert m.valid_prefix([ord("x")]) == 0
+    bitmask = torch.zeros(1, 10, dtype=torch.int32)
+    m.fill_rows(bitmask, 0, (), ())
+    assert _allowed(bitmask[0]) == set(range(ord("0"), ord("9") + 1))  # unchanged
+
+
+def test_drafts_the_grammar_rejects_are_cut_before_scheduling(llama_dir):
+    engine = make_engine(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+                         spec_max_step_tokens=0)
+    engine.add_request(request("d", [1, 2], max_tokens=20, structured_outputs=StructuredOutputs(regex="[0-9]{10}")))
+    while not engine.requests["d"].sequences[0].output_ids:
+        engine.step()
+    seq = engine.requests["d"].sequences[0]
+    seq.spec_token_ids = [ord("1"), ord("x"), ord("2")]
+    engine.structured_output.before_schedule()
+    assert seq.spec_token_ids == [ord("1")]
+    seq.spec_token_ids = [ord("y")]
+    engine.structured_output.before_schedule()
+    assert seq.spec_token_ids == []
+
+
 def test_reasoning_end_starts_the_grammar(compiler):
     end = [ord("<"), ord(">")]
     assert not prompt_ended_reasoning([5, 6], [9], end)

@@ -11,7 +11,8 @@ tag) with xgrammar, as an engine component -- vLLM's StructuredOutputManager.
   (one per choice, created on its first sampling row) catches up with its output,
   fills a bitmask row per sampling row -- for a sequence verifying drafts one row per
   draft position, advancing through the drafts and rolling back -- and the mask turns
-  the disallowed logits to -inf.  The sampler's logprobs are computed from these
+  the disallowed logits to -inf.  Drafts the grammar rejects are cut before scheduling
+  (``before_schedule``).  The sampler's logprobs are computed from these
   logits, as vLLM's (its raw logprobs come after the grammar bitmask too), and the
   sampling mask (--return-sampling-mask) includes the grammar.
 - A grammar that reaches its end allows only the stop tokens, so the choice ends with
@@ -161,6 +162,22 @@ class StructuredOutputComponent(EngineComponent):
         return True
 
     # --- the step -------------------------------------------------------------------------
+    def before_schedule(self) -> None:
+        """After speculative decoding proposed its drafts (it comes earlier in the hook
+        order): cut each constrained choice's drafts at the first one its grammar rejects,
+        as vLLM's scheduler does, so no verify row is spent on a draft that cannot be kept."""
+        if not self.matchers:
+            return
+        for seq in self.core.scheduler.running:
+            drafts = seq.spec_token_ids
+            if drafts:
+                m = self.matchers.get(seq.seq_id)
+                if m is not None and m.reasoning_ended and not m.failed:
+                    m.catch_up(seq.token_ids, seq.num_prompt_tokens)
+                    keep = m.valid_prefix(drafts)
+                    if keep < len(drafts):
+                        seq.spec_token_ids = drafts[:keep]
+
     def _matcher(self, seq) -> Optional[SequenceMatcher]:
         m = self.matchers.get(seq.seq_id)
         if m is not None:

@@ -53,6 +53,23 @@ class SequenceMatcher:
     def constrains(self) -> bool:
         return self.reasoning_ended and not self.failed and not self.matcher.is_terminated()
 
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` the grammar accepts (vLLM's validate_tokens: up to
+        the first it rejects, or up to the one that ends it); the state is unchanged."""
+        matcher = self.matcher
+        if matcher.is_terminated():
+            return 0
+        n = 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            n += 1
+            if matcher.is_terminated():
+                break
+        if n:
+            matcher.rollback(n)
+        return n
+
     def fill_rows(self, bitmask: torch.Tensor, index: int, drafts: Sequence[int],
                   context: Sequence[int]) -> list[tuple[int, int]]:
         """Fill one mask row per constrained position ``j`` (0: the next token; j: after
