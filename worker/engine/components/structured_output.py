@@ -63,17 +63,19 @@ class StructuredOutputComponent(EngineComponent):
     name = "structured_output"
 
     def __init__(self, core, config: StructuredOutputsConfig, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 compile_workers: int = 1):
+                 compile_workers: int = 2):
         self.core = core  # EngineCore: scheduler, tokenizer, fail_request
         self.config = config
         self.vocab_size = core.vocab_size  # the model's logits width (padded vocabulary)
         self.compile_timeout_s = compile_timeout_s
+        # Two: one slow (or pathological) spec does not stall every other request's compile.
         self.compile_workers = compile_workers
+        self.backend = None  # XgrammarBackend, with the cache
         self._cache = None  # GrammarCache, built with the backend on the first structured request
         self.grammars: dict[str, _RequestGrammar] = {}  # request id -> its grammar
         self.pending: dict[str, _RequestGrammar] = {}  # request id -> compiling
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> matcher
-        self._failed: list[_RequestGrammar] = []  # compile failures seen inside a step
+        self._failed: list[_RequestGrammar] = []  # failures seen inside a step: failed by the next tick
         self._buffer = BitmaskBuffer(self.vocab_size, core.device)
 
     # --- the compile side ---------------------------------------------------------------
