@@ -272,6 +272,12 @@ class WorkerLoad(msgspec.Struct, **_STRUCT):
     # vllm:engine_sleep_state: the level of the last /sleep (0 pauses only, 1 the KV cache,
     # 2 the weights too) until a wake-up leaves the worker fully awake; -1 while awake.
     sleep_level: int = -1
+    # Structured outputs: grammar matchers alive (one per constrained choice) and requests
+    # waiting for their grammar to compile.
+    grammar_matchers: int = 0
+    grammars_compiling: int = 0
+    # vllm:num_preemptions_total: sequences preempted (recompute) since the worker started.
+    num_preemptions: int = 0
 
 
 DEFAULT_WEIGHT_VERSION = "default"  # vLLM's label until a trainer names one

@@ -99,6 +99,15 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Raw vocabulary string -> id, added tokens included (HF's ``get_vocab``)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The tokenizer.json text (its model, pre-tokenizer and decoder describe how the
+        vocabulary's strings map to bytes: what a grammar compiler needs)."""
+        return self._tok.to_str()
+
 
 def load_tokenizer(model_dir: str | Path, eos_token_ids: Sequence[int] = ()) -> Optional[Tokenizer]:
     """Tokenizer of ``model_dir``, or None when it ships no tokenizer.json."""

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='structured outputs, vLLM\'s JSON: {"backend": "xgrammar", "disable_any_whitespace": false, '
+                        '"enable_in_reasoning": false} (backends: auto, xgrammar)')
     p.add_argument("--spec-max-step-tokens", type=int, default=None,
                    help="speculative decoding: decode rows plus drafts per step stay within this "
                         "(default 8 on CPU, where compute binds past a few rows; no cap on CUDA; 0: no cap)")
@@ -164,6 +167,7 @@ def engine_config_from_args(args):
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config,
                         spec_max_step_tokens=args.spec_max_step_tokens,
+                        structured_outputs_config=args.structured_outputs_config,
                         kv_transfer_address=args.kv_transfer_address, kv_transfer_timeout=args.kv_transfer_timeout,
                         kv_transfer_enabled=args.role in ("prefill", "decode") or
                         parse_kv_transfer_config(args.kv_transfer_config) is not None,

@@ -320,3 +320,17 @@ def test_speculative_decoding_on_cuda_matches_plain(llama_dir, tmp_path):
         for g, p in zip(got, plain):
             assert max(abs(a - b) for a, b in zip(g.logprobs.logprobs, p.logprobs.logprobs)) < 1e-4
         assert sum(sum(g.spec_decode.histogram[1:]) for g in got) > 0, cfg["method"]
+
+
+def test_structured_outputs_on_cuda(llama_dir):
+    """The grammar mask through the Triton kernel (pinned bitmask, async copy), with CUDA graphs."""
+    from tests.support.structured_output_cases import cases, is_valid
+
+    engine = make_engine(llama_dir, device="cuda", dtype="bfloat16", max_model_len=1024)
+    chosen = cases()[:6] + cases()[-6:]
+    reqs = [request(f"so{i}", [1, 2, i], max_tokens=600, temperature=1.0, seed=i, n=2, structured_outputs=so)
+            for i, (_, so, _) in enumerate(chosen)]
+    res = engine.generate(reqs)
+    for r, (_, _, check) in zip(reqs, chosen):
+        for d in res[r.request_id]:
+            assert d.finish_reason == "stop" and is_valid(check, engine.tokenizer.decode(d.token_ids))

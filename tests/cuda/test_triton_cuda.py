@@ -43,3 +43,20 @@ def test_elementwise_on_gpu():
     expected = apply_rotary(qk.clone(), rotary_factors(table, pos, 12))
     ops().rotary_(qk, table, pos)
     torch.testing.assert_close(qk, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_grammar_bitmask_on_gpu():
+    from worker.engine.kernels.triton import ops
+    from worker.engine.structured_output.bitmask import apply_bitmask_torch_
+
+    for vocab in (320, 151_936):
+        gen = torch.Generator().manual_seed(vocab)
+        logits = torch.randn(9, vocab, generator=gen)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), generator=gen,
+                                dtype=torch.int64).to(torch.int32)
+        indices = torch.tensor([8, 0, 3, 5])
+        want = logits.clone()
+        apply_bitmask_torch_(want, bitmask, indices)
+        got = logits.cuda()
+        ops().apply_bitmask_(got, bitmask.cuda(), indices.cuda())
+        assert torch.equal(got.cpu(), want)

@@ -310,3 +310,24 @@ def test_varlen_attention_matches_per_sequence_sdpa(dtype, head_dim, lens):
     if len(lens) > 1:
         merged = _ops().varlen_attention(q, k, v, torch.tensor([0, total], dtype=torch.int32), scale)
         assert (merged.float() - ref).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [320, 5000, 4096 * 2 + 7])
+def test_apply_bitmask_matches_torch(dtype, vocab):
+    """The grammar bitmask kernel (structured outputs) against the torch op it replaces on CUDA."""
+    from worker.engine.structured_output.bitmask import apply_bitmask_torch_
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0  # a row allowing nothing but what the next word allows
+    bitmask[1, -1] = -1
+    indices = torch.tensor([3, 0, 4])
+    want = logits.clone()
+    apply_bitmask_torch_(want, bitmask, indices)
+    got = logits.clone()
+    _ops().apply_bitmask_(got, bitmask, indices)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 2]], logits[[1, 2]])

@@ -141,6 +141,7 @@ CORE = (f"{E}.config", f"{E}.core.request", f"{E}.core.block_manager", f"{E}.cor
         f"{E}.core.outputs", f"{E}.core.wire_output", f"{E}.runner", f"{E}.sample", f"{E}.loading",
         f"{E}.attention", f"{E}.models", f"{E}.kernels", f"{E}.parallel.state", f"{E}.parallel.sharding")
 FEATURES = (f"{E}.lora", f"{E}.spec_decode", f"{E}.multimodal", f"{E}.disagg", f"{E}.rl", f"{E}.components",
+            f"{E}.structured_output",
             f"{E}.parallel.follower")
 TOP = (f"{E}.core.engine_core", f"{E}.engine")
 

@@ -29,7 +29,8 @@ def test_a_plain_engine_calls_few_hooks(llama_dir):
     engine = make_engine(llama_dir)
     assert not engine.hooks.on_scheduled and engine.hooks.check  # the transfer checks stay on
     assert engine.lora is None and not any(isinstance(c, RoutedExpertsCapture) for c in engine.components)
-    assert [c.name for c in engine.components] == ["rl", "encoder_disaggregation", "kv_transfer"]
+    # structured outputs are always served (as vLLM): their hooks return at once without a grammar
+    assert [c.name for c in engine.components] == ["rl", "encoder_disaggregation", "kv_transfer", "structured_output"]
 
 
 def test_the_engine_and_the_fake_worker_implement_the_worker_protocol(llama_dir):

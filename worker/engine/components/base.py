@@ -24,6 +24,10 @@ Hook order in a request's life::
     on_stalled()                  requests wait but none can start and nothing runs: True
                                   when the component holds blocks that will come back
     on_scheduled(scheduled)       the step's batch, before the forward
+    process_logits(seqs, specs, logits)  the sampling rows' logits, right before the sampler:
+                                  modify them in place (grammar masks); seqs[i] owns
+                                  1 + len(specs[i]) consecutive rows, row j the distribution
+                                  after its drafts specs[i][:j] (speculative verification)
     on_sampled(outs, rows, res)   the step's outputs, with each output's first sampler row
     on_finished(seq)              a choice finished (stop, length or abort), blocks still held
     forget(request)               the request is gone (finished, aborted or failed)
@@ -38,6 +42,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from common.protocol import CompletionDelta, GenerateRequest, WorkerLoad
     from worker.engine.core.outputs import SequenceOutput
     from worker.engine.core.request import EngineSequence, Request
@@ -47,7 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
-HOOKS = ("check", "admit", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled", "on_sampled",
+HOOKS = ("check", "admit", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled",
+         "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
          "on_kv_cache_allocated", "close")
 
@@ -92,6 +99,11 @@ class EngineComponent:
     def on_scheduled(self, scheduled: "list[ScheduledSeq]") -> None:
         """The step's batch, before the forward (may reorder it)."""
 
+    def process_logits(self, seqs: "list[EngineSequence]", specs: "list[tuple]", logits: "torch.Tensor") -> None:
+        """The step's sampling logits, before the sampler (and its logprobs) reads them:
+        modify them in place.  ``seqs[i]`` owns ``1 + len(specs[i])`` consecutive rows
+        (in order); its row ``j`` is the distribution after its drafts ``specs[i][:j]``."""
+
     def on_sampled(self, outs: "list[SequenceOutput]", first_rows: "list[int]", result: "SamplerOutput") -> None:
         """The step's outputs; ``first_rows[i]``: the sampler row of ``outs[i]``'s first token."""
 
@@ -135,6 +147,7 @@ class Hooks:
     wait_idle: list[Callable[[], bool]]
     on_stalled: list[Callable[[], bool]]
     on_scheduled: list[Callable[..., None]]
+    process_logits: list[Callable[..., None]]
     on_sampled: list[Callable[..., None]]
     on_finished: list[Callable[..., None]]
     forget: list[Callable[..., None]]

@@ -25,7 +25,8 @@ from worker.engine.components.kv_transfer import KvTransferComponent
 from worker.engine.components.lora import LoRAComponent
 from worker.engine.components.routed_experts import RoutedExpertsCapture
 from worker.engine.components.sampling_mask import SamplingMaskCapture
-from worker.engine.config import EngineConfig
+from worker.engine.components.structured_output import StructuredOutputComponent
+from worker.engine.config import EngineConfig, StructuredOutputsConfig
 from worker.engine.disagg.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
@@ -179,6 +180,11 @@ class EngineCore:
         if self.spec is not None:  # after LoRA: drafts fill the batch in its final order
             self.spec_decode = SpecDecodeComponent(self.spec, self)
             components.append(self.spec_decode)
+        # Last: a request whose KV / encoder outputs are pulled is scheduled by that pull
+        # (its grammar compiles meanwhile); WAIT here only for a request nothing else holds.
+        self.structured_output = StructuredOutputComponent(
+            self, StructuredOutputsConfig.parse(config.structured_outputs_config))
+        components.append(self.structured_output)
         return components
 
     def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
@@ -253,6 +259,12 @@ class EngineCore:
         """A request failed outside a step's outputs (a pull): it is gone; the worker
         reports it (``take_request_errors``)."""
         self.forget_request(request)
+        self._request_errors.append((request.request_id, status, message, param))
+
+    def fail_admitted_request(self, request: Request, status: int, message: str, param: str) -> None:
+        """``fail_request`` for a request whose choices may be scheduled already: they are
+        aborted (blocks freed, pulls cancelled) first; the error is its only answer."""
+        self.abort(request.request_id)
         self._request_errors.append((request.request_id, status, message, param))
 
     def _stalled(self) -> None:
@@ -343,7 +355,7 @@ class EngineCore:
         load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
                           free_kv_blocks=self.block_manager.num_free_blocks,
                           total_kv_blocks=self.block_manager.num_blocks,
-                          max_num_seqs=self.config.max_num_seqs)
+                          max_num_seqs=self.config.max_num_seqs, num_preemptions=self.scheduler.num_preemptions)
         for fill in self.hooks.fill_load:  # LoRA adapters, encoder cache, a released KV cache
             fill(load)
         return load
@@ -420,6 +432,8 @@ class EngineCore:
             sample_logits = logits[num_prompt_rows:]
         else:
             sample_logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=logits.device))
+        for process in self.hooks.process_logits:  # grammar masks (structured outputs)
+            process(sample_seqs, specs, sample_logits)
         sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
         meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
         return sample_seqs, specs, self.sampler(sample_logits, meta, self._sampler_masks)

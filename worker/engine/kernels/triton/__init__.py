@@ -1,7 +1,7 @@
 """Triton kernels of the CUDA engine path: paged attention over the block table
 (prefill chunks with cached context and decode rows in one launch), the KV-cache
-write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM, the segmented LoRA matmuls
-and the vision towers' variable-length attention.
+write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM, the segmented LoRA matmuls,
+the vision towers' variable-length attention and the structured-output grammar bitmask.
 
 Importing this package does not import triton (CPU installs may lack it); ``ops()``
 loads the kernels.  They also run on CPU tensors under Triton's interpreter
@@ -29,6 +29,7 @@ def ops() -> Any:
     global _ops
     if _ops is None:
         from worker.engine.kernels.triton.attention import unified_attention
+        from worker.engine.kernels.triton.bitmask import apply_bitmask_
         from worker.engine.kernels.triton.cache import reshape_and_cache
         from worker.engine.kernels.triton.elementwise import rms_norm, rotary_, silu_and_mul
         from worker.engine.kernels.triton.fused_moe import fused_experts
@@ -36,17 +37,19 @@ def ops() -> Any:
 
         _ops = SimpleNamespace(unified_attention=unified_attention, reshape_and_cache=reshape_and_cache,
                                rms_norm=rms_norm, rotary_=rotary_, silu_and_mul=silu_and_mul,
-                               fused_experts=fused_experts, varlen_attention=varlen_attention)
+                               fused_experts=fused_experts, varlen_attention=varlen_attention,
+                               apply_bitmask_=apply_bitmask_)
     return _ops
 
 
 def compile_specs() -> list[tuple[str, Any, dict, dict]]:
     """(name, jit function, signature, constexprs) of every kernel, for ASTSource."""
     from worker.engine.kernels.triton.attention import compile_specs as attention_specs
+    from worker.engine.kernels.triton.bitmask import compile_specs as bitmask_specs
     from worker.engine.kernels.triton.cache import compile_specs as cache_specs
     from worker.engine.kernels.triton.elementwise import compile_specs as elementwise_specs
     from worker.engine.kernels.triton.fused_moe import compile_specs as moe_specs
     from worker.engine.kernels.triton.lora import compile_specs as lora_specs
     from worker.engine.kernels.triton.varlen_attention import compile_specs as varlen_specs
 
-    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs() + varlen_specs()
+    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs() + varlen_specs() + bitmask_specs()

@@ -1,0 +1,264 @@
+"""Structured outputs (JSON schema, regex, choice, EBNF grammar, JSON object, structural
+tag) with xgrammar, as an engine component -- vLLM's StructuredOutputManager.
+
+- ``check``: the spec is re-validated (direct ZeroMQ clients skip the gateway): exactly
+  one constraint, bounded sizes (structured_output/spec.py).
+- ``admit``: a cached grammar -> READY; else the spec goes to the compile pool
+  (structured_output/grammar_cache.py) and the request WAITs -- other requests keep
+  decoding -- until ``tick`` sees it compiled and hands it to the scheduler, or fails
+  it with a 400 carrying the compiler's reason (or its timeout).
+- ``process_logits``: right before the sampler, each constrained sequence's matcher
+  (one per choice, created on its first sampling row) catches up with its output,
+  fills a bitmask row per sampling row -- for a sequence verifying drafts one row per
+  draft position, advancing through the drafts and rolling back -- and the mask turns
+  the disallowed logits to -inf.  Drafts the grammar rejects are cut before scheduling
+  (``before_schedule``).  The sampler's logprobs are computed from these
+  logits, as vLLM's (its raw logprobs come after the grammar bitmask too), and the
+  sampling mask (--return-sampling-mask) includes the grammar.
+- A grammar that reaches its end allows only the stop tokens, so the choice ends with
+  finish_reason "stop" on the ordinary stop check.
+- ``on_finished`` / ``forget``: the matcher and the request's grammar are dropped
+  (finish, abort, failure).  Preemption keeps the matcher: recompute keeps the
+  tokens the matcher accepted.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from common.errors import BadRequest
+from worker.engine.components.base import READY, WAIT, EngineComponent
+from worker.engine.config import StructuredOutputsConfig
+from worker.engine.structured_output.bitmask import BitmaskBuffer
+from worker.engine.structured_output.reasoning import prompt_ended_reasoning
+from worker.engine.structured_output.sequence_matcher import SequenceMatcher
+from worker.engine.structured_output.spec import PARAM, GrammarKey, grammar_key
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 60.0  # past it the request fails (400); the compile thread finishes on its own
+
+
+@dataclass
+class _RequestGrammar:
+    request: Any  # Request
+    key: GrammarKey
+    stop_token_ids: Optional[list[int]]
+    compiled: Any = None  # xgr.CompiledGrammar once ready
+    future: Optional[concurrent.futures.Future] = None
+    seq: Any = None  # choice 0, handed to the scheduler when compiled (when we hold it)
+    schedules: bool = False  # we returned WAIT first: the scheduler gets the sequence from us
+    deadline: float = 0.0
+    error: Optional[str] = None  # a failure seen inside a step: the next tick fails the request
+    status: int = 400
+    sequences: set = field(default_factory=set)  # seq ids with a matcher
+
+
+class StructuredOutputComponent(EngineComponent):
+    name = "structured_output"
+
+    def __init__(self, core, config: StructuredOutputsConfig, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 compile_workers: int = 2):
+        self.core = core  # EngineCore: scheduler, tokenizer, fail_request
+        self.config = config
+        self.vocab_size = core.vocab_size  # the model's logits width (padded vocabulary)
+        self.compile_timeout_s = compile_timeout_s
+        # Two: one slow (or pathological) spec does not stall every other request's compile.
+        self.compile_workers = compile_workers
+        self.backend = None  # XgrammarBackend, with the cache
+        self._cache = None  # GrammarCache, built with the backend on the first structured request
+        self.grammars: dict[str, _RequestGrammar] = {}  # request id -> its grammar
+        self.pending: dict[str, _RequestGrammar] = {}  # request id -> compiling
+        self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> matcher
+        self._failed: list[_RequestGrammar] = []  # failures seen inside a step: failed by the next tick
+        self._buffer = BitmaskBuffer(self.vocab_size, core.device)
+
+    # --- the compile side ---------------------------------------------------------------
+    @property
+    def cache(self):
+        if self._cache is None:
+            from worker.engine.structured_output.backend_xgrammar import XgrammarBackend
+            from worker.engine.structured_output.grammar_cache import GrammarCache
+
+            mc = self.core.model_config
+            backend = XgrammarBackend(self.core.tokenizer, self.vocab_size, list(mc.eos_token_ids))
+            self._cache = GrammarCache(backend.compile, workers=self.compile_workers)
+            self.backend = backend
+        return self._cache
+
+    def _key(self, req) -> GrammarKey:
+        return grammar_key(req.params.structured_outputs, self.vocab_size,
+                           disable_any_whitespace=self.config.disable_any_whitespace)
+
+    def check(self, req, mm) -> None:
+        if req.params.structured_outputs is None:
+            return
+        if self.core.tokenizer is None:
+            raise BadRequest(f"{PARAM} needs the model's tokenizer; this worker serves tokens only", PARAM)
+        self._key(req)
+
+    def admit(self, request, seq, held: bool) -> str:
+        so = request.params.structured_outputs
+        if so is None:
+            return READY
+        stop_ids = set(request.stop_token_ids)
+        if request.primary_eos is not None:
+            stop_ids.add(request.primary_eos)
+        entry = _RequestGrammar(request, self._key(request.req), sorted(stop_ids) or None)
+        compiled = self.cache.get(entry.key)
+        self.grammars[request.request_id] = entry
+        if compiled is not None:
+            entry.compiled = compiled
+            return READY
+        entry.future = self.cache.submit(entry.key)  # Overloaded when too many compile: the admission is undone
+        entry.seq = seq
+        entry.schedules = not held  # held: another component hands it to the scheduler
+        entry.deadline = time.monotonic() + self.compile_timeout_s
+        self.pending[request.request_id] = entry
+        return WAIT
+
+    def tick(self) -> None:
+        if self.pending:
+            now = time.monotonic()
+            for rid, entry in list(self.pending.items()):
+                if entry.future.done():
+                    del self.pending[rid]
+                    self._compiled(entry)
+                elif now > entry.deadline:
+                    del self.pending[rid]
+                    self._fail(entry, f"{PARAM}: compiling the grammar took longer than "
+                                      f"{self.compile_timeout_s:g} s")
+        while self._failed:
+            entry = self._failed.pop()
+            if self.grammars.get(entry.request.request_id) is entry:  # not aborted meanwhile
+                self._fail(entry, entry.error, entry.status)
+
+    def _compiled(self, entry: _RequestGrammar) -> None:
+        future = entry.future
+        exc = future.exception() if not future.cancelled() else RuntimeError("cancelled")
+        if exc is not None:
+            self._fail(entry, f"{PARAM}: the {entry.key.kind} constraint does not compile: {exc}")
+            return
+        entry.compiled = future.result()
+        if entry.schedules:
+            self.core.scheduler.add(entry.seq)
+
+    def _fail(self, entry: _RequestGrammar, message: str, status: int = 400) -> None:
+        log.info("request %s: %s", entry.request.request_id, message)
+        if entry.schedules and entry.compiled is None:  # never scheduled: nothing to undo but the registration
+            self.core.fail_request(entry.request, status, message, PARAM)
+        else:  # scheduled (by us or another component): its sequences are aborted first
+            self.core.fail_admitted_request(entry.request, status, message, PARAM)
+
+    def wait_idle(self) -> bool:
+        """Only compiles in flight: wait for one a little instead of spinning."""
+        if not self.pending:
+            return False
+        concurrent.futures.wait([e.future for e in self.pending.values()], timeout=0.02,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        return True
+
+    # --- the step -------------------------------------------------------------------------
+    def before_schedule(self) -> None:
+        """After speculative decoding proposed its drafts (it comes earlier in the hook
+        order): cut each constrained choice's drafts at the first one its grammar rejects,
+        as vLLM's scheduler does, so no verify row is spent on a draft that cannot be kept."""
+        if not self.matchers:
+            return
+        for seq in self.core.scheduler.running:
+            drafts = seq.spec_token_ids
+            if drafts:
+                m = self.matchers.get(seq.seq_id)
+                if m is not None and m.reasoning_ended and not m.failed:
+                    m.catch_up(seq.token_ids, seq.num_prompt_tokens)
+                    keep = m.valid_prefix(drafts)
+                    if keep < len(drafts):
+                        seq.spec_token_ids = drafts[:keep]
+
+    def _matcher(self, seq) -> Optional[SequenceMatcher]:
+        m = self.matchers.get(seq.seq_id)
+        if m is not None:
+            return m
+        entry = self.grammars.get(seq.request.request_id)
+        if entry is None or entry.error is not None:
+            return None
+        if entry.compiled is None:
+            # Scheduled by another component (a KV / encoder pull finished first): the
+            # grammar is needed now.  Rare; bounded by the compile timeout.
+            try:
+                entry.compiled = entry.future.result(timeout=max(entry.deadline - time.monotonic(), 0.0))
+            except Exception as exc:  # noqa: BLE001 - the compiler's reason goes to the client
+                self.pending.pop(seq.request.request_id, None)
+                # The choice samples unconstrained this once; the next tick fails the request.
+                entry.error = f"{PARAM}: the {entry.key.kind} constraint does not compile: {exc}"
+                self._failed.append(entry)
+                return None
+            self.pending.pop(seq.request.request_id, None)
+        so = seq.request.params.structured_outputs
+        ended = (self.config.enable_in_reasoning
+                 or prompt_ended_reasoning(seq.request.prompt_token_ids, so.reasoning_start, so.reasoning_end))
+        from worker.engine.structured_output.backend_xgrammar import XgrammarBackend
+
+        m = SequenceMatcher(XgrammarBackend.matcher(entry.compiled, entry.stop_token_ids),
+                            None if self.config.enable_in_reasoning else so.reasoning_end, ended)
+        self.matchers[seq.seq_id] = m
+        entry.sequences.add(seq.seq_id)
+        return m
+
+    def process_logits(self, seqs, specs, logits: torch.Tensor) -> None:
+        if not self.grammars:
+            return
+        bitmask = None
+        logit_rows: list[int] = []
+        index = row = 0
+        for seq, drafts in zip(seqs, specs):
+            m = self._matcher(seq) if seq.request.request_id in self.grammars else None
+            if m is not None:
+                if bitmask is None:  # room for every row of the step: filled ones are a prefix
+                    bitmask = self._buffer.rows(len(seqs) + sum(len(d) for d in specs))
+                try:
+                    m.catch_up(seq.token_ids, seq.num_prompt_tokens)
+                    context: Any = ()
+                    if drafts and not m.reasoning_ended and len(m.reasoning_end) > 1:
+                        context = seq.token_ids[-(len(m.reasoning_end) - 1):]  # a marker may close across drafts
+                    filled = m.fill_rows(bitmask, index, drafts, context) if m.constrains or drafts else []
+                except Exception:  # noqa: BLE001 - one request's grammar must not fail the whole step
+                    log.exception("structured outputs: request %s failed in the grammar", seq.request.request_id)
+                    m.failed = True
+                    entry = self.grammars[seq.request.request_id]
+                    entry.error, entry.status = "structured outputs failed on this worker", 500
+                    self._failed.append(entry)
+                    filled = []
+                logit_rows += [row + j for j, _ in filled]
+                index += len(filled)
+            row += 1 + len(drafts)
+        if index:
+            self._buffer.apply_(logits, index, logit_rows)
+
+    # --- the end of a choice / request ----------------------------------------------------
+    def on_finished(self, seq) -> None:
+        self.matchers.pop(seq.seq_id, None)
+
+    def forget(self, request) -> None:
+        entry = self.grammars.pop(request.request_id, None)
+        self.pending.pop(request.request_id, None)
+        if entry is not None:
+            for seq_id in entry.sequences:  # a choice never finished (a failed request)
+                self.matchers.pop(seq_id, None)
+
+    def fill_load(self, load) -> None:
+        load.grammar_matchers = len(self.matchers)
+        load.grammars_compiling = len(self.pending)
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+
+    @property
+    def num_matchers(self) -> int:
+        return len(self.matchers)
