@@ -225,9 +225,7 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
             so_config = parse_structured_outputs_config(args.structured_outputs_config).to_json()
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-        # TODO(structured outputs, engine side): the workers take the same flag
-        # (worker/main.py, branch so-engine); pass it to them once their parser has it:
-        #     worker_args += ["--structured-outputs-config", so_config]
+        worker_args += ["--structured-outputs-config", so_config]
     for rank in range(args.workers):
         # Each worker sees only its own GPUs, which it then calls cuda:0 .. cuda:N-1.
         gpus = ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))

@@ -8,6 +8,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from common.structured_outputs_config import StructuredOutputsConfig, parse_structured_outputs_config
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -68,7 +70,8 @@ class EngineConfig:
     # 8 on CPU (compute binds past a few rows there), no cap on CUDA; 0: no cap.
     spec_max_step_tokens: Optional[int] = None
     # Structured outputs: vLLM's --structured-outputs-config (JSON text or dict), e.g.
-    # {"backend": "xgrammar"}; parsed by StructuredOutputsConfig below.
+    # {"backend": "xgrammar"}; parsed by structured_outputs_config() below (common's parser, one
+    # for gateway, workers and `tokserve serve`).
     structured_outputs_config: Optional[Union[str, dict]] = None
     # P/D disaggregation (disagg/kv_transfer.py): where the KV transfer server binds (None:
     # tcp://127.0.0.1:*, a random port; bound on the first prefill leg) and how long a
@@ -141,7 +144,7 @@ class EngineConfig:
             raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported")
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.tensor_parallel_size > 1:
             raise ValueError("--speculative-config with --tensor-parallel-size > 1 is not supported")
-        StructuredOutputsConfig.parse(self.structured_outputs_config)  # ValueError naming what is wrong
+        structured_outputs_config(self.structured_outputs_config)  # ValueError naming what is wrong
         self.torch_device  # validates the device string
         self.dtype_for(self.torch_device)  # validates the dtype string
 
@@ -265,57 +268,7 @@ class SpeculativeConfig:
         return cls("ngram", k, lo, hi, disable)
 
 
-# --- ``--structured-outputs-config`` (vLLM's StructuredOutputsConfig JSON shape) ----------
-STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")  # auto resolves to xgrammar (vLLM's default)
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """vLLM's ``StructuredOutputsConfig`` keys.  ``reasoning_parser`` belongs to the
-    gateway (it turns the parser into the requests' ``reasoning_end`` markers); the
-    worker accepts the key so one JSON serves both."""
-
-    backend: str = "xgrammar"
-    disable_fallback: bool = False  # one backend here: there is nothing to fall back to
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    reasoning_parser: str = ""
-    reasoning_parser_plugin: str = ""
-    enable_in_reasoning: bool = False  # constrain reasoning too (the markers are ignored)
-
-    @classmethod
-    def parse(cls, value: Union[str, dict, None]) -> "StructuredOutputsConfig":
-        """The defaults for None / ""; ValueError naming what is wrong."""
-        if value is None or value == "":
-            return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--structured-outputs-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"--structured-outputs-config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        backend = value.get("backend", "auto")
-        if backend not in STRUCTURED_OUTPUT_BACKENDS:
-            raise ValueError(f"--structured-outputs-config: backend {backend!r} is not supported; "
-                             f"supported: 'auto', 'xgrammar' (guidance, outlines and lm-format-enforcer are not "
-                             f"implemented)")
-        fields: dict[str, Any] = {"backend": "xgrammar"}
-        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                     "enable_in_reasoning"):
-            if name in value:
-                if not isinstance(value[name], bool):
-                    raise ValueError(f"--structured-outputs-config: {name} must be true or false, "
-                                     f"got {value[name]!r}")
-                fields[name] = value[name]
-        for name in ("reasoning_parser", "reasoning_parser_plugin"):
-            if name in value:
-                if not isinstance(value[name], str):
-                    raise ValueError(f"--structured-outputs-config: {name} must be a string")
-                fields[name] = value[name]
-        return cls(**fields)
+def structured_outputs_config(value: Union[str, dict, None]) -> StructuredOutputsConfig:
+    """The worker's ``--structured-outputs-config`` (JSON text, or a dict from Python
+    callers): common's parser, so gateway and workers accept and refuse the same values."""
+    return parse_structured_outputs_config(json.dumps(value) if isinstance(value, dict) else value)

@@ -21,7 +21,7 @@ from common.protocol import StructuredOutputs  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from tests.support.engine_helpers import make_engine, random_prompts, request  # noqa: E402
 from tests.support.structured_output_cases import cases, is_valid  # noqa: E402
-from worker.engine.config import StructuredOutputsConfig  # noqa: E402
+from worker.engine.config import structured_outputs_config  # noqa: E402
 from worker.engine.structured_output.backend_xgrammar import build_tokenizer_info  # noqa: E402
 from worker.engine.structured_output.bitmask import BitmaskBuffer, apply_bitmask_torch_  # noqa: E402
 from worker.engine.structured_output.grammar_cache import GrammarCache  # noqa: E402
@@ -181,14 +181,14 @@ def test_grammar_key_includes_the_options():
 
 
 def test_structured_outputs_config():
-    assert StructuredOutputsConfig.parse(None).backend == "xgrammar"
-    assert StructuredOutputsConfig.parse('{"backend": "auto", "enable_in_reasoning": true}').enable_in_reasoning
-    with pytest.raises(ValueError, match="'guidance' is not supported"):
-        StructuredOutputsConfig.parse('{"backend": "guidance"}')
-    with pytest.raises(ValueError, match="unknown key"):
-        StructuredOutputsConfig.parse('{"backnd": "xgrammar"}')
-    with pytest.raises(ValueError, match="not valid JSON"):
-        StructuredOutputsConfig.parse("{")
+    assert structured_outputs_config(None).backend == "auto"  # vLLM's default: xgrammar here
+    assert structured_outputs_config('{"backend": "auto", "enable_in_reasoning": true}').enable_in_reasoning
+    with pytest.raises(ValueError, match="'guidance' is not served"):
+        structured_outputs_config('{"backend": "guidance"}')
+    with pytest.raises(ValueError, match="unknown field"):
+        structured_outputs_config('{"backnd": "xgrammar"}')
+    with pytest.raises(ValueError, match="is not JSON"):
+        structured_outputs_config("{")
 
 
 # --- the grammar cache ---------------------------------------------------------------------

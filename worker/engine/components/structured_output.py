@@ -33,7 +33,7 @@ import torch
 
 from common.errors import BadRequest
 from worker.engine.components.base import READY, WAIT, EngineComponent
-from worker.engine.config import StructuredOutputsConfig
+from common.structured_outputs_config import StructuredOutputsConfig
 from worker.engine.structured_output.bitmask import BitmaskBuffer
 from worker.engine.structured_output.reasoning import prompt_ended_reasoning
 from worker.engine.structured_output.sequence_matcher import SequenceMatcher

@@ -26,7 +26,7 @@ from worker.engine.components.lora import LoRAComponent
 from worker.engine.components.routed_experts import RoutedExpertsCapture
 from worker.engine.components.sampling_mask import SamplingMaskCapture
 from worker.engine.components.structured_output import StructuredOutputComponent
-from worker.engine.config import EngineConfig, StructuredOutputsConfig
+from worker.engine.config import EngineConfig, structured_outputs_config
 from worker.engine.disagg.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
@@ -183,7 +183,7 @@ class EngineCore:
         # Last: a request whose KV / encoder outputs are pulled is scheduled by that pull
         # (its grammar compiles meanwhile); WAIT here only for a request nothing else holds.
         self.structured_output = StructuredOutputComponent(
-            self, StructuredOutputsConfig.parse(config.structured_outputs_config))
+            self, structured_outputs_config(config.structured_outputs_config))
         components.append(self.structured_output)
         return components
 
