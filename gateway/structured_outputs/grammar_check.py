@@ -8,8 +8,8 @@ spec, so callers run it on the render pool; results (accepted, or the refusal's 
 kept in a bounded LRU keyed by a digest of the constraint, so a warm spec costs one lookup.
 
 ``backend: auto`` is xgrammar here with no fallback: a schema using features xgrammar does not
-support (``has_xgrammar_unsupported_json_features``) is refused, where vLLM's auto mode would
-hand it to guidance or outlines.  Where vLLM's message gives no reason (grammars, structural
+support (vLLM's ``has_xgrammar_unsupported_json_features``; common/structured_outputs_spec.py)
+is refused, where vLLM's auto mode would hand it to guidance or outlines.  Where vLLM's message gives no reason (grammars, structural
 tags) the compiler's reason is appended after vLLM's sentence; xgrammar's log prefix (time,
 C++ source location) is dropped from the reasons.
 """
@@ -26,14 +26,10 @@ import msgspec
 
 from common.errors import BadRequest
 from common.protocol import StructuredOutputs
+from common.structured_outputs_spec import (MAX_JSON_NESTING, STRUCTURAL_TAG_WRAPPER_NESTING, choice_as_grammar,
+                                            exceeds_json_nesting, grammar_is_likely_lark, unsupported_json_feature)
 
-MAX_JSON_NESTING = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING
-STRUCTURAL_TAG_WRAPPER_NESTING = 16  # extra depth a structural tag may wrap its schemas in
 _PARAM = "structured_outputs"
-
-# xgrammar's JSON schema converter: string formats it supports (vLLM's STRING_SUPPORTED_FORMATS)
-_STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
-                             "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
 
 
 class GrammarError(ValueError):
@@ -53,105 +49,11 @@ def _reason(err: Exception) -> str:
     return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
 
 
-def exceeds_json_nesting(spec: Any, limit: int) -> bool:
-    """vLLM's ``_exceeds_json_nesting``: objects and arrays nested deeper than ``limit``
-    (breadth-first, so a deep document costs no recursion)."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except RecursionError:
-            return True
-        except ValueError:
-            return False  # malformed JSON is reported by the conversion
-    level = [spec]
-    for _ in range(limit):
-        level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)
-                 if isinstance(child, (dict, list))]
-        if not level:
-            return False
-    return True
-
-
 def check_json_nesting(spec: Any, *, structural_tag: bool = False) -> None:
     limit = MAX_JSON_NESTING + (STRUCTURAL_TAG_WRAPPER_NESTING if structural_tag else 0)
     if spec and exceeds_json_nesting(spec, limit):
         raise GrammarError("The JSON schema is nested too deeply: objects and arrays may nest at most "
                            f"{MAX_JSON_NESTING} levels")
-
-
-def _schema_types(schema: dict) -> set:
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return {kind}
-    if isinstance(kind, list):
-        return {k for k in kind if isinstance(k, str)}
-    return set()
-
-
-def _pattern_and_length(schema: dict) -> bool:
-    return ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema)
-
-
-def has_xgrammar_unsupported_json_features(schema: Any) -> bool:
-    """vLLM's list of schema features xgrammar mis-handles (tracked upstream issues)."""
-    stack = [schema]
-    while stack:
-        obj = stack.pop()
-        if not isinstance(obj, dict):
-            continue
-        types = _schema_types(obj)
-        if types & {"integer", "number"} and "multipleOf" in obj:
-            return True
-        if "array" in types and any(k in obj for k in ("uniqueItems", "contains", "minContains", "maxContains")):
-            return True
-        if "string" in types and "format" in obj and obj["format"] not in _STRING_FORMATS:
-            return True
-        if "string" in types and _pattern_and_length(obj):
-            return True
-        if "object" in types and "propertyNames" in obj:
-            names = obj.get("propertyNames")
-            if isinstance(names, dict) and _pattern_and_length(names):
-                return True
-            if "patternProperties" in obj or "properties" in obj:
-                return True
-            if obj.get("unevaluatedProperties", True) is not True:
-                return True
-        if "object" in types and isinstance(obj.get("patternProperties"), dict):
-            if "properties" in obj or len(obj["patternProperties"]) > 1:
-                return True
-        all_of = obj.get("allOf")
-        if isinstance(all_of, list) and len(all_of) >= 2:
-            return True
-        for value in obj.values():
-            if isinstance(value, dict):
-                stack.append(value)
-            elif isinstance(value, list):
-                stack.extend(v for v in value if isinstance(v, dict))
-    return False
-
-
-def choice_as_grammar(choice: list[str]) -> str:
-    """vLLM's ``choice_as_grammar``: the choices as EBNF string literals."""
-    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
-
-    def escape(ch: str) -> str:
-        if ch in escapes:
-            return escapes[ch]
-        if ord(ch) < 0x20 or ord(ch) == 0x7F:
-            return f"\\u{ord(ch):04x}"
-        return ch
-
-    return "root ::= " + " | ".join('"' + "".join(escape(c) for c in s) + '"' for s in choice)
-
-
-def grammar_is_likely_lark(grammar: str) -> bool:
-    """vLLM's heuristic: a grammar with no ``::=`` rule (comments aside) is Lark."""
-    for line in grammar.split("\n"):
-        line = re.sub(r"(#|//).*$", "", line).strip()
-        if line and "::=" in line:
-            return False
-    return True
 
 
 def convert(so: StructuredOutputs) -> None:
@@ -176,7 +78,7 @@ def convert(so: StructuredOutputs) -> None:
             schema = json.loads(so.json)
         except (ValueError, RecursionError):
             raise GrammarError("Invalid JSON grammar specification.") from None
-        if has_xgrammar_unsupported_json_features(schema):
+        if unsupported_json_feature(schema) is not None:
             raise GrammarError("The provided JSON schema contains features not supported by xgrammar.")
         try:
             xgr.Grammar.from_json_schema(so.json)

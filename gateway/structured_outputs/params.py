@@ -20,9 +20,8 @@ import msgspec
 
 from common.errors import BadRequest
 from common.protocol import StructuredOutputs
+from common.structured_outputs_spec import MAX_CHOICES, MAX_SPEC_CHARS  # the workers' bounds too
 
-MAX_SPEC_CHARS = 64 * 1024  # the workers' bound too (worker/engine/structured_output/spec.py)
-MAX_CHOICES = 1024
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's dataclass fields in order (its error messages print them, private ones included)
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",

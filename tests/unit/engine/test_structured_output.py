@@ -166,7 +166,7 @@ def test_bad_specs_are_refused_with_the_reason(so, message):
 
 
 def test_lark_grammars_are_told_apart():
-    from worker.engine.structured_output.spec import grammar_is_likely_lark
+    from common.structured_outputs_spec import grammar_is_likely_lark
 
     assert grammar_is_likely_lark('start: "a" | "b"')
     assert not grammar_is_likely_lark('# a comment: x\nroot ::= "a"')

@@ -15,7 +15,8 @@ from gateway.openai_api.chat_output import ChatChoiceStream, ChatParsing, chat_m
 from gateway.openai_api.protocol import chat_request_decoder, completion_request_decoder
 from gateway.parsers import forced_tool_calls as forced
 from gateway.structured_outputs import openai_mapping, params
-from gateway.structured_outputs.grammar_check import GrammarChecker, choice_as_grammar
+from common.structured_outputs_spec import choice_as_grammar
+from gateway.structured_outputs.grammar_check import GrammarChecker
 from gateway.structured_outputs.policy import StructuredOutputsPolicy
 from gateway.structured_outputs.tool_schema import json_schema_from_tools
 

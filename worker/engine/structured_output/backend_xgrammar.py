@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import xgrammar as xgr
 
-from worker.engine.structured_output.spec import GrammarKey, grammar_is_likely_lark
+from common.structured_outputs_spec import choice_as_grammar, grammar_is_likely_lark
+from worker.engine.structured_output.spec import GrammarKey
 
 if TYPE_CHECKING:  # pragma: no cover
     from common.tokenizer import Tokenizer
@@ -56,18 +57,6 @@ def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids
     vocab_type, add_prefix_space = _vocab_type(tokenizer)
     return xgr.TokenizerInfo(encoded, vocab_type=vocab_type, vocab_size=vocab_size,
                              stop_token_ids=list(stop_token_ids) or None, add_prefix_space=add_prefix_space)
-
-
-def choice_as_grammar(choices: Sequence[str]) -> str:
-    """vLLM's choice_as_grammar: ``root ::= "a" | "b"`` with EBNF string escapes."""
-    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
-
-    def escape(ch: str) -> str:
-        if ch in escapes:
-            return escapes[ch]
-        return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-
-    return "root ::= " + " | ".join('"' + "".join(escape(c) for c in choice) + '"' for choice in choices)
 
 
 class XgrammarBackend:

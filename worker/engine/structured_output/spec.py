@@ -9,20 +9,16 @@ compile pool, as a 400 carrying its reason (grammar_cache.py / the component).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from common.errors import BadRequest
 from common.protocol import StructuredOutputs
+from common.structured_outputs_spec import (MAX_CHOICES, MAX_JSON_NESTING, MAX_SPEC_CHARS,  # noqa: F401 (re-exported)
+                                            STRUCTURAL_TAG_WRAPPER_NESTING, exceeds_json_nesting,
+                                            unsupported_json_feature)
 
 PARAM = "structured_outputs"
-# Bounds on what one request may ask the compiler to do (secure by default: compile
-# time and the compiled grammar's memory grow with the spec).
-MAX_SPEC_CHARS = 64 * 1024
-MAX_CHOICES = 1024
-MAX_JSON_NESTING = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING
-STRUCTURAL_TAG_WRAPPER_NESTING = 16  # vLLM: a structural tag wraps its schemas in a few levels
 MAX_REASONING_MARKER = 64  # tokens in reasoning_start / reasoning_end
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -37,17 +33,6 @@ class GrammarKey:
     any_whitespace: bool
 
 
-def _exceeds_nesting(value: Any, limit: int) -> bool:
-    level = [value]
-    for _ in range(limit):
-        level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)
-                 if isinstance(child, (dict, list))]
-        if not level:
-            return False
-    return True
-
-
 def _load_json_object(text: str, what: str, limit: int) -> dict:
     try:
         value = json.loads(text)
@@ -57,73 +42,10 @@ def _load_json_object(text: str, what: str, limit: int) -> dict:
         raise BadRequest(f"{PARAM}.{what} is not valid JSON: {e}", PARAM) from None
     if not isinstance(value, dict):
         raise BadRequest(f"{PARAM}.{what} must be a JSON object", PARAM)
-    if _exceeds_nesting(value, limit):
+    if exceeds_json_nesting(value, limit):
         raise BadRequest(f"{PARAM}.{what}: the JSON schema is nested too deeply: objects and arrays may nest "
                          f"at most {MAX_JSON_NESTING} levels", PARAM)
     return value
-
-
-def grammar_is_likely_lark(grammar: str) -> bool:
-    """vLLM's test: a grammar with no ``::=`` rule (comments aside) is Lark, else EBNF."""
-    for line in grammar.split("\n"):
-        if "::=" in re.sub(r"(#|//).*$", "", line):
-            return False
-    return True
-
-
-# xgrammar's JSON-schema converter ignores these (or mis-handles them), which would let
-# outputs the schema forbids through.  vLLM's xgrammar backend refuses such schemas
-# (backend_xgrammar.py: has_xgrammar_unsupported_json_features; with backend "auto" it
-# falls back to guidance, which this server does not have): so do we, with a 400.
-_STRING_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
-                   "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
-
-
-def _types(node: dict) -> set:
-    t = node.get("type")
-    if isinstance(t, str):
-        return {t}
-    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
-
-
-def _bounded_pattern(node: dict) -> bool:
-    return ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node)
-
-
-def unsupported_json_feature(node: Any) -> Optional[str]:
-    """The first schema feature xgrammar cannot enforce, or None."""
-    if not isinstance(node, dict):
-        return None
-    types = _types(node)
-    if types & {"integer", "number"} and "multipleOf" in node:
-        return "multipleOf"
-    if "array" in types:
-        for key in ("uniqueItems", "contains", "minContains", "maxContains"):
-            if key in node:
-                return key
-    if "string" in types:
-        if "format" in node and node["format"] not in _STRING_FORMATS:
-            return f"format {node['format']!r}"
-        if _bounded_pattern(node):
-            return "pattern / format with minLength / maxLength"
-    if "object" in types:
-        names = node.get("propertyNames")
-        if names is not None:
-            if (isinstance(names, dict) and _bounded_pattern(names)) or "patternProperties" in node \
-                    or "properties" in node or node.get("unevaluatedProperties", True) is not True:
-                return "propertyNames with properties, patternProperties, unevaluatedProperties or length bounds"
-        patterns = node.get("patternProperties")
-        if isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1):
-            return "patternProperties with properties, or more than one pattern"
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) >= 2:
-        return "allOf with several branches"
-    for value in node.values():
-        children = value if isinstance(value, list) else [value]
-        for child in children:
-            found = unsupported_json_feature(child)
-            if found:
-                return found
-    return None
 
 
 def _check_marker(ids: Any, name: str, vocab_size: int) -> None:
