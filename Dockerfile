@@ -48,6 +48,8 @@ ENV VIRTUAL_ENV=/opt/tokserve/venv \
     TOKSERVE_CACHE=/var/cache/tokserve \
     TOKSERVE_DEMO_MODEL=/opt/tokserve/demo-model
 
+# DL3013: pinned through the TORCH_VERSION argument, which hadolint cannot read.
+# hadolint ignore=DL3013
 RUN python3 -m venv "$VIRTUAL_ENV" \
     && pip install --index-url "$TORCH_INDEX_URL" ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} \
         "torch==${TORCH_VERSION}"
@@ -59,6 +61,8 @@ COPY broker /src/broker
 COPY worker /src/worker
 COPY gateway /src/gateway
 COPY benchmarks /src/benchmarks
+# DL3013: /src is this project; its dependencies' ranges are pyproject.toml's.
+# hadolint ignore=DL3013
 RUN pip install ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} "torch==${TORCH_VERSION}" /src \
     && rm -rf /src
 
