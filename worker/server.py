@@ -146,7 +146,10 @@ class BrokerLink(threading.Thread):
 
     def _not_ready(self) -> None:
         if self.ready_file is not None:
-            self.ready_file.clear()
+            try:
+                self.ready_file.clear()
+            except OSError as exc:
+                self._bad.warning("cannot remove the ready file %s: %s", self.ready_file.path, exc)
 
     def _from_broker(self, frames: list, pipe: zmq.Socket) -> None:
         try:
@@ -169,7 +172,10 @@ class BrokerLink(threading.Thread):
         elif msg_type == MsgType.HEARTBEAT:
             self.welcomed = True
             if self.ready_file is not None:
-                self.ready_file.mark()
+                try:
+                    self.ready_file.mark()
+                except OSError as exc:  # never let the probe's file stop the heartbeats
+                    self._bad.warning("cannot update the ready file %s: %s", self.ready_file.path, exc)
         else:
             self._bad.warning("unexpected message type %r from broker", msg_type)
 
@@ -203,6 +209,8 @@ class WorkerServer:
         self.pipe.setsockopt(zmq.RCVHWM, 0)
         self.pipe.bind(pipe_addr)
         self.ready_file = ReadyFile(ready_file, rank=rank, broker=broker) if ready_file else None
+        if self.ready_file is not None:
+            self.ready_file.clear()  # a previous process's file (a restarted container) says nothing about us
         self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key, curve_client_keys,
                                self.ready_file)
         self.tracks: dict[str, _Track] = {}
