@@ -1,10 +1,12 @@
 """The worker readiness probe (`tokserve worker --ready-file F` + `tokserve worker-ready F`,
 the Kubernetes worker StatefulSet's exec probe) against a real broker and a real worker:
+not fooled by a previous process's file,
 not ready before the broker registered it, ready once it did, not ready once the broker
 is gone, ready again when a broker comes back, never ready with a worker token the broker
 refuses, and not ready once the worker drains."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -37,6 +39,8 @@ def log_has(proc, text: str) -> bool:
 def test_ready_follows_the_brokers_registration(tmp_path, llama_dir):
     frontend, backend = free_endpoint(), free_endpoint()
     ready_file = tmp_path / "worker.ready"
+    # Left by a previous worker of this pod (a restarted container): fresh, naming a live process.
+    ready_file.write_text(json.dumps({"pid": os.getpid()}))
     with ProcGroup(tmp_path / "logs") as procs:
         worker = procs.worker(backend, 0, "--model", str(llama_dir), "--ready-file", str(ready_file), *WORKER_ARGS)
         try:
