@@ -30,13 +30,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 UID = 10001
 PROBE_GENERATE = (
-    "import json, urllib.request; "
+    "import json, sys, urllib.request; "
     "body = json.dumps({'token_ids': [72, 101, 108, 108, 111], 'sampling_params': {'max_tokens': 8, 'temperature': 0}}); "
-    "req = urllib.request.Request('http://127.0.0.1:8000/inference/v1/generate', body.encode(), "
+    "req = urllib.request.Request(f'http://127.0.0.1:{sys.argv[1]}/inference/v1/generate', body.encode(), "
     "{'Content-Type': 'application/json'}); "
     "print(json.load(urllib.request.urlopen(req, timeout=60))['choices'][0]['token_ids'])")
+ROUTER_PORT = "8001"  # in Kubernetes the router is a pod of its own; here it shares the gateway's loopback
 PROBE_HEALTH = ("import urllib.request, sys; "
-                "sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5).status == 200 else 1)")
+                "sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/health', timeout=5).status == 200 "
+                "else 1)")
 
 
 def render(overlay: str) -> list[dict]:
@@ -98,7 +100,7 @@ class Pod:
                 out[v["name"]] = (d, False)
         return out
 
-    def container_args(self, c: dict, volumes: dict, detach: bool, name: str) -> list[str]:
+    def container_args(self, c: dict, volumes: dict, detach: bool, name: str, image: str) -> list[str]:
         args = ["run", "--pod", self.name, "--name", name, "--user", f"{UID}:{UID}", "--read-only",
                 "--read-only-tmpfs=false", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
                 "--ulimit", "nofile=4096:20000", "--ulimit", "nproc=4096:4096"]
@@ -120,23 +122,24 @@ class Pod:
         if c.get("command"):
             args += ["--entrypoint", c["command"][0]]
             cmd = [self._expand(a, env) for a in c["command"][1:]] + cmd
-        return [*args, self.image, *cmd]
+        return [*args, image, *cmd]
 
     @staticmethod
     def _expand(arg: str, env: dict) -> str:
         for k, v in env.items():
             arg = arg.replace(f"$({k})", v)
-        # The pod's only network is its loopback, where the broker Service's port listens.
-        return arg.replace("tcp://tokserve-broker:", "tcp://127.0.0.1:")
+        # The pod's only network is its loopback, where the Services' ports listen.
+        return arg.replace("tcp://tokserve-broker:", "tcp://127.0.0.1:").replace("http://tokserve-gateway:",
+                                                                                 "http://127.0.0.1:")
 
-    def start(self, workload: dict, secrets: dict[str, Path]) -> str:
+    def start(self, workload: dict, secrets: dict[str, Path], image: str = "") -> str:
         spec = workload["spec"]["template"]["spec"]
         volumes = self.volumes(workload, secrets)
         role = workload["metadata"]["name"].removeprefix("tokserve-")
         for i, c in enumerate(spec.get("initContainers", [])):
-            self.run(*self.container_args(c, volumes, False, f"{self.name}-{role}-init{i}"))
+            self.run(*self.container_args(c, volumes, False, f"{self.name}-{role}-init{i}", image or self.image))
         name = f"{self.name}-{role}"
-        self.run(*self.container_args(spec["containers"][0], volumes, True, name))
+        self.run(*self.container_args(spec["containers"][0], volumes, True, name, image or self.image))
         self.containers.append(name)
         return name
 
@@ -163,6 +166,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--image", default="localhost/tokserve:cpu")
     ap.add_argument("--overlay", default="kind")
+    ap.add_argument("--router-image", default="", help="also run the overlay's vllm-router (e.g. "
+                                                         "localhost/tokserve-router:0.1.17) and generate through it")
     ap.add_argument("--podman", default="podman", help="podman command line (global options included)")
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
@@ -180,14 +185,26 @@ def main() -> int:
         probe = by_name["tokserve-worker"]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]
         wait("worker readiness probe passes (the broker registered it)",
              lambda: pod.exec(worker, *probe["command"]).returncode == 0, args.timeout)
-        wait("gateway /health answers 200", lambda: pod.exec(gateway, "python", "-c", PROBE_HEALTH).returncode == 0,
+        wait("gateway /health answers 200", lambda: pod.exec(gateway, "python", "-c", PROBE_HEALTH, "8000").returncode == 0,
              args.timeout)
-        out = pod.exec(gateway, "python", "-c", PROBE_GENERATE)
+        out = pod.exec(gateway, "python", "-c", PROBE_GENERATE, "8000")
         if out.returncode != 0:
             raise SystemExit(f"FAILED: generate: {out.stderr}")
         tokens = json.loads(out.stdout)
         assert len(tokens) == 8, tokens
         print(f"ok: generate through the gateway returned {tokens}")
+        if args.router_image and "tokserve-router" in by_name:
+            router_doc = json.loads(json.dumps(by_name["tokserve-router"]))
+            router_args = router_doc["spec"]["template"]["spec"]["containers"][0]["args"]
+            router_args[router_args.index("--port") + 1] = ROUTER_PORT
+            pod.start(router_doc, secrets, args.router_image)
+
+            def through_router():
+                out = pod.exec(gateway, "python", "-c", PROBE_GENERATE, ROUTER_PORT)
+                return out.returncode == 0 and json.loads(out.stdout) == tokens
+            wait("vllm-router forwards a generate to the gateway (same tokens)", through_router, args.timeout)
+            wait("vllm-router's readiness path /health answers 200",
+                 lambda: pod.exec(gateway, "python", "-c", PROBE_HEALTH, ROUTER_PORT).returncode == 0, 60)
         compiled = "compiling the native CPU kernels" in pod.logs(worker)
         print(f"{'note' if compiled else 'ok'}: the worker {'compiled its kernels at start (another CPU than the build host?)' if compiled else 'loaded the kernels compiled into the image'}")
         pod.run("stop", "-t", "10", broker)
