@@ -14,6 +14,7 @@ COMMANDS = {
                       "compile the native CPU kernels now (the install's last step) instead of at first start"),
     "demo-model": ("worker.engine.loading.demo_model:main", "build the seeded random-weight demo model"),
     "bench": ("benchmarks.bench_serve:main", "benchmark a deployment like `vllm bench serve` (tokserve bench serve)"),
+    "worker-ready": ("common.readiness:main", "readiness probe: exit 0 while the broker acknowledges a worker (its --ready-file)"),
     "curve-keys": ("common.security:main", "create a CURVE certificate (key files) for encrypted broker links"),
     "cells": ("common.cells_control:main", "fan an RL control operation (pause, weights, LoRA) out to every cell"),
 }

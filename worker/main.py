@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from common import config
 from common.logging import get_logger, setup_logging
@@ -19,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-token-file", default=None,
                    help="the broker's worker token, without which it does not register this worker (env "
                         "TOKSERVE_WORKER_TOKEN_FILE; default: RUNTIME_DIR/worker.token, shared with a local broker)")
+    p.add_argument("--ready-file", default=os.environ.get("TOKSERVE_WORKER_READY_FILE"), metavar="PATH",
+                   help="keep PATH fresh while the broker acknowledges this worker (env TOKSERVE_WORKER_READY_FILE); "
+                        "`tokserve worker-ready PATH` is the matching readiness probe (common/readiness.py)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -216,6 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
                           drain_timeout=args.drain_timeout, curve_server_key=server_key,
                           curve_client_keys=client_keys, worker_token=worker_token,
-                          role="encode" if args.mm_encoder_only else args.role)
+                          role="encode" if args.mm_encoder_only else args.role, ready_file=args.ready_file)
     server.install_signal_handlers()
     return server.run()

@@ -30,6 +30,7 @@ from typing import Optional
 import zmq
 
 from common import config, framing, runtime_dir, security
+from common.readiness import ReadyFile
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -55,7 +56,8 @@ def _send(sock: zmq.Socket, frames: list) -> None:
 
 class BrokerLink(threading.Thread):
     def __init__(self, ctx: zmq.Context, broker: str, pipe_addr: str, interval: float, liveness: int,
-                 curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None):
+                 curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
+                 ready_file: Optional[ReadyFile] = None):
         super().__init__(name="broker-link", daemon=True)
         self.ctx, self.broker, self.pipe_addr = ctx, broker, pipe_addr
         self.interval, self.expiry = interval, interval * liveness
@@ -64,6 +66,7 @@ class BrokerLink(threading.Thread):
         self.load = WorkerLoad()  # latest snapshot, replaced (never mutated) by the engine loop
         self.registered = False  # READY sent: heartbeats may flow
         self.welcomed = False  # the broker answered our last READY (it heartbeats a worker it registers)
+        self.ready_file = ready_file  # --ready-file: fresh while the broker heartbeats us (common/readiness.py)
         self._refused = RateLimitedLog(log, 30.0)
         self._bad = RateLimitedLog(log)
 
@@ -105,6 +108,7 @@ class BrokerLink(threading.Thread):
                     dealer = self._connect()
                     poller.register(dealer, zmq.POLLIN)
                     self.registered = False
+                    self._not_ready()
                     pipe.send_multipart([_CTL, _RESET])
                     last_heard = now
                 timeout = max(1, int(min(next_beat - now, self.expiry - (now - last_heard)) * 1000))
@@ -125,6 +129,7 @@ class BrokerLink(threading.Thread):
                                 break
                             if frames[0] == _CTL:
                                 if frames[1] == _STOP:
+                                    self._not_ready()
                                     return
                                 continue
                             if frames[1] == MsgType.READY:
@@ -143,6 +148,13 @@ class BrokerLink(threading.Thread):
             dealer.close()
             pipe.close(0)
 
+    def _not_ready(self) -> None:
+        if self.ready_file is not None:
+            try:
+                self.ready_file.clear()
+            except OSError as exc:
+                self._bad.warning("cannot remove the ready file %s: %s", self.ready_file.path, exc)
+
     def _from_broker(self, frames: list, pipe: zmq.Socket) -> None:
         try:
             msg_type, _ = framing.split(frames)
@@ -159,9 +171,15 @@ class BrokerLink(threading.Thread):
                                       "(--worker-token-file, TOKSERVE_WORKER_TOKEN_FILE, or the same runtime "
                                       "directory)")
             self.registered = False
+            self._not_ready()
             pipe.send_multipart([_CTL, _RESET])
         elif msg_type == MsgType.HEARTBEAT:
             self.welcomed = True
+            if self.ready_file is not None:
+                try:
+                    self.ready_file.mark()
+                except OSError as exc:  # never let the probe's file stop the heartbeats
+                    self._bad.warning("cannot update the ready file %s: %s", self.ready_file.path, exc)
         else:
             self._bad.warning("unexpected message type %r from broker", msg_type)
 
@@ -179,7 +197,8 @@ class WorkerServer:
     def __init__(self, engine: EngineAPI, broker: str, rank: int = 0, *, interval: float = config.HEARTBEAT_INTERVAL_S,
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
-                 ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = ""):
+                 ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = "",
+                 ready_file: Optional[str] = None):
         runtime_dir.check_before_connect(broker)  # never serve a socket someone else planted
         self.engine = engine
         self.worker_token = worker_token  # proves to the broker that we are one of its workers
@@ -193,7 +212,11 @@ class WorkerServer:
         self.pipe.setsockopt(zmq.SNDHWM, 0)  # unbounded: the engine loop never blocks on the IO thread
         self.pipe.setsockopt(zmq.RCVHWM, 0)
         self.pipe.bind(pipe_addr)
-        self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key, curve_client_keys)
+        self.ready_file = ReadyFile(ready_file, rank=rank, broker=broker) if ready_file else None
+        if self.ready_file is not None:
+            self.ready_file.clear()  # a previous process's file (a restarted container) says nothing about us
+        self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key, curve_client_keys,
+                               self.ready_file)
         self.tracks: dict[str, _Track] = {}
         self.received = 0
         self._drain_requested = False
@@ -251,6 +274,8 @@ class WorkerServer:
                 if self._drain_requested and self._drain_deadline is None:
                     log.info("draining: finishing %d request(s) within %.0fs", len(self.tracks), self.drain_timeout)
                     self._drain_deadline = time.monotonic() + self.drain_timeout
+                    if self.ready_file is not None:
+                        self.ready_file.retire()  # no new requests come: out of the Service's endpoints
                     self._send(framing.message(MsgType.DISCONNECT, Disconnect(drain=True)))
                 if self._drain_deadline is not None:
                     if not self.tracks and not self.engine.has_unfinished():
@@ -273,6 +298,8 @@ class WorkerServer:
                 self._ship_kv_events()  # after the step's OUTPUTS: at most one message per step
                 self._send_deferred_replies()
         finally:
+            if self.ready_file is not None:
+                self.ready_file.retire()
             self._send(framing.message(MsgType.DISCONNECT, Disconnect(drain=False)))
             self._send([_CTL, _STOP])
             self.link.join(timeout=5)
