@@ -67,13 +67,14 @@ RUN pip install ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} "torch==${TORC
     && rm -rf /src
 
 # Build-time work: the demo model (root-owned, world-readable), then the CPU kernels
-# (worker/engine/kernels: torch.utils.cpp_extension into $TORCH_EXTENSIONS_DIR), compiled
-# as the user that loads them (torch takes a lock file in their folder); the build fails
-# if they do not compile.
+# (`tokserve build-kernels`, the README install's last step: torch.utils.cpp_extension into
+# $TORCH_EXTENSIONS_DIR, stamped so workers import the build without a compiler), compiled
+# as the user that loads them (torch takes a lock file in their folder); --strict fails the
+# build if they do not compile.
 RUN tokserve demo-model --out "$TOKSERVE_DEMO_MODEL" \
     && install -d -o tokserve -g tokserve -m 0755 /var/cache/tokserve "$TORCH_EXTENSIONS_DIR"
 USER 10001:10001
-RUN python -c "import sys; from worker.engine.kernels import load_cpu_kernels; sys.exit(load_cpu_kernels() is None)"
+RUN tokserve build-kernels --strict
 
 WORKDIR /home/tokserve
 EXPOSE 8000
