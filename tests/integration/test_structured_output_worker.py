@@ -15,7 +15,7 @@ import pytest
 from common.client import AsyncClient, Client, RequestError
 from common.protocol import GenerateRequest, SamplingParams, StructuredOutputs
 from tests.support.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
-from tests.support.structured_output_cases import cases, is_valid
+from tests.support.structured_output_cases import cases, grammar_text_decoder, is_valid
 
 pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.timeout(600)
@@ -94,8 +94,10 @@ def _check(reqs, got, decode) -> int:
 @pytest.fixture(scope="module")
 def decode(llama_dir):
     from common.tokenizer import load_tokenizer
+    from worker.engine.loading.model_config import ModelConfig
 
-    return load_tokenizer(llama_dir).decode
+    mc = ModelConfig.from_dir(llama_dir)
+    return grammar_text_decoder(load_tokenizer(llama_dir), mc.vocab_size, mc.eos_token_ids)
 
 
 @pytest.mark.parametrize("temperature,n", [(0.0, 1), (1.0, 3)])

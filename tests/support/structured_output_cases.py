@@ -131,3 +131,23 @@ def is_valid(check: Any, text: str) -> bool:
             return False
         return is_valid(("json", spec), text[len("<call>"):-len("</call>")])
     raise ValueError(kind)
+
+
+def grammar_text_decoder(tokenizer, vocab_size: int, stop_token_ids):
+    """``decode(ids)``: the text a grammar saw -- each token's bytes as xgrammar reads
+    them, the final stop token dropped -- decoded with ``surrogatepass``.  xgrammar (and so
+    vLLM) lets a JSON string hold a UTF-16 surrogate code point encoded in UTF-8 (e.g.
+    ``ED B1 96``); that is one character to the grammar (and to ``maxLength``), but
+    three U+FFFD to a strict decode, which would fail a valid output."""
+    from worker.engine.structured_output.backend_xgrammar import build_tokenizer_info
+
+    vocab = build_tokenizer_info(tokenizer, vocab_size, list(stop_token_ids)).decoded_vocab
+    stops = set(stop_token_ids)
+
+    def decode(ids) -> str:
+        ids = list(ids)
+        if ids and ids[-1] in stops:
+            ids = ids[:-1]
+        return b"".join(vocab[i] for i in ids).decode("utf-8", "surrogatepass")
+
+    return decode

@@ -20,7 +20,7 @@ from common.errors import BadRequest, Overloaded  # noqa: E402
 from common.protocol import StructuredOutputs  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from tests.support.engine_helpers import make_engine, random_prompts, request  # noqa: E402
-from tests.support.structured_output_cases import cases, is_valid  # noqa: E402
+from tests.support.structured_output_cases import cases, grammar_text_decoder, is_valid  # noqa: E402
 from worker.engine.config import structured_outputs_config  # noqa: E402
 from worker.engine.structured_output.backend_xgrammar import build_tokenizer_info  # noqa: E402
 from worker.engine.structured_output.bitmask import BitmaskBuffer, apply_bitmask_torch_  # noqa: E402
@@ -340,12 +340,13 @@ def engine(llama_dir):
 
 
 def _check_outputs(engine, res, reqs, checks):
+    decode = grammar_text_decoder(engine.tokenizer, engine.vocab_size, engine.model_config.eos_token_ids)
     stops = 0
     total = 0
     for req, check in zip(reqs, checks):
         for d in res[req.request_id]:
             total += 1
-            text = engine.tokenizer.decode(d.token_ids)
+            text = decode(d.token_ids)
             if d.finish_reason == "stop":
                 stops += 1
                 assert is_valid(check, text), (req.request_id, text)
