@@ -72,6 +72,12 @@ class BrokerCollector:
         for w in info.workers:
             received.add_metric([str(w.rank)], w.load.num_received)
         yield received
+        # vLLM's scheduler counter (recompute preemptions), per engine as its other counters.
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                          labels=["model_name", "engine"])
+        for w in info.workers:
+            preemptions.add_metric([self.model_name, str(w.rank)], w.load.num_preemptions)
+        yield preemptions
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"])
         for w in info.workers:

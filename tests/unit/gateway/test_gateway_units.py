@@ -185,6 +185,18 @@ def test_engine_sleep_state_as_vllm_records_it(level, want):
     assert 'vllm:engine_sleep_state{engine="3",model_name="served",sleep_state="awake"}' in text
 
 
+def test_num_preemptions_per_engine_as_vllm_counts_them():
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    workers = [WorkerStatus(rank=0, load=WorkerLoad(num_preemptions=7)), WorkerStatus(rank=1, load=WorkerLoad())]
+    m.update_cluster(ClusterInfo(workers=workers, model=MODEL), "served")
+    text = m.render()[0].decode()
+    assert "counter" in next(line for line in text.splitlines() if line.startswith("# TYPE vllm:num_preemptions"))
+    assert 'vllm:num_preemptions_total{engine="0",model_name="served"} 7.0' in text
+    assert 'vllm:num_preemptions_total{engine="1",model_name="served"} 0.0' in text
+
+
 def test_stream_errors_keep_their_status_or_become_a_logged_500(caplog):
     """After an SSE stream began, the last event carries the error in vLLM's shape: a
     broker/worker/validation error keeps its status; anything else is logged as a 500."""
