@@ -420,6 +420,50 @@ def test_a_slow_compile_does_not_hold_other_requests(llama_dir):
         gate.set()
 
 
+def test_a_request_queued_by_another_component_waits_for_its_grammar(llama_dir):
+    """A KV / encoder pull may finish (and queue its request) before the request's grammar
+    compiled: the request is taken back out of the queue until the grammar is ready, so
+    no step waits for the compile and no token is sampled unconstrained."""
+    from worker.engine.components.base import READY, WAIT, EngineComponent, Hooks
+
+    engine = make_engine(llama_dir)
+    so = engine.structured_output
+
+    class Pull(EngineComponent):  # holds the request, then queues it (as a finished pull does)
+        held = None
+
+        def admit(self, request, seq, held):
+            if request.request_id != "held":
+                return READY
+            self.held = seq
+            return WAIT
+
+    pull = Pull()
+    engine.components.insert(0, pull)
+    engine.hooks = Hooks(engine.components)
+    gate = threading.Event()
+    real = so.cache._compile
+    so.cache._compile = lambda key: (gate.wait(60), real(key))[1]
+    try:
+        engine.add_request(request("held", [1, 2], max_tokens=50, structured_outputs=StructuredOutputs(
+            json=JSON_AB, disable_any_whitespace=True)))
+        engine.add_request(request("plain", [3, 4], max_tokens=6, ignore_eos=True))
+        engine.scheduler.add(pull.held)  # the pull is done; the grammar still compiles
+        got: dict = {}
+        while "plain" in engine.requests:
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+        assert "held" not in got and "held" in so.pending  # not run, and the steps did not wait
+        assert pull.held not in engine.scheduler.waiting() and pull.held not in engine.scheduler.running
+        gate.set()
+        while engine.has_unfinished() or "held" in engine.requests:
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+        assert json.loads(engine.tokenizer.decode(got["held"]))["a"] in ("x", "yy")  # constrained from token 1
+    finally:
+        gate.set()
+
+
 def test_a_compile_past_the_timeout_is_a_400(llama_dir):
     engine = make_engine(llama_dir)
     so = engine.structured_output

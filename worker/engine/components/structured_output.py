@@ -53,6 +53,7 @@ class _RequestGrammar:
     future: Optional[concurrent.futures.Future] = None
     seq: Any = None  # choice 0, handed to the scheduler when compiled (when we hold it)
     schedules: bool = False  # we returned WAIT first: the scheduler gets the sequence from us
+    withdrawn: bool = False  # another component queued it before the grammar was ready: we took it back
     deadline: float = 0.0
     error: Optional[str] = None  # a failure seen inside a step: the next tick fails the request
     status: int = 400
@@ -150,7 +151,8 @@ class StructuredOutputComponent(EngineComponent):
 
     def _fail(self, entry: _RequestGrammar, message: str, status: int = 400) -> None:
         log.info("request %s: %s", entry.request.request_id, message)
-        if entry.schedules and entry.compiled is None:  # never scheduled: nothing to undo but the registration
+        if entry.schedules and entry.compiled is None and not entry.withdrawn:
+            # never scheduled, holds no blocks: nothing to undo but the registration
             self.core.fail_request(entry.request, status, message, PARAM)
         else:  # scheduled (by us or another component): its sequences are aborted first
             self.core.fail_admitted_request(entry.request, status, message, PARAM)
@@ -168,6 +170,8 @@ class StructuredOutputComponent(EngineComponent):
         """After speculative decoding proposed its drafts (it comes earlier in the hook
         order): cut each constrained choice's drafts at the first one its grammar rejects,
         as vLLM's scheduler does, so no verify row is spent on a draft that cannot be kept."""
+        if self.pending:
+            self._hold_back_until_compiled()
         if not self.matchers:
             return
         for seq in self.core.scheduler.running:
@@ -180,6 +184,21 @@ class StructuredOutputComponent(EngineComponent):
                     if keep < len(drafts):
                         seq.spec_token_ids = drafts[:keep]
 
+    def _hold_back_until_compiled(self) -> None:
+        """A request another component holds (a KV or encoder pull) is queued by that
+        component when its pull is done, which may come before its grammar compiled: take
+        it back out of the queue (its pulled blocks stay with it) and queue it when the
+        grammar is ready -- whoever is ready last schedules it, so no step waits for a
+        compile and no token is sampled unconstrained."""
+        waiting = None
+        for entry in self.pending.values():
+            if entry.schedules or entry.seq is None:
+                continue
+            if waiting is None:
+                waiting = {id(seq) for seq in self.core.scheduler.waiting()}
+            if id(entry.seq) in waiting and self.core.scheduler.withdraw(entry.seq):
+                entry.schedules = entry.withdrawn = True
+
     def _matcher(self, seq) -> Optional[SequenceMatcher]:
         m = self.matchers.get(seq.seq_id)
         if m is not None:
@@ -188,8 +207,9 @@ class StructuredOutputComponent(EngineComponent):
         if entry is None or entry.error is not None:
             return None
         if entry.compiled is None:
-            # Scheduled by another component (a KV / encoder pull finished first): the
-            # grammar is needed now.  Rare; bounded by the compile timeout.
+            # Queued by another component and scheduled in the same step, before
+            # _hold_back_until_compiled could see it (a pull finishing inside this step):
+            # the grammar is needed now.  Rare; bounded by the compile timeout.
             try:
                 entry.compiled = entry.future.result(timeout=max(entry.deadline - time.monotonic(), 0.0))
             except Exception as exc:  # noqa: BLE001 - the compiler's reason goes to the client
