@@ -21,7 +21,6 @@ from tests.support.gateway_helpers import GENERATE, start_gateway
 from tests.support.procs import ProcGroup, wait_for_workers
 
 pytest.importorskip("xgrammar")
-pytest.importorskip("worker.engine.structured_output", reason="the engine side of structured outputs (so-engine)")
 pytestmark = pytest.mark.timeout(600)
 
 CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'

@@ -255,12 +255,7 @@ class BlockManager:
             block_id = seq.block_ids[i]
             h = seq.block_hashes[i]
             if self._hash[block_id] is None and h not in self._cached:
-                self._hash[block_id] = h
-                self._cached[h] = block_id
-                if self._publishes(seq, i):
-                    self._published[block_id] = True
-                    self._kv_event(h, True)
-                    self._kv_block_tokens(seq, i)
+                self._cache_block(block_id, seq, i)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def free(self, seq: EngineSequence) -> None:
@@ -311,12 +306,7 @@ class BlockManager:
             if not self.num_free_blocks:
                 break
             block_id = self._pop_free()
-            self._hash[block_id] = h
-            self._cached[h] = block_id
-            if self._publishes(seq, i):
-                self._published[block_id] = True
-                self._kv_event(h, True)
-                self._kv_block_tokens(seq, i)
+            self._cache_block(block_id, seq, i)
             out.append((i, block_id))
         return out
 
@@ -342,6 +332,17 @@ class BlockManager:
         return dropped
 
     # --- KV events -------------------------------------------------------
+    def _cache_block(self, block_id: int, seq: EngineSequence, i: int) -> None:
+        """Block ``block_id`` now holds ``seq``'s block ``i``: it joins the prefix cache
+        under that block's hash, and is announced (KV event, its tokens) if it may be."""
+        h = seq.block_hashes[i]
+        self._hash[block_id] = h
+        self._cached[h] = block_id
+        if self._publishes(seq, i):
+            self._published[block_id] = True
+            self._kv_event(h, True)
+            self._kv_block_tokens(seq, i)
+
     def _kv_event(self, block_hash: BlockHash, stored: bool) -> None:
         if self._kv_overflow:
             return
