@@ -51,8 +51,9 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         for flag, endpoint in (("--frontend", cfg.frontend), ("--backend", cfg.backend)):
             security.refuse_plaintext_beyond_host(flag, endpoint, bool(cfg.curve_secret_key))
-        security.refuse_unauthenticated_tcp_frontend(
-            cfg.frontend, bool(cfg.curve_secret_key and cfg.curve_authorized_dir), cfg.allow_unauthenticated_tcp_frontend)
+        authenticated = bool(cfg.curve_secret_key and cfg.curve_authorized_dir)
+        security.refuse_unauthenticated_tcp_frontend(cfg.frontend, authenticated,
+                                                     cfg.allow_unauthenticated_tcp_frontend)
         # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
         self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
                       if cfg.curve_secret_key and cfg.curve_authorized_dir else None)

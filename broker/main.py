@@ -18,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokserve broker", description=__doc__)
     p.add_argument("--frontend", default=config.frontend_address(),
                    help="endpoint clients/gateways connect to (env TOKSERVE_FRONTEND; default: ipc://RUNTIME_DIR/"
-                        "frontend.sock); tcp:// needs --curve-secret-file with --curve-authorized-keys (else any local user "
-                        f"gets in), or {security.INSECURE_TCP_FRONTEND_FLAG}")
+                        "frontend.sock); tcp:// needs --curve-secret-file with --curve-authorized-keys (else any "
+                        f"local user gets in), or {security.INSECURE_TCP_FRONTEND_FLAG}")
     p.add_argument("--backend", default=config.backend_address(),
                    help="endpoint workers connect to (env TOKSERVE_BACKEND; default: ipc://RUNTIME_DIR/backend.sock)")
     p.add_argument("--control-token-file", default=None,
