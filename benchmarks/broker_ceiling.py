@@ -168,7 +168,8 @@ def sim_gateways(frontend: str, gateways: int, streams: int, report) -> None:
 
 def run_level(procs: ProcGroup, n: int, args) -> dict:
     ctx = mp.get_context("spawn")
-    broker = procs.broker(*(["--kv-events-endpoint", free_endpoint()] if args.kv_events == "tokens" else []))
+    kv_events = ["--kv-events-endpoint", free_endpoint(), "--kv-events-allow-tcp"] if args.kv_events == "tokens" else []
+    broker = procs.broker(*kv_events)
     blasting, wq, gq = ctx.Event(), ctx.Queue(), ctx.Queue()
     w = ctx.Process(target=sim_workers, args=(broker.backend, n, args.batch, args.step_rate, args.seconds, blasting,
                                               wq, args.kv_events), daemon=True)

@@ -51,6 +51,9 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         for flag, endpoint in (("--frontend", cfg.frontend), ("--backend", cfg.backend)):
             security.refuse_plaintext_beyond_host(flag, endpoint, bool(cfg.curve_secret_key))
+        authenticated = bool(cfg.curve_secret_key and cfg.curve_authorized_dir)
+        security.refuse_unauthenticated_tcp_frontend(cfg.frontend, authenticated,
+                                                     cfg.allow_unauthenticated_tcp_frontend)
         # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
         self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
                       if cfg.curve_secret_key and cfg.curve_authorized_dir else None)
@@ -78,7 +81,8 @@ class Broker:
                                     RateLimitedLog(log))
         self.links.on_client_gone = self.table.client_gone
         self.links.on_worker_unreachable = self.membership.worker_gone
-        self.kv_publisher = (CellKvPublisher(self.ctx, cfg.kv_events_endpoint, cfg.kv_events_allow_remote)
+        self.kv_publisher = (CellKvPublisher(self.ctx, cfg.kv_events_endpoint, cfg.kv_events_allow_tcp,
+                                             cfg.kv_events_allow_remote)
                              if cfg.kv_events_endpoint else None)
         if self.kv_publisher is not None:
             self.membership.on_worker_removed = self.kv_publisher.on_worker_gone

@@ -28,19 +28,28 @@ broker's loop (a subscriber that misses a sequence number resets its view of thi
 as with vLLM's publisher without a replay socket).
 
 Trust: the socket only sends, apart from subscriptions (which at most trigger one
-re-announcement at a time, a batch per loop turn).  Anyone who can connect reads the token ids of prompt
-prefixes cached in the cell, so it binds to loopback unless ``--kv-events-allow-remote``
-says otherwise (then network policy must keep it to the router's hosts).
+re-announcement at a time, a batch per loop turn).  Anyone who can connect reads the token
+ids of every prompt prefix cached in the cell (other users' prompts included), so by
+default it is an ``ipc://`` socket in the private (0700) runtime directory, which only the
+same user reaches (vllm-router subscribes to ipc:// as to tcp://).  ZeroMQ over TCP knows
+no peer uid and vllm-router speaks no CURVE: a TCP publisher is an explicit opt-in
+(``--kv-events-allow-tcp``, loopback: every local user reads the prefixes) and beyond
+loopback a second one (``--kv-events-allow-remote``: network policy must keep it to the
+router's hosts).
 """
 from __future__ import annotations
 
+import os
+import stat
 import time
+from pathlib import Path
 from typing import Optional
 
 import msgspec
 import numpy as np
 import zmq
 
+from common import runtime_dir
 from common.logging import get_logger
 from common.protocol import KvEvents
 
@@ -90,24 +99,52 @@ def _stored(key: bytes, parent: Optional[bytes], tokens: bytes, block_size: int)
                        lora_id=None, medium=MEDIUM, lora_name=None)
 
 
+DEFAULT_SOCKET = "kv-events.sock"  # in the runtime directory: ``--kv-events-endpoint`` without a value
+
+
+def default_endpoint() -> str:
+    return runtime_dir.ipc_endpoint(DEFAULT_SOCKET)
+
+
 def is_loopback_tcp(endpoint: str) -> bool:
     host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     return host in ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
-def check_endpoint(endpoint: str, allow_remote: bool) -> None:
-    """ValueError unless ``endpoint`` is a TCP address this publisher may bind."""
+def check_endpoint(endpoint: str, allow_tcp: bool = False, allow_remote: bool = False) -> None:
+    """ValueError unless this publisher may bind ``endpoint``: ipc:// in a private folder
+    (only the same user connects), or TCP the operator opted into (``allow_remote``
+    implies ``allow_tcp``: it says more)."""
+    if endpoint.startswith("ipc://"):
+        folder = Path(runtime_dir.ipc_path(endpoint)).parent
+        if folder == runtime_dir.path():
+            return  # created private by prepare_ipc_bind, or refused there if it is not
+        try:
+            st = os.lstat(folder)
+        except OSError as exc:
+            raise ValueError(f"--kv-events-endpoint {endpoint!r}: cannot use folder {folder}: {exc}") from None
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(f"--kv-events-endpoint {endpoint!r}: folder {folder} is not private to this user "
+                             f"(a real directory of ours, mode 0700), so other users could read cached prompts' "
+                             f"token ids; use the runtime directory (give --kv-events-endpoint no value)")
+        return
     if not endpoint.startswith("tcp://"):
-        raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (an outside router connects), "
-                         f"got {endpoint!r}")
+        raise ValueError(f"--kv-events-endpoint must be ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
+    if not (allow_tcp or allow_remote):
+        raise ValueError(f"--kv-events-endpoint {endpoint!r}: over TCP every local user who connects reads the "
+                         f"token ids of cached prompt prefixes (vllm-router speaks no CURVE); give "
+                         f"--kv-events-endpoint no value (ipc:// in the private runtime directory), or add "
+                         f"--kv-events-allow-tcp to mean it")
     if not allow_remote and not is_loopback_tcp(endpoint):
         raise ValueError(f"--kv-events-endpoint {endpoint!r} is beyond loopback: subscribers read the token "
                          f"ids of cached prompt prefixes; add --kv-events-allow-remote to mean it")
 
 
 class CellKvPublisher:
-    def __init__(self, ctx: zmq.Context, endpoint: str, allow_remote: bool = False, topic: str = ""):
-        check_endpoint(endpoint, allow_remote)
+    def __init__(self, ctx: zmq.Context, endpoint: str, allow_tcp: bool = False, allow_remote: bool = False,
+                 topic: str = ""):
+        check_endpoint(endpoint, allow_tcp, allow_remote)
+        runtime_dir.prepare_ipc_bind(endpoint)  # ipc: a private runtime directory, never a live socket's path
         self.topic = topic.encode()
         # XPUB: a PUB that also hears subscriptions, so a router that subscribes late (or
         # again, after a restart) gets the blocks already announced (VERBOSE: every one,

@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokserve broker", description=__doc__)
     p.add_argument("--frontend", default=config.frontend_address(),
                    help="endpoint clients/gateways connect to (env TOKSERVE_FRONTEND; default: ipc://RUNTIME_DIR/"
-                        "frontend.sock); TCP beyond loopback needs --curve-secret-file")
+                        "frontend.sock); tcp:// needs --curve-secret-file with --curve-authorized-keys (else any "
+                        f"local user gets in), or {security.INSECURE_TCP_FRONTEND_FLAG}")
     p.add_argument("--backend", default=config.backend_address(),
                    help="endpoint workers connect to (env TOKSERVE_BACKEND; default: ipc://RUNTIME_DIR/backend.sock)")
     p.add_argument("--control-token-file", default=None,
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zmq.auth secret certificate: enable CURVE encryption on both sockets")
     p.add_argument("--curve-authorized-keys", default=None, metavar="DIR",
                    help="with --curve-secret-file: accept only peers whose public certificate (*.key) is in DIR")
+    p.add_argument(security.INSECURE_TCP_FRONTEND_FLAG, action="store_true",
+                   help="let a tcp:// --frontend admit any peer (plaintext on loopback, or CURVE without "
+                        "--curve-authorized-keys): every local user can then send requests past the gateway's API "
+                        "key (a single-user machine only)")
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "session", "least-loaded"],
                    help="dispatch: cache-aware (longest cached prompt prefix within a load guard; sessions sticky "
                         "unless their worker is full), session (sticky sessions, else least-loaded), least-loaded")
@@ -51,10 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epd", default="off", choices=disagg.EPD_MODES,
                    help="auto: run an image request's vision encoder on a --mm-encoder-only worker first, then the "
                         "request on another worker that pulls the encodings (no proxy needed)")
-    p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+    p.add_argument("--kv-events-endpoint", nargs="?", const=kv_publisher.default_endpoint(), default=None,
+                   metavar="ipc://PATH|tcp://HOST:PORT",
                    help="publish the cell's cached prefixes as vLLM KV events on this ZeroMQ PUB socket, for an "
-                        "outside router (vllm-router --policy kv_aware); loopback only unless "
-                        "--kv-events-allow-remote (subscribers read cached prompts' token ids)")
+                        "outside router (vllm-router --policy kv_aware); subscribers read cached prompts' token ids. "
+                        f"Without a value: ipc://RUNTIME_DIR/{kv_publisher.DEFAULT_SOCKET} (the same user only); "
+                        "tcp:// needs --kv-events-allow-tcp")
+    p.add_argument("--kv-events-allow-tcp", action="store_true",
+                   help="let --kv-events-endpoint bind a loopback tcp:// address (every local user can subscribe)")
     p.add_argument("--kv-events-allow-remote", action="store_true",
                    help="let --kv-events-endpoint bind beyond loopback (keep it to the router's hosts)")
     p.add_argument("--log-level", default=None)
@@ -75,14 +84,19 @@ def main(argv: list[str] | None = None) -> int:
                        max_inflight_per_worker=args.max_inflight_per_worker,
                        max_client_frame_bytes=args.max_frame_bytes, routing=args.routing, pd=args.pd,
                        epd=args.epd, kv_events_endpoint=args.kv_events_endpoint,
-                       kv_events_allow_remote=args.kv_events_allow_remote)
+                       kv_events_allow_tcp=args.kv_events_allow_tcp, kv_events_allow_remote=args.kv_events_allow_remote,
+                       allow_unauthenticated_tcp_frontend=args.allow_unauthenticated_tcp_frontend)
     if args.curve_authorized_keys and not args.curve_secret_file:
         raise SystemExit("--curve-authorized-keys needs --curve-secret-file")
     try:  # before the tokens are created: a refused command line leaves nothing behind
         for flag, endpoint in (("--frontend", args.frontend), ("--backend", args.backend)):
             security.refuse_plaintext_beyond_host(flag, endpoint, bool(args.curve_secret_file))
+        security.refuse_unauthenticated_tcp_frontend(args.frontend,
+                                                     bool(args.curve_secret_file and args.curve_authorized_keys),
+                                                     args.allow_unauthenticated_tcp_frontend)
         if args.kv_events_endpoint:
-            kv_publisher.check_endpoint(args.kv_events_endpoint, args.kv_events_allow_remote)
+            kv_publisher.check_endpoint(args.kv_events_endpoint, args.kv_events_allow_tcp,
+                                        args.kv_events_allow_remote)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     try:

@@ -25,6 +25,9 @@ class BrokerConfig:
     curve_secret_key: Optional[bytes] = None  # enables CURVE server mode on both sockets
     curve_public_key: Optional[bytes] = None
     curve_authorized_dir: Optional[str] = None  # with CURVE: only peers whose public key is in here connect
+    # A tcp:// frontend without CURVE authorized keys admits every local user (ZeroMQ over
+    # TCP knows no peer uid): refused unless the operator opts in (common/security.py).
+    allow_unauthenticated_tcp_frontend: bool = False
     routing: str = "cache-aware"  # broker/dispatch.py ROUTING_POLICIES
     pd: str = "off"  # broker/disagg.py: "auto" splits requests over prefill and decode workers
     epd: str = "off"  # broker/disagg.py: "auto" runs image requests' encoders on encode workers first
@@ -35,4 +38,5 @@ class BrokerConfig:
     # A ZeroMQ PUB socket announcing the cell's cached prefixes to an outside router
     # (vllm-router --policy kv_aware), in vLLM's KV-event format; None: off.
     kv_events_endpoint: Optional[str] = None
-    kv_events_allow_remote: bool = False  # bind it beyond loopback (it reveals prompt prefixes' token ids)
+    kv_events_allow_tcp: bool = False  # bind it to TCP: every local user can read prompt prefixes' token ids
+    kv_events_allow_remote: bool = False  # bind it beyond loopback (implies kv_events_allow_tcp)

@@ -26,7 +26,11 @@ failure leaves behind:
 
 Trust: the cell URLs and the API key come from the operator's command line (or
 ``$TOKSERVE_API_KEY`` / ``$VLLM_API_KEY``), never from a client; the key goes to every
-listed cell, so list only your own (https beyond a private network).
+listed cell, so list only your own (https beyond a private network).  It goes nowhere
+else: redirects are never followed (a redirect would carry the key to another address,
+and turn a POST into a GET that "succeeds" without pausing anything), and a cell counts
+as done only when it gives the operation's own answer (200 and the body the gateway's
+route returns); a 3xx, another 2xx or an unexpected body is that cell's failure.
 """
 from __future__ import annotations
 
@@ -48,6 +52,35 @@ class CellResult:
     ok: bool
     status: int  # HTTP status; 0: no answer (connection refused, timeout)
     body: Any  # the gateway's JSON answer, or the error text
+    error: str = ""  # why a 200 or a redirect does not count as success
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Never follow: urllib then raises HTTPError for the 3xx itself."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirect)
+
+
+# What each route answers on success (gateway/resources/rl.py, lora.py): anything else,
+# though a 200, is a failure (e.g. a proxy's or another server's page).
+def _status_is(value: str) -> Callable[[Any], bool]:
+    return lambda body: isinstance(body, dict) and body.get("status") == value
+
+
+def _has_message(body: Any) -> bool:
+    return isinstance(body, dict) and isinstance(body.get("message"), str)
+
+
+def _is_paused_answer(body: Any) -> bool:
+    return isinstance(body, dict) and isinstance(body.get("is_paused"), bool)
+
+
+def _lora_success(body: Any) -> bool:
+    return isinstance(body, str) and body.startswith("Success")
 
 
 class Cells:
@@ -61,26 +94,36 @@ class Cells:
         self.api_key = api_key
         self.timeout = timeout
 
-    def call(self, url: str, method: str, path: str, body: Optional[dict] = None) -> CellResult:
+    def call(self, url: str, method: str, path: str, body: Optional[dict] = None,
+             expect: Callable[[Any], bool] = _has_message) -> CellResult:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return CellResult(url, True, resp.status, _json(resp.read()))
+            with _opener.open(req, timeout=self.timeout) as resp:
+                status, answer = resp.status, _json(resp.read())
         except urllib.error.HTTPError as exc:
-            return CellResult(url, False, exc.code, _json(exc.read()))
+            answer = _json(exc.read())
+            if 300 <= exc.code < 400:
+                return CellResult(url, False, exc.code, answer, f"redirected to {exc.headers.get('Location')!r}: not "
+                                                                f"followed (the API key goes to the listed cell only)")
+            return CellResult(url, False, exc.code, answer)
         except (urllib.error.URLError, OSError) as exc:
             return CellResult(url, False, 0, f"no answer: {getattr(exc, 'reason', exc)}")
+        if status != 200:
+            return CellResult(url, False, status, answer, f"HTTP {status}, not the route's 200")
+        if not expect(answer):
+            return CellResult(url, False, status, answer, f"not the answer of {path.split('?')[0]}")
+        return CellResult(url, True, status, answer)
 
     def fan_out(self, method: str, path: str, body: Optional[dict] = None,
-                urls: Optional[list[str]] = None) -> list[CellResult]:
+                urls: Optional[list[str]] = None, expect: Callable[[Any], bool] = _has_message) -> list[CellResult]:
         """The same call on every cell at once; results in the cells' order."""
         urls = self.urls if urls is None else urls
         with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
-            return list(pool.map(lambda u: self.call(u, method, path, body), urls))
+            return list(pool.map(lambda u: self.call(u, method, path, body, expect), urls))
 
 
 def _json(raw: bytes) -> Any:
@@ -99,11 +142,11 @@ class Outcome:
 
 def pause(cells: Cells, mode: str = "abort", clear_cache: bool = True) -> Outcome:
     query = urllib.parse.urlencode({"mode": mode, "clear_cache": str(clear_cache).lower()})
-    results = cells.fan_out("POST", f"/pause?{query}")
+    results = cells.fan_out("POST", f"/pause?{query}", expect=_status_is("paused"))
     if all(r.ok for r in results):
         return Outcome(True, results)
     paused = [r.cell for r in results if r.ok]
-    undone = cells.fan_out("POST", "/resume", urls=paused) if paused else []
+    undone = cells.fan_out("POST", "/resume", urls=paused, expect=_status_is("resumed")) if paused else []
     stuck = [r.cell for r in undone if not r.ok]
     note = (f"pause failed on {len(results) - len(paused)} cell(s): resumed the {len(paused)} that had paused"
             + (f"; resume FAILED on {', '.join(stuck)}: run `tokserve cells resume` for them" if stuck else
@@ -112,20 +155,21 @@ def pause(cells: Cells, mode: str = "abort", clear_cache: bool = True) -> Outcom
 
 
 def resume(cells: Cells) -> Outcome:
-    return _independent(cells.fan_out("POST", "/resume"), "resume")
+    return _independent(cells.fan_out("POST", "/resume", expect=_status_is("resumed")), "resume")
 
 
 def is_paused(cells: Cells) -> Outcome:
-    return _independent(cells.fan_out("GET", "/is_paused"), "is-paused")
+    return _independent(cells.fan_out("GET", "/is_paused", expect=_is_paused_answer), "is-paused")
 
 
 def load_lora(cells: Cells, name: str, path: str) -> Outcome:
-    return _independent(cells.fan_out("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}),
-                        "load-lora")
+    return _independent(cells.fan_out("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                                      expect=_lora_success), "load-lora")
 
 
 def unload_lora(cells: Cells, name: str) -> Outcome:
-    return _independent(cells.fan_out("POST", "/v1/unload_lora_adapter", {"lora_name": name}), "unload-lora")
+    return _independent(cells.fan_out("POST", "/v1/unload_lora_adapter", {"lora_name": name}, expect=_lora_success),
+                        "unload-lora")
 
 
 def _independent(results: list[CellResult], op: str) -> Outcome:
@@ -213,7 +257,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     outcome = OPS[args.op](cells, args)
     for r in outcome.results:
-        print(json.dumps({"cell": r.cell, "ok": r.ok, "status": r.status, "answer": r.body}))
+        print(json.dumps({"cell": r.cell, "ok": r.ok, "status": r.status, "answer": r.body,
+                          **({"error": r.error} if r.error else {})}))
     verdict = "ok" if outcome.ok else "FAILED"
     print(f"{args.op}: {verdict} on {sum(r.ok for r in outcome.results)}/{len(outcome.results)} cell(s)"
           + (f"; {outcome.note}" if outcome.note else ""), file=sys.stderr if not outcome.ok else sys.stdout)

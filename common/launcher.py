@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--frontend", default=config.frontend_address(),
-                   help="broker endpoint for clients (default: ipc://RUNTIME_DIR/frontend.sock)")
+                   help="broker endpoint for clients (default: ipc://RUNTIME_DIR/frontend.sock; a tcp:// one needs "
+                        "CURVE authorized keys, or --broker-args --allow-unauthenticated-tcp-frontend)")
     p.add_argument("--backend", default=config.backend_address(),
                    help="broker endpoint for workers (default: ipc://RUNTIME_DIR/backend.sock)")
     p.add_argument("--api-key", default=None, help="gateways require this Bearer key (or set $TOKSERVE_API_KEY)")

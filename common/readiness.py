@@ -13,13 +13,22 @@ robust: a worker whose IO thread or whole process hangs or is killed stops touch
 file, and a broker that vanishes stops the heartbeats that touch it, so the probe fails
 within S seconds in every case without the probe itself talking to the broker (which
 would need the broker's address, keys and a network path from every worker pod).
+
+The worker may run as root, so the file is written the way nobody else can redirect:
+its folder must be writable by the worker's user (or root) only (``check_location``:
+in a shared folder such as /tmp another user could plant a symlink where we write, or
+swap the file), the path must not be a symlink, and each write goes to a fresh
+random-named file (``mkstemp``: O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600) renamed over PATH,
+which replaces whatever PATH is rather than writing through it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import stat
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,6 +39,33 @@ from typing import Optional
 DEFAULT_MAX_AGE_S = 5.0
 
 
+def check_location(path: str | os.PathLike) -> None:
+    """ValueError unless ``path`` is a safe place for the ready file: not a symlink, in
+    an existing folder that only we (or root) own and nobody else can write to."""
+    path = Path(path)
+    folder = path.parent
+    hint = ("put it in a folder only this user can write, e.g. the private runtime directory "
+            "($TOKSERVE_RUNTIME_DIR/worker.ready)")
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        raise ValueError(f"--ready-file {path}: cannot use folder {folder}: {exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--ready-file {path}: {folder} is not a directory")
+    if st.st_uid not in (os.getuid(), 0):
+        raise ValueError(f"--ready-file {path}: folder {folder} belongs to uid {st.st_uid}, who could swap the file "
+                         f"for a symlink; {hint}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"--ready-file {path}: folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
+                         f"other users, who could plant a symlink where the worker writes; {hint}")
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise ValueError(f"--ready-file {path} is a symlink: the worker replaces the file it names, never "
+                             f"writes through a link; remove it or name the real path")
+    except FileNotFoundError:
+        pass
+
+
 class ReadyFile:
     """The worker's side: ``mark()`` on each broker heartbeat, ``clear()`` when disowned,
     ``retire()`` for good (drain, exit).  Called from the worker's IO thread, and
@@ -37,6 +73,7 @@ class ReadyFile:
     file after ``retire()``."""
 
     def __init__(self, path: str | os.PathLike, **identity):
+        check_location(path)
         self.path = Path(path)
         self.identity = identity  # written into the file for people reading it (rank, broker)
         self._lock = threading.Lock()
@@ -49,7 +86,7 @@ class ReadyFile:
                 return
             if self._written:
                 try:
-                    os.utime(self.path)  # one syscall per heartbeat once the file exists
+                    os.utime(self.path, follow_symlinks=False)  # one syscall per heartbeat once it exists
                     return
                 except FileNotFoundError:
                     pass  # removed behind our back: write it again
@@ -57,13 +94,22 @@ class ReadyFile:
 
     def _write(self) -> None:
         body = json.dumps({"pid": os.getpid(), **self.identity}).encode()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A name nobody can predict, created exclusively without following links (no
+        # pre-planted symlink redirects the write), then renamed over PATH: readers never
+        # see a half-written file, and a link at PATH is replaced, not followed.
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         try:
-            os.write(fd, body)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)  # readers never see a half-written file
+            try:
+                os.write(fd, body)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
         self._written = True
 
     def clear(self) -> None:

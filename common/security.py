@@ -122,6 +122,23 @@ def refuse_plaintext_beyond_host(flag: str, endpoint: str, curve: bool) -> None:
                          f"ipc:// or a loopback address")
 
 
+INSECURE_TCP_FRONTEND_FLAG = "--allow-unauthenticated-tcp-frontend"
+
+
+def refuse_unauthenticated_tcp_frontend(endpoint: str, curve_authorized_keys: bool, allowed: bool) -> None:
+    """ValueError for a ``tcp://`` frontend that would admit any peer: ZeroMQ over TCP
+    knows nothing of the peer's uid, so even on loopback every local user (uid nobody
+    included) could send GENERATE and INFO past the gateway's API key.  CURVE with
+    ``--curve-authorized-keys`` admits only listed peers (CURVE alone encrypts, but anyone
+    holding the broker's public key gets in); ipc:// in the 0700 runtime directory admits
+    only the same user.  ``allowed``: the operator's explicit opt-in to the open door."""
+    if endpoint.startswith("tcp://") and not curve_authorized_keys and not allowed:
+        raise ValueError(f"refusing a TCP frontend {endpoint} that admits any peer: every local user (and, beyond "
+                         f"loopback, every host) could send requests past the gateway's API key; use the default "
+                         f"ipc:// frontend, or --curve-secret-file with --curve-authorized-keys, or accept the open "
+                         f"door with {INSECURE_TCP_FRONTEND_FLAG}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="tokserve curve-keys",
                                 description="create a CURVE certificate: DIR/NAME.key (public) and DIR/NAME.key_secret")

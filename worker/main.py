@@ -198,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     from worker.engine import Engine
     from worker.server import WorkerServer
 
-    from common import runtime_dir
+    from common import readiness, runtime_dir
     from worker.engine.disagg import transfer_auth
     try:
+        if args.ready_file:  # first: a refused command line creates no token
+            readiness.check_location(args.ready_file)  # a shared folder would let others redirect the write
         server_key = security.load_public_key(args.curve_server_key) if args.curve_server_key else None
         client_keys = security.load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
         worker_token = runtime_dir.load_or_create_token(runtime_dir.WORKER, args.worker_token_file)

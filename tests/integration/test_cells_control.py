@@ -115,3 +115,71 @@ def test_cells_load_and_unload_lora_on_every_cell(cells, tmp_path):
     # Unloading again: each cell's 4xx, reported per cell, exit status 1.
     rc, lines, out = _tokserve_cells("unload-lora", "--name", "qv", *urls)
     assert rc == 1 and all(400 <= l["status"] < 500 for l in lines), out
+
+
+class _Recorder:
+    """A real HTTP server on a free loopback port: answers every request with ``reply(handler)``
+    and records (method, path, Authorization header) of each."""
+
+    def __init__(self, reply):
+        import http.server
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                seen.append((self.command, self.path, self.headers.get("Authorization")))
+                status, headers, body = reply(self)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = _any
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_cells_never_follow_a_redirect_and_count_only_the_routes_own_answer():
+    """A "cell" answering 302 to another port: the key never reaches that port (no request at
+    all), the cell fails (status 302), and a pause is all or nothing across the real-answer
+    cell beside it.  A 200 that is not the route's answer (another server's page) fails too."""
+    elsewhere = _Recorder(lambda h: (200, {"Content-Type": "application/json"},
+                                     json.dumps({"status": "paused", "is_paused": True}).encode()))
+    redirector = _Recorder(lambda h: (302, {"Location": elsewhere.url + h.path}, b""))
+    good = _Recorder(lambda h: (200, {"Content-Type": "application/json"}, json.dumps(
+        {"status": "paused" if h.path.startswith("/pause") else "resumed"}).encode()))
+    not_a_cell = _Recorder(lambda h: (200, {"Content-Type": "text/html"}, b"<html>welcome</html>"))
+    try:
+        rc, lines, out = _tokserve_cells("pause", "--cell", good.url, "--cell", redirector.url)
+        assert rc == 1, out
+        assert [(l["cell"], l["ok"], l["status"]) for l in lines] == [(good.url, True, 200),
+                                                                      (redirector.url, False, 302)]
+        assert "redirected to" in lines[1]["error"] and "not followed" in lines[1]["error"]
+        assert "resumed the 1 that had paused" in out
+        assert [m for m, _, _ in good.seen] == ["POST", "POST"] and good.seen[1][1] == "/resume"
+        assert redirector.seen[0][2] == f"Bearer {API_KEY}"  # the listed cell got it, as the operator said
+        for op in ("is-paused", "resume"):  # a GET too: nothing follows, so nothing carries the key away
+            rc, lines, out = _tokserve_cells(op, "--cell", redirector.url)
+            assert rc == 1 and lines[0]["status"] == 302, out
+        assert elsewhere.seen == []
+        rc, lines, out = _tokserve_cells("pause", "--cell", not_a_cell.url)
+        assert rc == 1 and lines[0]["ok"] is False and "not the answer of /pause" in lines[0]["error"], out
+        assert "pause: FAILED on" in out
+    finally:
+        for server in (elsewhere, redirector, good, not_a_cell):
+            server.close()

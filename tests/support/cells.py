@@ -17,7 +17,7 @@ from typing import Optional
 
 import httpx
 
-from tests.support.procs import BrokerProc, Proc, ProcGroup, free_endpoint, free_port, wait_for, wait_for_workers
+from tests.support.procs import BrokerProc, Proc, ProcGroup, free_port, wait_for, wait_for_workers
 
 CELL_WORKER_ARGS = ("--max-num-seqs", "16", "--num-kv-blocks", "512", "--threads", "1", "--max-model-len", "1024",
                     "--block-size", "16")
@@ -61,8 +61,10 @@ def start_cell(procs: ProcGroup, root: Path, model_dir: Path, *, workers: int = 
     runtime.mkdir(parents=True, exist_ok=True)
     os.chmod(runtime, 0o700)
     env = {"TOKSERVE_RUNTIME_DIR": str(runtime)}
-    kv_endpoint = free_endpoint() if kv_events else None
-    extra = ["--kv-events-endpoint", kv_endpoint] if kv_endpoint else []
+    # The publisher's default (the flag without a value): ipc:// in the cell's private runtime
+    # directory, which vllm-router (run by this user) subscribes to as to tcp://.
+    kv_endpoint = f"ipc://{runtime}/kv-events.sock" if kv_events else None
+    extra = ["--kv-events-endpoint"] if kv_endpoint else []
     broker = procs.broker(*extra, *broker_args, env=env)
     worker_procs = [procs.worker(broker, rank, "--model", str(model_dir), *worker_args, env=env)
                     for rank in range(workers)]

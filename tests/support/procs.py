@@ -148,8 +148,13 @@ class ProcGroup:
 
     def broker(self, *extra: str, frontend: Optional[str] = None, backend: Optional[str] = None,
                wait: bool = True, env=None) -> BrokerProc:
-        proc = BrokerProc(frontend or free_endpoint(), backend or free_endpoint(), list(extra),
-                          self._log("broker"), env)
+        frontend = frontend or free_endpoint()
+        extra = list(extra)
+        if frontend.startswith("tcp://") and "--curve-authorized-keys" not in extra:
+            # Tests run as one user on a loopback port they picked: the open door the broker refuses
+            # by default is theirs alone (tests/integration/test_security_local.py covers the refusal).
+            extra.append("--allow-unauthenticated-tcp-frontend")
+        proc = BrokerProc(frontend, backend or free_endpoint(), extra, self._log("broker"), env)
         self.procs.append(proc)
         if wait:
             try:

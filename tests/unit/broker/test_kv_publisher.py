@@ -1,5 +1,5 @@
 """The broker's KV-event publisher for outside routers (broker/kv_publisher.py): vLLM's
-ZeroMQ wire format, one cell-wide view over its workers, loopback by default."""
+ZeroMQ wire format, one cell-wide view over its workers, same-user ipc:// by default."""
 from __future__ import annotations
 
 import msgspec
@@ -21,7 +21,7 @@ def _block(key: bytes, parent, tokens) -> KvBlockTokens:
 @pytest.fixture
 def pub_sub():
     ctx = zmq.Context.instance()
-    pub = CellKvPublisher(ctx, free_endpoint())
+    pub = CellKvPublisher(ctx, free_endpoint(), allow_tcp=True)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -95,14 +95,31 @@ def test_capacity_bounds_each_worker(pub_sub):
     assert pub.dropped_keys == 2
 
 
-def test_refuses_to_publish_beyond_loopback_unless_told():
+def test_refuses_tcp_unless_told_and_beyond_loopback_unless_told_again(tmp_path):
     ctx = zmq.Context.instance()
+    with pytest.raises(ValueError, match="--kv-events-allow-tcp"):  # every local user could read the prefixes
+        CellKvPublisher(ctx, "tcp://127.0.0.1:0")
     with pytest.raises(ValueError, match="beyond loopback"):
-        CellKvPublisher(ctx, "tcp://0.0.0.0:0")
-    with pytest.raises(ValueError, match="tcp://"):
-        CellKvPublisher(ctx, "ipc:///tmp/x.sock")
+        CellKvPublisher(ctx, "tcp://0.0.0.0:0", allow_tcp=True)
+    with pytest.raises(ValueError, match="ipc://PATH or tcp://"):
+        CellKvPublisher(ctx, "inproc://x")
     pub = CellKvPublisher(ctx, "tcp://0.0.0.0:0", allow_remote=True)
     assert pub.endpoint.startswith("tcp://0.0.0.0:")
+    pub.close()
+
+
+def test_ipc_only_in_a_folder_private_to_this_user(tmp_path):
+    ctx = zmq.Context.instance()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o1777)  # like /tmp: another user could connect to a socket made there
+    with pytest.raises(ValueError, match="not private"):
+        CellKvPublisher(ctx, f"ipc://{shared}/kv.sock")
+    assert not (shared / "kv.sock").exists()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    pub = CellKvPublisher(ctx, f"ipc://{private}/kv.sock")
+    assert pub.endpoint == f"ipc://{private}/kv.sock"
     pub.close()
 
 
