@@ -23,6 +23,8 @@ from gateway.render_pool import MemoryTrimmer
 
 log = logging.getLogger("tokserve.gateway")
 
+# Seconds a refused connection (408, 431, 503) is read from and discarded before it is closed.
+LINGER_S = 2.0
 # A request with a body at least this big is followed by a malloc_trim (rate-limited).
 TRIM_AFTER_BODY_BYTES = 1 << 20
 
@@ -98,6 +100,7 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
             self._begun = False  # a request's first byte has arrived, its headers have not
             self._refusal: Optional[tuple[int, str, str]] = None
             self._probe_only = False
+            self._discarding = False
             if limiter is not None:
                 verdict = limiter.admit(self, self.client[0] if self.client else None)
                 if verdict == "refuse":
@@ -186,6 +189,8 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
                 super().send_400_response(msg)
 
         def data_received(self, data: bytes) -> None:
+            if self._discarding:
+                return  # refused: the rest of the request is read and dropped (_refuse)
             if self._awaiting_headers:
                 self._header_bytes += len(data)
                 if limiter is not None:
@@ -224,7 +229,17 @@ def guarded_protocol(header_timeout_s: Optional[float], max_header_bytes: Option
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("ascii")
             self._awaiting_headers = False
             self.transport.write(head + body)
-            self.transport.close()
+            # A lingering close: closing with the rest of the request unread would send
+            # a reset, which can destroy the answer before the client reads it.  The
+            # write side is shut, what still comes is discarded, and the connection is
+            # closed when the client closes it or LINGER_S later.
+            self._discarding = True
+            try:
+                self.transport.write_eof()
+            except (NotImplementedError, RuntimeError, OSError):
+                self.transport.close()
+                return
+            self.loop.call_later(LINGER_S, self.transport.close)
 
     return GuardedHttpToolsProtocol
 

@@ -51,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit-concurrency-per-peer", type=int, default=DEFAULT_MAX_PER_PEER,
                    help="open connections from one client address, enforced the same way "
                         f"(default {DEFAULT_MAX_PER_PEER})")
+    p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=None, metavar="JSON",
+                   help="CORS (vLLM's flag): origins whose browsers may call the API, e.g. "
+                        "'[\"https://app.example\"]' or '[\"*\"]' (default: no CORS: OPTIONS is 401/405 as any "
+                        "method; vLLM allows every origin)")
+    p.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=None, metavar="JSON",
+                   help="CORS: methods a preflight may ask for (default '[\"*\"]'; needs --allowed-origins)")
+    p.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=None, metavar="JSON",
+                   help="CORS: request headers a preflight may ask for (default '[\"*\"]'; needs --allowed-origins)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: answer Access-Control-Allow-Credentials: true (needs --allowed-origins)")
     p.add_argument("--info-ttl", type=float, default=1.0, help="seconds cluster info is cached")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT so several gateways can share the port")
@@ -132,6 +142,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=None, help="debug|info|warning|error")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
+
+
+def _json_list(flag: str):
+    """vLLM's CORS flags take a JSON list of strings."""
+    import json
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+        return value
+
+    parse.__name__ = flag  # argparse names the type in its error
+    return parse
+
+
+def _cors_policy(args: argparse.Namespace):
+    from gateway.cors import CorsPolicy
+
+    if args.allowed_origins is None:
+        if args.allowed_methods is not None or args.allowed_headers is not None or args.allow_credentials:
+            raise SystemExit("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
+        return None
+    return CorsPolicy(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods or ["*"],
+                      allowed_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
 
 
 def _env_api_key() -> Optional[list[str]]:
@@ -245,6 +283,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         timeout_keep_alive_s=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
         limit_concurrency_per_peer=args.limit_concurrency_per_peer,
+        cors=_cors_policy(args),
         info_ttl_s=args.info_ttl,
         reuse_port=args.reuse_port,
         log_level=(args.log_level or "info").lower(),

@@ -6,6 +6,7 @@ from typing import Optional
 
 from common.structured_outputs_config import StructuredOutputsConfig
 from gateway.connection_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER
+from gateway.cors import CorsPolicy
 
 
 @dataclass
@@ -35,6 +36,8 @@ class GatewaySettings:
     timeout_keep_alive_s: float = 5.0
     limit_concurrency: int = DEFAULT_MAX_CONNECTIONS
     limit_concurrency_per_peer: int = DEFAULT_MAX_PER_PEER
+    # vLLM's --allowed-origins family (gateway/cors.py); None: no CORS, OPTIONS is 401/405.
+    cors: Optional[CorsPolicy] = None
     # Cluster info (limits, live workers) is cached this long between broker round trips.
     info_ttl_s: float = 1.0
     info_timeout_s: float = 2.0
