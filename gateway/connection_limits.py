@@ -35,8 +35,10 @@ DEFAULT_PROBE_HEADROOM = 64
 
 def is_probe_path(raw_path: bytes) -> bool:
     """Whether a request target names a probe route, spelled as Falcon's router would
-    still match it (repeated and trailing slashes)."""
-    path = raw_path.split(b"?", 1)[0].decode("latin-1")
+    still match it (percent-escapes, repeated and trailing slashes)."""
+    from urllib.parse import unquote
+
+    path = unquote(raw_path.split(b"?", 1)[0].decode("latin-1"))
     return "/" + "/".join(s for s in path.split("/") if s) in PROBE_PATHS
 
 
