@@ -12,6 +12,7 @@ import falcon.asgi
 from gateway import errors
 from gateway.auth import ApiKeyMiddleware
 from gateway.cluster_info import ClusterInfoCache
+from gateway.cors import http_middleware
 from gateway.disconnect import keep_receive_in_scope
 from gateway.guards import guard_requests
 from gateway.metrics import GatewayMetrics
@@ -70,11 +71,9 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
         renderer.model.tokenizer if renderer is not None else None)
     if settings.render_only:
         return render_only_app(settings, state, renderer), state
-    middleware = [ClientLifecycle(client)]
-    if settings.api_key:
-        # vLLM guards only /v1; here every route but the probes needs the key (gateway/auth.py).
-        middleware.append(ApiKeyMiddleware(settings.api_key))
-    app = falcon.asgi.App(middleware=middleware)
+    # vLLM guards only /v1; here every route but the probes needs the key (gateway/auth.py).
+    auth = ApiKeyMiddleware(settings.api_key) if settings.api_key else None
+    app = falcon.asgi.App(middleware=[ClientLifecycle(client), *http_middleware(settings.cors, auth)])
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
     abort = AbortResource(state)
@@ -121,8 +120,8 @@ class _Alive:
 
 def render_only_app(settings: GatewaySettings, state: GatewayState, renderer) -> falcon.asgi.App:
     """No broker: render, derender and tokenize, plus /health and /version."""
-    middleware = [ApiKeyMiddleware(settings.api_key)] if settings.api_key else []
-    app = falcon.asgi.App(middleware=middleware)
+    auth = ApiKeyMiddleware(settings.api_key) if settings.api_key else None
+    app = falcon.asgi.App(middleware=http_middleware(settings.cors, auth))
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
     openai.add_routes(app, state, renderer)

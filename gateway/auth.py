@@ -51,7 +51,9 @@ class ApiKeyMiddleware:
 
     async def process_resource(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, resource,
                                params) -> None:
-        if req.method == "OPTIONS" or req.uri_template in OPEN_ROUTES:
+        # OPTIONS too: CORS preflights, when configured, are answered before this
+        # (gateway/cors.py); any other OPTIONS is a method like the rest.
+        if req.uri_template in OPEN_ROUTES:
             return
         if not self.authorized(req.get_header("Authorization")):
             resp.status = falcon.HTTP_401

@@ -7,6 +7,7 @@ import sys
 from typing import Optional
 
 from common.logging import setup_logging
+from gateway.connection_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, DEFAULT_PROBE_HEADROOM
 from gateway.settings import GatewaySettings
 
 
@@ -41,9 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-header-bytes", type=int, default=64 * 1024,
                    help="larger request headers get 431 and the connection closed")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="seconds an idle keep-alive connection stays open (uvicorn's)")
-    p.add_argument("--limit-concurrency", type=int, default=None,
-                   help="connections plus requests in progress beyond which uvicorn answers 503 (default: no limit)")
+                   help="seconds an idle connection stays open: between keep-alive requests, and before a new "
+                        "connection's first byte")
+    p.add_argument("--limit-concurrency", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections: a new one past it closes the longest-idle connection; with none idle "
+                        f"it may only ask for /health, /metrics or /version ({DEFAULT_PROBE_HEADROOM} such), "
+                        f"else it is closed (default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--limit-concurrency-per-peer", type=int, default=DEFAULT_MAX_PER_PEER,
+                   help="open connections from one client address, enforced the same way "
+                        f"(default {DEFAULT_MAX_PER_PEER})")
+    p.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=None, metavar="JSON",
+                   help="CORS (vLLM's flag): origins whose browsers may call the API, e.g. "
+                        "'[\"https://app.example\"]' or '[\"*\"]' (default: no CORS: OPTIONS is 401/405 as any "
+                        "method; vLLM allows every origin)")
+    p.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=None, metavar="JSON",
+                   help="CORS: methods a preflight may ask for (default '[\"*\"]'; needs --allowed-origins)")
+    p.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=None, metavar="JSON",
+                   help="CORS: request headers a preflight may ask for (default '[\"*\"]'; needs --allowed-origins)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: answer Access-Control-Allow-Credentials: true (needs --allowed-origins)")
     p.add_argument("--info-ttl", type=float, default=1.0, help="seconds cluster info is cached")
     p.add_argument("--reuse-port", action="store_true",
                    help="bind with SO_REUSEPORT so several gateways can share the port")
@@ -127,6 +144,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _json_list(flag: str):
+    """vLLM's CORS flags take a JSON list of strings."""
+    import json
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+        return value
+
+    parse.__name__ = flag  # argparse names the type in its error
+    return parse
+
+
+def _cors_policy(args: argparse.Namespace):
+    from gateway.cors import CorsPolicy
+
+    if args.allowed_origins is None:
+        if args.allowed_methods is not None or args.allowed_headers is not None or args.allow_credentials:
+            raise SystemExit("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins")
+        return None
+    return CorsPolicy(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods or ["*"],
+                      allowed_headers=args.allowed_headers or ["*"], allow_credentials=args.allow_credentials)
+
+
 def _env_api_key() -> Optional[list[str]]:
     import os
 
@@ -147,8 +192,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     for flag, value, low in (("--render-workers", render_workers, 1), ("--render-queue", args.render_queue, 0),
                              ("--max-prompt-chars", args.max_prompt_chars, 1),
                              ("--max-header-bytes", args.max_header_bytes, 1024),
-                             ("--limit-concurrency", 1 if args.limit_concurrency is None else args.limit_concurrency,
-                              1)):
+                             ("--limit-concurrency", args.limit_concurrency, 1),
+                             ("--limit-concurrency-per-peer", args.limit_concurrency_per_peer, 1)):
         if value < low:
             raise SystemExit(f"{flag} must be at least {low}, got {value}")
     for flag, value in (("--chat-template-timeout", args.chat_template_timeout),
@@ -237,6 +282,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_header_bytes=args.max_header_bytes,
         timeout_keep_alive_s=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
+        limit_concurrency_per_peer=args.limit_concurrency_per_peer,
+        cors=_cors_policy(args),
         info_ttl_s=args.info_ttl,
         reuse_port=args.reuse_port,
         log_level=(args.log_level or "info").lower(),
@@ -300,22 +347,54 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
+# File descriptors kept beside the connections: broker sockets, model files, threads' pipes.
+FD_RESERVE = 256
+
+
+def fit_to_fd_limit(max_connections: int) -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, and lower ``max_connections`` if the
+    descriptors still could not hold it with the probe headroom and FD_RESERVE: the cap is
+    only a defence if it is reached before the fd limit is."""
+    import logging
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    fits = soft - DEFAULT_PROBE_HEADROOM - FD_RESERVE
+    if max_connections > fits:
+        logging.getLogger("tokserve.gateway").warning(
+            "--limit-concurrency %d lowered to %d: the open file limit is %d", max_connections, max(fits, 16), soft)
+        return max(fits, 16)
+    return max_connections
+
+
 def serve(settings: GatewaySettings, client=None, access_log: bool = False) -> None:
     import uvicorn
 
     from gateway.app import create_app
 
-    from gateway.guards import guarded_protocol
+    from gateway.connection_limits import ConnectionLimiter
+    from gateway.guards import close_evicted, guarded_protocol
     from common.malloc_tuning import return_large_allocations
 
     return_large_allocations()  # before the first big allocation (common/malloc_tuning.py)
     app = create_app(settings, client)
+    limiter = ConnectionLimiter(fit_to_fd_limit(settings.limit_concurrency), settings.limit_concurrency_per_peer,
+                                DEFAULT_PROBE_HEADROOM, close_evicted)
     # log_config=None: uvicorn's loggers go through common.logging's root handler.
-    # The protocol is uvicorn's httptools one with deadlines for slow headers (guards.py).
+    # The protocol is uvicorn's httptools one with deadlines for slow headers and the
+    # connection caps (guards.py); uvicorn's own limit_concurrency stays off: it would
+    # answer 503 to /health too while the connections are at the cap.
     config = uvicorn.Config(app, loop="uvloop", lifespan="on", log_level=settings.log_level,
-                            http=guarded_protocol(settings.header_read_timeout_s, settings.max_header_bytes),
+                            http=guarded_protocol(settings.header_read_timeout_s, settings.max_header_bytes,
+                                                  settings.timeout_keep_alive_s, limiter),
                             timeout_keep_alive=settings.timeout_keep_alive_s,
-                            limit_concurrency=settings.limit_concurrency,
                             access_log=access_log, timeout_graceful_shutdown=5, log_config=None)
     sock = bind_socket(settings.host, settings.port, settings.reuse_port)
     uvicorn.Server(config).run(sockets=[sock])

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from common.structured_outputs_config import StructuredOutputsConfig
+from gateway.connection_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER
+from gateway.cors import CorsPolicy
 
 
 @dataclass
@@ -25,13 +27,17 @@ class GatewaySettings:
     max_prompt_chars: int = 8 * 1024 * 1024
     chat_template_timeout_s: float = 5.0  # wall clock for one chat template render
     # Slow clients: headers and body must arrive within these (None: no deadline);
-    # headers over max_header_bytes get 431.  timeout_keep_alive and limit_concurrency
-    # are uvicorn's.
+    # headers over max_header_bytes get 431.  timeout_keep_alive (uvicorn's) also bounds
+    # a new connection's wait for its first byte.  limit_concurrency and its per-peer
+    # twin cap open connections (gateway/connection_limits.py).
     header_read_timeout_s: Optional[float] = 30.0
     body_read_timeout_s: Optional[float] = 60.0
     max_header_bytes: Optional[int] = 64 * 1024
     timeout_keep_alive_s: float = 5.0
-    limit_concurrency: Optional[int] = None
+    limit_concurrency: int = DEFAULT_MAX_CONNECTIONS
+    limit_concurrency_per_peer: int = DEFAULT_MAX_PER_PEER
+    # vLLM's --allowed-origins family (gateway/cors.py); None: no CORS, OPTIONS is 401/405.
+    cors: Optional[CorsPolicy] = None
     # Cluster info (limits, live workers) is cached this long between broker round trips.
     info_ttl_s: float = 1.0
     info_timeout_s: float = 2.0

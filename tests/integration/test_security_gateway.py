@@ -369,6 +369,25 @@ def test_oversized_headers_get_431(small):
     assert got.startswith(b"HTTP/1.1 431"), got[:300]
 
 
+@pytest.mark.parametrize("writes", [1, 2])
+def test_ten_thousand_headers_get_431_in_one_write_or_two(small, writes):
+    """10,000 small headers (~130 KB, the cap is 64 KiB): in one write the whole header
+    section was parsed before the cap was looked at, and accepted; in two (60 KB, then
+    the rest with the blank line) the second write completed it the same way."""
+    request = (b"GET /health HTTP/1.1\r\nHost: x\r\n"
+               + b"".join(b"X-H%d: v\r\n" % i for i in range(10_000)) + b"\r\n")
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    if writes == 1:
+        sock.sendall(request)
+    else:
+        sock.sendall(request[:60_000])
+        sock.sendall(request[60_000:])
+    status, body = _read_answer(sock, timeout=30)
+    assert status == 431, body[:300]
+    error = _error(httpx.Response(status, content=body))
+    assert "--max-header-bytes" in error["message"]
+
+
 def test_slow_body_is_cut_off_with_408(small):
     sock = socket.create_connection(("127.0.0.1", small.port))
     sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

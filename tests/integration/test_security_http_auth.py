@@ -131,3 +131,74 @@ def test_bearer_scheme_is_case_insensitive_and_any_key_works(locked_gateway, hea
 def test_probes_stay_open(locked_gateway):
     for path in ("/health", "//health", "/metrics", "/version"):
         assert _request(locked_gateway.port, "GET", path)[0] == 200, path
+
+
+def test_options_without_cors_is_a_method_like_any_other(locked_gateway, demo_model_dir):
+    """No --allowed-origins: OPTIONS needs the key where GET/POST do (401), and with it (or
+    on a probe) is a 405 in vLLM's error shape.  Falcon's default responder answered a
+    keyless 200 on every route, preflight or not."""
+    port = locked_gateway.port
+    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    wrong = []
+    for route in registered_routes(_flags(demo_model_dir)):
+        for headers in ({}, preflight):
+            status, body = _request(port, "OPTIONS", route, headers)
+            if status != (405 if route in OPEN_ROUTES else 401):
+                wrong.append((route, headers, status, body[:80]))
+        status, body = _request(port, "OPTIONS", route, {"Authorization": f"Bearer {KEY}"})
+        error = json.loads(body).get("error") if status == 405 else None
+        if not (isinstance(error, dict) and error.get("code") == 405 and error.get("type") == "MethodNotAllowedError"):
+            wrong.append((route, "with key", status, body[:80]))
+    assert not wrong, wrong
+
+
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def cors_gateway(tmp_path_factory):
+    with ProcGroup(tmp_path_factory.mktemp("cors")) as procs:
+        broker = procs.broker()
+        procs.fake_worker(broker, 0)
+        wait_for_workers(broker.frontend, 1)
+        yield start_gateway(procs, broker.frontend, "--api-key", KEY, "--allowed-origins", json.dumps([ORIGIN]),
+                            "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization"]')
+
+
+def test_cors_preflights_are_answered_only_as_configured(cors_gateway):
+    port = cors_gateway.port
+
+    def preflight(origin, method="POST", headers="authorization, content-type"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("OPTIONS", "/inference/v1/generate", headers={
+            "Origin": origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers})
+        r = conn.getresponse()
+        answer = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        conn.close()
+        return answer
+
+    status, headers, _ = preflight(ORIGIN)  # no key: browsers send none on a preflight
+    assert status == 200, headers
+    assert headers["access-control-allow-origin"] == ORIGIN and "origin" in headers["vary"].lower()
+    assert headers["access-control-allow-methods"] == "GET, POST"
+    # An explicit list: the CORS-safelisted headers and the configured ones (Starlette's answer).
+    assert headers["access-control-allow-headers"] == (
+        "accept, accept-language, authorization, content-language, content-type")
+    assert "access-control-allow-credentials" not in headers
+    status, headers, body = preflight("https://evil.example")
+    assert status == 400 and "access-control-allow-origin" not in headers and body == b"Disallowed CORS origin"
+    assert preflight(ORIGIN, method="DELETE")[::2] == (400, b"Disallowed CORS method")
+    assert preflight(ORIGIN, headers="x-custom")[::2] == (400, b"Disallowed CORS headers")
+    # Not a preflight: the key, then 405.
+    assert _request(port, "OPTIONS", "/inference/v1/generate")[0] == 401
+    assert _request(port, "OPTIONS", "/health")[0] == 405
+    # The actual request from the allowed origin carries the header; others do not.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("access-control-allow-origin") == ORIGIN
+    r.read()
+    conn.request("GET", "/v1/models", headers={"Origin": "https://evil.example", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("access-control-allow-origin") is None
+    conn.close()

@@ -21,10 +21,12 @@ class Gateway:
         self.url = f"http://127.0.0.1:{port}"
 
 
-def start_gateway(procs: ProcGroup, frontend: str, *extra: str, wait_healthy: bool = True) -> Gateway:
+def start_gateway(procs: ProcGroup, frontend: str, *extra: str, wait_healthy: bool = True,
+                  prefix: Optional[list[str]] = None) -> Gateway:
+    """``prefix``: a command that execs the gateway in another context (``prlimit ...``)."""
     port = free_port()
     proc = procs.spawn(f"gateway{port}", ["-m", "common.cli", "gateway", "--port", str(port), "--broker", frontend,
-                                          "--info-ttl", "0.2", *extra])
+                                          "--info-ttl", "0.2", *extra], prefix=prefix)
     gw = Gateway(proc, port)
     want = (200,) if wait_healthy else (200, 503)
 
