@@ -135,3 +135,81 @@ def test_big_texts_attack_keeps_rss_bounded_and_overlong_renders_fail_fast(gw):
     # JSON decode, beside six tokenizations), peak 0.26 GB.  Before: 240+ s (timed out), 2+ GB.
     assert max(refusals) < 30, refusals
     assert rss.peak < 1024 * 1024, f"peak RSS {rss.peak // 1024} MiB (idle {idle // 1024} MiB)"
+
+
+def test_detokenize_takes_the_models_padding_ids(gw, chat_model):
+    """Ids from the tokenizer's size up to config.json's vocab_size decode to nothing, as
+    vLLM's fast-tokenizer decode gives them; past the model's vocabulary is still a 400."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(chat_model))
+    vocab = json.loads((chat_model / "config.json").read_text())["vocab_size"]
+    padding = [len(hf), vocab - 1]
+    ids = [72, 101, *padding, 108]
+    r = httpx.post(gw.url + "/detokenize", json={"tokens": ids})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": hf.decode(ids)} == {"prompt": "Hel"}
+    r = httpx.post(gw.url + "/detokenize", json={"tokens": [72, vocab]})
+    assert r.status_code == 400 and _error(r)["message"] == f"Token id {vocab} is out of vocabulary", r.text
+
+
+def test_an_oversized_derender_body_gets_its_413_not_a_reset(gw):
+    """A ~50 MB body (over --max-body-bytes' 32 MiB; vLLM reads it and answers 400 on
+    logprobs.content): the gateway reads it to the end and answers 413, so the client gets
+    the answer instead of a connection reset mid-upload."""
+    content = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}] * 700_000
+    body = json.dumps({"model": None, "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
+                                                   "logprobs": {"content": content}, "finish_reason": "stop"}]})
+    assert len(body) > 45_000_000
+    r = httpx.post(gw.url + "/v1/chat/completions/derender", content=body.encode(),
+                   headers={"Content-Type": "application/json"}, timeout=120)
+    assert r.status_code == 413, r.text[:300]
+    assert "Request body exceeds the limit" in _error(r)["message"]
+    assert httpx.get(gw.url + "/health").status_code == 200
+
+
+WORDWRAP_LOOP = ("{% for i in range(100000) %}{% set x = messages[0].content|wordwrap(1) %}{% endfor %}"
+                 "{{ messages[0].content }}")
+
+
+@pytest.mark.parametrize("template, needles, within", [
+    # One 300k-character line, quadratic in textwrap (5+ s in one call, past every check):
+    # refused by the guard at once.
+    ("{{ messages[0].content|wordwrap(1) }}", ("wordwrap to wrap a line of 300000 characters",), 4),
+    # Three million short lines in one call (15+ s, past every check before): a step each,
+    # so the render stops at its step budget or its 5 s deadline.
+    ("{{ ('a\\n' * 3000000)|wordwrap(5) }}", ("--chat-template-timeout", "steps"), 12),
+])
+def test_wordwrap_is_guarded(gw, template, needles, within):
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/v1/chat/completions/render", timeout=60, json={
+        "messages": [{"role": "user", "content": "a" * 300_000}], "chat_template": template})
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 400, r.text[:300]
+    assert any(n in _error(r)["message"] for n in needles), r.text[:300]
+    assert elapsed < within, elapsed
+
+
+def test_health_stays_fast_beside_eight_hostile_template_renders(gw):
+    """Eight renders that each burn their whole 5 s render budget in wordwrap calls (each
+    under the guard's line cap): /health, sampled all the while, answers quickly."""
+    body = {"messages": [{"role": "user", "content": "a" * 16_000}], "chat_template": WORDWRAP_LOOP}
+    with httpx.Client(base_url=gw.url, timeout=60) as client:
+        client.get("/health")  # connection made before the renders start
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            renders = [pool.submit(httpx.post, gw.url + "/v1/chat/completions/render", json=body, timeout=120)
+                       for _ in range(8)]
+            latencies = []
+            while not all(f.done() for f in renders):
+                t0 = time.monotonic()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+        for f in renders:
+            r = f.result()
+            assert r.status_code == 400 and "--chat-template-timeout" in _error(r)["message"], r.text[:300]
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99)]
+    print(f"/health: {len(latencies)} samples, median {latencies[len(latencies) // 2] * 1000:.1f} ms, "
+          f"p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
+    assert len(latencies) > 50
+    assert p99 < 0.1, p99
