@@ -58,7 +58,8 @@ def procs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gw(procs, chat_model):
     return start_gateway(procs, NO_BROKER, "--render-only", "--tokenizer", str(chat_model),
-                         "--max-model-len", str(MAX_MODEL_LEN), "--trust-request-chat-template")
+                         "--max-model-len", str(MAX_MODEL_LEN), "--trust-request-chat-template",
+                         "--timeout-keep-alive", "1")
 
 
 def _error(r: httpx.Response) -> dict:
@@ -155,16 +156,33 @@ def test_detokenize_takes_the_models_padding_ids(gw, chat_model):
 
 def test_an_oversized_derender_body_gets_its_413_not_a_reset(gw):
     """A ~50 MB body (over --max-body-bytes' 32 MiB; vLLM reads it and answers 400 on
-    logprobs.content): the gateway reads it to the end and answers 413, so the client gets
-    the answer instead of a connection reset mid-upload."""
+    logprobs.content) from a client slower than the keep-alive timeout (1 s here): a 413
+    sent at once, with the upload still running, left the connection to the keep-alive
+    timer, which closed it under the client (a reset mid-upload).  The gateway now reads
+    the body to the end, then answers.  The client paces its upload in 1 MB pieces: a slow
+    link, not a wait for the server."""
     content = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}] * 700_000
     body = json.dumps({"model": None, "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
                                                    "logprobs": {"content": content}, "finish_reason": "stop"}]})
+    body = body.encode()
     assert len(body) > 45_000_000
-    r = httpx.post(gw.url + "/v1/chat/completions/derender", content=body.encode(),
-                   headers={"Content-Type": "application/json"}, timeout=120)
-    assert r.status_code == 413, r.text[:300]
-    assert "Request body exceeds the limit" in _error(r)["message"]
+    head = (f"POST /v1/chat/completions/derender HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
+        sock.sendall(head)
+        step = 1 << 20
+        for i in range(0, len(body), step):
+            sock.sendall(body[i:i + step])  # a reset here: the server closed mid-upload
+            time.sleep(0.05)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    status = answer.split(b"\r\n", 1)[0]
+    assert status.startswith(b"HTTP/1.1 413"), answer[:300]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "Request body exceeds the limit" in error["message"] and error["code"] == 413, error
     assert httpx.get(gw.url + "/health").status_code == 200
 
 
