@@ -82,6 +82,7 @@ class TextRoutes:
         texts = [prompt] if isinstance(prompt, str) else (
             [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) and prompt
             and isinstance(prompt[0], str) else [])
+        self.renderer.check_prompt_chars(sum(len(t) for t in texts if isinstance(t, str)))  # named first, as before
         for text in texts:
             self.renderer.check_text_fits(text, max_len, request.truncate_prompt_tokens)
 
