@@ -14,6 +14,11 @@ log = logging.getLogger(__name__)
 
 # Texts / id lists longer than this are (de)tokenized with the GIL released (see encode).
 _LONG = 4096
+# Texts longer than this are encoded a piece this long at a time (Tokenizer._encode_in_chunks),
+# each cut checked on a window this wide either side, trying this many cuts per piece.
+_CHUNK = 64 * 1024
+_CUT_WINDOW = 256
+_CUT_TRIES = 16
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -58,6 +63,10 @@ class Tokenizer:
         self.eos_token_id: Optional[int] = specials.get("eos_token", eos_token_ids[0] if eos_token_ids else None)
         self.pad_token_id: Optional[int] = specials.get("pad_token")
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._affixes: Optional[tuple] = None  # _special_affixes' probe, done once
+        # vLLM's max_chars_per_token: the longest vocabulary string.  A text longer than
+        # max_model_len x this cannot fit (the cheap bound checked before tokenizing).
+        self.max_chars_per_token: int = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_file(cls, tokenizer_json: str | Path, config: Optional[dict] = None,
@@ -68,12 +77,78 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > _CHUNK:
+            ids = self._encode_in_chunks(text, add_special_tokens)
+            if ids is not None:
+                return ids
         if len(text) > _LONG:
             # tokenizers' encode() holds the GIL throughout (a 7 MB prompt: seconds in which
             # no other thread, the gateway's event loop included, ran); encode_batch() lets
             # it go while it works and gives the same ids.
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _encode_in_chunks(self, text: str, add_special_tokens: bool) -> Optional[list[int]]:
+        """``encode`` of a long text a piece at a time, or None where that cannot be shown
+        to give the same ids.  The tokenizers library keeps ~280 bytes per character while
+        it encodes (offsets, alignments, token strings): one 7 MB /tokenize peaked at 2 GB;
+        in 64 KiB pieces only the ids accumulate.
+
+        A piece ends just before a space that follows a non-space and precedes a non-space:
+        the byte-level / GPT-style pre-tokenizers always split there (a word takes at most
+        one leading space), so merges never cross it.  Each cut is also checked on a
+        window around it (the window encoded whole equals its two halves encoded apart),
+        which refuses the cut where the tokenizer does something else there (a
+        metaspace prefix added to each piece, an added token across the cut)."""
+        prefix, suffix = self._special_affixes(add_special_tokens)
+        if prefix is None:
+            return None
+        encode = self._tok.encode_batch_fast if hasattr(self._tok, "encode_batch_fast") else self._tok.encode_batch
+        ids = list(prefix)
+        start, n = 0, len(text)
+        while n - start > _CHUNK:
+            cut = self._find_cut(text, start + _CHUNK, encode)
+            if cut is None:
+                return None  # no provable cut: the caller encodes the text whole
+            ids.extend(encode([text[start:cut]], add_special_tokens=False)[0].ids)
+            start = cut
+        ids.extend(encode([text[start:]], add_special_tokens=False)[0].ids)
+        ids.extend(suffix)
+        return ids
+
+    def _find_cut(self, text: str, at: int, encode) -> Optional[int]:
+        end = min(len(text) - 1, at + _CHUNK // 2)
+        pos, tries = at, 0
+        while tries < _CUT_TRIES:
+            pos = text.find(" ", pos, end)
+            if pos < 0:
+                return None
+            if not text[pos - 1].isspace() and not text[pos + 1].isspace():
+                tries += 1
+                lo, hi = max(0, pos - _CUT_WINDOW), min(len(text), pos + _CUT_WINDOW)
+                whole, left, right = encode([text[lo:hi], text[lo:pos], text[pos:hi]], add_special_tokens=False)
+                if whole.ids == left.ids + right.ids:
+                    return pos
+            pos += 1
+        return None
+
+    def _special_affixes(self, add_special_tokens: bool) -> tuple[Optional[list[int]], list[int]]:
+        """The ids the post-processor puts before and after a text (BOS / EOS), found by
+        encoding one probe character with and without them; (None, []) where the
+        tokenizer pads or truncates (a whole-text operation) or the probe is not found."""
+        if self._tok.truncation is not None or self._tok.padding is not None:
+            return None, []
+        if not add_special_tokens:
+            return [], []
+        if self._affixes is None:
+            found: tuple = (None, [])
+            core = self._tok.encode("a", add_special_tokens=False).ids
+            full = self._tok.encode("a", add_special_tokens=True).ids
+            spots = [i for i in range(len(full) - len(core) + 1) if full[i:i + len(core)] == core]
+            if core and len(spots) == 1:
+                found = (full[:spots[0]], full[spots[0] + len(core):])
+            self._affixes = found
+        return self._affixes
 
     def encode_with_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[list[int]]]:
         """The ids and each token's ``[start, end)`` character span in ``text``: the fast

@@ -15,18 +15,38 @@ def is_json(content_type: Optional[str]) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
+# An over-limit body is read on and thrown away, up to this many times the limit, before
+# the 413 goes out: answered while the client still uploads, the connection closes under
+# it and the client sees a reset (a 50 MB derender body) instead of the 413.  Past this
+# the 413 is sent at once (the client may then see the reset): draining costs bandwidth
+# and time (--body-read-timeout bounds that), not memory.
+DRAIN_FACTOR = 4
+
+
 def _too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
 
 
+async def _discard_rest(stream, budget: int) -> None:
+    async for chunk in stream:
+        budget -= len(chunk)
+        if budget < 0:
+            return
+
+
 async def read_body(req, limit: int) -> bytes:
+    drain = DRAIN_FACTOR * limit
     if req.content_length is not None and req.content_length > limit:
+        if req.content_length <= drain:
+            await _discard_rest(req.stream, drain)
         raise _too_large(limit)
     chunks, size = [], 0
     # Chunked uploads carry no Content-Length: count as the body arrives.
     async for chunk in req.stream:
         size += len(chunk)
         if size > limit:
+            chunks.clear()
+            await _discard_rest(req.stream, drain - size)
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import gc
 import logging
 import os
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 from common import malloc_tuning
 from common.errors import Overloaded
@@ -48,18 +49,45 @@ class RenderPool:
         self._pending = 0  # jobs admitted and not finished: waiting for weight, queued or running
         self._weight = 0  # weight of the jobs submitted to the executor and not finished
         self._waiters: deque = deque()  # (weight, future) of jobs waiting for weight, in arrival order
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the gateway's, for hold() from threads
 
     @property
     def pending(self) -> int:
         return self._pending
 
+    def _weighed(self, weight: int) -> int:
+        # Light jobs (most requests) are not weighed, so they never wait behind a heavy
+        # one; their memory is bounded by workers x budget/8 anyway.
+        return min(weight, self.weight_budget) if weight > self.weight_budget // 8 else 0
+
+    @contextlib.contextmanager
+    def hold(self, weight: int) -> Iterator[None]:
+        """Called from inside a job (a pool thread) that learns its weight only part-way:
+        a chat render, whose prompt is known once the template has run and which may be
+        refused then, before its heavy step (tokenizing).  Such a job enters the pool
+        light, so that its refusal does not queue behind heavy jobs (an over-long 8 MB chat
+        waited 100 s behind six 7 MB /tokenize calls for its 400), and takes the weight
+        here, waiting as a job admitted with it would."""
+        weight = self._weighed(weight)
+        if weight == 0 or self._loop is None:
+            yield
+            return
+        asyncio.run_coroutine_threadsafe(self._admit(weight), self._loop).result()
+        try:
+            yield
+        finally:
+            self._loop.call_soon_threadsafe(self._release, weight)
+
+    def _release(self, weight: int) -> None:
+        self._weight -= weight
+        self._wake()
+
     async def run(self, fn: Callable[..., Any], *args, weight: int = 0, **kwargs) -> Any:
         if self._pending >= self.workers + self.queue:
             raise Overloaded(f"The gateway's render queue is full ({self.workers} workers, {self.queue} queued: "
                              f"--render-workers, --render-queue); retry later.")
-        # Light jobs (most requests) are not weighed, so they never wait behind a heavy
-        # one; their memory is bounded by workers x budget/8 anyway.
-        weight = min(weight, self.weight_budget) if weight > self.weight_budget // 8 else 0
+        self._loop = asyncio.get_running_loop()
+        weight = self._weighed(weight)
         self._pending += 1
         try:
             await self._admit(weight)

@@ -425,6 +425,36 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         return _check_result(self.binop_table[operator](left, right))
 
 
+# Longest line (paragraph) wordwrap wraps.  textwrap chops a word longer than the width
+# one slice at a time, each a copy of the rest: quadratic (one 300k-character word at
+# width 1 took 5 s, past every step check).  At this length a line costs milliseconds.
+WORDWRAP_MAX_LINE = 16 * 1024
+
+
+@jinja2.pass_environment
+def _wordwrap(environment, s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+    """Jinja's ``wordwrap`` (same output: each line wrapped by textwrap on its own and
+    joined with ``wrapstring``) with a step per line, so that a million short lines stop
+    at the step budget or the deadline, and lines over WORDWRAP_MAX_LINE refused."""
+    import textwrap
+
+    budget = _budget()
+    if wrapstring is None:
+        wrapstring = environment.newline_sequence
+    s = str(s)
+    wrapped = []
+    for line in s.splitlines():
+        if budget is not None:
+            budget.charge()
+        if len(line) > WORDWRAP_MAX_LINE:
+            raise RenderLimitExceeded(f"The chat template asks wordwrap to wrap a line of {len(line)} characters; "
+                                      f"at most {WORDWRAP_MAX_LINE} are allowed.")
+        wrapped.append(wrapstring.join(textwrap.wrap(line, width=width, expand_tabs=False, replace_whitespace=False,
+                                                     break_long_words=break_long_words,
+                                                     break_on_hyphens=break_on_hyphens)))
+    return wrapstring.join(wrapped)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     # optimized=False: no constant folding, which would run filters and operators on
     # literals at compile time, outside every limit ({{ 'x'|center(1000000000) }}); the
@@ -432,6 +462,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, optimized=False,
                           extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters["wordwrap"] = _wordwrap
     for name, func in list(env.filters.items()):
         env.filters[name] = _guard_filter(name, func)
     lipsum = env.globals["lipsum"]

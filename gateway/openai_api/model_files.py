@@ -75,6 +75,10 @@ class TextModel:
     sampling_defaults: dict = field(default_factory=dict)
     max_position_embeddings: Optional[int] = None
     image: Optional[ImageSpec] = None  # None: a text-only model
+    # Ids below this are the model's (vLLM's validate_token_ids bound): config.json's
+    # vocab_size can exceed the tokenizer's (Qwen pads its embedding to 151,936 rows for
+    # 151,665 tokens), and ids in that gap are valid, decoding to nothing.
+    vocab_size: int = 0
 
     @classmethod
     def load(cls, model_dir: str | Path, chat_template: Optional[str] = None) -> "TextModel":
@@ -92,7 +96,9 @@ class TextModel:
             log.info("default sampling parameters from generation_config.json: %s", defaults)
         max_pos = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
             "max_position_embeddings")
+        model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        vocab_size = max(tokenizer.vocab_size, model_vocab if isinstance(model_vocab, int) else 0)
         return cls(path=path, tokenizer=tokenizer, tokenizer_config=_read_json(path / "tokenizer_config.json"),
                    chat_template=template, chat_template_text=template.template_for(None) if template else None,
                    sampling_defaults=defaults, max_position_embeddings=max_pos,
-                   image=ImageSpec.from_model_dir(path))
+                   image=ImageSpec.from_model_dir(path), vocab_size=vocab_size)

@@ -7,9 +7,10 @@ does, and the sampling parameters as ``to_sampling_params`` builds them.
 """
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, ContextManager, Optional, Union
 
 from common.errors import BadRequest
 from gateway.chat.jinja_env import RenderLimits
@@ -125,6 +126,20 @@ class Renderer:
             raise BadRequest(f"The prompt has {chars} characters, more than the limit of {limit} "
                              f"(--max-prompt-chars).", param)
 
+    def check_text_fits(self, text: str, max_model_len: int, truncate_prompt_tokens: Optional[int]) -> None:
+        """vLLM's ``_text_len_check``: a text longer than max_model_len x the longest
+        vocabulary string cannot fit the context, and gets its 400 before it is tokenized
+        (tokenizing 8 MB took tens of seconds and gigabytes, only to be refused).  A
+        prompt to be truncated is tokenized as asked."""
+        if truncate_prompt_tokens is not None:
+            return
+        max_chars = max_model_len * self.model.tokenizer.max_chars_per_token
+        if len(text) > max_chars:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                             f"contains {len(text)} characters (more than {max_chars} characters, which is the upper "
+                             f"bound for {max_model_len} input tokens). Please reduce the length of the input prompt.",
+                             "input_text")
+
     # ------------------------------------------------------------------ chat
     def chat_template_kwargs(self, request: ChatCompletionRequest) -> dict:
         kwargs = dict(self.options.default_chat_template_kwargs)
@@ -172,9 +187,11 @@ class Renderer:
         return expand_image_placeholders(ids, self.model.image, images)
 
     def chat(self, request: ChatCompletionRequest, max_model_len: int, base_id: str,
-             images: Optional[list] = None) -> RenderedChat:
+             images: Optional[list] = None,
+             hold: Callable[[int], ContextManager] = lambda weight: contextlib.nullcontext()) -> RenderedChat:
         """``images``: the messages' images loaded and resized (``load_chat_images``),
-        for a model that takes images."""
+        for a model that takes images.  ``hold(chars)``: held while the rendered prompt
+        is tokenized (the render pool's ``RenderPool.hold``: the memory-heavy step)."""
         sampling.refuse_unserved(request)
         sampling.check_chat(request)
         tool_choice = request.tool_choice
@@ -196,9 +213,11 @@ class Renderer:
                                       continue_final_message=request.continue_final_message,
                                       chat_template_kwargs=kwargs, chat_template=request.chat_template,
                                       image_urls=image_urls)
+        self.check_text_fits(prompt, max_model_len, request.truncate_prompt_tokens)
         # Offsets only for a text prompt: vLLM gives none where the prompt holds images.
-        ids, offsets = _encode(self.model.tokenizer, prompt, request.add_special_tokens,
-                               bool(request.return_token_offsets) and not image_urls)
+        with hold(len(prompt)):
+            ids, offsets = _encode(self.model.tokenizer, prompt, request.add_special_tokens,
+                                   bool(request.return_token_offsets) and not image_urls)
         ids = self.expand_images(ids, image_urls, images)
         ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
         if offsets is not None:
@@ -249,7 +268,8 @@ class Renderer:
                             last_message_text=last_text, images=images if image_urls else None)
 
     # ------------------------------------------------------------------ completions
-    def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], Optional[str], Optional[list]]]:
+    def completion_prompts(self, request: CompletionRequest, max_model_len: Optional[int] = None
+                           ) -> list[tuple[list[int], Optional[str], Optional[list]]]:
         """Each prompt's (token ids, text, token offsets); token prompts have no text until
         decoded, and no offsets (vLLM gives offsets, on ``return_token_offsets``, for text)."""
         prompt = request.prompt
@@ -262,6 +282,10 @@ class Renderer:
         else:
             items = list(prompt)
         self.check_prompt_chars(sum(len(item) for item in items if isinstance(item, str)))
+        if max_model_len is not None:
+            for item in items:
+                if isinstance(item, str):
+                    self.check_text_fits(item, max_model_len, request.truncate_prompt_tokens)
         out = []
         for item in items:
             if isinstance(item, str):
@@ -281,7 +305,7 @@ class Renderer:
         sampling.refuse_unserved(request)
         sampling.check_completion(request)
         structured = so_mapping.completion_structured_outputs(request)
-        prompts = self.completion_prompts(request)
+        prompts = self.completion_prompts(request, max_model_len)
         rendered = []
         for i, (ids, text, offsets) in enumerate(prompts):
             ids = _truncate(ids, request.truncate_prompt_tokens, request.truncation_side, max_model_len)

@@ -33,7 +33,7 @@ import msgspec
 from msgspec import Meta
 from typing_extensions import Annotated
 
-from common.errors import BadRequest
+from common.errors import BadRequest, ServingError
 from gateway.openai_api.protocol import ChatCompletionRequest, Int64, JsonObject, StopParam
 from gateway.openai_api.render import Renderer
 from gateway.structured_outputs.openai_mapping import responses_structured_outputs
@@ -266,8 +266,10 @@ def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = Fals
     keeps its markers (vLLM's ``adjust_request``); without it the tools are still
     rendered (vLLM's Responses render does not ask for the flag)."""
     if request.previous_response_id is not None:
-        raise BadRequest("previous_response_id is not supported by the stateless render endpoint.",
-                         "previous_response_id")
+        # vLLM's render_responses_request types this one "invalid_request_error" (the Responses
+        # API's own type); its other 400s here are validation errors, "BadRequestError".
+        raise ServingError("previous_response_id is not supported by the stateless render endpoint.",
+                           "previous_response_id", status=400, type="invalid_request_error")
     if request.prompt is not None:
         raise BadRequest("prompt template is not supported", "prompt")
     if request.background and request.store is False:

@@ -64,6 +64,28 @@ class TextRoutes:
         for the job's memory (RenderPool's weight)."""
         return await self.state.render_pool.run(fn, *args, weight=req.context.get("body_bytes", 0), **kwargs)
 
+    async def offload_light(self, fn, *args, **kwargs):
+        """A job that enters the pool light: turning a Responses / Messages request into
+        chat messages, or rendering a chat (``fn`` calls Renderer.chat with
+        ``hold=self.hold``), weighed by its rendered prompt only when it tokenizes it
+        (RenderPool.hold); so an over-long chat's 400 does not wait behind heavy jobs."""
+        return await self.state.render_pool.run(fn, *args, weight=0, **kwargs)
+
+    @property
+    def hold(self):
+        return self.state.render_pool.hold
+
+    def check_completion_fits(self, request, max_len: int) -> None:
+        """Completion text prompts against the cheap length bound (Renderer.check_text_fits)
+        here on the event loop, before the job queues behind heavy ones for its 400."""
+        prompt = request.prompt
+        texts = [prompt] if isinstance(prompt, str) else (
+            [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) and prompt
+            and isinstance(prompt[0], str) else [])
+        self.renderer.check_prompt_chars(sum(len(t) for t in texts if isinstance(t, str)))  # named first, as before
+        for text in texts:
+            self.renderer.check_text_fits(text, max_len, request.truncate_prompt_tokens)
+
     def render_only(self) -> bool:
         return self.state.settings.render_only
 
@@ -102,9 +124,9 @@ class ChatCompletions(TextRoutes):
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
         images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
-        rendered = await self.offload(req, self.renderer.chat, request, max_len,
-                                      base_request_id(req.get_header("X-Request-Id"), request.request_id),
-                                      images=images)
+        rendered = await self.offload_light(self.renderer.chat, request, max_len,
+                                           base_request_id(req.get_header("X-Request-Id"), request.request_id),
+                                           images=images, hold=self.hold)
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
         view = ResponseView.of(request, request.top_logprobs if request.logprobs else None, self.state.settings)
@@ -120,6 +142,7 @@ class Completions(TextRoutes):
         request = await self.decode(req, completion_request_decoder)
         model = await self.check_model(request.model)
         max_len, _, _ = await self.limits()
+        self.check_completion_fits(request, max_len)
         rendered = await self.offload(req, self.renderer.completion, request, max_len,
                                       base_request_id(req.get_header("X-Request-Id"), request.request_id))
         mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
@@ -140,9 +163,10 @@ class ChatRender(TextRoutes):
         base_id = base_request_id(req.get_header("X-Request-Id"), request.request_id)
 
         def render() -> bytes:
-            return json_encoder.encode(self.renderer.chat(request, max_len, base_id, images=images).generate)
+            return json_encoder.encode(self.renderer.chat(request, max_len, base_id, images=images,
+                                                          hold=self.hold).generate)
 
-        resp.data = await self.offload(req, render)
+        resp.data = await self.offload_light(render)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -151,6 +175,7 @@ class CompletionRender(TextRoutes):
         request = await self.decode(req, completion_request_decoder)
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
+        self.check_completion_fits(request, max_len)
         base_id = base_request_id(req.get_header("X-Request-Id"), request.request_id)
 
         def render() -> bytes:
@@ -231,7 +256,9 @@ class Detokenize(TextRoutes):
 
     def _detokenize(self, tokens: list[int]) -> bytes:
         tok = self.renderer.model.tokenizer
-        bad = next((t for t in tokens if t >= tok.vocab_size), None)
+        # As vLLM: any id of the model's vocabulary, those past the tokenizer's (padding
+        # ids) decoding to "" as the fast tokenizer decodes unknown ids.
+        bad = next((t for t in tokens if t >= self.renderer.model.vocab_size), None)
         if bad is not None:
             raise ServingError(f"Token id {bad} is out of vocabulary", param="tokens", status=400,
                                type="BadRequestError")

@@ -24,15 +24,15 @@ class ResponsesRender(TextRoutes):
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
         options = self.renderer.options
-        chat = await self.offload(req, responses_chat_request, request,
-                                  auto_tools=options.enable_auto_tool_choice and bool(options.tool_call_parser))
+        chat = await self.offload_light(responses_chat_request, request,
+                                        auto_tools=options.enable_auto_tool_choice and bool(options.tool_call_parser))
         images = await load_chat_images(chat.messages, self.renderer.model.image, self.state.settings)
 
         def render() -> bytes:
-            generate = self.renderer.chat(chat, max_len, "", images=images).generate
+            generate = self.renderer.chat(chat, max_len, "", images=images, hold=self.hold).generate
             return json_encoder.encode(responses_generate(request, generate))
 
-        resp.data = await self.offload(req, render)
+        resp.data = await self.offload_light(render)
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -45,14 +45,15 @@ class MessagesRender(TextRoutes):
         request = await self.decode(req, messages_request_decoder)
         await self.check_model(request.model)
         max_len, _, _ = await self.limits()
-        chat = await self.offload(req, self.messages.chat_request, request)
+        chat = await self.offload_light(self.messages.chat_request, request)
         images = await load_chat_images(chat.messages, self.renderer.model.image, self.state.settings)
         base_id = base_request_id(req.get_header("X-Request-Id"), None)
 
         def render() -> bytes:
-            return json_encoder.encode(self.renderer.chat(chat, max_len, base_id, images=images).generate)
+            return json_encoder.encode(self.renderer.chat(chat, max_len, base_id, images=images,
+                                                          hold=self.hold).generate)
 
-        resp.data = await self.offload(req, render)
+        resp.data = await self.offload_light(render)
         resp.content_type = falcon.MEDIA_JSON
 
 

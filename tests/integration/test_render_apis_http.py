@@ -129,6 +129,12 @@ def test_responses_render_errors(gw, body, param, needle):
     assert needle in err["message"] and err["code"] == r.status_code, err
     if param is not None:
         assert err["param"] == param
+    # vLLM 0.33's render_responses_request: "invalid_request_error" for previous_response_id,
+    # its request validators' "BadRequestError" for the rest.
+    if param == "previous_response_id":
+        assert err["type"] == "invalid_request_error", err
+    elif r.status_code == 400:
+        assert err["type"] == "BadRequestError", err
 
 
 # ---------------------------------------------------------------- /v1/messages/render
