@@ -463,6 +463,7 @@ class ControlPlane:
         if fan is not None:
             if reply.ok:
                 _track_lora(worker, fan.req)
+                _track_sleep(worker, fan.req, reply)
             self._answered(fan, reply.nonce, worker.identity, reply)
         self.refresh_stale()
 
@@ -639,6 +640,16 @@ class ControlPlane:
         sizes = [w.world_size for w in workers]
         return ControlReply(req.nonce, result={"world_size": sum(sizes) if include_dp else max(sizes)})
 
+
+
+def _track_sleep(worker, req: ControlRequest, reply: RankReply) -> None:
+    """The worker's sleep level (vllm:engine_sleep_state) as soon as it answered a sleep or
+    wake-up, before the client gets its 200: its next load report, which says the same, may
+    come a step later."""
+    if req.op == "sleep":
+        worker.load.sleep_level = req.args.get("level", 1)
+    elif req.op == "wake_up" and isinstance(reply.result, dict) and reply.result.get("fully_awake"):
+        worker.load.sleep_level = -1
 
 
 def _track_lora(worker, req: ControlRequest) -> None:

@@ -68,7 +68,10 @@ class ChatParsing:
         if self.forced_tool_choice is not None:  # vLLM's _extract_tool_calls, required / named
             calls = (forced.parse_named(parsed.content, self.named_tool) if self.forced_tool_choice == "named"
                      else forced.parse_required(parsed.content))
-            parsed = ParsedOutput(reasoning=parsed.reasoning, content=None, tool_calls=calls)
+            # What does not parse as calls (a "length" cut, a grammar failure) is still the
+            # model's output: answered as content, where vLLM drops it.
+            unparsed = parsed.content if not calls and parsed.content and parsed.content.strip() else None
+            parsed = ParsedOutput(reasoning=parsed.reasoning, content=unparsed, tool_calls=calls)
         if not self.include_reasoning and parsed.reasoning is not None:
             parsed = ParsedOutput(reasoning=None, content=parsed.content, tool_calls=parsed.tool_calls)
         if not self.parallel_tool_calls and len(parsed.tool_calls) > 1:
@@ -176,7 +179,10 @@ class ChatChoiceStream:
                 calls.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
         if calls:
             delta.tool_calls = calls
-        if delta.reasoning is UNSET and delta.tool_calls is UNSET:
+        if finished and not self.tool_call_ids and new.strip():
+            # The output never became a call (the non-streamed answer's rule): its text is the content.
+            delta.content = new
+        if delta.reasoning is UNSET and delta.tool_calls is UNSET and delta.content is UNSET:
             return None
         return delta
 

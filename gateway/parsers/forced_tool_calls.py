@@ -5,12 +5,18 @@ required and named choices (parser/abstract_parser.py, tool_parsers/streaming.py
 
 - named: the whole content is the call's ``arguments`` (no call for empty or blank content);
 - required: the content is a JSON array of ``{"name", "parameters"}`` objects, each a call
-  with ``arguments = json.dumps(parameters)``; anything that does not validate gives no calls.
+  with ``arguments = json.dumps(parameters)``; anything that does not validate gives no calls
+  (the caller then answers the text as content: vLLM drops it).  A JSON string the grammar
+  shaped may hold raw control characters (xgrammar, like vLLM's, admits U+0000-U+001F in
+  strings), which a strict JSON parse -- vLLM's pydantic ``validate_json`` too -- refuses: the
+  array is read with ``strict=False`` and the arguments re-encoded, so they are strict JSON.
 
 Streaming (pure functions of the text before and after a delta): a named call is announced
 (id, name) with its first argument text, then each delta's text is more arguments; required
 calls are found by one prefix-stable scan of the array (``scan_required``), a call is announced
-once its name is complete and its parameters have started, then its new argument text follows.
+once its name is complete and its parameters have started, then its new argument text follows,
+with raw control characters inside its strings escaped (``escape_control_characters``), so the
+concatenated arguments are strict JSON too.
 """
 from __future__ import annotations
 
@@ -37,13 +43,38 @@ def _valid_definition(item) -> bool:
 
 def parse_required(content: Optional[str]) -> list[ParsedToolCall]:
     try:
-        items = json.loads(content or "")
+        items = json.loads(content or "", strict=False)
     except (ValueError, RecursionError):
         return []
     if not isinstance(items, list) or not all(_valid_definition(item) for item in items):
         return []
     return [ParsedToolCall(name=item["name"], arguments=json.dumps(item.get("parameters"), ensure_ascii=False))
             for item in items]
+
+
+def escape_control_characters(json_text: str) -> str:
+    """``json_text`` with each raw control character inside a string escaped as ``json.dumps``
+    writes it (``\\n``, ``\\u001e``); the rest unchanged.  Character by character on the string
+    state of what precedes it, so it is prefix-stable: the escape of a prefix of a JSON value
+    that starts outside a string is a prefix of the escape of the whole value."""
+    if not any(ch < " " for ch in json_text):
+        return json_text
+    out = []
+    in_string = escaped = False
+    for ch in json_text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            elif ch < " ":
+                ch = json.dumps(ch)[1:-1]
+        elif ch == '"':
+            in_string = True
+        out.append(ch)
+    return "".join(out)
 
 
 @dataclass
@@ -178,10 +209,11 @@ def required_stream_pieces(previous: str, current: str) -> list[ToolCallPiece]:
         if not span.ready:
             break  # calls are generated in order: nothing later can be ready
         end = span.args_end if span.args_end is not None else len(current)
+        arguments = escape_control_characters(current[span.args_start:end])
         if span.ready_at(sent):
-            new = current[min(end, sent):end]
+            new = arguments[len(escape_control_characters(current[span.args_start:min(end, sent)])):]
             if new:
                 pieces.append(ToolCallPiece(index, None, new))
             continue
-        pieces.append(ToolCallPiece(index, span.name, current[span.args_start:end]))
+        pieces.append(ToolCallPiece(index, span.name, arguments))
     return pieces

@@ -14,7 +14,9 @@ class MetricsResource:
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         try:
-            info = await self.state.cluster.get()
+            # Not the request path's cached view: a scrape right after a change (a /sleep
+            # answered by this gateway or another) must show it, and scrapes are rare.
+            info = await self.state.cluster.fresh()
         except ServingError:
             info = None  # still expose the request metrics while the broker is away
         if info is not None and info.model is not None:

@@ -415,36 +415,39 @@ def sleep_states(http) -> dict:
                         for s in ("awake", "weights_offloaded", "discard_all")) for rank in (0, 1)}
 
 
-def wait_sleep_states(http, want: tuple) -> None:
-    """The gauges follow the workers' load reports (the gateway caches them for a second)."""
-    wait_for(lambda: sleep_states(http) == {0: want, 1: want}, 10, f"vllm:engine_sleep_state {want}")
+def assert_sleep_states(http, want: tuple) -> None:
+    """The gauges as soon as /sleep or /wake_up answered, with no waiting: the broker records
+    the level from the workers' replies and /metrics asks the broker afresh."""
+    assert sleep_states(http) == {0: want, 1: want}
 
 
 def test_sleep_releases_and_wake_up_restores(pool, references, models):
     procs, broker, http, client = pool
-    wait_sleep_states(http, (1, 0, 0))
+    assert_sleep_states(http, (1, 0, 0))
     assert 'model_name="' in next(line for line in http.get("/metrics").text.splitlines()
                                   if line.startswith("vllm:engine_sleep_state{"))
     # Level 0 only pauses the scheduler: asleep, neither level flag (vLLM's record_sleep_state(1, 0)).
     assert http.post("/sleep", params={"level": 0}).json() == {"status": "sleeping", "level": 0}
-    wait_sleep_states(http, (0, 0, 0))
+    assert_sleep_states(http, (0, 0, 0))
     assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
-    wait_sleep_states(http, (1, 0, 0))
+    assert_sleep_states(http, (1, 0, 0))
     for level in (1, 2):
         assert http.post("/sleep", params={"level": level}).json() == {"status": "sleeping", "level": level}
-        wait_sleep_states(http, (0, int(level == 1), int(level == 2)))
+        assert_sleep_states(http, (0, int(level == 1), int(level == 2)))
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         wait_for(lambda: all(w.load.total_kv_blocks == 0 for w in cluster_info(broker.frontend).workers), 10,
                  "KV memory released")
+        assert_sleep_states(http, (0, int(level == 1), int(level == 2)))  # the load reports agree
         if level == 2:
             partial = http.post("/wake_up", params={"tags": "kv_cache"}).json()
             assert partial == {"status": "sleeping", "tags": ["kv_cache"]}
-            wait_sleep_states(http, (0, 0, 1))  # not fully awake: the state stays
+            assert_sleep_states(http, (0, 0, 1))  # not fully awake: the state stays
         assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
-        wait_sleep_states(http, (1, 0, 0))
+        assert_sleep_states(http, (1, 0, 0))
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         wait_for(lambda: all(w.load.free_kv_blocks == 128 for w in cluster_info(broker.frontend).workers), 10,
                  "KV memory restored")
+        assert_sleep_states(http, (1, 0, 0))
         assert served_by_each_rank(client) == {0: references["A"], 1: references["A"]}
 
 

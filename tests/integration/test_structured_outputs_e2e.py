@@ -105,3 +105,65 @@ def test_reasoning_gateway_with_thinking_disabled_constrains_from_the_start(stac
         **ARGS, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}},
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert json.loads(out.choices[0].message.content)["city"] in ("Paris", "Oslo")
+
+
+FREE_CITY = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_choice_required_with_a_free_string_never_loses_the_calls(stack, seed):
+    """Issue 39: the grammar finished ("stop") but the message had neither content nor calls --
+    the random model's free string held raw control characters, which xgrammar admits and a
+    strict JSON parse refused.  The calls reach the client, strict JSON, in both modes."""
+    plain, _ = stack
+    client = _client(plain)
+    args = {**ARGS, "max_tokens": 400, "temperature": 1.0, "seed": seed, "tools": FREE_CITY,
+            "tool_choice": "required"}
+    out = client.chat.completions.create(**args)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls, choice.message
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    calls: dict[int, list] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, [None, ""])
+                calls[tc.index][0] = tc.function.name or calls[tc.index][0]
+                calls[tc.index][1] += tc.function.arguments or ""
+    assert calls and all(name == "get_weather" and set(json.loads(arguments)) == {"city"}
+                         for name, arguments in calls.values())
+
+
+def test_a_grammar_that_admits_nothing_is_a_400_never_free_sampling(stack):
+    """``root ::= root`` compiles in xgrammar but allows no token: refused (vLLM would sample
+    from an all -inf row and end the request with finish_reason "error")."""
+    plain, _ = stack
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(plain).completions.create(model="", prompt="Hi", max_tokens=20,
+                                          extra_body={"structured_outputs": {"grammar": "root ::= root"}})
+    assert err.value.status_code == 400 and "admits no output" in err.value.message
+    r = httpx.post(plain.url + GENERATE, timeout=300, json={
+        "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 8, "structured_outputs": {"grammar": "root ::= root"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+
+
+def test_a_grammar_dead_end_ends_the_request_with_an_error(stack):
+    """A state whose mask allows no token (``x ::= x`` after "ab"): the request ends with a 400
+    (non-stream) or an error event (stream), and what the model was constrained to ("ab") is
+    all it produced -- nothing is sampled from the dead state."""
+    plain, _ = stack
+    client = _client(plain)
+    body = {"model": "", "prompt": "Hi", "max_tokens": 20, "temperature": 0,
+            "extra_body": {"structured_outputs": {"grammar": 'root ::= "ab" x\nx ::= x'}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**body)
+    assert "allows no token after the output so far" in err.value.message
+    text = ""
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.completions.create(**body, stream=True):
+            text += chunk.choices[0].text or ""
+    assert "allows no token after the output so far" in str(err.value.message)
+    assert "ab".startswith(text)

@@ -157,6 +157,46 @@ def test_tool_choice_required_non_stream_and_stream(stack):
     assert reasons[-1] == "tool_calls"
 
 
+def _stream_calls_and_content(client, **kwargs):
+    names, arguments, content, reasons = [], "", "", []
+    for chunk in client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, stream=True, **kwargs):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                names += [tc.function.name] if tc.function.name else []
+                arguments += tc.function.arguments or ""
+            content += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    return names, arguments, content, reasons[-1]
+
+
+def test_tool_choice_required_with_raw_control_characters_in_a_string(stack):
+    """What xgrammar admits in a JSON string (raw U+0000-U+001F) reaches the client as the
+    call, strict JSON in both modes (issue 39: the calls vanished, content empty)."""
+    city = "a\x1e*v\n\x17b"
+    _reply(stack, '[{"name":"get_weather","parameters":{"city":"' + city + '"}}]', chunk=3)
+    client = _client(stack["plain"])
+    out = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, tool_choice="required")
+    choice = out.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": city}
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    names, arguments, content, reason = _stream_calls_and_content(client, tool_choice="required")
+    assert names == ["get_weather"] and json.loads(arguments) == {"city": city}
+    assert content == "" and reason == "tool_calls"
+
+
+def test_tool_choice_required_output_that_is_no_call_is_returned_as_content(stack):
+    """A reply that does not parse as calls (here a truncated array) is the model's
+    output all the same: answered as content, where vLLM drops it."""
+    text = '[{"name":"get_weather","para'
+    _reply(stack, text, chunk=3)
+    client = _client(stack["plain"])
+    out = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, tool_choice="required")
+    assert out.choices[0].message.content == text and not out.choices[0].message.tool_calls
+    names, arguments, content, _ = _stream_calls_and_content(client, tool_choice="required")
+    assert names == [] and arguments == "" and content == text
+
+
 def test_named_tool_choice_non_stream_and_stream(stack):
     _reply(stack, '{"city": "Oslo"}', chunk=3)
     client = _client(stack["plain"])

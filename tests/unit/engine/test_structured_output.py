@@ -22,11 +22,11 @@ from common.tokenizer import Tokenizer  # noqa: E402
 from tests.support.engine_helpers import make_engine, random_prompts, request  # noqa: E402
 from tests.support.structured_output_cases import cases, grammar_text_decoder, is_valid  # noqa: E402
 from worker.engine.config import structured_outputs_config  # noqa: E402
-from worker.engine.structured_output.backend_xgrammar import build_tokenizer_info  # noqa: E402
+from worker.engine.structured_output.backend_xgrammar import admits_nothing, build_tokenizer_info  # noqa: E402
 from worker.engine.structured_output.bitmask import BitmaskBuffer, apply_bitmask_torch_  # noqa: E402
 from worker.engine.structured_output.grammar_cache import GrammarCache  # noqa: E402
 from worker.engine.structured_output.reasoning import prompt_ended_reasoning  # noqa: E402
-from worker.engine.structured_output.sequence_matcher import SequenceMatcher  # noqa: E402
+from worker.engine.structured_output.sequence_matcher import DeadEnd, SequenceMatcher  # noqa: E402
 from worker.engine.structured_output.spec import MAX_SPEC_CHARS, GrammarKey, grammar_key  # noqa: E402
 
 CASES = cases()
@@ -287,6 +287,31 @@ def test_a_draft_that_ends_the_grammar_rolls_back_too(compiler):
     assert _allowed(bitmask[0]) == {ord("a")}
 
 
+DEAD_END = 'root ::= "a" x | "b"\nx ::= x'  # after "a" no token is allowed, not even a stop
+
+
+def test_a_dead_end_is_never_sampled_from(compiler):
+    """xgrammar compiles a rule that can never complete; its state allows no token."""
+    m = SequenceMatcher(xgr.GrammarMatcher(compiler.compile_grammar(DEAD_END)), None, True)
+    bitmask = torch.zeros(4, 10, dtype=torch.int32)
+    # a draft that leads to the dead end is forbidden at its own row (verification rejects it)
+    filled = m.fill_rows(bitmask, 0, (ord("a"),), ())
+    assert [j for j, _ in filled] == [0, 1]
+    assert _allowed(bitmask[0]) == _allowed(bitmask[1]) == {ord("b")}
+    assert not m.matcher.is_terminated()
+    # the sequence itself in the dead end: nothing to sample
+    m.catch_up([1, ord("a")], 1)
+    with pytest.raises(DeadEnd):
+        m.fill_rows(bitmask, 0, (), ())
+
+
+def test_grammars_that_admit_nothing_are_told(compiler):
+    assert admits_nothing(compiler.compile_grammar("root ::= root"))
+    assert not admits_nothing(compiler.compile_grammar(DEAD_END))  # "b" is a way out
+    assert not admits_nothing(compiler.compile_regex("ab"))
+    assert not admits_nothing(compiler.compile_grammar('root ::= ""'))  # the empty output: a stop
+
+
 def test_valid_prefix_of_drafts(compiler):
     m = SequenceMatcher(xgr.GrammarMatcher(compiler.compile_regex("[0-9]{3}")), None, True)
     assert m.valid_prefix([ord("1"), ord("2"), ord("x"), ord("3")]) == 2
@@ -383,6 +408,27 @@ def test_compile_failure_fails_only_that_request_with_the_reason(engine):
     assert "nope" in errors["bad-grammar"][1]  # the compiler's reason
     assert len(res["good"][0].token_ids) == 8
     assert not engine.structured_output.grammars and not engine.structured_output.pending
+
+
+def test_a_grammar_that_admits_nothing_or_dies_fails_with_a_400_and_no_output(engine):
+    """Never free sampling (issue 39): an empty language is refused at compile time, a dead
+    end met while generating ends the request with an error and without the token sampled
+    there; the other requests go on."""
+    empty = request("empty", [1, 2], max_tokens=5, structured_outputs=StructuredOutputs(grammar="root ::= root"))
+    dies = request("dies", [1, 2], max_tokens=20, structured_outputs=StructuredOutputs(
+        grammar='root ::= "ab" x\nx ::= x'))
+    good = request("good", [1, 2], max_tokens=8, ignore_eos=True)
+    res = engine.generate([empty, dies, good])
+    errors = {rid: (status, msg, param) for rid, status, msg, param in engine.take_request_errors()}
+    assert set(errors) == {"empty", "dies"}
+    assert errors["empty"][0] == 400 and "admits no output" in errors["empty"][1]
+    assert errors["dies"] == (400, "structured_outputs: the grammar allows no token after the output so far",
+                              "structured_outputs")
+    # what reached the client of "dies": "ab" at most, never a token from the dead state
+    sent = [t for delta in res["dies"] for t in delta.token_ids]
+    assert bytes(sent).decode() in ("", "a", "ab") and all(d.finish_reason is None for d in res["dies"])
+    assert len(res["good"][0].token_ids) == 8
+    assert not engine.structured_output.grammars and not engine.structured_output.matchers
 
 
 def test_a_slow_compile_does_not_hold_other_requests(llama_dir):

@@ -412,3 +412,25 @@ def test_tool_call_id_format():
     ids = {make_tool_call_id() for _ in range(50)}
     assert len(ids) == 50
     assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", i) for i in ids)
+
+
+# ------------------------------------------------ forced "required": raw control characters
+def test_required_calls_with_raw_control_characters_parse_and_stream_as_strict_json():
+    """xgrammar (like vLLM's) admits raw U+0000-U+001F inside JSON strings; a strict parse
+    refuses them, which dropped the whole answer (issue 39)."""
+    from gateway.parsers import forced_tool_calls as forced
+
+    text = '[{"name":"get_weather","parameters":{"city":"a\x1e\nb\\"\x17"}}]'
+    with pytest.raises(ValueError):
+        json.loads(text)
+    (call,) = forced.parse_required(text)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": 'a\x1e\nb"\x17'}
+    # streamed one character at a time: strict JSON arguments, whatever the cut
+    sent, arguments, names = "", "", []
+    for i in range(1, len(text) + 1):
+        for piece in forced.required_stream_pieces(sent, text[:i]):
+            names += [piece.name] if piece.name else []
+            arguments += piece.arguments
+        sent = text[:i]
+    assert names == ["get_weather"] and json.loads(arguments) == {"city": 'a\x1e\nb"\x17'}
+    assert forced.escape_control_characters('{"a":\n"x\ty"}') == '{"a":\n"x\\ty"}'  # outside strings: kept

@@ -16,7 +16,10 @@ tag) with xgrammar, as an engine component -- vLLM's StructuredOutputManager.
   logits, as vLLM's (its raw logprobs come after the grammar bitmask too), and the
   sampling mask (--return-sampling-mask) includes the grammar.
 - A grammar that reaches its end allows only the stop tokens, so the choice ends with
-  finish_reason "stop" on the ordinary stop check.
+  finish_reason "stop" on the ordinary stop check.  One that admits nothing at all
+  (``root ::= root``) is refused when it compiles (backend_xgrammar.py); one that reaches a
+  state allowing no token fails the request with a 400 at the end of that step, nothing
+  sampled from that state sent (``fill_deltas``).
 - ``on_finished`` / ``forget``: the matcher and the request's grammar are dropped
   (finish, abort, failure).  Preemption keeps the matcher: recompute keeps the
   tokens the matcher accepted.
@@ -36,7 +39,7 @@ from worker.engine.components.base import READY, WAIT, EngineComponent
 from common.structured_outputs_config import StructuredOutputsConfig
 from worker.engine.structured_output.bitmask import BitmaskBuffer
 from worker.engine.structured_output.reasoning import prompt_ended_reasoning
-from worker.engine.structured_output.sequence_matcher import SequenceMatcher
+from worker.engine.structured_output.sequence_matcher import DeadEnd, SequenceMatcher
 from worker.engine.structured_output.spec import PARAM, GrammarKey, grammar_key
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class StructuredOutputComponent(EngineComponent):
         self.pending: dict[str, _RequestGrammar] = {}  # request id -> compiling
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> matcher
         self._failed: list[_RequestGrammar] = []  # failures seen inside a step: failed by the next tick
+        self._dead: dict[str, tuple] = {}  # request id -> (request, message): no token allowed this step
         self._buffer = BitmaskBuffer(self.vocab_size, core.device)
 
     # --- the compile side ---------------------------------------------------------------
@@ -247,6 +251,12 @@ class StructuredOutputComponent(EngineComponent):
                     if drafts and not m.reasoning_ended and len(m.reasoning_end) > 1:
                         context = seq.token_ids[-(len(m.reasoning_end) - 1):]  # a marker may close across drafts
                     filled = m.fill_rows(bitmask, index, drafts, context) if m.constrains or drafts else []
+                except DeadEnd as exc:
+                    # Its row stays unmasked (finite, so the batch samples sanely) and what it
+                    # samples is dropped with the request at the end of the step (fill_deltas).
+                    m.failed = True
+                    self._dead[seq.request.request_id] = (seq.request, f"{PARAM}: {exc}")
+                    filled = []
                 except Exception:  # noqa: BLE001 - one request's grammar must not fail the whole step
                     log.exception("structured outputs: request %s failed in the grammar", seq.request.request_id)
                     m.failed = True
@@ -270,6 +280,21 @@ class StructuredOutputComponent(EngineComponent):
         if entry is not None:
             for seq_id in entry.sequences:  # a choice never finished (a failed request)
                 self.matchers.pop(seq_id, None)
+
+    def fill_deltas(self, outs, deltas) -> None:
+        """A request whose grammar reached a dead end this step: the token sampled from that
+        row is no output (its delta is emptied, a finish included) and the request fails
+        with a 400 -- vLLM ends it with finish_reason "error" (a 500) once its grammar
+        rejects that token."""
+        if not self._dead:
+            return
+        dead, self._dead = self._dead, {}  # fail_admitted_request's abort runs this hook again
+        for delta in deltas:
+            if delta.request_id in dead:
+                delta.token_ids, delta.text, delta.logprobs, delta.sampling_mask = [], None, None, None
+                delta.finish_reason = delta.stop_reason = None
+        for request, message in dead.values():
+            self.core.fail_admitted_request(request, 400, message, PARAM)
 
     def fill_load(self, load) -> None:
         load.grammar_matchers = len(self.matchers)

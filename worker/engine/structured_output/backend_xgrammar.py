@@ -90,7 +90,16 @@ class XgrammarBackend:
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         """The compiled grammar; raises (ValueError / RuntimeError, xgrammar's message)
-        when the spec is not a valid grammar of its kind."""
+        when the spec is not a valid grammar of its kind, or when it admits no output."""
+        compiled = self._compile(key)
+        if admits_nothing(compiled):
+            # e.g. ``root ::= root``: xgrammar compiles it, but its mask allows no token, not
+            # even a stop.  vLLM samples from the all -inf row, the grammar rejects the token
+            # and the request ends with finish_reason "error" (a 500); refused here instead.
+            raise ValueError("the grammar admits no output: no token can start it (its language is empty)")
+        return compiled
+
+    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         separators = None if key.any_whitespace else (",", ":")
         if key.kind in ("json", "json_object"):
             # strict_mode (xgrammar's default, as vLLM leaves it): no properties beyond the
@@ -119,3 +128,13 @@ class XgrammarBackend:
         """A fresh matcher; ``stop_token_ids``: the request's stop ids (vLLM's
         all_stop_token_ids), None: the model's eos ids."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) if stop_token_ids else None)
+
+
+def admits_nothing(compiled: xgr.CompiledGrammar) -> bool:
+    """No token, stop tokens included, can start the grammar's output."""
+    matcher = xgr.GrammarMatcher(compiled)
+    if matcher.is_terminated():
+        return False
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return not bool(mask.any())

@@ -6,6 +6,11 @@ output tokens stay (only their KV is recomputed) and the matcher, which has acce
 exactly them, stays valid; drafts never reach it except inside ``fill_rows``, which
 advances through them to mask each verify row and rolls back before returning (vLLM's
 ``grammar_bitmask``).
+
+A state whose mask allows no token, not even a stop (a rule that can never complete, e.g.
+``root ::= "a" x`` with ``x ::= x``), is never sampled from: after a draft, that draft is
+forbidden at its own row; at the next token, ``fill_rows`` raises ``DeadEnd`` and the
+request ends with an error (components/structured_output.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,10 @@ import torch
 from worker.engine.structured_output.reasoning import ends_with
 
 log = logging.getLogger(__name__)
+
+
+class DeadEnd(Exception):
+    """The grammar allows no next token, not even a stop: nothing may be sampled."""
 
 
 class SequenceMatcher:
@@ -83,6 +92,7 @@ class SequenceMatcher:
         tail = list(context)
         advanced = 0
         rejected_row: Optional[int] = None
+        prev_row: Optional[int] = None  # the row of position j-1 (None: not constrained)
         for j in range(len(drafts) + 1):
             if rejected_row is not None:
                 # A draft the grammar rejects is never accepted (its row forbids it), so the
@@ -94,6 +104,17 @@ class SequenceMatcher:
             row = None
             if ended and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, index)
+                if not bool(bitmask[index].any()):
+                    # A dead end (a rule that can never complete): nothing may be sampled here.
+                    if prev_row is None or not _forbid(bitmask[prev_row], drafts[j - 1]):
+                        raise DeadEnd("the grammar allows no token after the output so far")
+                    # drafts[j-1] led here: forbidden at its own row, verification rejects it
+                    # and samples that position from what the grammar still allows.
+                    rejected_row = prev_row
+                    bitmask[index].copy_(bitmask[rejected_row])
+                    filled.append((j, index))
+                    index += 1
+                    continue
                 filled.append((j, index))
                 row = index
                 index += 1
@@ -108,6 +129,15 @@ class SequenceMatcher:
                     advanced += 1
                 else:
                     rejected_row = row
+            prev_row = row
         if advanced:
             matcher.rollback(advanced)
         return filled
+
+
+def _forbid(row: "torch.Tensor", token: int) -> bool:
+    """Clear ``token``'s bit in a bitmask row; True while the row still allows a token."""
+    word, bit = divmod(token, 32)
+    value = int(row[word]) & ~(1 << bit) & 0xFFFFFFFF
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value  # int32: the sign bit is token 31
+    return bool(row.any())
