@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,7 +59,13 @@ def run_once(pytest_args: list[str], hogs: int) -> tuple[int, float, tuple]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     with Hogs(hogs):
         started = time.monotonic()
-        rc = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO, env=env)
+        suite = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO, env=env)
+        try:
+            rc = suite.wait()
+        finally:  # interrupted (Ctrl-C, SIGTERM): the suite stops with us
+            if suite.poll() is None:
+                suite.terminate()
+                suite.wait(30)
         took = time.monotonic() - started
         load = os.getloadavg()
     return rc, took, load
@@ -76,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.hogs < 0 or args.runs < 1:
         p.error("--hogs must be >= 0 and --runs >= 1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the suite and the hogs are stopped
     for run in range(1, args.runs + 1):
         rc, took, load = run_once(pytest_args, args.hogs)
         verdict = "GREEN" if rc == 0 else "RED"

@@ -54,7 +54,9 @@ class Broker:
         # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
         self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
                       if cfg.curve_secret_key and cfg.curve_authorized_dir else None)
-        self.frontend = self._router(cfg.frontend, cfg.max_client_frame_bytes)
+        # Client links too: a gateway that is stopped or cut off is unroutable after the link
+        # liveness, and its requests are aborted (broker/links.py).
+        self.frontend = self._router(cfg.frontend, cfg.max_client_frame_bytes, watch_links=True)
         # Worker links are watched by libzmq (no GIL needed on either side); a dropped one
         # is acted on at once: the next heartbeat round finds its worker unroutable.
         self.backend = self._router(cfg.backend, cfg.max_worker_frame_bytes, watch_links=True)

@@ -324,7 +324,7 @@ def test_curve_encrypted_links(tmp_path):
 
 def _info_workers(client):
     try:
-        return [w.rank for w in client.info(timeout=0.5).workers]
+        return [w.rank for w in client.info(timeout=scaled(1.0)).workers]
     except RequestError:
         return None
 
