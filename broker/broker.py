@@ -37,7 +37,7 @@ from broker.requests import E_OVERLOADED, RequestTable
 from broker.router import Router
 from broker.settings import BrokerConfig  # re-exported: broker.main, tests and embedders build it from here
 from broker.workers import WorkerRegistry
-from common import config, framing, runtime_dir, security
+from common import config, framing, link_heartbeats, runtime_dir, security
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
 from common.protocol import Abort, BrokerStats, ClusterInfo, KvEvents, MsgType, RankReply, WorkerReady
@@ -57,9 +57,15 @@ class Broker:
         # ZAP must answer before the sockets bind, else early handshakes go unauthenticated.
         self._auth = (security.start_authenticator(self.ctx, cfg.curve_authorized_dir)
                       if cfg.curve_secret_key and cfg.curve_authorized_dir else None)
-        self.frontend = self._router(cfg.frontend, cfg.max_client_frame_bytes)
-        self.backend = self._router(cfg.backend, cfg.max_worker_frame_bytes)
-        self.workers = WorkerRegistry(cfg.heartbeat_interval, cfg.liveness, cfg.max_inflight_per_worker,
+        # Client links too: a gateway that is stopped or cut off is unroutable after the link
+        # liveness, and its requests are aborted (broker/links.py).
+        self.frontend = self._router(cfg.frontend, cfg.max_client_frame_bytes, watch_links=True)
+        # Worker links are watched by libzmq (no GIL needed on either side); a dropped one
+        # is acted on at once: the next heartbeat round finds its worker unroutable.
+        self.backend = self._router(cfg.backend, cfg.max_worker_frame_bytes, watch_links=True)
+        self._backend_drops = link_heartbeats.disconnect_monitor(self.backend)
+        link_expiry = cfg.heartbeat_interval * cfg.liveness
+        self.workers = WorkerRegistry(max(cfg.unresponsive_timeout, link_expiry), cfg.max_inflight_per_worker,
                                       config.INFLIGHT_PER_SEQ_SLOT)
         self.stats = BrokerStats()
         self._bad_frame = RateLimitedLog(log)
@@ -89,8 +95,10 @@ class Broker:
         self.instance_id = uuid.uuid4().hex  # a new cell to outside routers after each start
         self._stop = False
 
-    def _router(self, endpoint: str, max_frame: int) -> zmq.Socket:
+    def _router(self, endpoint: str, max_frame: int, watch_links: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
+        if watch_links:  # before bind: the listener copies the options its connections get
+            link_heartbeats.enable(sock, self.cfg.heartbeat_interval, self.cfg.liveness)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH instead of silent drops
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # backpressure is explicit (bounded pending queue), never HWM drops
@@ -114,6 +122,7 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        poller.register(self._backend_drops, zmq.POLLIN)
         kv_pub = self.kv_publisher
         if kv_pub is not None:
             poller.register(kv_pub.sock, zmq.POLLIN)  # subscriptions: a late router gets the cell's blocks
@@ -122,7 +131,8 @@ class Broker:
         log.info("broker frontend=%s backend=%s", self.cfg.frontend, self.cfg.backend)
         while not self._stop:
             now = time.monotonic()
-            if now >= next_beat:
+            link_dropped = link_heartbeats.drain_disconnects(self._backend_drops)
+            if now >= next_beat or link_dropped:  # a dropped link's worker is found unroutable now
                 self.membership.heartbeat_workers()
                 next_beat = now + interval
             self.membership.expire(now)
@@ -148,6 +158,8 @@ class Broker:
         for worker in self.workers.all():  # they re-register with the next broker
             self.membership.reject_unknown(worker.identity)
         self.frontend.close(linger=500)
+        self.backend.disable_monitor()
+        self._backend_drops.close(0)
         self.backend.close(linger=500)
         if self.kv_publisher is not None:
             self.kv_publisher.close()

@@ -49,5 +49,7 @@ class Links:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
             if self.workers.get(worker.identity) is worker:  # not already gone (e.g. removed mid-loop)
-                self.on_worker_unreachable(worker, f"unreachable ({exc})")
+                # Its connection closed: the process exited, or libzmq dropped a link whose
+                # heartbeats went unanswered (killed, stopped, cut off: common/link_heartbeats.py).
+                self.on_worker_unreachable(worker, f"link down, unreachable ({exc})")
             return False

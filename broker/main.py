@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "RUNTIME_DIR/worker.token, created if missing)")
     p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
     p.add_argument("--liveness", type=int, default=config.heartbeat_liveness(),
-                   help="missed heartbeats before a worker counts as dead")
+                   help="link heartbeats (libzmq's, answered without the GIL) missed before a worker counts as dead")
+    p.add_argument("--unresponsive-timeout", type=float, default=config.unresponsive_timeout(),
+                   help="seconds a worker whose link is up may send nothing before it counts as hung and is dropped " \
+                        "(env TOKSERVE_UNRESPONSIVE_TIMEOUT); a dead, stopped or cut-off worker is dropped after " \
+                        "--liveness x --heartbeat-interval by link heartbeats")
     p.add_argument("--max-pending", type=int, default=config.MAX_PENDING,
                    help="requests queued while no worker has capacity; beyond this: 503")
     p.add_argument("--no-worker-timeout", type=float, default=config.NO_WORKER_TIMEOUT_S,
@@ -73,13 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("broker", args.log_level)
-    for name in ("heartbeat_interval", "no_worker_timeout"):
+    for name in ("heartbeat_interval", "no_worker_timeout", "unresponsive_timeout"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if args.liveness < 1 or args.max_pending < 0:
         raise SystemExit("--liveness must be >= 1 and --max-pending >= 0")
     cfg = BrokerConfig(frontend=args.frontend, backend=args.backend, heartbeat_interval=args.heartbeat_interval,
-                       liveness=args.liveness, max_pending=args.max_pending,
+                       liveness=args.liveness, unresponsive_timeout=args.unresponsive_timeout,
+                       max_pending=args.max_pending,
                        no_worker_timeout=args.no_worker_timeout,
                        max_inflight_per_worker=args.max_inflight_per_worker,
                        max_client_frame_bytes=args.max_frame_bytes, routing=args.routing, pd=args.pd,

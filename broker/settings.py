@@ -16,7 +16,8 @@ class BrokerConfig:
     frontend: str = field(default_factory=config.frontend_address)
     backend: str = field(default_factory=config.backend_address)
     heartbeat_interval: float = config.HEARTBEAT_INTERVAL_S
-    liveness: int = config.HEARTBEAT_LIVENESS
+    liveness: int = config.HEARTBEAT_LIVENESS  # link (ZMTP) heartbeats missed before a worker is dropped
+    unresponsive_timeout: float = config.UNRESPONSIVE_TIMEOUT_S  # link up, no message for this long: dropped
     max_pending: int = config.MAX_PENDING
     no_worker_timeout: float = config.NO_WORKER_TIMEOUT_S
     max_inflight_per_worker: int = 0  # 0: INFLIGHT_PER_SEQ_SLOT * worker's max_num_seqs

@@ -50,9 +50,10 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, interval: float, liveness: int, max_inflight_per_worker: int = 0,
-                 inflight_per_seq_slot: int = 4):
-        self.expiry = interval * liveness
+    def __init__(self, expiry: float, max_inflight_per_worker: int = 0, inflight_per_seq_slot: int = 4):
+        # Seconds without any message before a worker whose link is still up counts as hung
+        # (a dead link is libzmq's to notice: common/link_heartbeats.py).
+        self.expiry = expiry
         self._by_identity: dict[bytes, Worker] = {}
         self._by_rank: dict[int, Worker] = {}
         self._max_inflight = max_inflight_per_worker

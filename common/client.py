@@ -2,9 +2,10 @@
 trainers can use to skip HTTP entirely.
 
 One DEALER socket per client object, multiplexed by request id; frame layouts in
-common/framing.py.  The client heartbeats the broker; when the broker is silent
-for longer than the liveness period, or the TCP connection to it drops (a broker
-restart can be faster than the liveness period), every in-flight request fails
+common/framing.py.  The client heartbeats the broker; when the connection to it
+drops (the broker exited, or libzmq's link heartbeats went unanswered for the
+liveness period: stopped, cut off; common/link_heartbeats.py), or a broker whose
+link is up sends nothing for ``unresponsive_timeout``, every in-flight request fails
 with a 503 ``RequestError``.  The client keeps working once the broker is back
 (ZeroMQ reconnects by itself).
 """
@@ -21,7 +22,7 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 import zmq
 import zmq.asyncio
 
-from common import config, framing, runtime_dir, security, tensor_frames
+from common import config, framing, link_heartbeats, runtime_dir, security, tensor_frames
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
@@ -82,7 +83,7 @@ class AsyncClient:
                  heartbeat_interval: float | None = None,
                  liveness: int | None = None, context: zmq.asyncio.Context | None = None,
                  control_token: str | None = None, control_token_file: str | None = None,
-                 read_control_token: bool = True):
+                 read_control_token: bool = True, unresponsive_timeout: float | None = None):
         self.address = address or config.frontend_address()
         self._control_token = control_token
         self._control_token_file = control_token_file
@@ -91,7 +92,10 @@ class AsyncClient:
         self.curve_server_key = curve_server_key
         self.curve_client_keys = curve_client_keys  # needed when the broker authenticates peers
         self.interval = heartbeat_interval or config.heartbeat_interval()
-        self.expiry = self.interval * (liveness or config.heartbeat_liveness())
+        self.liveness = liveness or config.heartbeat_liveness()
+        # A busy broker (its Python loop starved, or long in a batch) is slow, not gone: the
+        # link heartbeats catch a dead one; this bound is for a live link that says nothing.
+        self.expiry = max(unresponsive_timeout or config.unresponsive_timeout(), self.interval * self.liveness)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._streams: dict[str, _Stream] = {}
@@ -114,6 +118,7 @@ class AsyncClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing into a missing connection: fail fast instead
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        link_heartbeats.enable(sock, self.interval, self.liveness)
         if self.identity:
             sock.setsockopt(zmq.ROUTING_ID, self.identity)
         if self.curve_server_key:

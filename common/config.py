@@ -25,7 +25,12 @@ def default_backend() -> str:
 
 
 HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_LIVENESS = 3  # missed intervals before a peer counts as dead
+HEARTBEAT_LIVENESS = 3  # missed intervals before a peer's link counts as dead (libzmq's ZMTP heartbeats)
+# A peer whose link is up (its process runs: libzmq answers heartbeats in its own C
+# thread, without the GIL) but whose Python loop sent nothing for this long counts as
+# hung.  Long, as vLLM's engine timeouts are (VLLM_ENGINE_ITERATION_TIMEOUT_S = 60): a
+# worker starved of CPU or inside a GIL-holding step is slow, not dead.
+UNRESPONSIVE_TIMEOUT_S = 60.0
 
 # Broker admission control.
 MAX_PENDING = 4096  # requests queued in the broker while no worker has capacity
@@ -61,6 +66,10 @@ def heartbeat_interval() -> float:
 
 def heartbeat_liveness() -> int:
     return _env("TOKSERVE_HEARTBEAT_LIVENESS", HEARTBEAT_LIVENESS)
+
+
+def unresponsive_timeout() -> float:
+    return _env("TOKSERVE_UNRESPONSIVE_TIMEOUT", UNRESPONSIVE_TIMEOUT_S)
 
 
 def log_level() -> str:

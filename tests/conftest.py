@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.support import model_factory
+from tests.support.procs import timeout_scale
 
 # A private runtime directory (common/runtime_dir.py: default ipc sockets, control and
 # worker tokens) per test session, inherited by every process the tests start: sessions
@@ -83,6 +84,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test's pytest-timeout scales with the machine's load, as its waits do
+    (tests/support/procs.py: wait_for): on a busy machine a healthy test is slower, not
+    hung.  Outermost wrapper, so pytest-timeout reads the scaled marker."""
+    scale = timeout_scale()
+    if scale > 1:
+        marker = item.get_closest_marker("timeout")
+        base = marker.args[0] if marker is not None and marker.args else marker.kwargs.get("timeout") \
+            if marker is not None else item.config.getini("timeout")
+        if base:
+            item.add_marker(pytest.mark.timeout(float(base) * scale), append=False)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU GEMMs: oneDNN with prepacked weights, or torch's (MKL); auto: oneDNN where supported")
     p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
-    p.add_argument("--liveness", type=int, default=config.heartbeat_liveness())
+    p.add_argument("--liveness", type=int, default=config.heartbeat_liveness(),
+                   help="link heartbeats (libzmq's, answered without the GIL) missed before the broker counts as gone")
+    p.add_argument("--unresponsive-timeout", type=float, default=config.unresponsive_timeout(),
+                   help="seconds the broker's link may be up with no message from it before this worker "
+                        "reconnects and registers again (env TOKSERVE_UNRESPONSIVE_TIMEOUT)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before aborting them")
     p.add_argument("--curve-server-key", default=None,
@@ -185,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"worker{args.rank}", args.log_level)
     if args.rank < 0:
         raise SystemExit("--rank must be >= 0")
-    if args.heartbeat_interval <= 0 or args.liveness < 1:
-        raise SystemExit("--heartbeat-interval must be > 0 and --liveness >= 1")
+    if args.heartbeat_interval <= 0 or args.liveness < 1 or args.unresponsive_timeout <= 0:
+        raise SystemExit("--heartbeat-interval and --unresponsive-timeout must be > 0 and --liveness >= 1")
     if args.enable_expert_parallel:
         raise SystemExit("--enable-expert-parallel is not supported: expert parallelism is not implemented; each "
                          "worker holds every expert (scale out with more workers behind the broker)")
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start the engine: %s", exc)
         return 1
     server = WorkerServer(engine, args.broker, args.rank, interval=args.heartbeat_interval, liveness=args.liveness,
+                          unresponsive_timeout=args.unresponsive_timeout,
                           drain_timeout=args.drain_timeout, curve_server_key=server_key,
                           curve_client_keys=client_keys, worker_token=worker_token,
                           role="encode" if args.mm_encoder_only else args.role, ready_file=args.ready_file)

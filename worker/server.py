@@ -29,7 +29,7 @@ from typing import Optional
 
 import zmq
 
-from common import config, framing, runtime_dir, security
+from common import config, framing, link_heartbeats, runtime_dir, security
 from common.readiness import ReadyFile
 from common.errors import ServingError
 from common.framing import FrameError
@@ -57,10 +57,13 @@ def _send(sock: zmq.Socket, frames: list) -> None:
 class BrokerLink(threading.Thread):
     def __init__(self, ctx: zmq.Context, broker: str, pipe_addr: str, interval: float, liveness: int,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
-                 ready_file: Optional[ReadyFile] = None):
+                 ready_file: Optional[ReadyFile] = None, unresponsive_timeout: float = config.UNRESPONSIVE_TIMEOUT_S):
         super().__init__(name="broker-link", daemon=True)
         self.ctx, self.broker, self.pipe_addr = ctx, broker, pipe_addr
-        self.interval, self.expiry = interval, interval * liveness
+        self.interval, self.liveness = interval, liveness
+        # A dead link is libzmq's to notice (it reconnects; the broker then asks us to
+        # register again); this bound is for a broker whose link is up but which says nothing.
+        self.expiry = max(unresponsive_timeout, interval * liveness)
         self.curve_server_key = curve_server_key
         self.curve_client_keys = curve_client_keys
         self.load = WorkerLoad()  # latest snapshot, replaced (never mutated) by the engine loop
@@ -75,6 +78,7 @@ class BrokerLink(threading.Thread):
         sock.setsockopt(zmq.LINGER, 2000)  # let a final DISCONNECT/OUTPUTS leave on exit
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        link_heartbeats.enable(sock, self.interval, self.liveness)
         if self.curve_server_key:
             security.configure_client(sock, self.curve_server_key, self.curve_client_keys)
         sock.connect(self.broker)
@@ -198,7 +202,7 @@ class WorkerServer:
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
                  ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = "",
-                 ready_file: Optional[str] = None):
+                 ready_file: Optional[str] = None, unresponsive_timeout: float = config.UNRESPONSIVE_TIMEOUT_S):
         runtime_dir.check_before_connect(broker)  # never serve a socket someone else planted
         self.engine = engine
         self.worker_token = worker_token  # proves to the broker that we are one of its workers
@@ -216,7 +220,7 @@ class WorkerServer:
         if self.ready_file is not None:
             self.ready_file.clear()  # a previous process's file (a restarted container) says nothing about us
         self.link = BrokerLink(self.ctx, broker, pipe_addr, interval, liveness, curve_server_key, curve_client_keys,
-                               self.ready_file)
+                               self.ready_file, unresponsive_timeout)
         self.tracks: dict[str, _Track] = {}
         self.received = 0
         self._drain_requested = False

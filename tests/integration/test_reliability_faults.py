@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.support.gateway_helpers import GENERATE
-from tests.support.procs import ProcGroup, cluster_info, free_endpoint, free_port, wait_for, wait_for_workers
+from tests.support.procs import ProcGroup, cluster_info, free_endpoint, free_port, scaled, wait_for, wait_for_workers
 from tests.support.raw_sse import SseResult, post_sse
 from tests.integration.test_launcher import _child_pids
 
@@ -198,10 +198,14 @@ def test_broker_kill9_fails_in_flight_streams_and_stack_recovers(stack):
     assert len(r.json()["choices"][0]["token_ids"]) == 4
 
 
-def _all_running(stack: Stack, count: int):
-    """The cluster info once ``count`` requests are running (generating) on the workers."""
-    info = cluster_info(stack.frontend)
-    return info if info is not None and sum(w.load.running for w in info.workers) == count else None
+def _all_admitted(stack: Stack, count: int):
+    """The cluster info once the workers hold ``count`` requests (running, or waiting for
+    a seat: a loaded machine may preempt some), at least one of them generating."""
+    info = cluster_info(stack.frontend, timeout=scaled(1.0))
+    if info is None:
+        return None
+    running = sum(w.load.running for w in info.workers)
+    return info if running and running + sum(w.load.waiting for w in info.workers) >= count else None
 
 
 def test_client_hangup_frees_every_kv_block(stack):
@@ -210,16 +214,24 @@ def test_client_hangup_frees_every_kv_block(stack):
 
     async def scenario():
         # 20 streams hang up on their next chunk once told to; 5 non-stream requests are cancelled.
-        streams = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i), stop=lambda res: leave))
+        # The state to reach first: every stream has its first chunk and the workers hold all 25
+        # (not "exactly 25 running": under load some wait for a seat, and reports lag).
+        streaming: set[int] = set()
+
+        def hang_up_when_told(i: int):
+            return lambda res: streaming.add(i) or leave
+
+        streams = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i), stop=hang_up_when_told(i)))
                    for i in range(20)]
         body = {**_long_body(0), "stream": False}
         plain = [asyncio.create_task(post_sse(stack.url, GENERATE, body)) for _ in range(5)]
-        busy = await asyncio.to_thread(wait_for, lambda: _all_running(stack, 25), 60, "25 requests running")
+        busy = await asyncio.to_thread(wait_for, lambda: len(streaming) == 20 and _all_admitted(stack, 25), 60,
+                                       "20 streams streaming and 25 requests on the workers")
         nonlocal leave
         leave = True
         for task in plain:
             task.cancel()
-        results = await asyncio.wait_for(asyncio.gather(*streams, *plain, return_exceptions=True), 10)
+        results = await asyncio.wait_for(asyncio.gather(*streams, *plain, return_exceptions=True), scaled(10))
         return busy, results
 
     busy, results = asyncio.run(scenario())

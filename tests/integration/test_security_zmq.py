@@ -23,7 +23,7 @@ from common.client import AsyncClient, Client, RequestError
 from common.protocol import (MAGIC, Abort, CompletionDelta, ErrorMsg, GenerateRequest, ModelInfo, MsgType, Outputs,
                              OutputsHeader, SamplingParams, WorkerLoad, WorkerReady)
 from tests.support.gateway_helpers import metric_value, start_gateway
-from tests.support.procs import ProcGroup, cluster_info, free_endpoint, wait_for, wait_for_workers
+from tests.support.procs import ProcGroup, cluster_info, free_endpoint, scaled, wait_for, wait_for_workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -399,7 +399,7 @@ def test_default_ipc_stack_serves_with_no_endpoint_or_token_given(tmp_path, priv
 
 def _ranks(client: Client):
     try:
-        return [w.rank for w in client.info(timeout=0.5).workers]
+        return [w.rank for w in client.info(timeout=scaled(1.0)).workers]
     except RequestError:
         return None
 

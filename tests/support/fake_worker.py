@@ -31,6 +31,7 @@ from common.protocol import DEFAULT_WEIGHT_VERSION, CompletionDelta, GenerateReq
 
 BAD_TOKEN = 999_999  # a prompt starting with it is rejected like invalid input
 CRASH_TOKEN = 999_998  # a prompt starting with it makes the next step raise
+GIL_HOG_TOKEN = 999_997  # a prompt starting with it makes the next step hold the GIL (--gil-hog-seconds)
 DEFAULT_MAX_TOKENS = 8
 
 
@@ -40,6 +41,20 @@ class _Req:
     start_at: float  # not scheduled ("waiting") before this time
     produced: list = field(default_factory=list)  # per choice
     reply: list = field(default_factory=list)  # --reply-file: the text pieces to emit, one per step
+
+
+def _hold_gil(seconds: float) -> None:
+    """A step that keeps the GIL (a long pure-Python or GIL-holding C step): with the switch
+    interval above the hold, the interpreter hands the GIL to no other thread, so the
+    worker's heartbeat thread sends nothing until it ends."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 60.0)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class _FakeRL:
@@ -60,8 +75,10 @@ class FakeEngine:
     def __init__(self, rank: int = 0, max_num_seqs: int = 64, vocab_size: int = 1_000_000,
                  step_delay: float = 0.0, first_delay: float = 0.0, num_kv_blocks: int = 128,
                  hold_token: int | None = None, has_tokenizer: bool = False, reply_file: str | None = None,
-                 record_dir: str | None = None):
+                 record_dir: str | None = None, gil_hog_seconds: float = 0.0):
         self.rank = rank
+        self.gil_hog_seconds = gil_hog_seconds
+        self._hog_next = False
         self.step_delay = step_delay
         self.first_delay = first_delay
         self.num_kv_blocks = num_kv_blocks
@@ -82,6 +99,8 @@ class FakeEngine:
             raise BadRequest(f"Token id {BAD_TOKEN} is out of vocabulary", "token_ids")
         if req.prompt_token_ids and req.prompt_token_ids[0] == CRASH_TOKEN:
             self._crash_next = True
+        if req.prompt_token_ids and req.prompt_token_ids[0] == GIL_HOG_TOKEN:
+            self._hog_next = True
         held = self.hold_token is not None and req.prompt_token_ids[:1] == [self.hold_token]
         start_at = float("inf") if held else time.monotonic() + self.first_delay
         if self.record_dir is not None:
@@ -109,6 +128,9 @@ class FakeEngine:
         if self._crash_next:
             self._crash_next = False
             raise RuntimeError("simulated engine failure")
+        if self._hog_next:
+            self._hog_next = False
+            _hold_gil(self.gil_hog_seconds)
         if self.step_delay:
             time.sleep(self.step_delay)
         elif not any(r.start_at <= time.monotonic() for r in self.reqs.values()):
@@ -189,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record-dir", default=None, help="write each request's structured_outputs here")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--liveness", type=int, default=3)
+    p.add_argument("--unresponsive-timeout", type=float, default=None, help="as tokserve worker's flag")
+    p.add_argument("--gil-hog-seconds", type=float, default=0.0,
+                   help=f"a prompt starting with {GIL_HOG_TOKEN} makes the next step hold the GIL this long")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--role", default="both", help="the role READY reports (encode: pinned requests only)")
     p.add_argument("--transfer-address", default=None,
@@ -202,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     client_keys = load_keypair(args.curve_client_key_file) if args.curve_client_key_file else None
     engine = FakeEngine(args.rank, args.max_num_seqs, step_delay=args.step_delay, first_delay=args.first_delay,
                         hold_token=args.hold_token, has_tokenizer=args.has_tokenizer, reply_file=args.reply_file,
-                        record_dir=args.record_dir)
+                        record_dir=args.record_dir, gil_hog_seconds=args.gil_hog_seconds)
     engine.transfer_address = lambda: args.transfer_address
     server = WorkerServer(engine, args.broker or config.backend_address(), args.rank,
                           interval=args.heartbeat_interval, liveness=args.liveness,
+                          unresponsive_timeout=args.unresponsive_timeout or config.unresponsive_timeout(),
                           drain_timeout=args.drain_timeout,
                           curve_server_key=args.curve_server_key.encode() if args.curve_server_key else None,
                           curve_client_keys=client_keys, role=args.role,

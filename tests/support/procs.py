@@ -110,14 +110,38 @@ def cluster_info(frontend: str, timeout: float = 1.0) -> Optional[ClusterInfo]:
         sock.close(0)
 
 
+def timeout_scale() -> float:
+    """How much longer than on an idle machine things may take now.
+
+    TOKSERVE_TEST_TIMEOUT_SCALE when set; else the run-queue excess over the cores (load
+    average 8 on 2 cores: 4x).  Read at each wait: the load changes during a suite."""
+    raw = os.environ.get("TOKSERVE_TEST_TIMEOUT_SCALE")
+    if raw:
+        return max(1.0, float(raw))
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return min(8.0, max(1.0, load / (os.cpu_count() or 1)))
+
+
+def scaled(seconds: float) -> float:
+    """A deadline for something that takes CPU: ``seconds`` on an idle machine, longer under load."""
+    return seconds * timeout_scale()
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until it returns something true.  ``timeout`` is the idle-machine
+    bound, scaled by the machine's load (a deadline, never a duration: a state reached
+    early returns at once)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
         time.sleep(interval)
 
 

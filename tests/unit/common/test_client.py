@@ -155,7 +155,9 @@ def test_info_round_trip_and_timeout(scripted):
 
 def test_unreachable_broker_fails_fast():
     async def run():
-        async with AsyncClient(free_endpoint(), heartbeat_interval=0.2) as client:
+        # unresponsive_timeout: a TCP connect to a free loopback port can connect to itself (a
+        # live link that never answers), which only the silence then reveals.
+        async with AsyncClient(free_endpoint(), heartbeat_interval=0.2, unresponsive_timeout=0.6) as client:
             t0 = time.monotonic()
             with pytest.raises(RequestError) as exc:
                 async for _ in client.generate(req("nobody")):
@@ -172,7 +174,9 @@ def test_silent_broker_fails_in_flight_requests(scripted):
     broker = scripted(lambda frames: [])  # accepts the connection, never answers (no heartbeats)
 
     async def run():
-        async with AsyncClient(broker.endpoint, heartbeat_interval=0.2, liveness=3) as client:
+        # The link stays up (libzmq answers its heartbeats): only the broker's silence tells.
+        async with AsyncClient(broker.endpoint, heartbeat_interval=0.2, liveness=3,
+                               unresponsive_timeout=0.6) as client:
             t0 = time.monotonic()
             with pytest.raises(RequestError) as exc:
                 async for _ in client.generate(req("stuck")):
