@@ -170,8 +170,10 @@ class MemoryWatch:
         run from its value where that window starts, as fractions; None without rows."""
         if not self.rows:
             return None
-        end = self.rows[-1][0]
-        window = [rss[role] for t, _, rss in self.rows if t >= end * (1 - FLAT_WINDOW) and role in rss]
+        start = self.rows[-1][0] * (1 - FLAT_WINDOW)
+        # from the last row at or before the window's start (the reference) to the end
+        first = max((i for i, (t, _, _) in enumerate(self.rows) if t <= start + 1e-6), default=0)
+        window = [rss[role] for _, _, rss in self.rows[first:] if role in rss]
         if not window:
             return None
         ref = window[0]
