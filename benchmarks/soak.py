@@ -11,8 +11,13 @@ the stream to end with finish_reason "abort".  Every stream must end with [DONE]
 
 Reports requests served per kind, errors by kind, and per process (broker, each
 worker, gateway) the resident memory after warm-up, its maximum, its final value and
-the growth, sampled from /proc every second.  At the end it checks through the
-broker's INFO that the workers are idle with every KV block free (no leak).
+the growth, sampled from /proc every second.  Once a minute (--report-every) it prints
+a row of every process's RSS, with each worker's split between glibc's main heap and
+its other anonymous memory; at the end, whether each worker's RSS stayed within ±5 %
+over the last two thirds of the run (the exit status is 1 if not).  At the end it also
+checks through the broker's INFO that the workers are idle with every KV block free
+(no leak).  TOKSERVE_MEMORY_REPORT_S=60 (common/memory_report.py) adds the workers'
+allocator totals and, with TOKSERVE_TRACEMALLOC=1, their top Python growth sites.
 """
 from __future__ import annotations
 

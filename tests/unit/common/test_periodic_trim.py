@@ -58,3 +58,11 @@ def test_without_malloc_trim_nothing_is_called(monkeypatch):
     clock.now += 10
     trim.tick()
     assert not trim.enabled
+
+
+def test_worker_flag_default_and_refusal():
+    from worker.main import build_parser, main
+
+    assert build_parser().parse_args([]).malloc_trim_interval == 60.0
+    with pytest.raises(SystemExit, match="--malloc-trim-interval must be >= 0"):
+        main(["--malloc-trim-interval", "-1"])
