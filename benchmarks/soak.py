@@ -11,8 +11,13 @@ the stream to end with finish_reason "abort".  Every stream must end with [DONE]
 
 Reports requests served per kind, errors by kind, and per process (broker, each
 worker, gateway) the resident memory after warm-up, its maximum, its final value and
-the growth, sampled from /proc every second.  At the end it checks through the
-broker's INFO that the workers are idle with every KV block free (no leak).
+the growth, sampled from /proc every second.  Once a minute (--report-every) it prints
+a row of every process's RSS, with each worker's split between glibc's main heap and
+its other anonymous memory; at the end, whether each worker's RSS stayed within ±5 %
+over the last two thirds of the run (the exit status is 1 if not).  At the end it also
+checks through the broker's INFO that the workers are idle with every KV block free
+(no leak).  TOKSERVE_MEMORY_REPORT_S=60 (common/memory_report.py) adds the workers'
+allocator totals and, with TOKSERVE_TRACEMALLOC=1, their top Python growth sites.
 """
 from __future__ import annotations
 
@@ -74,16 +79,49 @@ def tokserve_processes(launcher_pid: Optional[int]) -> dict[str, int]:
     return out
 
 
-class MemoryWatch:
-    """Per role: baseline (after warm-up), max and last RSS; a restarted process is reported."""
+def anon_rss_kib(pid: int) -> Optional[dict[str, int]]:
+    """Resident KiB of the process's ``[heap]`` (glibc's main arena) and of its other
+    anonymous mappings (thread arenas, mmapped chunks, torch/numpy buffers): which of
+    the two grows says where to look."""
+    heap = anon = 0
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            kind = None
+            for line in f:
+                if not line[0].isupper():  # a mapping's header line: "start-end perms offset dev inode [path]"
+                    fields = line.split()
+                    kind = "heap" if fields[-1] == "[heap]" else "anon" if len(fields) == 5 else None
+                elif kind and line.startswith("Rss:"):
+                    kib = int(line.split()[1])
+                    if kind == "heap":
+                        heap += kib
+                    else:
+                        anon += kib
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"heap": heap, "anon": anon}
 
-    def __init__(self, launcher_pid: Optional[int]):
+
+FLAT_TOLERANCE = 0.05  # the soak's criterion: worker RSS within ±5 % ...
+FLAT_WINDOW = 2 / 3  # ... over the last two thirds of the run
+
+
+class MemoryWatch:
+    """Per role: baseline (after warm-up), max and last RSS, sampled every second; a
+    restarted process is reported.  Once a minute a row of every role's RSS is printed
+    (and kept for the final table and the flatness check)."""
+
+    def __init__(self, launcher_pid: Optional[int], served=lambda: 0, period: float = 60.0):
         self.launcher_pid = launcher_pid
+        self.served = served  # requests served so far, for the per-minute rows
+        self.period = period
         self.baseline: dict[str, int] = {}
         self.maximum: dict[str, int] = {}
         self.last: dict[str, int] = {}
         self.pids: dict[str, int] = {}
         self.restarted: set[str] = set()
+        self.rows: list[tuple[float, int, dict[str, int]]] = []  # (seconds, served, role -> RSS KiB)
+        self.t0 = time.monotonic()
 
     def sample(self) -> None:
         for role, pid in tokserve_processes(self.launcher_pid).items():
@@ -97,22 +135,72 @@ class MemoryWatch:
             self.maximum[role] = max(self.maximum.get(role, 0), kib)
             self.last[role] = kib
 
+    def roles(self) -> list[str]:
+        return sorted(self.baseline)
+
+    def row(self) -> None:
+        """Record (and print) one row of the over-time table: every role's RSS now, and
+        each worker's heap / other-anonymous split."""
+        seconds = time.monotonic() - self.t0
+        self.rows.append((seconds, self.served(), dict(self.last)))
+        if len(self.rows) == 1:
+            print(f"{'min':>5}{'served':>9}" + "".join(f"{r:>16}" for r in self.roles()) + "   (RSS MB)")
+        split = []
+        for role in self.roles():
+            parts = anon_rss_kib(self.pids[role]) if role.startswith("worker") else None
+            if parts:
+                split.append(f"{role} heap {parts['heap'] / 1024:.0f} anon {parts['anon'] / 1024:.0f}")
+        print(f"{seconds / 60:>5.1f}{self.served():>9}"
+              + "".join(f"{self.last.get(r, 0) / 1024:>16.1f}" for r in self.roles())
+              + (f"   [{'; '.join(split)}]" if split else ""), flush=True)
+
     async def run(self, stop: asyncio.Event) -> None:
+        self.sample()
+        self.row()
+        next_row = time.monotonic() + self.period
         while not stop.is_set():
             self.sample()
+            if time.monotonic() >= next_row:
+                self.row()
+                next_row += self.period
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
         self.sample()
+        self.row()
 
-    def report(self) -> None:
-        print(f"\n{'process':<16}{'pid':>8}{'RSS start':>12}{'RSS max':>12}{'RSS end':>12}{'max growth':>12}")
-        for role in sorted(self.baseline):
+    def flatness(self, role: str) -> Optional[tuple[float, float]]:
+        """(lowest, highest) deviation of ``role``'s RSS over the last FLAT_WINDOW of the
+        run from its value where that window starts, as fractions; None without rows."""
+        if not self.rows:
+            return None
+        start = self.rows[-1][0] * (1 - FLAT_WINDOW)
+        # from the last row at or before the window's start (the reference) to the end
+        first = max((i for i, (t, _, _) in enumerate(self.rows) if t <= start + 1e-6), default=0)
+        window = [rss[role] for _, _, rss in self.rows[first:] if role in rss]
+        if not window:
+            return None
+        ref = window[0]
+        return min(window) / ref - 1, max(window) / ref - 1
+
+    def report(self) -> bool:
+        """Print the summary and the flatness verdict; True when every worker passed."""
+        print(f"\n{'process':<16}{'pid':>8}{'RSS start':>12}{'RSS max':>12}{'RSS end':>12}{'max growth':>12}"
+              f"{'last 2/3':>18}")
+        ok = True
+        for role in self.roles():
             b, m, e = self.baseline[role], self.maximum[role], self.last[role]
             note = "  (restarted)" if role in self.restarted else ""
+            flat = self.flatness(role)
+            span = f"{flat[0] * 100:+.1f}..{flat[1] * 100:+.1f} %" if flat else "-"
             print(f"{role:<16}{self.pids[role]:>8}{b / 1024:>10.1f}MB{m / 1024:>10.1f}MB{e / 1024:>10.1f}MB"
-                  f"{(m - b) / 1024:>+10.1f}MB{note}")
+                  f"{(m - b) / 1024:>+10.1f}MB{span:>18}{note}")
+            if role.startswith("worker"):
+                ok = ok and flat is not None and -FLAT_TOLERANCE <= flat[0] and flat[1] <= FLAT_TOLERANCE
+        print(f"worker RSS flat within ±{FLAT_TOLERANCE * 100:.0f} % over the last "
+              f"{FLAT_WINDOW * 100:.0f} % of the run: {'PASS' if ok else 'FAIL'}")
+        return ok
 
 
 # ----------------------------------------------------------------------------- traffic
@@ -261,15 +349,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn below this")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of traffic before the RSS baseline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report-every", type=float, default=60.0, metavar="SECONDS",
+                   help="print a row of every process's RSS this often (default: a minute)")
     return p.parse_args(argv)
 
 
 async def soak(url: str, args, launcher_pid: Optional[int]) -> tuple[Tally, MemoryWatch, float]:
     warm = Tally()
     await traffic(url, args.warmup, args.concurrency, args.vocab, args.seed + 1, warm)
-    watch = MemoryWatch(launcher_pid)
-    watch.sample()
     tally, stop = Tally(), asyncio.Event()
+    watch = MemoryWatch(launcher_pid, served=lambda: sum(tally.served.values()), period=args.report_every)
     sampler = asyncio.create_task(watch.run(stop))
     t0 = time.monotonic()
     await traffic(url, args.minutes * 60, args.concurrency, args.vocab, args.seed, tally)
@@ -289,9 +378,9 @@ def report(tally: Tally, watch: MemoryWatch, elapsed: float, idle_problem: Optio
     print(f"errors: {sum(tally.errors.values())}")
     for what, count in tally.errors.most_common():
         print(f"  {what:<50}{count:>6}")
-    watch.report()
+    flat = watch.report()
     print(f"\nworkers idle with every KV block free afterwards: {'yes' if idle_problem is None else idle_problem}")
-    return 0 if not tally.errors and idle_problem is None else 1
+    return 0 if not tally.errors and idle_problem is None and flat else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unresponsive-timeout", type=float, default=config.unresponsive_timeout(),
                    help="seconds the broker's link may be up with no message from it before this worker "
                         "reconnects and registers again (env TOKSERVE_UNRESPONSIVE_TIMEOUT)")
+    p.add_argument("--malloc-trim-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="CPU workers: give freed heap memory back to the OS (glibc malloc_trim) at most this often, "
+                        "between steps; bounds the RSS growth of a long-running worker (0: never)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests before aborting them")
     p.add_argument("--curve-server-key", default=None,
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"worker{args.rank}", args.log_level)
     if args.rank < 0:
         raise SystemExit("--rank must be >= 0")
+    if args.malloc_trim_interval < 0:
+        raise SystemExit("--malloc-trim-interval must be >= 0")
     if args.heartbeat_interval <= 0 or args.liveness < 1 or args.unresponsive_timeout <= 0:
         raise SystemExit("--heartbeat-interval and --unresponsive-timeout must be > 0 and --liveness >= 1")
     if args.enable_expert_parallel:
@@ -218,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         from common.malloc_tuning import keep_freed_memory
 
         keep_freed_memory()  # before the model loads: every big CPU buffer stays in the heap
+    from common.memory_report import start_from_env
+
+    start_from_env(f"worker[{args.rank}]")  # debug aid, off unless TOKSERVE_MEMORY_REPORT_S is set
     try:
         engine = Engine(cfg)
     except (OSError, ValueError) as exc:  # missing/invalid model folder, bad sizes, device
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                           unresponsive_timeout=args.unresponsive_timeout,
                           drain_timeout=args.drain_timeout, curve_server_key=server_key,
                           curve_client_keys=client_keys, worker_token=worker_token,
-                          role="encode" if args.mm_encoder_only else args.role, ready_file=args.ready_file)
+                          role="encode" if args.mm_encoder_only else args.role, ready_file=args.ready_file,
+                          malloc_trim_interval=args.malloc_trim_interval if cfg.torch_device.type == "cpu" else 0.0)
     server.install_signal_handlers()
     return server.run()

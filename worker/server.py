@@ -34,6 +34,7 @@ from common.readiness import ReadyFile
 from common.errors import ServingError
 from common.framing import FrameError
 from common.logging import RateLimitedLog, get_logger
+from common.malloc_tuning import PeriodicTrim
 from common.protocol import (MAGIC, Abort, CompletionDelta, ControlRequest, Disconnect, ErrorMsg, GenerateRequest,
                              KvEvents, MsgType, Outputs, OutputsHeader, WorkerLoad, WorkerReady)
 from worker.control import WorkerControl
@@ -202,7 +203,8 @@ class WorkerServer:
                  liveness: int = config.HEARTBEAT_LIVENESS, drain_timeout: float = 30.0,
                  curve_server_key: Optional[bytes] = None, curve_client_keys: Optional[security.CurveKeys] = None,
                  ctx: Optional[zmq.Context] = None, role: str = "both", worker_token: str = "",
-                 ready_file: Optional[str] = None, unresponsive_timeout: float = config.UNRESPONSIVE_TIMEOUT_S):
+                 ready_file: Optional[str] = None, unresponsive_timeout: float = config.UNRESPONSIVE_TIMEOUT_S,
+                 malloc_trim_interval: float = 0.0):
         runtime_dir.check_before_connect(broker)  # never serve a socket someone else planted
         self.engine = engine
         self.worker_token = worker_token  # proves to the broker that we are one of its workers
@@ -228,6 +230,8 @@ class WorkerServer:
         self._bad = RateLimitedLog(log)
         self._gen_decoder = framing._decoders[GenerateRequest]
         self.control = WorkerControl(self)
+        # bounds the freed memory a CPU worker keeps (common/malloc_tuning.py: PeriodicTrim)
+        self.trim = PeriodicTrim(malloc_trim_interval)
 
     # ---------------------------------------------------------------- control
     def request_drain(self, *_args) -> None:
@@ -293,6 +297,7 @@ class WorkerServer:
                     self._kv_transfer_tick()  # held KV blocks freed by their decode side or expired
                     self._refresh_load()  # e.g. after a failed step shipped nothing
                     self._send_deferred_replies()
+                    self.trim.tick()
                     continue
                 deltas = self._drain_pipe()
                 if self.engine.has_unfinished() and not self.control.frozen:
@@ -301,6 +306,7 @@ class WorkerServer:
                     self._ship(deltas)
                 self._ship_kv_events()  # after the step's OUTPUTS: at most one message per step
                 self._send_deferred_replies()
+                self.trim.tick()  # between steps: the step's buffers are freed
         finally:
             if self.ready_file is not None:
                 self.ready_file.retire()
