@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import torch
 
 from common.structured_outputs_config import StructuredOutputsConfig, parse_structured_outputs_config
-from worker.engine.dtype_policy import checkpoint_dtype, resolve_auto_dtype
+from common.dtype_policy import checkpoint_dtype, resolve_auto_dtype
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

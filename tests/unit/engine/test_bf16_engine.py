@@ -21,11 +21,14 @@ import torch
 
 from tests.support.engine_helpers import make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model_bf16, tiny_bf16_model_dir
-from worker.engine.dtype_policy import cpu_has_native_bf16
+from common.dtype_policy import cpu_has_native_bf16
 
 NUM_TOKENS = 10
 NEAR_TIE = 0.1
-LOGPROB_ATOL = 0.08  # measured worst: 0.031 (llama / qwen2 / qwen3 tiny models)
+LOGPROB_ATOL = 0.08  # measured worst: 0.031 (llama / qwen2 / qwen3 / mixtral tiny models)
+# MoE routing picks experts by bf16 router logits: a near-tie there swaps an expert, a
+# change larger than rounding (measured worst 0.14 on qwen3_moe; tokens all agree).
+MOE_LOGPROB_ATOL = 0.25
 
 
 def bf16_ulp(x: float) -> float:
@@ -67,13 +70,18 @@ def _teacher_forced_check(kind: str, root) -> tuple[int, int, float, list]:
 
 
 def test_bf16_greedy_matches_hf_bf16(tiny_model_root):
-    """Token agreement over the parity suite's prompts on three architectures."""
+    """Token agreement over the parity suite's prompts on dense and MoE architectures
+    (the MoE experts run in bf16 too)."""
     positions = agree = 0
     worst_lp = 0.0
     mismatches = []
-    for kind in ("llama", "qwen2", "qwen3"):
+    for kind in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
         n, a, lp, mm = _teacher_forced_check(kind, tiny_model_root)
-        positions, agree, worst_lp, mismatches = positions + n, agree + a, max(worst_lp, lp), mismatches + mm
+        positions, agree, mismatches = positions + n, agree + a, mismatches + mm
+        if kind in ("mixtral", "qwen3_moe"):
+            assert lp <= MOE_LOGPROB_ATOL, (kind, lp)
+        else:
+            worst_lp = max(worst_lp, lp)
     print(f"bf16 vs HF bf16: {agree}/{positions} argmax agreements, near-ties {mismatches}, "
           f"worst logprob error {worst_lp:.4f}")
     assert agree / positions >= 0.99, f"token agreement {agree}/{positions}: {mismatches}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine import EngineConfig
-from worker.engine.dtype_policy import checkpoint_dtype, cpu_has_native_bf16, resolve_auto_dtype
+from common.dtype_policy import checkpoint_dtype, cpu_has_native_bf16, resolve_auto_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -16,7 +16,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model
 from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models import kv_bytes_per_block, kv_cache_shape
-from worker.engine.dtype_policy import cpu_has_native_bf16
+from common.dtype_policy import cpu_has_native_bf16
 from worker.engine.models.cpu_gemm import (onednn_linear, onednn_supported, pack_weight, resolve_cpu_linear,
                                             row_bucket)
 from common.tokenizer import load_tokenizer

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from worker.engine.dtype_policy import cpu_has_native_bf16
+from common.dtype_policy import cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
 
