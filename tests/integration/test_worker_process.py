@@ -78,7 +78,7 @@ def test_concurrent_streams_match_in_process_engine(real_cluster, llama_dir):
 
     from worker.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=str(llama_dir), num_threads=1, **ENGINE_ARGS))
+    engine = Engine(EngineConfig(model=str(llama_dir), num_threads=1, dtype="float32", **ENGINE_ARGS))
     expected = engine.generate(reqs)
     for r in reqs:
         got = streamed[r.request_id]

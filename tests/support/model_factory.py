@@ -159,3 +159,31 @@ def load_hf_model(model_dir: Path):
     _quiet_transformers()
     return transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def tiny_bf16_model_dir(kind: str, root: Path, seed: int = 0) -> Path:
+    """``kind``'s checkpoint stored in bfloat16 (config torch_dtype bfloat16), as most
+    published checkpoints are; built once under ``root``."""
+    import shutil
+
+    import transformers
+
+    src = tiny_model_dir(kind, root, seed)
+    out = Path(root) / f"{kind}-s{seed}-bf16"
+    if not (out / "config.json").is_file():
+        _quiet_transformers()
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+        model.save_pretrained(out)
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+def load_hf_model_bf16(model_dir: Path):
+    """The transformers reference in bfloat16 (eager attention), as HF users run it."""
+    import transformers
+
+    _quiet_transformers()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="eager").eval()

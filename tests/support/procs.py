@@ -200,8 +200,11 @@ class ProcGroup:
     def worker(self, broker: BrokerProc | str, rank: int = 0, *extra: str, env=None) -> Proc:
         """A real `tokserve worker` process."""
         backend = broker.backend if isinstance(broker, BrokerProc) else broker
+        # float32 unless the test names a dtype: tests compare with float32 references
+        # (in-process engines, HF), and ``auto`` may pick bf16 for a float32 checkpoint.
+        dtype = () if "--dtype" in extra else ("--dtype", "float32")
         proc = Proc(f"worker{rank}", ["-m", "common.cli", "worker", "--broker", backend, "--rank", str(rank),
-                                      *extra], self._log(f"worker{rank}"), env)
+                                      *dtype, *extra], self._log(f"worker{rank}"), env)
         self.procs.append(proc)
         return proc
 

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 import torch
 
 from common.structured_outputs_config import StructuredOutputsConfig, parse_structured_outputs_config
+from common.dtype_policy import checkpoint_dtype, resolve_auto_dtype
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -29,7 +30,7 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 class EngineConfig:
     model: str
     device: str = "cpu"  # "cpu", "cuda", "cuda:N"
-    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    dtype: str = "auto"  # auto: the checkpoint's, fp32 -> bf16 (on CPU where bf16 is native): dtype_policy
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
     kv_cache_memory_gb: Optional[float] = None
@@ -171,13 +172,16 @@ class EngineConfig:
         return self.torch_device.type == "cuda"
 
     def dtype_for(self, device: torch.device) -> torch.dtype:
+        return self.dtype_choice(device)[0]
+
+    def dtype_choice(self, device: torch.device) -> tuple[torch.dtype, str]:
+        """(dtype, why): an explicit --dtype as given, ``auto`` from the checkpoint."""
         name = self.dtype.lower()
         if name == "auto":
-            # fp32 keeps CPU results bit-comparable with the HF reference; bf16 is the GPU norm.
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            return resolve_auto_dtype(checkpoint_dtype(self.model), device)
         if name not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        return _DTYPES[name]
+        return _DTYPES[name], f"--dtype {self.dtype}"
 
     @property
     def torch_dtype(self) -> torch.dtype:

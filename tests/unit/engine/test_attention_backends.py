@@ -16,10 +16,14 @@ GIB = 1 << 30
 def test_cpu_auto_follows_cpu_attention(monkeypatch):
     assert resolve_attention_backend("auto", "torch", CPU, torch.float32, 16).name == "torch"
     assert resolve_attention_backend("torch", "native", CPU, torch.float32, 16).name == "torch"
-    # bf16 on CPU: the compiled kernels serve float32 only, auto falls back, explicit refuses.
-    assert resolve_attention_backend("auto", "auto", CPU, torch.bfloat16, 16).name == "torch"
-    with pytest.raises(ValueError, match="needs dtype float32"):
-        resolve_attention_backend("native", "auto", CPU, torch.bfloat16, 16)
+    # The compiled kernels serve float32 and bfloat16; float16: auto falls back, explicit refuses.
+    from worker.engine.kernels import load_cpu_kernels
+
+    native = "native" if load_cpu_kernels() is not None else "torch"
+    assert resolve_attention_backend("auto", "auto", CPU, torch.bfloat16, 16).name == native
+    assert resolve_attention_backend("auto", "auto", CPU, torch.float16, 16).name == "torch"
+    with pytest.raises(ValueError, match="needs dtype float32 or bfloat16"):
+        resolve_attention_backend("native", "auto", CPU, torch.float16, 16)
 
 
 def test_explicit_choices_that_cannot_serve_are_errors(monkeypatch):

@@ -176,7 +176,7 @@ def test_engine_core_steps_without_wire_types(llama_dir):
     from worker.engine.core.outputs import SequenceOutput
     from worker.engine.core.wire_output import merge_delta, to_delta
 
-    core = EngineCore(EngineConfig(model=str(llama_dir), max_model_len=256, max_num_seqs=16, num_threads=1))
+    core = EngineCore(EngineConfig(model=str(llama_dir), max_model_len=256, max_num_seqs=16, num_threads=1, dtype="float32"))
     core.add_request(request("a", [5, 6, 7, 8], max_tokens=5, ignore_eos=True, logprobs=1))
     merged = None
     while core.has_unfinished():

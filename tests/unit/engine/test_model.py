@@ -16,6 +16,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model
 from worker.engine.loading.model_config import ModelConfig
 from worker.engine.models import kv_bytes_per_block, kv_cache_shape
+from common.dtype_policy import cpu_has_native_bf16
 from worker.engine.models.cpu_gemm import (onednn_linear, onednn_supported, pack_weight, resolve_cpu_linear,
                                             row_bucket)
 from common.tokenizer import load_tokenizer
@@ -137,11 +138,33 @@ def test_cpu_linear_choice():
     assert resolve_cpu_linear("auto", torch.device("cuda"), torch.bfloat16) == "torch"
     assert resolve_cpu_linear("auto", cpu, torch.float32) == ("onednn" if onednn_supported(cpu, torch.float32)
                                                               else "torch")
-    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == "torch"  # oneDNN packing is used for fp32 only
+    # bf16 is packed where the CPU has native bf16 dot products (emulated bf16 GEMMs lose to fp32)
+    bf16_ok = onednn_supported(cpu, torch.bfloat16)
+    assert bf16_ok == (onednn_supported(cpu, torch.float32) and cpu_has_native_bf16())
+    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == ("onednn" if bf16_ok else "torch")
     with pytest.raises(ValueError, match="cpu_linear=onednn is not supported"):
-        resolve_cpu_linear("onednn", cpu, torch.bfloat16)
+        resolve_cpu_linear("onednn", cpu, torch.float16)
     with pytest.raises(ValueError, match="cpu_linear must be one of auto, onednn, torch"):
         EngineConfig(model="unused", cpu_linear="mkl")
+
+
+@pytest.mark.skipif(not onednn_supported(torch.device("cpu"), torch.bfloat16),
+                    reason="no native bf16 dot products (or no oneDNN) on this CPU")
+def test_onednn_bf16_linear_matches_fp32_reference():
+    """The bf16-packed GEMM (fp32 accumulation) against an fp32 GEMM of the same
+    bf16-rounded operands: only the roundings to bf16 may differ, for decode- and prefill-sized row counts and padded ones."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 200, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    packed = pack_weight(w)
+    for rows in (1, 17, 32, 130, 512):
+        x = torch.randn(rows, 200, generator=g).bfloat16()
+        got = onednn_linear(x, packed, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        # Rounding bias and output to bf16 (2^-8 each) scaled by the sum's magnitude
+        # before cancellation: a cancelling sum may lose all its relative precision.
+        bound = 2 ** -7 * torch.nn.functional.linear(x.float().abs(), w.float().abs(), b.float().abs())
+        assert ((got.float() - ref).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -1,6 +1,7 @@
 """Native CPU kernels (decode and prefill attention over the paged cache, RMSNorm,
-SwiGLU, rotary), compiled by ``torch.utils.cpp_extension`` into torch's extension
-cache: at install time by ``tokserve build-kernels`` (worker/engine/kernels/build.py,
+SwiGLU, rotary; one library serves float32 and bfloat16 storage, each function
+dispatching on its inputs' dtype), compiled by ``torch.utils.cpp_extension`` into
+torch's extension cache: at install time by ``tokserve build-kernels`` (worker/engine/kernels/build.py,
 the last step of the README's install), else on first use (45 s on an idle machine,
 about 3 minutes on a busy one; needs a C++ compiler and ninja).  Where they cannot be
 built the engine keeps torch's kernels and says so once in the log.
@@ -188,13 +189,14 @@ def load_cpu_kernels() -> Optional[Any]:
 
 def resolve_cpu_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> Optional[Any]:
     """The kernels module for ``cpu_attention=choice`` (auto/native/torch) on this
-    device and dtype, or None for torch's ops.  They serve float32 on CPU; an
-    explicit ``native`` that can't be served is an error, not a silent fallback."""
+    device and dtype, or None for torch's ops.  They serve float32 and bfloat16 (float32
+    math) on CPU; an explicit ``native`` that can't be served is an error, not a silent
+    fallback."""
     if device.type != "cpu" or choice == "torch":
         return None
-    if dtype != torch.float32:
+    if dtype not in (torch.float32, torch.bfloat16):
         if choice == "native":
-            raise ValueError("cpu_attention=native needs dtype float32")
+            raise ValueError("cpu_attention=native needs dtype float32 or bfloat16")
         return None
     module = load_cpu_kernels()
     if module is None and choice == "native":

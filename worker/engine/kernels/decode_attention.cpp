@@ -1,5 +1,6 @@
 // paged_decode_attention: single-token ("decode") attention reading the paged KV
-// cache in place, float32.
+// cache in place: float32, or bfloat16 storage with float32 math (AVX512-BF16 dot
+// products where the CPU has them).
 //
 // torch's SDPA needs each sequence's keys gathered into one tensor first; this reads
 // them straight from their blocks.  One task per sequence: all query heads are
@@ -25,15 +26,97 @@
 #include "paged_cache.h"
 #include "vec_math.h"
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D] float32
-                                     const torch::Tensor& k_cache,  // [blocks, block_size, KVH, D]
-                                     const torch::Tensor& v_cache,  // [blocks, block_size, KVH, D]
+namespace {
+
+using tokserve_kernels::bf16;
+using tokserve_kernels::from_f;
+using tokserve_kernels::to_f;
+
+// q . k over D values, float32 accumulation.
+inline float dot(const float* a, const float* b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline float dot(const bf16* a, const bf16* b, int64_t D) {
+#if defined(__AVX512BF16__)
+  // 32 bf16 pairs per instruction, exact products, float32 sums.
+  if (D % 32 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += to_f(a[d]) * to_f(b[d]);
+  return s;
+}
+
+// acc[0:D] += p * v[0:D], float32 accumulators.
+inline void axpy(float p, const float* v, float* acc, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];
+}
+
+inline void axpy(float p, const bf16* v, float* acc, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 16) {
+      // bf16 -> float32: the 16 bits become the high half of the float.
+      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d))), 16));
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, x, _mm512_loadu_ps(acc + d)));
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * to_f(v[d]);
+}
+
+template <typename T>
+void decode_impl(const T* qp, const T* kp, const T* vp, T* op, const int32_t* tp, const int32_t* lp, int64_t B,
+                 int64_t H, int64_t D, int64_t G, int64_t W, int64_t bs, int64_t row, float sc) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(H * D), inv(H);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t S = lp[b];
+      const int32_t* table = tp + b * W;
+      const T* qb = qp + b * H * D;  // query head j reads KV head j / G
+      scores.resize(H * S);
+      for (int64_t t = 0; t < S; ++t) {
+        const T* krow = kp + tokserve_kernels::token_offset(table, t, bs, row);
+        for (int64_t j = 0; j < H; ++j) scores[j * S + t] = dot(qb + j * D, krow + (j / G) * D, D) * sc;
+      }
+      for (int64_t j = 0; j < H; ++j) inv[j] = tokserve_kernels::softmax_unnormalized(scores.data() + j * S, S);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < S; ++t) {
+        const T* vrow = vp + tokserve_kernels::token_offset(table, t, bs, row);
+        for (int64_t j = 0; j < H; ++j) axpy(scores[j * S + t], vrow + (j / G) * D, acc.data() + j * D, D);
+      }
+      T* ob = op + b * H * D;
+      for (int64_t j = 0; j < H; ++j)
+        for (int64_t d = 0; d < D; ++d) ob[j * D + d] = from_f<T>(acc[j * D + d] * inv[j]);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D] float32 or bfloat16
+                                     const torch::Tensor& k_cache,  // [blocks, block_size, KVH, D], q's dtype
+                                     const torch::Tensor& v_cache,  // [blocks, block_size, KVH, D], q's dtype
                                      const torch::Tensor& block_tables,  // [B, W] int32
                                      const torch::Tensor& seq_lens,      // [B] int32
                                      double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
-              "q must be a contiguous float32 [B, H, D] tensor");
-  tokserve_kernels::check_kv_cache(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D] tensor");
+  tokserve_kernels::check_storage_dtype(q.scalar_type(), "q");
+  tokserve_kernels::check_kv_cache(k_cache, v_cache, q.scalar_type());
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 &&
                   seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables must be int32 [B, W] and seq_lens int32 [B]");
@@ -50,47 +133,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D]
     tokserve_kernels::check_block_ids(tp + b * W, lp[b], bs, num_blocks);
   }
   torch::Tensor out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int64_t row = KVH * D;  // floats between consecutive tokens of one block
-
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D), inv(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t S = lp[b];
-      const int32_t* table = tp + b * W;
-      const float* qb = qp + b * H * D;  // query head j reads KV head j / G
-      scores.resize(H * S);
-      for (int64_t t = 0; t < S; ++t) {
-        const float* krow = kp + tokserve_kernels::token_offset(table, t, bs, row);
-        for (int64_t j = 0; j < H; ++j) {
-          const float* qj = qb + j * D;
-          const float* k = krow + (j / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
-          scores[j * S + t] = s * sc;
-        }
-      }
-      for (int64_t j = 0; j < H; ++j) inv[j] = tokserve_kernels::softmax_unnormalized(scores.data() + j * S, S);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < S; ++t) {
-        const float* vrow = vp + tokserve_kernels::token_offset(table, t, bs, row);
-        for (int64_t j = 0; j < H; ++j) {
-          const float p = scores[j * S + t];
-          const float* v = vrow + (j / G) * D;
-          float* a = acc.data() + j * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      }
-      float* ob = op + b * H * D;
-      for (int64_t j = 0; j < H; ++j)
-        for (int64_t d = 0; d < D; ++d) ob[j * D + d] = acc[j * D + d] * inv[j];
-    }
-  });
+  const int64_t row = KVH * D;  // values between consecutive tokens of one block
+  if (q.scalar_type() == torch::kBFloat16)
+    decode_impl(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                out.data_ptr<at::BFloat16>(), tp, lp, B, H, D, G, W, bs, row, sc);
+  else
+    decode_impl(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), tp,
+                lp, B, H, D, G, W, bs, row, sc);
   return out;
 }

@@ -9,11 +9,15 @@
 
 namespace tokserve_kernels {
 
-inline void check_kv_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.is_contiguous(),
-              "k_cache/v_cache must be contiguous float32 [blocks, block_size, KVH, D] tensors");
+// The cache holds q's dtype (float32 or bfloat16).
+inline void check_kv_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, c10::ScalarType dtype) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == dtype && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == dtype && v_cache.is_contiguous(),
+              "k_cache/v_cache must be contiguous [blocks, block_size, KVH, D] tensors of q's dtype");
+}
+
+inline void check_storage_dtype(c10::ScalarType t, const char* what) {
+  TORCH_CHECK(t == torch::kFloat32 || t == torch::kBFloat16, what, " must be float32 or bfloat16");
 }
 
 // Every block holding the sequence's seq_len tokens is a real block: checked once

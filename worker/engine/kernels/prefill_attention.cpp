@@ -1,5 +1,6 @@
 // paged_prefill_attention: causal attention of prefill chunks (many query rows per
-// sequence, any cached context before them) over the paged KV cache, float32.
+// sequence, any cached context before them) over the paged KV cache: float32, or
+// bfloat16 storage (converted to float32 as keys and values are packed).
 //
 // torch's CPU flash SDPA runs this at ~25 GFLOP/s on a 2-core AVX2 box, a third of
 // what the same core does in a GEMM, and a chunk with cached context first has to
@@ -27,6 +28,9 @@
 #include "vec_math.h"
 
 namespace {
+
+using tokserve_kernels::from_f;
+using tokserve_kernels::to_f;
 
 constexpr int64_t MR = 6;   // rows of the micro-kernel
 constexpr int64_t NR = 16;  // columns of the micro-kernel (two AVX2 vectors)
@@ -66,9 +70,112 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, 
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The work of paged_prefill_attention once its arguments are checked: T is the
+// storage type of q, the cache and out; keys, values and scores are float32 in the
+// packed buffers, so both GEMMs run on the float32 micro-kernel.
+template <typename T>
+void prefill_impl(const T* qp, const T* kp, const T* vp, T* op, int64_t qs_t, int64_t qs_h, const int32_t* tp,
+                  const int32_t* lp, const int32_t* sp, const int64_t* wp, const std::vector<int64_t>& pack_off,
+                  int64_t N, int64_t H, int64_t D, int64_t G, int64_t W, int64_t bs, int64_t KVH, float scale) {
+  const int64_t row = KVH * D;  // values between consecutive tokens of one block
+  // Uninitialised: packing writes every element (padding included).
+  std::unique_ptr<float[]> kt_buf(new float[pack_off[N]]), v_buf(new float[pack_off[N]]);
+  float* ktp = kt_buf.get();
+  float* vbp = v_buf.get();
+
+  // 1. Pack K^T [D, Sp] and V [Sp, D] per (sequence, KV head).
+  at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / KVH, h = task % KVH, b = wp[n], S = lp[b], Sp = round_up(S, NR);
+      float* kt = ktp + pack_off[n] + h * Sp * D;
+      float* vv = vbp + pack_off[n] + h * Sp * D;
+      const int32_t* table = tp + b * W;
+      for (int64_t t = 0; t < S; ++t) {
+        const int64_t off = tokserve_kernels::token_offset(table, t, bs, row) + h * D;
+        const T* k = kp + off;
+        const T* v = vp + off;
+        for (int64_t d = 0; d < D; ++d) kt[d * Sp + t] = to_f(k[d]);
+        for (int64_t d = 0; d < D; ++d) vv[t * D + d] = to_f(v[d]);
+      }
+      for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Sp + S, kt + d * Sp + Sp, 0.f);
+      std::fill(vv + S * D, vv + Sp * D, 0.f);
+    }
+  });
+
+  // 2. Tasks: (sequence, query head, block of query rows).
+  constexpr int64_t kScoreFloats = 64 * 1024;  // ~256 KB of scores per block
+  struct Task {
+    int64_t n, h, r0, rows;
+  };
+  std::vector<Task> tasks;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = wp[n], qlen = sp[b + 1] - sp[b];
+    const int64_t rb = std::clamp<int64_t>(kScoreFloats / round_up(lp[b], NR) / MR * MR, MR, 8 * MR);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r0 = 0; r0 < qlen; r0 += rb) tasks.push_back({n, h, r0, std::min(rb, qlen - r0)});
+  }
+  const float sc = scale;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf, sbuf, obuf, inv;
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& tk = tasks[ti];
+      const int64_t b = wp[tk.n], S = lp[b], Sp = round_up(S, NR), qlen = sp[b + 1] - sp[b];
+      const int64_t ctx = S - qlen, kvh = tk.h / G;
+      const float* kt = ktp + pack_off[tk.n] + kvh * Sp * D;
+      const float* vv = vbp + pack_off[tk.n] + kvh * Sp * D;
+      const int64_t R = round_up(tk.rows, MR);  // padded rows: computed, never written
+      // Keys the block can see (its last row's), and each row tile's.
+      const int64_t ld = std::min(Sp, round_up(ctx + tk.r0 + R, NR));
+      auto tile_keys = [&](int64_t rt) { return std::min(S, ctx + tk.r0 + rt + MR); };
+      qbuf.assign(R * D, 0.f);
+      sbuf.resize(R * ld);
+      obuf.resize(R * D);
+      inv.resize(R);
+      for (int64_t r = 0; r < tk.rows; ++r) {
+        const T* src = qp + (sp[b] + tk.r0 + r) * qs_t + tk.h * qs_h;
+        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f(src[d]) * sc;
+      }
+      // S = Q K^T, key tile outer so a K^T tile stays in L1 across the row tiles.
+      for (int64_t j0 = 0; j0 < ld; j0 += NR)
+        for (int64_t rt = 0; rt < R; rt += MR)
+          if (j0 < tile_keys(rt))  // tiles right of the diagonal: never read
+            gemm_tile(qbuf.data() + rt * D, D, kt + j0, Sp, D, sbuf.data() + rt * ld + j0, ld, false);
+      // Exact softmax per row; keys past a row's causal limit get weight 0 up to its tile's end.
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = sbuf.data() + r * ld;
+        const int64_t rt = r / MR * MR, width = tile_keys(rt);
+        const int64_t lim = r < tk.rows ? ctx + tk.r0 + r + 1 : 0;
+        inv[r] = lim ? tokserve_kernels::softmax_unnormalized(s, lim) : 0.f;
+        std::fill(s + lim, s + width, 0.f);
+      }
+      // O = P V.
+      if (D % NR == 0) {
+        for (int64_t rt = 0; rt < R; rt += MR)
+          for (int64_t c0 = 0; c0 < D; c0 += NR)
+            gemm_tile(sbuf.data() + rt * ld, ld, vv + c0, D, tile_keys(rt), obuf.data() + rt * D + c0, D, false);
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          float* o = obuf.data() + r * D;
+          std::fill(o, o + D, 0.f);
+          const float* p = sbuf.data() + r * ld;
+          for (int64_t j = 0; j < tile_keys(r / MR * MR); ++j)
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * vv[j * D + d];
+        }
+      }
+      for (int64_t r = 0; r < tk.rows; ++r) {
+        T* dst = op + ((sp[b] + tk.r0 + r) * H + tk.h) * D;
+        const float* o = obuf.data() + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(o[d] * inv[r]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
-void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] float32, head vectors contiguous
+void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] float32 / bfloat16, head vectors contiguous
                              const torch::Tensor& k_cache,       // [blocks, block_size, KVH, D]
                              const torch::Tensor& v_cache,       // [blocks, block_size, KVH, D]
                              const torch::Tensor& block_tables,  // [B, W] int32
@@ -76,12 +183,12 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
                              const torch::Tensor& query_start,   // [B + 1] int32: rows of each sequence in q
                              const torch::Tensor& seqs,          // [N] int64: the sequences to compute
                              double scale,
-                             torch::Tensor out) {                // [T, H, D] float32 contiguous; rows of seqs written
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1,
-              "q must be float32 [T, H, D] with contiguous head vectors");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
-              "out must be a contiguous float32 tensor shaped like q");
-  tokserve_kernels::check_kv_cache(k_cache, v_cache);
+                             torch::Tensor out) {                // [T, H, D] q's dtype, contiguous; rows of seqs written
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous head vectors");
+  tokserve_kernels::check_storage_dtype(q.scalar_type(), "q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
+              "out must be a contiguous tensor shaped like q, of q's dtype");
+  tokserve_kernels::check_kv_cache(k_cache, v_cache, q.scalar_type());
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt32 && seq_lens.dim() == 1 &&
                   seq_lens.scalar_type() == torch::kInt32 && query_start.dim() == 1 &&
                   query_start.scalar_type() == torch::kInt32 && seqs.dim() == 1 &&
@@ -113,102 +220,12 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
   }
   if (N == 0) return;
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t qs_t = q.stride(0), qs_h = q.stride(1);
-  const int64_t row = KVH * D;  // floats between consecutive tokens of one block
-  // Uninitialised: packing writes every element (padding included).
-  std::unique_ptr<float[]> kt_buf(new float[pack_off[N]]), v_buf(new float[pack_off[N]]);
-  float* ktp = kt_buf.get();
-  float* vbp = v_buf.get();
-
-  // 1. Pack K^T [D, Sp] and V [Sp, D] per (sequence, KV head).
-  at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / KVH, h = task % KVH, b = wp[n], S = lp[b], Sp = round_up(S, NR);
-      float* kt = ktp + pack_off[n] + h * Sp * D;
-      float* vv = vbp + pack_off[n] + h * Sp * D;
-      const int32_t* table = tp + b * W;
-      for (int64_t t = 0; t < S; ++t) {
-        const int64_t off = tokserve_kernels::token_offset(table, t, bs, row) + h * D;
-        const float* k = kp + off;
-        for (int64_t d = 0; d < D; ++d) kt[d * Sp + t] = k[d];
-        std::copy(vp + off, vp + off + D, vv + t * D);
-      }
-      for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Sp + S, kt + d * Sp + Sp, 0.f);
-      std::fill(vv + S * D, vv + Sp * D, 0.f);
-    }
-  });
-
-  // 2. Tasks: (sequence, query head, block of query rows).
-  constexpr int64_t kScoreFloats = 64 * 1024;  // ~256 KB of scores per block
-  struct Task {
-    int64_t n, h, r0, rows;
-  };
-  std::vector<Task> tasks;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t b = wp[n], qlen = sp[b + 1] - sp[b];
-    const int64_t rb = std::clamp<int64_t>(kScoreFloats / round_up(lp[b], NR) / MR * MR, MR, 8 * MR);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t r0 = 0; r0 < qlen; r0 += rb) tasks.push_back({n, h, r0, std::min(rb, qlen - r0)});
-  }
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, sbuf, obuf, inv;
-    for (int64_t ti = begin; ti < end; ++ti) {
-      const Task& tk = tasks[ti];
-      const int64_t b = wp[tk.n], S = lp[b], Sp = round_up(S, NR), qlen = sp[b + 1] - sp[b];
-      const int64_t ctx = S - qlen, kvh = tk.h / G;
-      const float* kt = ktp + pack_off[tk.n] + kvh * Sp * D;
-      const float* vv = vbp + pack_off[tk.n] + kvh * Sp * D;
-      const int64_t R = round_up(tk.rows, MR);  // padded rows: computed, never written
-      // Keys the block can see (its last row's), and each row tile's.
-      const int64_t ld = std::min(Sp, round_up(ctx + tk.r0 + R, NR));
-      auto tile_keys = [&](int64_t rt) { return std::min(S, ctx + tk.r0 + rt + MR); };
-      qbuf.assign(R * D, 0.f);
-      sbuf.resize(R * ld);
-      obuf.resize(R * D);
-      inv.resize(R);
-      for (int64_t r = 0; r < tk.rows; ++r) {
-        const float* src = qp + (sp[b] + tk.r0 + r) * qs_t + tk.h * qs_h;
-        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * sc;
-      }
-      // S = Q K^T, key tile outer so a K^T tile stays in L1 across the row tiles.
-      for (int64_t j0 = 0; j0 < ld; j0 += NR)
-        for (int64_t rt = 0; rt < R; rt += MR)
-          if (j0 < tile_keys(rt))  // tiles right of the diagonal: never read
-            gemm_tile(qbuf.data() + rt * D, D, kt + j0, Sp, D, sbuf.data() + rt * ld + j0, ld, false);
-      // Exact softmax per row; keys past a row's causal limit get weight 0 up to its tile's end.
-      for (int64_t r = 0; r < R; ++r) {
-        float* s = sbuf.data() + r * ld;
-        const int64_t rt = r / MR * MR, width = tile_keys(rt);
-        const int64_t lim = r < tk.rows ? ctx + tk.r0 + r + 1 : 0;
-        inv[r] = lim ? tokserve_kernels::softmax_unnormalized(s, lim) : 0.f;
-        std::fill(s + lim, s + width, 0.f);
-      }
-      // O = P V.
-      if (D % NR == 0) {
-        for (int64_t rt = 0; rt < R; rt += MR)
-          for (int64_t c0 = 0; c0 < D; c0 += NR)
-            gemm_tile(sbuf.data() + rt * ld, ld, vv + c0, D, tile_keys(rt), obuf.data() + rt * D + c0, D, false);
-      } else {
-        for (int64_t r = 0; r < R; ++r) {
-          float* o = obuf.data() + r * D;
-          std::fill(o, o + D, 0.f);
-          const float* p = sbuf.data() + r * ld;
-          for (int64_t j = 0; j < tile_keys(r / MR * MR); ++j)
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) o[d] += p[j] * vv[j * D + d];
-        }
-      }
-      for (int64_t r = 0; r < tk.rows; ++r) {
-        float* dst = op + ((sp[b] + tk.r0 + r) * H + tk.h) * D;
-        const float* o = obuf.data() + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv[r];
-      }
-    }
-  });
+  if (q.scalar_type() == torch::kBFloat16)
+    prefill_impl(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                 out.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), tp, lp, sp, wp, pack_off, N, H, D, G, W, bs,
+                 KVH, sc);
+  else
+    prefill_impl(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+                 q.stride(0), q.stride(1), tp, lp, sp, wp, pack_off, N, H, D, G, W, bs, KVH, sc);
 }

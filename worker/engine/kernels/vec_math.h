@@ -8,9 +8,28 @@
 // took 0.44 ms.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+// Storage types of the kernels: float32, or bfloat16 with float32 math (every value
+// is widened on load and rounded to nearest even once, on store).
+namespace tokserve_kernels {
+
+using bf16 = c10::BFloat16;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x);
+template <>
+inline float from_f<float>(float x) { return x; }
+template <>
+inline bf16 from_f<bf16>(float x) { return bf16(x); }  // round to nearest even
+
+}  // namespace tokserve_kernels
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -87,6 +106,19 @@ inline float softmax_unnormalized(float* s, int64_t n) {
     sum += s[j];
   }
   return 1.f / sum;
+}
+
+// s[0:n] <- silu(s) = s / (1 + e^-s).
+inline void silu_inplace(float* s, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = _mm256_loadu_ps(s + j);
+    _mm256_storeu_ps(s + j, _mm256_div_ps(g, _mm256_add_ps(one, exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+  }
+#endif
+  for (; j < n; ++j) s[j] = s[j] / (1.f + std::exp(-s[j]));
 }
 
 }  // namespace tokserve_kernels

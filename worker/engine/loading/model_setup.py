@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> tuple[Any, AttentionBackend, str]:
     """(model, attention backend, cpu linear choice)."""
     size = sum(f.stat().st_size for f in safetensors_files(config.model))
-    log.info("loading weights from %s (%.2f GB of safetensors) onto %s as %s", config.model, size / 1e9, device,
-             config.torch_dtype)
+    dtype, why = config.dtype_choice(device)
+    log.info("loading weights from %s (%.2f GB of safetensors) onto %s as %s (%s)", config.model, size / 1e9, device,
+             dtype, why)
     started = time.monotonic()
     model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
     log.info("weights loaded in %.1f s", time.monotonic() - started)

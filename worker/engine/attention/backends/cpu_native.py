@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (worker/engine/kernels, float32): every decode row reads
+"""The compiled CPU kernels (worker/engine/kernels, float32 or bfloat16 storage): every decode row reads
 its blocks in place (no gather, no copy, mixed steps included) and all prefill
 chunks of a step, with or without cached context, run in one call of a blocked
 causal kernel that packs each sequence's keys and values straight from their blocks.
