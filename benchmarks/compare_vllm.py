@@ -55,8 +55,9 @@ class ManagedServer:
     """One server process in its own session (so Ctrl-C reaches only us and we stop it
     in order), output to a log file, readiness by polling ``/health``."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: str):
-        self.name, self.argv, self.env = name, argv, env
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: str,
+                 cwd: Optional[str] = None):
+        self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.proc: Optional[subprocess.Popen] = None
@@ -64,7 +65,7 @@ class ManagedServer:
     def start(self) -> None:
         log = open(self.log_path, "wb")
         try:
-            self.proc = subprocess.Popen(self.argv, env=dict(os.environ, **self.env), stdout=log,
+            self.proc = subprocess.Popen(self.argv, env=dict(os.environ, **self.env), cwd=self.cwd, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         finally:
@@ -177,8 +178,10 @@ def tokserve_server(args, model_dir: str, log_dir: str, *, name: str = "tokserve
             "--worker-args", worker_args]
     env = thread_env(args.threads)
     if pythonpath:
+        # ``python -m`` puts the working directory first on sys.path, ahead of PYTHONPATH:
+        # start there too, or the tree we run from would win.
         env["PYTHONPATH"] = pythonpath
-    return ManagedServer(name, argv, env, port, log_dir)
+    return ManagedServer(name, argv, env, port, log_dir, cwd=pythonpath)
 
 
 # ----------------------------------------------------------------------------- workloads

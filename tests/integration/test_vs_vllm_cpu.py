@@ -69,3 +69,15 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     gap = report["logprob_gaps"]["ours"]
     assert "error" not in gap and gap["tokens"] == 2 * 4 and 0.0 <= gap["max"] < 1.0
     assert "ours / ours-fp32" in text and "batch-1 roofline" in text and "logprob gap mean" in text
+
+
+def test_ours_tree_runs_our_servers_from_that_tree(tmp_path):
+    # `python -m` puts the working directory ahead of PYTHONPATH: both must name the tree.
+    args = vs_vllm_cpu.parse_args(["--ours-tree", str(tmp_path), "--engines", "ours,vllm"])
+    args.vllm_bin = "/bin/true"
+    servers = vs_vllm_cpu.make_servers(args, args.engines, str(tmp_path / "m"), str(tmp_path), 512)
+    assert servers["ours"].cwd == str(tmp_path) and servers["ours"].env["PYTHONPATH"] == str(tmp_path)
+    assert servers["vllm"].cwd is None and "PYTHONPATH" not in servers["vllm"].env
+    assert "--dtype" not in servers["ours"].argv[-1] and "--dtype" not in servers["vllm"].argv  # auto: no flag
+    fp32 = vs_vllm_cpu.make_servers(args, ["ours-fp32"], str(tmp_path / "m"), str(tmp_path), 512)["ours-fp32"]
+    assert "--dtype float32" in fp32.argv[-1]
