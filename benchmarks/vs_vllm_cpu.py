@@ -163,22 +163,27 @@ def roofline(params: int, dtype: str, tpot_ms: float, copy_gb_s: float) -> Optio
 
 
 # ----------------------------------------------------------------------------- served dtype, logprobs
-def served_dtype(server: ManagedServer) -> str:
+def _dtype_after(text: str, key: str = "dtype=") -> str:
+    """``bfloat16`` from "..., dtype=torch.bfloat16, ..." (vLLM's config as text)."""
+    i = text.find(key)
+    return text[i + len(key):].split(",")[0].split()[0].strip() if i >= 0 else "?"
+
+
+def served_dtype(server: ManagedServer, timeout: float = 60.0) -> str:
     """The weights' dtype as the server reports it in ``GET /server_info`` (vLLM's dev
-    route; both run with VLLM_SERVER_DEV_MODE=1): ``bfloat16``, or ``?`` when unreadable.
+    route; both run with VLLM_SERVER_DEV_MODE=1), else as vLLM's start-up log line says
+    it ("Initializing a V1 LLM engine ... dtype=torch.bfloat16"): ``bfloat16``, or ``?``.
     Read rather than assumed: the labels must say what really ran."""
     try:
-        with urllib.request.urlopen(server.url + "/server_info", timeout=10) as r:
-            info = json.loads(r.read())
-    except (OSError, ValueError):
-        return "?"
-    cfg = info.get("vllm_config")
-    if isinstance(cfg, dict):
-        dtype = str((cfg.get("model_config") or {}).get("dtype") or "?")
-    else:  # vLLM serialises its config as one string: "..., dtype=torch.bfloat16, ..."
-        text = str(cfg)
-        i = text.find("dtype=")
-        dtype = text[i + 6:].split(",")[0].strip() if i >= 0 else "?"
+        # vLLM gathers its system info for this route (subprocesses): slow on a loaded box.
+        with urllib.request.urlopen(server.url + "/server_info", timeout=timeout) as r:
+            cfg = json.loads(r.read()).get("vllm_config")
+        if isinstance(cfg, dict):
+            dtype = str((cfg.get("model_config") or {}).get("dtype") or "?")
+        else:
+            dtype = _dtype_after(str(cfg))
+    except (OSError, ValueError, AttributeError):
+        dtype = _dtype_after(server.log_tail(10_000))
     return dtype.strip("'\"").removeprefix("torch.")
 
 
@@ -299,8 +304,14 @@ def format_report(medians: dict[str, dict[str, dict]], workloads: list[Workload]
                                    for a, b in pairs))
             lines.append(f"{'  ITL p50 ms':34s}" + "".join(f"{cells[n]['itl_p50_ms']:>{width}.2f}" for n in names))
         lines.append(f"{'  TTFT p50 ms':34s}" + "".join(f"{cells[n]['ttft_p50_ms']:>{width}.1f}" for n in names))
+        per_cpu = {n: ratio(cells[n]["out_tok_per_s"], cells[n]["cpu_cores"]) for n in names}
+        lines.append(f"{'  CPU cores used':34s}" + "".join(f"{cells[n]['cpu_cores']:>{width}.2f}" for n in names))
+        lines.append(f"{'  tok per CPU-second':34s}" + "".join(f"{per_cpu[n]:>{width}.1f}" for n in names)
+                     + "".join(f"{ratio(per_cpu[a], per_cpu[b]):>24.2f}" for a, b in pairs))
     lines.append("ratios: higher is better for the left engine (TPOT row: right TPOT / left TPOT).  vLLM's stream "
-                 "arrives in bursts, so its ITL p50 can read ~0: compare TPOT.")
+                 "arrives in bursts, so its ITL p50 can read ~0: compare TPOT.  CPU cores = CPU time of all the "
+                 "server's processes / cell duration: on a loaded box the engines get different shares of the "
+                 "cores, and tok per CPU-second (output tokens / CPU time) takes that share out.")
     return "\n".join(lines)
 
 
@@ -323,8 +334,9 @@ def format_roofline(params: int, medians: dict[str, dict[str, dict]], dtypes: di
     return "\n".join(lines), {"copy_gb_s": copy, "read_gb_s": read, "engines": figures}
 
 
-def format_gaps(gaps: dict[str, dict], args) -> str:
-    lines = [f"vs {REFERENCE}: {args.logprob_prompts} greedy prompts x {args.logprob_tokens} tokens; logprob gap = "
+def format_gaps(gaps: dict[str, dict], setup: dict) -> str:
+    lines = [f"vs {REFERENCE}: {setup['prompts']} greedy prompts of {setup['prompt_len']} tokens x {setup['tokens']} "
+             f"tokens; logprob gap = "
              f"|logprob - {REFERENCE} logprob| of {REFERENCE}'s greedy tokens (teacher-forced, prompt_logprobs)"]
     for name, g in gaps.items():
         if "error" in g:
@@ -359,6 +371,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--json", default=None, help="also write every round and the medians to this file")
+    p.add_argument("--report", default=None, help="print the report of a saved --json run (no servers)")
+    p.add_argument("--dtype-override", action="append", default=[], metavar="ENGINE=DTYPE",
+                   help="with --report: the served dtype of an engine the run could not read")
     args = p.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -388,6 +403,12 @@ def make_servers(args, engines: list[str], model_dir: str, log_dir: str,
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            report = json.load(f)
+        report["dtypes"].update(dict(d.split("=", 1) for d in args.dtype_override))
+        print_report(report, args)
+        return 0
     args.vllm_bin = find_vllm(args.vllm_bin)
     engines = list(args.engines)
     if args.vllm_bin is None and any(ENGINES[e].system == "vllm" for e in engines):
@@ -425,22 +446,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         for s in servers.values():
             s.stop()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    medians = {w: {n: median_row(r) for n, r in per.items()} for w, per in rows.items()}
-    params = decode_weight_params(model_dir)
-    print()
-    print(f"model {Path(model_dir).name} (bf16 checkpoint), {threads_label(args.threads)}, {os.cpu_count()} CPUs, "
-          f"median of {args.rounds} round(s)")
-    print(format_report(medians, workloads, dtypes))
-    roof_text, roof = format_roofline(params, medians, dtypes, bandwidth)
-    print(roof_text)
-    if gaps:
-        print(format_gaps(gaps, args))
+    report = {"model": model_dir, "threads": args.threads, "dtypes": dtypes, "rounds": rows,
+              "bandwidth": bandwidth, "logprob_gaps": gaps, "workloads": [w.__dict__ for w in workloads],
+              "logprob_setup": {"prompts": args.logprob_prompts, "prompt_len": args.logprob_prompt_len,
+                                "tokens": args.logprob_tokens}}
+    report.update(print_report(report, args))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model_dir, "threads": args.threads, "dtypes": dtypes, "rounds": rows,
-                       "medians": medians, "roofline": roof, "bandwidth": bandwidth, "logprob_gaps": gaps,
-                       "workloads": [w.__dict__ for w in workloads]}, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
+
+
+def print_report(report: dict, args) -> dict:
+    """Medians, ratios, roofline and logprob gaps of a run (live, or a saved --json)."""
+    workloads = [Workload(**w) for w in report["workloads"]]
+    medians = {w: {n: median_row(r) for n, r in per.items()} for w, per in report["rounds"].items()}
+    print()
+    print(f"model {Path(report['model']).name} (bf16 checkpoint), {threads_label(report['threads'])}, "
+          f"{os.cpu_count()} CPUs, median of {len(report['bandwidth'])} round(s)")
+    print(format_report(medians, workloads, report["dtypes"]))
+    roof_text, roof = format_roofline(decode_weight_params(report["model"]), medians, report["dtypes"],
+                                      report["bandwidth"])
+    print(roof_text)
+    if report["logprob_gaps"]:
+        print(format_gaps(report["logprob_gaps"], report.get("logprob_setup") or {
+            "prompts": args.logprob_prompts, "prompt_len": args.logprob_prompt_len, "tokens": args.logprob_tokens}))
+    return {"medians": medians, "roofline": roof}
 
 
 async def _measure(servers: dict[str, ManagedServer], workloads: list[Workload], args, vocab: int):

@@ -69,6 +69,11 @@ def test_benchmark_runs_end_to_end(tmp_path, capsys):
     gap = report["logprob_gaps"]["ours"]
     assert "error" not in gap and gap["tokens"] == 2 * 4 and 0.0 <= gap["max"] < 1.0
     assert "ours / ours-fp32" in text and "batch-1 roofline" in text and "logprob gap mean" in text
+    assert "tok per CPU-second" in text
+    # The report reprints from the saved run, without servers.
+    assert vs_vllm_cpu.main(["--report", str(out), "--dtype-override", "ours=bfloat16"]) == 0
+    again = capsys.readouterr().out
+    assert "ours [bfloat16]" in again and "batch-1 roofline" in again and "2 greedy prompts of 8 tokens" in again
 
 
 def test_ours_tree_runs_our_servers_from_that_tree(tmp_path):
