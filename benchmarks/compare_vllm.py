@@ -55,8 +55,9 @@ class ManagedServer:
     """One server process in its own session (so Ctrl-C reaches only us and we stop it
     in order), output to a log file, readiness by polling ``/health``."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: str):
-        self.name, self.argv, self.env = name, argv, env
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: str,
+                 cwd: Optional[str] = None):
+        self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.proc: Optional[subprocess.Popen] = None
@@ -64,7 +65,7 @@ class ManagedServer:
     def start(self) -> None:
         log = open(self.log_path, "wb")
         try:
-            self.proc = subprocess.Popen(self.argv, env=dict(os.environ, **self.env), stdout=log,
+            self.proc = subprocess.Popen(self.argv, env=dict(os.environ, **self.env), cwd=self.cwd, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         finally:
@@ -138,10 +139,18 @@ def threads_label(threads: int) -> str:
     return f"{threads} thread(s) per engine" if threads else "each server's default threads"
 
 
-def vllm_server(args, model_dir: str, log_dir: str) -> ManagedServer:
-    port = args.vllm_port or free_port()
+def dtype_flag(dtype: Optional[str]) -> list[str]:
+    """``--dtype X``, or nothing for ``auto``: both servers' default, so ``auto`` starts
+    each the way a user who passes no flag does."""
+    return [] if dtype in (None, "", "auto") else ["--dtype", dtype]
+
+
+def vllm_server(args, model_dir: str, log_dir: str, *, name: str = "vllm", dtype: Optional[str] = None,
+                port: int = 0) -> ManagedServer:
+    """``dtype`` None: ``args.dtype``."""
+    port = port or args.vllm_port or free_port()
     argv = [args.vllm_bin, "serve", model_dir, "--enable-scale-out", "--port", str(port), "--host", "127.0.0.1",
-            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
+            "--max-model-len", str(args.max_model_len), *dtype_flag(args.dtype if dtype is None else dtype),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--seed", "0",
             "--disable-log-stats", "--uvicorn-log-level", "warning", *args.vllm_args.split()]
@@ -150,20 +159,29 @@ def vllm_server(args, model_dir: str, log_dir: str) -> ManagedServer:
     # with --threads 0 vLLM keeps its own default (auto: pin, reserve a core for the front end).
     bind = args.vllm_bind or ("auto" if not args.threads else "nobind")
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    return ManagedServer("vllm", argv, env, port, log_dir)
+    return ManagedServer(name, argv, env, port, log_dir)
 
 
-def tokserve_server(args, model_dir: str, log_dir: str) -> ManagedServer:
-    port = args.port or free_port()
-    threads = f"--threads {args.threads} " if args.threads else ""
-    worker_args = (f"{threads}--dtype {args.dtype} --max-model-len {args.max_model_len} "
-                   f"--max-num-seqs {args.max_num_seqs} --max-num-batched-tokens {args.max_num_batched_tokens} "
-                   f"--kv-cache-memory-gb {args.kv_cache_gb} {args.worker_args}").strip()
+def tokserve_server(args, model_dir: str, log_dir: str, *, name: str = "tokserve", dtype: Optional[str] = None,
+                    pythonpath: Optional[str] = None, port: int = 0) -> ManagedServer:
+    """``dtype`` None: ``args.dtype``; ``pythonpath``: run the stack from that source tree
+    (another branch's engine) instead of the one this benchmark imports."""
+    port = port or args.port or free_port()
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    worker_args = " ".join([*threads, *dtype_flag(args.dtype if dtype is None else dtype),
+                            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+                            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                            "--kv-cache-memory-gb", str(args.kv_cache_gb), args.worker_args]).strip()
     argv = [sys.executable, "-m", "common.cli", "serve", "--model", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--log-level", "warning",
-            "--frontend", f"ipc://{log_dir}/frontend", "--backend", f"ipc://{log_dir}/backend",
+            "--frontend", f"ipc://{log_dir}/{name}-frontend", "--backend", f"ipc://{log_dir}/{name}-backend",
             "--worker-args", worker_args]
-    return ManagedServer("tokserve", argv, thread_env(args.threads), port, log_dir)
+    env = thread_env(args.threads)
+    if pythonpath:
+        # ``python -m`` puts the working directory first on sys.path, ahead of PYTHONPATH:
+        # start there too, or the tree we run from would win.
+        env["PYTHONPATH"] = pythonpath
+    return ManagedServer(name, argv, env, port, log_dir, cwd=pythonpath)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -174,8 +192,7 @@ def level_sizes(args) -> list[tuple[int, int, int]]:
     return [(n, c, args.num_prompts or max(8, 2 * c)) for n in lens for c in levels]
 
 
-async def measure_cell(server: ManagedServer, prompts: list[list[int]], args, conc: int) -> dict:
-    bodies = [request_body(p, args.output_len, True, None) for p in prompts]
+async def measure_cell(server: ManagedServer, bodies: list[bytes], conc: int) -> dict:
     cpu0 = server.cpu_seconds()
     row = summarize(await run_http(server.url, bodies, conc, server.name))
     # CPU cores the server kept busy on average during the cell (all its processes).
@@ -300,8 +317,9 @@ async def run_sweep(ours: ManagedServer, vllm: ManagedServer, args, vocab: int) 
         for r in range(args.rounds):
             # Fresh prompts each round (no prefix-cache hits), the same for both servers.
             prompts = random_prompts(num, input_len, vocab, args.seed + 1000 * input_len + conc + 100_000 * r)
+            bodies = [request_body(p, args.output_len, True, None) for p in prompts]
             for server in ((ours, vllm) if (i + r) % 2 == 0 else (vllm, ours)):
-                row = await measure_cell(server, prompts, args, conc)
+                row = await measure_cell(server, bodies, conc)
                 row["input_len"] = input_len
                 rounds[server.name].append(row)
             o, v = rounds[ours.name][-1], rounds[vllm.name][-1]
