@@ -22,7 +22,8 @@ from common import framing
 from common.errors import BadRequest
 from common.framing import FrameError
 from common.protocol import GenerateRequest
-from common.transfer_peers import EC_PARAM, KV_PARAM, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers, kv_peer
+from common.transfer_peers import (EC_PARAM, GONE_PEER, KV_PARAM, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers,
+                                   kv_peer)
 
 
 class Admission:
@@ -65,7 +66,8 @@ class Admission:
     def _vet_transfer(self, client: bytes, req: GenerateRequest, body: bytes):
         """A client's transfer parameters (common/transfer_peers.py): bounded JSON naming
         only registered workers' transfer servers, or a 400 before anything is dispatched
-        (naming no host or port: no port-scan oracle).  Returns (request, body) with
+        (naming no host or port: no port-scan oracle); a 503 for the server of a worker that
+        has left, whose parameters this cluster handed out (a race with its death).  Returns (request, body) with
         ``transfer_trust`` as this broker vouches for it: a client's own value is never
         kept, so only the broker's legs carry TRUST_KV / TRUST_EC."""
         try:
@@ -76,8 +78,12 @@ class Admission:
             if peers:
                 known = {w.transfer_peer for w in self.workers.all() if w.transfer_peer is not None}
                 for param, peer in peers:
-                    if peer not in known:
-                        raise BadRequest(f"{param}: {UNKNOWN_PEER}", param)
+                    if peer in known:
+                        continue
+                    if self.workers.departed(peer):  # handed out by this cluster, then its worker left
+                        self.table.error(client, req.request_id, 503, f"{param}: {GONE_PEER}", E_OVERLOADED, param)
+                        return None
+                    raise BadRequest(f"{param}: {UNKNOWN_PEER}", param)
         except BadRequest as exc:
             self.table.error(client, req.request_id, 400, exc.message, "BadRequestError", exc.param)
             return None

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
 from broker.prefix_index import PrefixIndex
 from common.protocol import DEFAULT_WEIGHT_VERSION, ModelInfo, WorkerLoad, WorkerStatus
+
+
+MAX_DEPARTED_PEERS = 256  # remembered transfer servers of workers that left
 
 
 @dataclass(eq=False)
@@ -61,6 +65,10 @@ class WorkerRegistry:
         self.last_model: Optional[ModelInfo] = None  # survives worker loss: /v1/models keeps working
         self.last_alive = time.monotonic()  # when a worker was last known alive
         self.num_prefill = 0  # registered --role prefill workers: P/D planning only runs with one
+        # Transfer servers of workers that left (newest last, bounded): a client naming one
+        # holds parameters this cluster handed out, so it gets a 503 (the peer is gone),
+        # not the 400 for a peer nobody knows.
+        self._departed_peers: OrderedDict = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -88,6 +96,7 @@ class WorkerRegistry:
             self.num_prefill += 1
         self._by_identity[worker.identity] = worker
         self._by_rank[worker.rank] = worker
+        self._departed_peers.pop(worker.transfer_peer, None)
         self.last_model = worker.model
         self.last_alive = time.monotonic()
 
@@ -96,7 +105,16 @@ class WorkerRegistry:
             self.num_prefill -= 1
         if self._by_rank.get(worker.rank) is worker:
             del self._by_rank[worker.rank]
+        if worker.transfer_peer is not None:
+            self._departed_peers[worker.transfer_peer] = None
+            self._departed_peers.move_to_end(worker.transfer_peer)
+            while len(self._departed_peers) > MAX_DEPARTED_PEERS:
+                self._departed_peers.popitem(last=False)
         self.last_alive = time.monotonic()
+
+    def departed(self, peer: tuple) -> bool:
+        """Whether ``peer`` was the transfer server of a worker that has since left."""
+        return peer in self._departed_peers
 
     def expired(self, now: float) -> list[Worker]:
         return [w for w in self._by_identity.values() if now - w.last_seen > self.expiry]

@@ -35,6 +35,9 @@ EC_PARAM = "ec_transfer_params"
 MAX_DEPTH = 8
 MAX_NODES = 1 << 16  # containers + scalars: a few thousand block ids, a few hundred images
 UNKNOWN_PEER = "unknown transfer peer: transfer parameters may only name this cluster's workers"
+# A peer this cluster's worker served from, before that worker left (died, drained): the
+# parameters were good, the peer is gone, so the client may retry the whole request (503).
+GONE_PEER = "the transfer peer did not answer: its worker has left the cluster; retry the request"
 
 
 def _bad(param: str, message: str) -> BadRequest:

@@ -214,19 +214,27 @@ def test_client_hangup_frees_every_kv_block(stack):
 
     async def scenario():
         # 20 streams hang up on their next chunk once told to; 5 non-stream requests are cancelled.
-        # The state to reach first: every stream has its first chunk and the workers hold all 25
-        # (not "exactly 25 running": under load some wait for a seat, and reports lag).
+        # The state to reach first: every stream has its first chunk and the workers hold every
+        # request not yet finished (not "exactly 25 running": under load some wait for a seat and
+        # reports lag; and on a starved test process a request may even finish before the last
+        # stream's first chunk is read, which is fine: it freed its blocks itself).
         streaming: set[int] = set()
 
         def hang_up_when_told(i: int):
             return lambda res: streaming.add(i) or leave
 
-        streams = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i), stop=hang_up_when_told(i)))
+        streams = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i, MAX_OUTPUT),
+                                                stop=hang_up_when_told(i)))
                    for i in range(20)]
-        body = {**_long_body(0), "stream": False}
+        body = {**_long_body(0, MAX_OUTPUT), "stream": False}
         plain = [asyncio.create_task(post_sse(stack.url, GENERATE, body)) for _ in range(5)]
-        busy = await asyncio.to_thread(wait_for, lambda: len(streaming) == 20 and _all_admitted(stack, 25), 60,
-                                       "20 streams streaming and 25 requests on the workers")
+
+        def busy_state():
+            unfinished = sum(not task.done() for task in streams + plain)
+            return len(streaming) == 20 and unfinished and _all_admitted(stack, unfinished)
+
+        busy = await asyncio.to_thread(wait_for, busy_state, 60, "20 streams streaming and the workers holding "
+                                       "every request not finished")
         nonlocal leave
         leave = True
         for task in plain:
@@ -235,9 +243,14 @@ def test_client_hangup_frees_every_kv_block(stack):
         return busy, results
 
     busy, results = asyncio.run(scenario())
-    assert all(r.hung_up for r in results[:20]), results[:20]
-    assert all(isinstance(r, asyncio.CancelledError) for r in results[20:]), results[20:]
-    assert all(w.load.free_kv_blocks < w.load.total_kv_blocks for w in busy.workers), busy
+    hung_up = [r for r in results[:20] if r.hung_up]
+    assert hung_up, "every stream finished before the hang-up: the test exercised nothing"
+    for r in results[:20]:  # a stream that did not hang up finished whole
+        assert r.hung_up or len(r.tokens()) == MAX_OUTPUT, r.payloads[-2:]
+    # a non-stream request is cancelled, or finished before the cancel: never an error
+    assert all(isinstance(r, asyncio.CancelledError) or not isinstance(r, BaseException) for r in results[20:]), \
+        results[20:]
+    assert all(w.load.free_kv_blocks < w.load.total_kv_blocks for w in busy.workers if w.load.running), busy
 
     def all_free():
         info = cluster_info(stack.frontend)

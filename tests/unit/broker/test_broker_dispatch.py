@@ -116,3 +116,30 @@ def test_cache_aware_spreads_a_hot_prefix_instead_of_piling_it_on_one_worker():
         w.load = WorkerLoad(running=w.load.running + 1)  # each request stays running
         w.prefix_index.apply(KvEvents(stored=_keys(1)))
     assert max(picks.values()) / min(picks.values()) <= 1.5, picks
+
+
+def test_registry_remembers_the_transfer_servers_of_workers_that_left():
+    """A decode request naming the transfer server of a prefill worker that has just died
+    is a race, not a bad request: the registry remembers departed peers (bounded) so the
+    broker answers 503, and forgets one once a worker serves from that address again."""
+    from broker.workers import MAX_DEPARTED_PEERS, WorkerRegistry
+
+    registry = WorkerRegistry(expiry=60.0)
+    prefill = _worker(0)
+    prefill.transfer_peer = ("127.0.0.1", 5555)
+    registry.add(prefill)
+    assert not registry.departed(("127.0.0.1", 5555))
+    registry.remove(prefill)
+    assert registry.departed(("127.0.0.1", 5555))
+    assert not registry.departed(("127.0.0.1", 5556))  # never a member: still the 400 path
+    again = _worker(1)
+    again.transfer_peer = ("127.0.0.1", 5555)
+    registry.add(again)
+    assert not registry.departed(("127.0.0.1", 5555))
+    for port in range(MAX_DEPARTED_PEERS + 10):
+        gone = _worker(2)
+        gone.transfer_peer = ("127.0.0.1", 10000 + port)
+        registry.add(gone)
+        registry.remove(gone)
+    assert not registry.departed(("127.0.0.1", 10000))  # the oldest fell out of the bound
+    assert registry.departed(("127.0.0.1", 10000 + MAX_DEPARTED_PEERS + 9))
