@@ -52,6 +52,19 @@ def test_matches_gather_and_sdpa(batch, max_len, kv_heads, group, head_dim, bloc
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lens, scale), atol=1e-5, rtol=1e-5)
 
 
+def scattered_block_tables(per_seq: list[int], num_blocks: int, seed: int) -> torch.Tensor:
+    """Block tables giving sequence i ``per_seq[i]`` distinct blocks, scattered and out of
+    order over ``num_blocks`` (one spare column of zeros, as the engine pads)."""
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables = torch.zeros(len(per_seq), max(per_seq) + 1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor(ids[at:at + n], dtype=torch.int32)
+        at += n
+    return tables
+
+
 def prefill_reference(q, k_cache, v_cache, table, seq_len, scale):
     """One chunk of q_len queries after seq_len - q_len cached tokens: gather, SDPA
     with the lower-right causal mask."""
@@ -80,14 +93,7 @@ def test_prefill_matches_gather_and_sdpa(chunks, kv_heads, group, head_dim, bloc
     num_blocks = sum(per_seq) + 3
     k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
-    ids = list(range(num_blocks))
-    random.Random(len(chunks)).shuffle(ids)  # scattered, out-of-order blocks
-    width = max(per_seq) + 1
-    tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(per_seq):
-        tables[i, :n] = torch.tensor(ids[at:at + n], dtype=torch.int32)
-        at += n
+    tables = scattered_block_tables(per_seq, num_blocks, seed=len(chunks))
     q_lens = [q for q, _ in chunks]
     total = sum(q_lens)
     qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=g)  # q: a strided view, as in the model

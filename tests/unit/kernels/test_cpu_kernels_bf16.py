@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from tests.unit.kernels.test_cpu_kernels import prefill_reference, reference
+from tests.unit.kernels.test_cpu_kernels import prefill_reference, reference, scattered_block_tables
 from worker.engine.kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
@@ -69,13 +69,7 @@ def test_prefill_bf16_matches_fp32_reference(chunks, kv_heads, group, head_dim, 
     num_blocks = sum(per_seq) + 3
     k_cache = _bf16(num_blocks, block, kv_heads, head_dim, g=g)
     v_cache = _bf16(num_blocks, block, kv_heads, head_dim, g=g)
-    ids = list(range(num_blocks))
-    random.Random(len(chunks)).shuffle(ids)
-    tables = torch.zeros(len(chunks), max(per_seq) + 1, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(per_seq):
-        tables[i, :n] = torch.tensor(ids[at:at + n], dtype=torch.int32)
-        at += n
+    tables = scattered_block_tables(per_seq, num_blocks, seed=len(chunks))
     q_lens = [q for q, _ in chunks]
     total = sum(q_lens)
     qkv = _bf16(total, heads + 2 * kv_heads, head_dim, g=g)
