@@ -359,7 +359,13 @@ class AsyncClient:
         """Non-blocking send (never waits on HWM); False when no broker connection exists.
         ``copy=False`` hands the buffers to libzmq (they must stay unchanged until sent)."""
         fut = self._sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
-        exc = fut.exception() if fut.done() else None
+        if not fut.done():
+            # pyzmq queues even a NOBLOCK send behind any pending send-side future (an
+            # awaited POLLOUT poll is one), to go out whenever the socket turns writable.
+            # A message parked there would count as sent without a connection: refuse it.
+            fut.cancel()
+            return False
+        exc = fut.exception()
         if isinstance(exc, zmq.Again):
             return False
         if exc is not None:
@@ -367,14 +373,20 @@ class AsyncClient:
         return True
 
     async def _send_when_connected(self, frames: list, copy: bool = True) -> bool:
-        """Send, waiting up to one heartbeat interval for a (re)connection to the broker."""
+        """Send, waiting up to one heartbeat interval for a (re)connection to the broker.
+
+        It retries on a short timer rather than awaiting the socket's POLLOUT: pyzmq
+        registers such a poll as a pending send, and while one is pending every other
+        non-blocking send on the socket would be queued instead of attempted."""
         if self._send(frames, copy):
             return True
         deadline = time.monotonic() + self.interval
+        pause = 0.005
         while (left := deadline - time.monotonic()) > 0:
-            await self._sock.poll(max(1, int(left * 1000)), zmq.POLLOUT)
+            await asyncio.sleep(min(pause, left))
             if self._send(frames, copy):
                 return True
+            pause = min(pause * 2, 0.05)
         return False
 
     def _fail_all(self, error: RequestError) -> None:
