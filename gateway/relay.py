@@ -43,7 +43,21 @@ log = logging.getLogger("tokserve.gateway")
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+# JSON may carry U+2028, U+2029 and U+0085 raw inside strings, and the SSE grammar does
+# not treat them as line ends, but every reader that splits decoded text with
+# ``str.splitlines`` (requests' ``iter_lines(decode_unicode=True)``, many hand-written
+# clients, log shippers) does: a generated token holding one cut its event in two and the
+# client lost the chunk.  Escaped as ``\\uXXXX`` they are the same JSON string.  In
+# valid UTF-8 these byte sequences only ever encode those characters, so a byte replace
+# is exact.
+_LINE_SEPARATORS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
 def sse_event(payload: bytes) -> bytes:
+    """One ``data:`` event; ``payload`` is JSON (UTF-8), kept on one line."""
+    for raw, escaped in _LINE_SEPARATORS:
+        if raw in payload:
+            payload = payload.replace(raw, escaped)
     return b"data: " + payload + b"\n\n"
 
 

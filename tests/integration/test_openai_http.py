@@ -201,6 +201,29 @@ def test_openai_client_completions(stack, hf_tokenizer):
     assert echo.choices[0].text == "Hello" + r.choices[0].text[:len(echo.choices[0].text) - 5]
 
 
+def test_stream_lines_survive_unicode_line_separators(stack):
+    """A streamed text holding U+2028, U+2029 or U+0085 stays one ``data:`` line per event
+    for a reader that splits decoded text with ``str.splitlines`` (requests'
+    ``iter_lines(decode_unicode=True)``, hand-written clients): they reach the client
+    JSON-escaped, and the decoded text is unchanged (the openai SDK reads the same text)."""
+    _, _, _, plain = stack
+    model = _client(plain).models.list().data[0].id
+    prompt = "a\u2028b\u2029c\u0085d"
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True,
+            **PRINTABLE}
+    r = httpx.post(plain.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    lines = [line for line in r.text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines), lines
+    text = "".join(c["text"] for line in lines[:-1] for c in json.loads(line[len("data: "):])["choices"])
+    assert text.startswith(prompt)
+    sdk = "".join(c.text for chunk in _client(plain).completions.create(
+        model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True, stream=True, extra_body=PRINTABLE)
+        for c in chunk.choices)
+    assert sdk == text
+
+
 # ---------------------------------------------------------------- derender == facade
 def _generate(gw, gen: dict) -> dict:
     r = httpx.post(gw.url + GENERATE, json=gen, timeout=120)
