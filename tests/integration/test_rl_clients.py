@@ -69,6 +69,20 @@ def stack(tmp_path_factory, models):
             yield http, plain_http
 
 
+@pytest.fixture(autouse=True)
+def _stack_left_serving(request):
+    """Every test leaves the shared stack unpaused and awake, even one that failed between a
+    pause and its resume: otherwise one failure would hang or fail every later test."""
+    yield
+    if "stack" not in request.fixturenames:
+        return
+    http, _ = request.getfixturevalue("stack")
+    if http.get("/is_paused").json().get("is_paused"):
+        http.post("/resume")
+    if http.get("/is_sleeping").json().get("is_sleeping"):
+        http.post("/wake_up")
+
+
 # ------------------------------------------------------------------ TRL's parsing
 def trl_parse_logprobs(choices_logprobs):
     """TRL 1.16 ``parse_logprobs``, as written there."""
@@ -634,6 +648,30 @@ def test_skyrl_sample_n(stack):
     assert len(response["choices"]) == 3 and response.get("prompt_logprobs") is None
 
 
+ROLLOUT_TOKENS = MAX_MODEL_LEN - 2 * len(PROMPT_IDS[1])
+
+
+def _paused_mid_rollout(http, max_tokens: int, attempts: int = 3) -> "_Stream":
+    """A streaming rollout paused (SkyRL's ``pause``: keep) while it still has tokens to go.
+
+    On a starved machine the rollout can finish between its first tokens and the pause
+    landing; that run proves nothing about pausing, so it is resumed and tried again with
+    a fresh stream (a finished stream is told by its finish reason, which the client reads
+    only after the last token)."""
+    for _ in range(attempts):
+        stream = _Stream(http, max_tokens)
+        stream.start()
+        wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
+        assert stream.error is None, stream.error
+        got = skyrl_call_server(http, "/pause", params={"mode": "keep", "clear_cache": "false"})
+        assert got["body"] == {"status": "paused"}
+        if stream.finish is None and len(stream.tokens) < max_tokens:
+            return stream
+        skyrl_call_server(http, "/resume")
+        stream.join(120)
+    pytest.fail(f"every one of {attempts} rollouts of {max_tokens} tokens finished before a pause landed")
+
+
 def test_skyrl_control_plane(stack):
     """SkyRL ``RemoteInferenceClient`` control plane, fanned out by ``_call_all_servers``:
     ``get_world_size`` (``GET /get_world_size`` with a ``{}`` JSON body; reads
@@ -644,17 +682,12 @@ def test_skyrl_control_plane(stack):
     http, _ = stack
     assert skyrl_call_server(http, "/get_world_size", {}, method="GET")["body"]["world_size"] == 1
     before = greedy(http)
-    stream = _Stream(http, 150)
-    stream.start()
-    wait_for(lambda: len(stream.tokens) >= 3 or stream.error is not None, 60, "the stream to start")
     for mode in ("keep", "wait", "abort"):  # PauseMode values; pause_generation is keep
         if mode == "keep":
-            got = skyrl_call_server(http, "/pause", params={"mode": mode, "clear_cache": "false"})
-            assert got["body"] == {"status": "paused"}
-            assert len(stream.tokens) < 150 and stream.finish is None
+            stream = _paused_mid_rollout(http, ROLLOUT_TOKENS)
             assert skyrl_call_server(http, "/resume")["body"] == {"status": "resumed"}
             stream.join(120)
-            assert stream.error is None and stream.finish == "length" and len(stream.tokens) == 150
+            assert stream.error is None and stream.finish == "length" and len(stream.tokens) == ROLLOUT_TOKENS
         else:
             assert skyrl_call_server(http, "/pause", params={"mode": mode, "clear_cache": "true"})["status"] == 200
             assert skyrl_call_server(http, "/resume")["status"] == 200
