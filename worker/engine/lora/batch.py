@@ -6,8 +6,9 @@ and every projection reuses the grouping.
 
 CPU: one shrink matmul and one expand matmul per (slot, sub-module) on the slot's
 rows (a contiguous run when its sequences are adjacent, else gathered and
-scattered back).  CUDA (and Triton's interpreter): the segmented kernels of
-kernels/triton/lora.py, one shrink launch and one expand launch per sub-module.
+scattered back), in float32 whatever the model's dtype, as peft (``_add_rows``).
+CUDA (and Triton's interpreter): the segmented kernels of kernels/triton/lora.py,
+one shrink launch and one expand launch per sub-module.
 
 A CUDA-graph decode step uses a static batch (``LoRABatch.static``): fixed-shape
 device buffers, one segment per slot (empty for slots the step does not use) and a
@@ -133,16 +134,13 @@ class LoRABatch:
             return
         r = group.rank
         for slot, rows in self.groups:
-            xs = x[rows]
-            shrunk = xs @ group.a[slot].T  # [n, G * R]
-            if isinstance(rows, slice):
-                for g, (lo, hi) in enumerate(group.out_ranges):
-                    y[rows, lo:hi].addmm_(shrunk[:, g * r:(g + 1) * r], group.b[slot, lo:hi].T)
-            else:
-                delta = torch.empty((xs.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
-                for g, (lo, hi) in enumerate(group.out_ranges):
-                    torch.mm(shrunk[:, g * r:(g + 1) * r], group.b[slot, lo:hi].T, out=delta[:, lo:hi])
-                y.index_add_(0, rows, delta)
+            # float32 shrink and expand, one rounding into y (see _add_rows); the CPU
+            # slots are float32, so .float() copies nothing there.
+            shrunk = x[rows].float() @ group.a[slot].float().T  # [n, G * R]
+            delta = torch.empty((shrunk.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+            for g, (lo, hi) in enumerate(group.out_ranges):
+                torch.mm(shrunk[:, g * r:(g + 1) * r], group.b[slot, lo:hi].float().T, out=delta[:, lo:hi])
+            _add_rows(y, rows, delta)
 
     def apply_embedding(self, ids: torch.Tensor, y: torch.Tensor, emb: EmbeddingLoRA) -> None:
         """``y[rows] += A[slot][:, ids[rows]].T @ B[slot].T``: the input embedding's
@@ -160,8 +158,19 @@ class LoRABatch:
             lora_expand(emb.a[slots, ids].float(), emb.b, y, self)
             return
         for slot, rows in self.groups:
-            shrunk = emb.a[slot].index_select(0, ids[rows])
-            if isinstance(rows, slice):
-                y[rows].addmm_(shrunk, emb.b[slot].T)
-            else:
-                y.index_add_(0, rows, shrunk @ emb.b[slot].T)
+            shrunk = emb.a[slot].index_select(0, ids[rows]).float()
+            _add_rows(y, rows, shrunk @ emb.b[slot].float().T)
+
+
+def _add_rows(y: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
+    """``y[rows] += delta`` for a float32 ``delta``, summed in float32 and rounded to
+    y's dtype once.  That is peft's rounding, the reference adapters are trained and
+    checked with: ``PeftModel.from_pretrained`` upcasts a bf16 model's adapter to
+    float32 (autocast_adapter_dtype), computes ``lora_B(lora_A(x.float())) * scaling``
+    in float32 and rounds ``base_out + delta`` to the model's dtype.  bf16 slots and a
+    bf16 shrink / addmm made 46 % of a bf16 model's LoRA outputs differ from peft's
+    (tests/unit/engine/test_lora_bf16.py)."""
+    if isinstance(rows, slice):
+        y[rows].add_(delta)  # bf16 += float32: computed in float32, rounded once
+    else:
+        y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))

@@ -59,10 +59,15 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.device, self.use_triton = device, use_triton
         # The slots belong to the manager, not the model: a model rebuilt after a level-2
-        # sleep gets the same slots (and their adapters) attached again.
-        self.layer_loras = [LayerLoRA(layer, max_loras, max_rank, dtype, device) for layer in model.layers]
+        # sleep gets the same slots (and their adapters) attached again.  On the CPU path
+        # they are float32 whatever the model's dtype: peft serves a bf16 model's adapter
+        # in float32 (from_pretrained's autocast_adapter_dtype), and bf16 slots would
+        # round A and B * scaling where peft does not (batch.py's _add_rows).  The
+        # Triton path keeps vLLM's model-dtype slots (its shrink is float32).
+        lora_dtype = dtype if use_triton else torch.float32
+        self.layer_loras = [LayerLoRA(layer, max_loras, max_rank, lora_dtype, device) for layer in model.layers]
         self.model_lora = ModelLoRA(model.config.vocab_size, model.layers[0].input_layernorm.weight.shape[0],
-                                    max_loras, max_rank, dtype, device)
+                                    max_loras, max_rank, lora_dtype, device)
         self.attach(model)
         self._slot_targets: dict[int, frozenset] = {}  # slot -> modules its adapter targets
         self.paths: dict[str, str] = {}  # registry: name -> path
