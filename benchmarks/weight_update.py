@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="updates per transport (best one is reported)")
     p.add_argument("--bucket-mb", type=int, default=256, help="gloo packed buffer size")
-    p.add_argument("--cpu-linear", nargs="+", default=["auto"], choices=["auto", "onednn", "torch"],
+    p.add_argument("--cpu-linear", nargs="+", default=["auto"], choices=["auto", "native", "onednn", "torch"],
                    help="workers' CPU GEMMs: oneDNN-packed weights are re-packed after an update")
     args = p.parse_args(argv)
     rows = []

@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or torch's (SDPA); "
                         "auto: native when it builds (`tokserve build-kernels` at install time, else at first start: "
                         "1 to 3 minutes, then cached)")
-    p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
-                   help="CPU GEMMs: oneDNN with prepacked weights, or torch's (MKL); auto: oneDNN where supported")
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "native", "onednn", "torch"],
+                   help="CPU GEMMs: native (our bf16 GEMM over prepacked weights: AVX512-BF16 or AVX2), oneDNN with "
+                        "prepacked weights, or torch's (MKL); auto: native for bf16 on CPUs without AMX, else oneDNN "
+                        "where supported, else torch")
     p.add_argument("--heartbeat-interval", type=float, default=config.heartbeat_interval())
     p.add_argument("--liveness", type=int, default=config.heartbeat_liveness(),
                    help="link heartbeats (libzmq's, answered without the GIL) missed before the broker counts as gone")

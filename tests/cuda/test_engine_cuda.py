@@ -52,8 +52,8 @@ def test_triton_is_the_cuda_default_and_no_cpu_code_runs(llama_dir, monkeypatch)
 
     monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", refuse)  # the native CPU kernels' build / load
     monkeypatch.setattr(cpu_kernels, "resolve_cpu_kernels", refuse)
-    monkeypatch.setattr(llama, "pack_weight", refuse)  # oneDNN prepacking
-    monkeypatch.setattr(llama, "onednn_linear", refuse)
+    monkeypatch.setattr(llama.LlamaForCausalLM, "pack_linears", refuse)  # CPU prepacking (oneDNN / native)
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "pack_linears", refuse)
     monkeypatch.setattr(cpu_native.CpuNativeBackend, "__init__", refuse)
     engine = make_engine(llama_dir, device="cuda", dtype="bfloat16")
     assert engine.attention_backend.name == "triton" and engine.runner._graphs

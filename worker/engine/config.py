@@ -19,7 +19,7 @@ _DTYPES = {
 
 # Fraction of device memory the engine may use on CUDA (weights + activations + KV).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+CPU_LINEAR_CHOICES = ("auto", "native", "onednn", "torch")
 CPU_ATTENTION_CHOICES = ("auto", "native", "torch")
 ATTENTION_BACKEND_CHOICES = ("auto", "native", "torch", "triton", "flash_attn")
 # CPU KV cache default when the operator gives neither num_kv_blocks nor a size.
@@ -46,7 +46,7 @@ class EngineConfig:
     tokens_only: bool = False  # serve without a tokenizer
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     enforce_eager: bool = False  # False: CUDA graphs for decode batches
-    cpu_linear: str = "auto"  # CPU GEMMs: onednn (prepacked weights), torch (MKL), auto: onednn where supported
+    cpu_linear: str = "auto"  # CPU GEMMs: native (our bf16 GEMM), onednn (prepacked), torch (MKL); auto: see cpu_gemm
     cpu_attention: str = "auto"  # CPU attention + RMSNorm/SwiGLU/rotary: native (compiled), torch, auto: native if it builds
     # auto: triton on CUDA (flash_attn, then torch without it), cpu_attention's choice on CPU
     attention_backend: str = "auto"

@@ -138,13 +138,14 @@ def test_cpu_linear_choice():
     assert resolve_cpu_linear("auto", torch.device("cuda"), torch.bfloat16) == "torch"
     assert resolve_cpu_linear("auto", cpu, torch.float32) == ("onednn" if onednn_supported(cpu, torch.float32)
                                                               else "torch")
-    # bf16 is packed where the CPU has native bf16 dot products (emulated bf16 GEMMs lose to fp32)
+    # oneDNN packs bf16 where the CPU has native bf16 dot products (emulated bf16 GEMMs lose to
+    # fp32); auto's bf16 choice between it and the native GEMM: tests/unit/kernels/test_bf16_gemm.py
     bf16_ok = onednn_supported(cpu, torch.bfloat16)
     assert bf16_ok == (onednn_supported(cpu, torch.float32) and cpu_has_native_bf16())
-    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) == ("onednn" if bf16_ok else "torch")
+    assert resolve_cpu_linear("auto", cpu, torch.bfloat16) in (("native", "onednn") if bf16_ok else ("native", "torch"))
     with pytest.raises(ValueError, match="cpu_linear=onednn is not supported"):
         resolve_cpu_linear("onednn", cpu, torch.float16)
-    with pytest.raises(ValueError, match="cpu_linear must be one of auto, onednn, torch"):
+    with pytest.raises(ValueError, match="cpu_linear must be one of auto, native, onednn, torch"):
         EngineConfig(model="unused", cpu_linear="mkl")
 
 

@@ -178,6 +178,11 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                              const torch::Tensor& query_start, const torch::Tensor& seqs, double scale,
                              torch::Tensor out);
+// bf16_gemm.cpp
+std::string native_bf16_gemm_isa();
+torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
+torch::Tensor unpack_bf16_weight(const torch::Tensor& packed);
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -188,4 +193,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (CPU, float32 / bfloat16)");
   m.def("rotary_", &rotary_, "rotary embedding in place, rotating halves (CPU, float32 / bfloat16)");
+  m.def("native_bf16_gemm_isa", &native_bf16_gemm_isa,
+        "the ISA of this build's bf16 GEMM (avx512_bf16 / avx2), empty where it has none");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [out, in] weight packed for bf16_linear (same shape)");
+  m.def("unpack_bf16_weight", &unpack_bf16_weight, "the dense [out, in] weight of a packed one (exact)");
+  m.def("bf16_linear", &bf16_linear, "x @ weight.T + bias over a packed bf16 weight, fp32 accumulation (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
 }

@@ -15,7 +15,7 @@ from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model, safetensors_files
 from worker.engine.loading.model_config import ModelConfig
-from worker.engine.models.cpu_gemm import resolve_cpu_linear
+from worker.engine.models.cpu_gemm import linear_scheme, resolve_cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,9 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
 
     model.weight_spec = weight_spec(model)  # what weight updates may name (cheap before packing)
     cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
-    if cpu_linear == "onednn":
-        model.pack_linears()
+    scheme = linear_scheme(cpu_linear)
+    if scheme is not None:
+        model.pack_linears(scheme)
     backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
                                         config.torch_dtype, config.block_size)
     model.use_attention_backend(backend)

@@ -1,11 +1,11 @@
 """The served model's weights in checkpoint (HF) naming: what a weight update may
 name, writing new values in, reading them back (checksums), zeroing them.
 
-The model keeps fused parameters (qkv, gate_up) and, on CPU, possibly oneDNN-packed
-copies of its projections (cpu_gemm).  Updates and reads go through the same
-HF-name -> parameter-view map the loader uses (``weight_targets``); a packed layer
-is unpacked (``to_dense`` is exact) for the duration and packed again, one layer at
-a time, so the extra memory is one layer's projections.
+The model keeps fused parameters (qkv, gate_up) and, on CPU, possibly packed copies of
+its projections (cpu_gemm: oneDNN's or the native bf16 GEMM's).  Updates and reads go
+through the same HF-name -> parameter-view map the loader uses (``weight_targets``); a
+packed layer is unpacked (exactly) for the duration and packed again, one layer at a
+time, so the extra memory is one layer's projections.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from common.dist_weight_transfer import weight_checksums
 from common.errors import BadRequest
-from worker.engine.models.cpu_gemm import onednn_linear, pack_weight
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -92,18 +91,15 @@ class ModelWeights:
     def _dense(self, module, write: bool = False, keep_dense: bool = False):
         """Dense projection weights for the block; re-packed after a write (unless
         ``keep_dense``: an update in progress packs each layer once, in ``pack``)."""
-        if module is self.model or module.linear is not onednn_linear:
+        if module is self.model or module.packing is None or module.linear is F.linear:
             yield
             if write and module is self.model and self.model._lm_head_packed is not None:
                 if keep_dense:
                     self._left_dense.append(module)
                 else:
-                    self.model._lm_head_packed = pack_weight(self.model.lm_head)
+                    self.model.pack_lm_head()
             return
-        names = module._LINEAR_WEIGHTS
-        for n in names:
-            setattr(module, n, torch.nn.Parameter(getattr(module, n).to_dense(), requires_grad=False))
-        module.linear = F.linear  # dense layers run with torch's GEMM meanwhile: still correct
+        module.unpack_linears()  # dense layers run with torch's GEMM meanwhile: still correct
         try:
             yield
         finally:
@@ -115,15 +111,9 @@ class ModelWeights:
     def _pack(self, module) -> None:
         if module is self.model:
             if self.model._lm_head_packed is not None:
-                self.model._lm_head_packed = pack_weight(self.model.lm_head)
+                self.model.pack_lm_head()
             return
-        if module.linear is onednn_linear:
-            return
-        for n in module._LINEAR_WEIGHTS:
-            packed = pack_weight(getattr(module, n))
-            del module._parameters[n]
-            setattr(module, n, packed)
-        module.linear = onednn_linear
+        module.pack_linears()
 
     def pack(self) -> None:
         """Pack the layers an update left dense (once each)."""

@@ -1,6 +1,20 @@
-"""oneDNN-prepacked weights for the linear layers on CPU.
+"""Prepacked weights for the linear layers on CPU: oneDNN's, or our native bf16 GEMM's.
 
-``F.linear`` on CPU calls MKL sgemm, which re-reads the weight in its row-major
+A scheme (``PackedLinears``) says how a projection weight is packed once after loading,
+how a step multiplies by it, and how it is unpacked exactly (weight updates).  The
+model composes whichever scheme ``resolve_cpu_linear`` picked; nothing else knows which.
+
+``native`` (bf16 only; worker/engine/kernels/bf16_gemm.cpp): our GEMM over a weight packed
+for bf16 dot products (AVX512-BF16) or widened in registers (AVX2), one kernel for every
+row count, so results are batch-invariant.  ``auto`` picks it for bf16 where oneDNN has
+no fast bf16 path: CPUs without AMX.  Measured with benchmarks/cpu_gemm_bench.py (one
+thread): on a 2-core AVX2 EPYC (no bf16 instructions) torch's bf16 linear ran 2x slower
+than fp32 at one row and 7-10x slower at 32-512 rows, and oneDNN refuses to pack bf16
+there; native bf16 ran 2-2.5x faster than the fp32 oneDNN GEMM at one row (it streams
+half the bytes: decode is bandwidth-bound) and 0.8-1x its speed at 32-512 rows.  With
+AMX, oneDNN's tiles win from a few rows up, so ``auto`` keeps it.
+
+oneDNN: ``F.linear`` on CPU calls MKL sgemm, which re-reads the weight in its row-major
 layout every call.  oneDNN can reorder a weight once into its blocked layout
 (``_reorder_linear_weight``) and then run every matmul against that layout: on a
 2-core AVX2 EPYC this measured 10-25 % faster for prefill-sized steps (M = 512-2048
@@ -28,12 +42,13 @@ and parity tests against HF transformers allow for it.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from common.dtype_policy import cpu_has_native_bf16
+from common.dtype_policy import cpu_flags, cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +105,98 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class PackedLinears:
+    """How a CPU GEMM scheme keeps projection weights: ``pack`` once after loading (the
+    result replaces the ``[out, in]`` weight), ``linear(x, packed, bias)`` every step,
+    ``unpack`` back to the exact dense weight (weight updates write into that)."""
+
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: LinearFn
+    unpack: Callable[[torch.Tensor], torch.Tensor]
+
+
+ONEDNN = PackedLinears("onednn", pack_weight, onednn_linear, lambda packed: packed.to_dense())
+
+
+def native_linears(kernels: Any) -> PackedLinears:
+    """Our bf16 GEMM (worker/engine/kernels/bf16_gemm.cpp) from the loaded kernel library."""
+    gemm = kernels.bf16_linear
+
+    def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return gemm(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
+
+    return PackedLinears("native", kernels.pack_bf16_weight, linear, kernels.unpack_bf16_weight)
+
+
+def _native_kernels() -> Optional[Any]:
+    from worker.engine.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None or not hasattr(kernels, "native_bf16_gemm_isa") or not kernels.native_bf16_gemm_isa():
+        return None
+    return kernels
+
+
+def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """bf16 on a CPU the native GEMM was built for, and a trial against an fp32 GEMM of
+    the same operands (row and column tails included) passes: a kernel that computes
+    wrong on this CPU is never used."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    kernels = _native_kernels()
+    if kernels is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 36, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16()
+    scheme = native_linears(kernels)
+    packed = scheme.pack(w)
+    if not torch.equal(scheme.unpack(packed), w):
+        return False
+    for rows in (1, 5):
+        x = torch.randn(rows, 36, generator=g).bfloat16()
+        ref = F.linear(x.float(), w.float(), b.float())
+        bound = 2 ** -7 * F.linear(x.float().abs(), w.float().abs(), b.float().abs()) + 1e-6
+        if not ((scheme.linear(x, packed, b).float() - ref).abs() <= bound).all():
+            log.warning("the native bf16 GEMM (%s) failed its trial on this CPU; not using it",
+                        kernels.native_bf16_gemm_isa())
+            return False
+    return True
+
+
+def auto_prefers_native(flags: Optional[frozenset[str]] = None) -> bool:
+    """For bf16, ``auto`` takes the native GEMM unless the CPU has AMX-BF16, where
+    oneDNN's tile kernels are faster from a few rows up."""
+    return "amx_bf16" not in (cpu_flags() if flags is None else flags)
+
+
 def resolve_cpu_linear(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` -> ``onednn`` where supported, else ``torch``; an explicit ``onednn``
-    that the build cannot run is an error rather than a silent fallback."""
-    if device.type != "cpu":
+    """``auto`` -> for bf16, ``native`` where it runs and the CPU has no AMX, else
+    ``onednn`` where supported, else ``torch``; for fp32, ``onednn`` where supported, else
+    ``torch``.  An explicit choice the build cannot run is an error, not a fallback."""
+    if device.type != "cpu" or choice == "torch":
         return "torch"
-    if choice == "torch":
-        return "torch"
+    if choice == "native":
+        if not native_supported(device, dtype):
+            raise ValueError(f"cpu_linear=native is not supported for {dtype} on this CPU/build "
+                             "(it serves bfloat16 on CPUs with AVX512-BF16 or AVX2+FMA, with the kernels built)")
+        return "native"
+    if choice == "auto" and dtype == torch.bfloat16 and auto_prefers_native() and native_supported(device, dtype):
+        return "native"
     ok = onednn_supported(device, dtype)
     if choice == "onednn" and not ok:
         raise ValueError(f"cpu_linear=onednn is not supported for {dtype} on this CPU/torch build")
     return "onednn" if ok else "torch"
+
+
+def linear_scheme(name: str) -> Optional[PackedLinears]:
+    """The packing of a resolved choice; None for ``torch`` (dense weights, F.linear)."""
+    if name == "onednn":
+        return ONEDNN
+    if name == "native":
+        kernels = _native_kernels()
+        assert kernels is not None, "resolve_cpu_linear chose native without the kernels"
+        return native_linears(kernels)
+    return None

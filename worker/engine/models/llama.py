@@ -18,7 +18,7 @@ from worker.engine.attention.metadata import AttentionMetadata
 from worker.engine.loading.model_config import ModelConfig
 from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.layer import PagedAttention
-from worker.engine.models.cpu_gemm import LinearFn, onednn_linear, pack_weight
+from worker.engine.models.cpu_gemm import ONEDNN, LinearFn, PackedLinears
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
 from worker.engine.models.moe import SparseMoeBlock
 from worker.engine.parallel.sharding import head_shard, split, vocab_shard
@@ -81,20 +81,33 @@ class LlamaDecoderLayer(nn.Module):
             self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window)
         self.linear: LinearFn = F.linear
+        self.packing: Optional[PackedLinears] = None  # how the projections are packed (cpu_gemm), if they are
         self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
         self.lora: Optional[Any] = None  # LayerLoRA slots when LoRA serving is enabled (worker/engine/lora)
 
     _ATTENTION_WEIGHTS = ("qkv_weight", "o_weight")
     _MLP_WEIGHTS = ("gate_up_weight", "down_weight")
 
-    def pack_linears(self) -> None:
-        """Swap the projection weights for oneDNN-packed copies (see cpu_gemm); the
-        dense originals are dropped, so weight_targets() is no longer usable."""
+    def pack_linears(self, scheme: Optional[PackedLinears] = None) -> None:
+        """Swap the projection weights for packed copies (``scheme``, default the one
+        packed with before, else oneDNN's; see cpu_gemm); the dense originals are
+        dropped, so weight_targets() is no longer usable until ``unpack_linears``."""
+        scheme = scheme or self.packing or ONEDNN
+        if self.packing is not None and self.linear is not F.linear:
+            return  # packed already
         for name in self._LINEAR_WEIGHTS:
-            packed = pack_weight(getattr(self, name))
-            del self._parameters[name]
+            packed = scheme.pack(getattr(self, name))
+            self._parameters.pop(name, None)
             setattr(self, name, packed)
-        self.linear = onednn_linear
+        self.packing, self.linear = scheme, scheme.linear
+
+    def unpack_linears(self) -> None:
+        """Dense projection weights again (exact), run with torch's GEMM until packed again."""
+        if self.packing is None or self.linear is F.linear:
+            return
+        for name in self._LINEAR_WEIGHTS:
+            setattr(self, name, nn.Parameter(self.packing.unpack(getattr(self, name)), requires_grad=False))
+        self.linear = F.linear
 
     def weight_slices(self, prefix: str) -> dict[str, tuple[int, int, int]]:
         """HF tensor name -> (dim, start, length) of the slice this rank holds (sharded
@@ -242,16 +255,22 @@ class LlamaForCausalLM(nn.Module):
         table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
         self._lm_head_packed: Optional[torch.Tensor] = None
+        self.packing: Optional[PackedLinears] = None  # the projections' and the head's packing, if any
         self.ops: Optional[Any] = None
         self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
 
-    def pack_linears(self) -> None:
-        """Use oneDNN-packed weights for every projection and the LM head (CPU, see
-        cpu_gemm).  Call after loading: the dense projection weights are dropped."""
+    def pack_linears(self, scheme: PackedLinears = ONEDNN) -> None:
+        """Use packed weights (``scheme``, see cpu_gemm) for every projection and the LM
+        head.  Call after loading: the dense projection weights are dropped."""
+        self.packing = scheme
         for layer in self.layers:
-            layer.pack_linears()
-        # The embedding table stays dense (tied heads share it); the head gets its own copy.
-        self._lm_head_packed = pack_weight(self.lm_head)
+            layer.pack_linears(scheme)
+        self.pack_lm_head()
+
+    def pack_lm_head(self) -> None:
+        """(Re)pack the head from the dense ``lm_head``: the embedding table stays dense
+        (tied heads share it), so the head gets its own packed copy."""
+        self._lm_head_packed = self.packing.pack(self.lm_head) if self.packing is not None else None
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Attention through ``backend`` and, where it has them, its fused RMSNorm,
@@ -338,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
         rows' LoRABatch, for adapters on the output head."""
         packed = self._lm_head_packed
         if packed is not None:
-            logits = onednn_linear(hidden, packed, None)
+            logits = self.packing.linear(hidden, packed, None)
         else:
             logits = F.linear(hidden, self.lm_head)
         if lora is not None and self.lora is not None:
