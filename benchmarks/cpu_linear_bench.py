@@ -9,7 +9,9 @@ down, [3072, 512] gate_up, [8192, 512] head) at 1, 4, 32 and 512 rows, one threa
 of torch.utils.benchmark; the weight bytes streamed per second at one row beside a plain
 single-thread read of a buffer far larger than the caches (decode is bandwidth-bound).
 
-Engine: the same model (random weights) through ``Engine.generate`` in each configuration,
+Engine: the same model (random weights: the 8x512 Llama, or with ``--model moe`` a
+Qwen3-MoE of 6 layers, hidden 512, 8 experts of 768, top-2) through ``Engine.generate`` in
+each configuration,
 alternating configurations every round, fresh prompts each round, every round printed,
 then medians and ratios to the first configuration: batch-1 decode (1 x 128 in / 64 out,
 time per output token), concurrent decode (32 x 128 / 128, output tok/s) and a
@@ -112,7 +114,21 @@ def _run(engine: Engine, n: int, prompt_len: int, out_len: int, with_prompt: boo
     return n * (out_len + (prompt_len if with_prompt else 0)) / elapsed
 
 
-def engine_table(rounds: int, threads: int) -> None:
+def build_moe(out: Path) -> Path:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, use_sliding_window=False)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def engine_table(rounds: int, threads: int, model: str = "llama") -> None:
     configs = []
     if native_supported(CPU, torch.bfloat16):
         configs.append(("bf16 native", "bfloat16", "native"))
@@ -120,7 +136,7 @@ def engine_table(rounds: int, threads: int) -> None:
     configs.append((f"bf16 {before}", "bfloat16", before))
     configs.append(("fp32 " + resolve_cpu_linear("auto", CPU, torch.float32), "float32", "auto"))
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp), shape="8x512")
+        model_dir = build_model(Path(tmp), shape="8x512") if model == "llama" else build_moe(Path(tmp))
         engines = {name: _engine(model_dir, dtype, linear, threads) for name, dtype, linear in configs}
         results: dict[tuple[str, str], list[float]] = {}
         for r in range(rounds):
@@ -149,11 +165,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="engine compute threads (the GEMM table uses 1)")
     p.add_argument("--skip-gemm", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--model", default="llama", choices=["llama", "moe"], help="the engine table's model")
     args = p.parse_args(argv)
     if not args.skip_gemm:
         gemm_table()
     if not args.skip_engine:
-        engine_table(args.rounds, args.threads)
+        engine_table(args.rounds, args.threads, args.model)
     return 0
 
 

@@ -2,12 +2,15 @@
 the checkpoint's ``torch_dtype``, with float32 checkpoints downcast to the
 platform's preferred half type.
 
-On CUDA that is bfloat16.  On CPU vLLM downcasts to bfloat16 unconditionally; we do
-so only where the CPU has native bf16 dot products (AVX512-BF16 / AMX-BF16 on x86,
-the BF16 extension on Arm), because elsewhere oneDNN emulates bf16 and prefill runs
-5-20x slower than in float32.  float16 checkpoints are served in bfloat16 on CPU:
-our CPU kernels and oneDNN linears have no fp16 path, and bf16 keeps fp16's
-storage size with float32's range.
+On CUDA that is bfloat16.  On CPU vLLM downcasts to bfloat16 unconditionally; we do so
+where bf16 runs at least as fast as fp32: CPUs with bf16 dot products (AVX512-BF16 /
+AMX-BF16 on x86, the BF16 extension on Arm) and x86 CPUs with AVX2 + FMA, where our
+native bf16 GEMM widens bf16 to fp32 in registers (worker/engine/kernels/bf16_gemm.cpp:
+measured 2x fp32's speed at batch 1, even at prefill).  Elsewhere (an x86 CPU without
+AVX2, an Arm CPU without BF16) bf16 would be emulated and 5-20x slower, so float32
+checkpoints stay float32.  float16 checkpoints are served in bfloat16 on CPU: our
+CPU kernels and linears have no fp16 path, and bf16 keeps fp16's storage size with
+float32's range.
 """
 from __future__ import annotations
 
@@ -47,6 +50,15 @@ def cpu_has_native_bf16(flags: Optional[frozenset[str]] = None) -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
+def cpu_runs_bf16_fast(flags: Optional[frozenset[str]] = None) -> bool:
+    """bf16 at least as fast as fp32 here: native bf16 dot products, or AVX2 + FMA on x86
+    (the native bf16 GEMM's widening path)."""
+    flags = cpu_flags() if flags is None else flags
+    if cpu_has_native_bf16(flags):
+        return True
+    return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= flags
+
+
 def checkpoint_dtype(model_dir: str | Path) -> Optional[torch.dtype]:
     """``torch_dtype`` of ``model_dir``'s config.json (float32 when it names none);
     None when there is no readable config (the loader reports that later)."""
@@ -69,15 +81,16 @@ def resolve_auto_dtype(checkpoint: Optional[torch.dtype], device: torch.device,
         if stored == torch.float32:
             return torch.bfloat16, "float32 checkpoint downcast to bfloat16 on CUDA, as vLLM"
         return stored, f"checkpoint's torch_dtype {_name(stored)}"
-    native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    fast = cpu_runs_bf16_fast() if native_bf16 is None else native_bf16
     if stored == torch.bfloat16:
-        return torch.bfloat16, "checkpoint's torch_dtype bfloat16" + ("" if native else
+        return torch.bfloat16, "checkpoint's torch_dtype bfloat16" + ("" if fast else
                                                                      " (this CPU emulates bf16 dot products)")
     if stored == torch.float16:
         return torch.bfloat16, "float16 checkpoint served in bfloat16 on CPU (no fp16 CPU kernels)"
-    if native:
-        return torch.bfloat16, "float32 checkpoint downcast to bfloat16: this CPU has native bf16 dot products"
-    return torch.float32, "float32 checkpoint kept in float32: this CPU has no native bf16 dot products"
+    if fast:
+        why = "native bf16 dot products" if cpu_has_native_bf16() else "AVX2+FMA (the native bf16 GEMM)"
+        return torch.bfloat16, f"float32 checkpoint downcast to bfloat16 as vLLM: this CPU runs bf16 fast ({why})"
+    return torch.float32, "float32 checkpoint kept in float32: this CPU would emulate bf16 (no AVX2+FMA, no bf16)"
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from tests.support.engine_helpers import make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model_bf16, tiny_bf16_model_dir
-from common.dtype_policy import cpu_has_native_bf16
+from common.dtype_policy import cpu_runs_bf16_fast
 
 NUM_TOKENS = 10
 NEAR_TIE = 0.1
@@ -92,7 +92,7 @@ def test_bf16_greedy_matches_hf_bf16(tiny_model_root):
 def test_logprobs_alone_equal_inside_a_batch_of_32_bitwise(llama_bf16_dir, dtype):
     """A request's logprobs do not depend on what else the step holds (CPU: each
     row's GEMM, attention and sampling see only that row), in both dtypes."""
-    if dtype == "bfloat16" and not cpu_has_native_bf16():
+    if dtype == "bfloat16" and not cpu_runs_bf16_fast():
         pytest.skip("bf16 serving is emulated on this CPU")
     prompts = random_prompts(32, 5, 60, seed=7)
     params = dict(max_tokens=8, ignore_eos=True, logprobs=5)

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from worker.engine import EngineConfig
-from common.dtype_policy import checkpoint_dtype, cpu_has_native_bf16, resolve_auto_dtype
+from common.dtype_policy import checkpoint_dtype, cpu_has_native_bf16, cpu_runs_bf16_fast, resolve_auto_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 @pytest.mark.parametrize("stored,native,want", [
     (torch.float32, True, torch.bfloat16),   # vLLM downcasts fp32 checkpoints
-    (torch.float32, False, torch.float32),   # ... but emulated bf16 is slower than fp32: keep fp32
+    (torch.float32, False, torch.float32),   # ... but where bf16 would be emulated (slower than fp32): keep fp32
     (torch.bfloat16, True, torch.bfloat16),
     (torch.bfloat16, False, torch.bfloat16),  # the checkpoint's dtype is honoured
     (torch.float16, True, torch.bfloat16),    # no fp16 CPU kernels
@@ -39,6 +39,23 @@ def test_native_bf16_flags(monkeypatch):
     assert cpu_has_native_bf16(frozenset({"avx512f", "avx512_bf16"}))
     assert cpu_has_native_bf16(frozenset({"amx_bf16", "amx_tile"}))
     assert not cpu_has_native_bf16(frozenset({"avx2", "fma", "avx512f"}))
+    # AVX2 + FMA runs bf16 fast through the native GEMM's widening path; without them bf16 is emulated
+    assert cpu_runs_bf16_fast(frozenset({"avx2", "fma"}))
+    assert not cpu_runs_bf16_fast(frozenset({"avx", "sse4_2"}))
+    assert cpu_runs_bf16_fast(frozenset({"avx512_bf16"}))
+
+
+def test_fp32_checkpoint_served_in_bf16_where_bf16_is_fast(llama_dir, caplog):
+    """As vLLM: ``auto`` downcasts a float32 checkpoint on a CPU that runs bf16 fast (this
+    one, if it has AVX2+FMA or bf16 instructions), and says why in the log."""
+    from tests.support.engine_helpers import make_engine
+
+    if not cpu_runs_bf16_fast():
+        pytest.skip("this CPU would emulate bf16: auto keeps float32 (covered by test_auto_on_cpu)")
+    caplog.set_level(logging.INFO)
+    engine = make_engine(llama_dir, dtype="auto")
+    assert engine.model_info.dtype == "torch.bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert any("float32 checkpoint downcast to bfloat16 as vLLM" in r.getMessage() for r in caplog.records)
 
 
 def test_checkpoint_dtype_reads_config(tmp_path):

@@ -107,24 +107,62 @@ def test_auto_policy():
         resolve_cpu_linear("native", CPU, torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_native_packed_model_matches_hf_bf16(tiny_model, kind):
-    """A bf16 model with every projection and the head on the native GEMM (q/k/v biases and
-    a tied head included) against HF in bf16 on the same weights: top-1 agreement where
-    HF's top two are apart by more than bf16 noise, and logits within bf16 tolerance."""
+    """A bf16 model with every projection, the head and (MoE) the router, each expert and
+    the shared expert on the native GEMM (q/k/v biases and a tied head included) against
+    HF in bf16 on the same weights: top-1 agreement where HF's top two are apart by more
+    than bf16 noise, and logits within bf16 tolerance."""
     path = tiny_model(kind)
     hf = load_hf_model_bf16(path)
     model = load_model(path, dtype=torch.bfloat16)
     model.pack_linears(linear_scheme("native"))
     assert "qkv_weight" not in dict(model.named_parameters())
+    moe = [layer.moe for layer in model.layers if layer.moe is not None]
+    assert all(isinstance(m.w13, list) and m.packing is not None for m in moe)
+    assert not any(n.endswith(("w13", "w2", "gate_weight", "shared_gate_up")) for n, _ in model.named_parameters())
     if kind == "llama_tied":
         assert model.lm_head is model.embed_tokens  # the embedding stays dense, the head has its own packed copy
     ids = _tokens(40, seed=3)
     ref = hf_logits(hf, ids).float()
     (got,) = PagedSeqs(model).step([("a", ids)])
+    (dense,) = PagedSeqs(load_model(path, dtype=torch.bfloat16)).step([("a", ids)])  # torch's linears, same engine
     scale = ref.abs().max().item()
-    assert (got - ref).abs().max().item() <= 0.05 * scale
+    tol = 0.05 * scale
+    # A MoE token whose router scores nearly tie may pick another expert under any bf16
+    # GEMM (torch's included): positions where the unpacked model is off too are excused.
+    excused = (dense - ref).abs().amax(-1) > tol
+    assert excused.sum() <= 2
+    assert ((got - ref).abs().amax(-1)[~excused] <= tol).all()
     top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.02 * scale
+    clear = ((top2[:, 0] - top2[:, 1]) > 0.02 * scale) & ~excused
     assert clear.sum() >= len(ids) // 2
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "qwen2_moe"])
+def test_weight_updates_through_native_packing(tiny_model_root, kind):
+    """RL weight writes by checkpoint name into a bf16 engine on the native GEMM: the layers
+    (experts included) are unpacked exactly, written, packed again; checksums read back
+    what was written, and generation equals a fresh engine loaded from the new weights."""
+    from safetensors.torch import load_file
+
+    from common.dist_weight_transfer import weight_checksums
+    from tests.support.engine_helpers import make_engine, request
+    from tests.support.model_factory import tiny_model_dir
+
+    a, b = tiny_model_dir(kind, tiny_model_root, 0), tiny_model_dir(kind, tiny_model_root, 1)
+    engine = make_engine(a, dtype="bfloat16", cpu_linear="native")
+    assert engine.cpu_linear == "native"
+    bf16 = lambda sd: {n: t.bfloat16() for n, t in sd.items()}  # noqa: E731
+    sd_a, sd_b = bf16(load_file(str(a / "model.safetensors"))), bf16(load_file(str(b / "model.safetensors")))
+    assert engine.rl.weight_checksums("") == weight_checksums(sd_a.items())
+    names = sorted(sd_b)
+    engine.rl.write_weights({n: sd_b[n] for n in names[::2]}, more_to_come=True)
+    engine.rl.write_weights({n: sd_b[n] for n in names[1::2]}, more_to_come=True)
+    engine.rl.end_weight_writes()
+    assert engine.rl.weight_checksums("") == weight_checksums(sd_b.items())
+    assert all(layer.linear is not torch.nn.functional.linear for layer in engine.model.layers)  # packed again
+    fresh = make_engine(b, dtype="bfloat16", cpu_linear="native")
+    reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
+    assert engine.generate(reqs())["x"][0].token_ids == fresh.generate(reqs())["x"][0].token_ids

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -180,16 +181,29 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const torch::Tensor& xs = x;
-  const auto* xp = reinterpret_cast<const XType*>(xs.data_ptr<at::BFloat16>());
+  const auto* xp = reinterpret_cast<const XType*>(x.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
 #else
-  const torch::Tensor xs = x.to(torch::kFloat32);  // contiguous rows
-  const XType* xp = xs.data_ptr<float>();
+  // x widened to fp32 once, into this thread's scratch: a torch conversion per call cost
+  // ~10 us of dispatch and allocation, a third of a decode step's GEMM at one row.
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(M * K));
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* src = xb + m * x.stride(0);
+    float* dst = scratch.data() + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+      std::memcpy(dst + k, &bits, sizeof(float));
+    }
+  }
+  const XType* xp = scratch.data();
+  const int64_t ldx = K;
 #endif
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const int64_t ldx = xs.stride(0), K2 = K / 2, blocks = (N + kBlock - 1) / kBlock;
+  const int64_t K2 = K / 2, blocks = (N + kBlock - 1) / kBlock;
   const int64_t block_stride = K2 * 2 * kBlock;  // elements per packed column block
   // Decode (one row): kDecodeBlocks column blocks per task, the weight streamed once in
   // that many parallel streams.  More rows: tiles of kTileRows x kTileBlocks blocks; a

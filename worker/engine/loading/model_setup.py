@@ -36,6 +36,11 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     scheme = linear_scheme(cpu_linear)
     if scheme is not None:
         model.pack_linears(scheme)
+    elif device.type == "cpu" and config.torch_dtype == torch.bfloat16 and config.cpu_linear != "torch":
+        # auto found neither GEMM for bf16 (kernels not built, no oneDNN bf16): torch's
+        # linear emulates it here, several times slower than fp32.
+        log.warning("bf16 linears run on torch's emulated path on this CPU (the native bf16 GEMM is not "
+                    "available: run `tokserve build-kernels`); --dtype float32 would be faster")
     backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
                                         config.torch_dtype, config.block_size)
     model.use_attention_backend(backend)

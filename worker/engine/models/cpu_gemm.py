@@ -109,12 +109,16 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinears:
     """How a CPU GEMM scheme keeps projection weights: ``pack`` once after loading (the
     result replaces the ``[out, in]`` weight), ``linear(x, packed, bias)`` every step,
-    ``unpack`` back to the exact dense weight (weight updates write into that)."""
+    ``unpack`` back to the exact dense weight (weight updates write into that).
+    ``packs_experts``: MoE expert stacks are packed too, one weight per expert (the
+    native GEMM per expert group beat torch's grouped GEMM 10x in bf16 on an AVX2 CPU;
+    oneDNN would build a primitive per expert and row count, so its experts stay dense)."""
 
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     linear: LinearFn
     unpack: Callable[[torch.Tensor], torch.Tensor]
+    packs_experts: bool = False
 
 
 ONEDNN = PackedLinears("onednn", pack_weight, onednn_linear, lambda packed: packed.to_dense())
@@ -127,7 +131,7 @@ def native_linears(kernels: Any) -> PackedLinears:
     def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return gemm(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
 
-    return PackedLinears("native", kernels.pack_bf16_weight, linear, kernels.unpack_bf16_weight)
+    return PackedLinears("native", kernels.pack_bf16_weight, linear, kernels.unpack_bf16_weight, packs_experts=True)
 
 
 def _native_kernels() -> Optional[Any]:

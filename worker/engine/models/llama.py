@@ -99,6 +99,8 @@ class LlamaDecoderLayer(nn.Module):
             packed = scheme.pack(getattr(self, name))
             self._parameters.pop(name, None)
             setattr(self, name, packed)
+        if self.moe is not None and scheme.packs_experts:
+            self.moe.pack_experts(scheme)
         self.packing, self.linear = scheme, scheme.linear
 
     def unpack_linears(self) -> None:
@@ -107,6 +109,8 @@ class LlamaDecoderLayer(nn.Module):
             return
         for name in self._LINEAR_WEIGHTS:
             setattr(self, name, nn.Parameter(self.packing.unpack(getattr(self, name)), requires_grad=False))
+        if self.moe is not None:
+            self.moe.unpack_experts()
         self.linear = F.linear
 
     def weight_slices(self, prefix: str) -> dict[str, tuple[int, int, int]]:

@@ -5,7 +5,9 @@ Experts are stacked at load time into ``w13 [E, 2I, H]`` (gate | up) and
 step routes every token (softmax over the router logits, top-k, optional
 renormalisation, as transformers does), groups the (token, expert) pairs by expert
 and runs one grouped GEMM per projection: ``torch._grouped_mm`` over the contiguous
-expert groups on CPU, the Triton fused-MoE kernel on CUDA (kernels/triton/fused_moe).
+expert groups on CPU, the Triton fused-MoE kernel on CUDA (kernels/triton/fused_moe),
+or, with experts packed for a CPU GEMM scheme that packs them (cpu_gemm's native bf16),
+that GEMM once per expert group.
 Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``.
 """
 from __future__ import annotations
@@ -62,6 +64,27 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return x.new_zeros(x.shape).index_add_(0, token_of, y)
 
 
+def fused_experts_packed(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, linear, act=silu_and_mul) -> torch.Tensor:
+    """``fused_experts_torch`` over per-expert packed weights: the same sort by expert,
+    then ``linear`` (the scheme's GEMM) on each expert's contiguous rows.  A token's
+    contributions are summed in expert order whatever else is in the batch."""
+    t, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()
+    token_of = order // top_k
+    xs = x.index_select(0, token_of)
+    y = x.new_empty((flat.numel(), x.shape[1]))
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            y[start:start + c] = linear(act(linear(xs[start:start + c], w13[e], None)), w2[e], None)
+            start += c
+    y.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype))
+    return x.new_zeros(x.shape).index_add_(0, token_of, y)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + stacked experts (+ Qwen2-MoE's gated shared expert)."""
 
@@ -79,6 +102,36 @@ class SparseMoeBlock(nn.Module):
         self.shared_down = empty_param(h, s, dtype=dtype, device=device) if s else None
         self.shared_expert_gate = empty_param(1, h, dtype=dtype, device=device) if s else None
         self.ops: Optional[Any] = None  # the attention backend's fused kernels (fused_experts on CUDA)
+        self.packing: Optional[Any] = None  # cpu_gemm.PackedLinears while the experts are packed (lists per expert)
+
+    _PACKED_DENSE = ("gate_weight", "shared_gate_up", "shared_down")  # 2-D weights packed as they are
+
+    def pack_experts(self, scheme) -> None:
+        """The router, each expert and the shared expert as packed weights (``scheme``: a
+        cpu_gemm.PackedLinears; experts become one packed weight each); the dense
+        tensors are dropped, so weight_targets() needs ``unpack_experts`` first."""
+        if self.packing is not None:
+            return
+        for name in ("w13", "w2"):
+            stacked = self._parameters.pop(name)
+            setattr(self, name, [scheme.pack(stacked.data[e]) for e in range(stacked.shape[0])])
+        for name in self._PACKED_DENSE:
+            if self._parameters.get(name) is not None:
+                setattr(self, name, scheme.pack(self._parameters.pop(name).data))
+        self.packing = scheme
+
+    def unpack_experts(self) -> None:
+        """The dense tensors again (exact)."""
+        if self.packing is None:
+            return
+        for name in ("w13", "w2"):
+            packed = self.__dict__.pop(name)
+            setattr(self, name, nn.Parameter(torch.stack([self.packing.unpack(w) for w in packed]),
+                                             requires_grad=False))
+        for name in self._PACKED_DENSE:
+            if isinstance(self.__dict__.get(name), torch.Tensor):
+                setattr(self, name, nn.Parameter(self.packing.unpack(self.__dict__.pop(name)), requires_grad=False))
+        self.packing = None
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF names (``{prefix}{block}.experts.{e}.{proj}.weight`` ...) -> their slices."""
@@ -102,7 +155,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output ``[T, H]``, routed expert ids ``[T, top_k]``)."""
-        weights, ids = select_experts(F.linear(h, self.gate_weight), self.top_k, self.moe.norm_topk_prob)
+        linear = F.linear if self.packing is None else self.packing.linear
+        weights, ids = select_experts(linear(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
         # transformers rounds the routing weights to the model dtype (Mixtral keeps fp32).
         if self.moe.family != "mixtral":
             weights = weights.to(h.dtype)
@@ -117,9 +171,11 @@ class SparseMoeBlock(nn.Module):
             fused = triton_ops().fused_experts
         if fused is not None:
             out = fused(h, self.w13, self.w2, weights, ids, act)
+        elif self.packing is not None:
+            out = fused_experts_packed(h, self.w13, self.w2, weights, ids, self.packing.linear, act)
         else:
             out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act)
         if self.shared_gate_up is not None:
-            shared = F.linear(act(F.linear(h, self.shared_gate_up)), self.shared_down)
+            shared = linear(act(linear(h, self.shared_gate_up, None)), self.shared_down, None)
             out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * shared
         return out, ids
