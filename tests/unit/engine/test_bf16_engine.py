@@ -14,11 +14,10 @@ carry 8 significant bits, so a logit of magnitude ~4 is quantised to 2^-6 ~ 0.01
 the log-softmax inherits a few such steps."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from tests.support.bf16_parity import TeacherForced, teacher_forced
 from tests.support.engine_helpers import make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model_bf16, tiny_bf16_model_dir
 from common.dtype_policy import cpu_runs_bf16_fast
@@ -31,14 +30,8 @@ LOGPROB_ATOL = 0.08  # measured worst: 0.031 (llama / qwen2 / qwen3 / mixtral ti
 MOE_LOGPROB_ATOL = 0.25
 
 
-def bf16_ulp(x: float) -> float:
-    """Spacing of bf16 values (8 significant bits) at |x|."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
-
-
-def _teacher_forced_check(kind: str, root) -> tuple[int, int, float, list]:
-    """(positions, exact argmax agreements, worst logprob error, mismatches) of our
-    bf16 greedy outputs under HF bf16; asserts every mismatch is a near-tie."""
+def _teacher_forced_check(kind: str, root) -> TeacherForced:
+    """Our bf16 greedy outputs on ``kind`` scored under HF bf16 (every mismatch a near-tie)."""
     model_dir = tiny_bf16_model_dir(kind, root)
     engine = make_engine(model_dir, dtype="auto")
     assert engine.model_info.dtype == "torch.bfloat16"
@@ -46,45 +39,24 @@ def _teacher_forced_check(kind: str, root) -> tuple[int, int, float, list]:
     got = engine.generate([request(str(i), p, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
                            for i, p in enumerate(prompts)])
     hf = load_hf_model_bf16(model_dir)
-    positions = agree = 0
-    worst_lp = 0.0
-    mismatches = []
-    for i, p in enumerate(prompts):
-        (delta,) = got[str(i)]
-        ours = list(delta.token_ids)
-        assert len(ours) == NUM_TOKENS
-        with torch.inference_mode():
-            logits = hf(torch.tensor([p + ours])).logits[0, len(p) - 1:-1].float()
-        lps = torch.log_softmax(logits, dim=-1)
-        for t, tok in enumerate(ours):
-            positions += 1
-            best = int(logits[t].argmax())
-            gap = float(logits[t, best] - logits[t, tok])
-            if gap <= bf16_ulp(float(logits[t, best])):  # HF's bf16 logits cannot order them
-                agree += 1
-            if best != tok:  # a mismatch must be a near-tie in HF's own logits
-                mismatches.append((kind, i, t, gap))
-                assert gap <= NEAR_TIE, f"{kind} request {i} token {t}: ours {tok}, HF {best}, logit gap {gap:.4f}"
-            worst_lp = max(worst_lp, abs(delta.logprobs.logprobs[t] - float(lps[t, tok])))
-    return positions, agree, worst_lp, mismatches
+    return teacher_forced(lambda ids: hf(ids).logits, prompts, got, NUM_TOKENS, NEAR_TIE, kind)
 
 
 def test_bf16_greedy_matches_hf_bf16(tiny_model_root):
     """Token agreement over the parity suite's prompts on dense and MoE architectures
     (the MoE experts run in bf16 too)."""
-    positions = agree = 0
+    total = TeacherForced()
     worst_lp = 0.0
-    mismatches = []
     for kind in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
-        n, a, lp, mm = _teacher_forced_check(kind, tiny_model_root)
-        positions, agree, mismatches = positions + n, agree + a, mismatches + mm
+        found = _teacher_forced_check(kind, tiny_model_root)
+        total.add(found)
         if kind in ("mixtral", "qwen3_moe"):
-            assert lp <= MOE_LOGPROB_ATOL, (kind, lp)
+            assert found.worst_lp <= MOE_LOGPROB_ATOL, (kind, found.worst_lp)
         else:
-            worst_lp = max(worst_lp, lp)
-    print(f"bf16 vs HF bf16: {agree}/{positions} argmax agreements, near-ties {mismatches}, "
+            worst_lp = max(worst_lp, found.worst_lp)
+    print(f"bf16 vs HF bf16: {total.agree}/{total.positions} argmax agreements, near-ties {total.mismatches}, "
           f"worst logprob error {worst_lp:.4f}")
-    assert agree / positions >= 0.99, f"token agreement {agree}/{positions}: {mismatches}"
+    assert total.agree / total.positions >= 0.99, f"token agreement {total.agree}/{total.positions}: {total.mismatches}"
     assert worst_lp <= LOGPROB_ATOL, worst_lp
 
 

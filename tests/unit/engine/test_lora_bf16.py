@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.bf16_parity import teacher_forced
 from tests.support.engine_helpers import make_engine, random_prompts, request
 from tests.support.lora_factory import ATTENTION, MLP, build_adapter
 from tests.support.model_factory import load_hf_model_bf16
-from tests.unit.engine.test_bf16_engine import bf16_ulp
 from worker.engine.lora.batch import LoRABatch
 
 pytest.importorskip("peft")
@@ -132,27 +132,8 @@ def test_bf16_lora_greedy_matches_peft_bf16(engine, peft_bf16):
         r.lora_name = "all"
         reqs.append(r)
     got = engine.generate(reqs)
-    positions = agree = 0
-    worst_lp = 0.0
-    mismatches = []
-    for i, p in enumerate(prompts):
-        (delta,) = got[str(i)]
-        ours = list(delta.token_ids)
-        assert len(ours) == NUM_TOKENS
-        with torch.inference_mode():
-            logits = peft_bf16(input_ids=torch.tensor([p + ours])).logits[0, len(p) - 1:-1].float()
-        lps = torch.log_softmax(logits, dim=-1)
-        for t, tok in enumerate(ours):
-            positions += 1
-            best = int(logits[t].argmax())
-            gap = float(logits[t, best] - logits[t, tok])
-            if gap <= bf16_ulp(float(logits[t, best])):  # peft's bf16 logits cannot order them
-                agree += 1
-            if best != tok:
-                mismatches.append((i, t, gap))
-                assert gap <= NEAR_TIE, f"request {i} token {t}: ours {tok}, peft {best}, logit gap {gap:.4f}"
-            worst_lp = max(worst_lp, abs(delta.logprobs.logprobs[t] - float(lps[t, tok])))
-    print(f"bf16 LoRA vs peft bf16: {agree}/{positions} argmax agreements, near-ties {mismatches}, "
-          f"worst logprob error {worst_lp:.4f}")
-    assert agree / positions >= MIN_AGREEMENT, f"token agreement {agree}/{positions}: {mismatches}"
-    assert worst_lp <= LOGPROB_ATOL, worst_lp
+    found = teacher_forced(lambda ids: peft_bf16(input_ids=ids).logits, prompts, got, NUM_TOKENS, NEAR_TIE, "lora")
+    print(f"bf16 LoRA vs peft bf16: {found.agree}/{found.positions} argmax agreements, "
+          f"near-ties {found.mismatches}, worst logprob error {found.worst_lp:.4f}")
+    assert found.agree / found.positions >= MIN_AGREEMENT, f"agreement {found.agree}/{found.positions}: {found.mismatches}"
+    assert found.worst_lp <= LOGPROB_ATOL, found.worst_lp
