@@ -1,6 +1,7 @@
 """A real `tokserve worker` on a bf16 checkpoint with no --dtype flag serves it in
-bfloat16 (the broker's INFO reports the worker's dtype) and streams the same tokens
-as the engine run in-process in bf16."""
+bfloat16 (the broker's INFO reports the worker's dtype) on the linears ``auto`` picks
+for bf16 on this CPU (the native bf16 GEMM unless the CPU has AMX: its log says so), and
+streams the same tokens as the engine run in-process in bf16."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,14 @@ def test_worker_serves_bf16_checkpoint_in_bf16_with_no_flag(llama_bf16_dir, tmp_
         assert info.model is not None and info.model.dtype == "torch.bfloat16"
         with Client(broker.frontend) as client:
             streamed = {r.request_id: [t for d in client.generate(r) for t in d.token_ids] for r in reqs}
-    assert "as torch.bfloat16 (checkpoint's torch_dtype bfloat16" in (tmp_path / "worker0.log").read_text()
+    log = (tmp_path / "worker0.log").read_text()
+    assert "as torch.bfloat16 (checkpoint's torch_dtype bfloat16" in log
+    import torch
+
+    from worker.engine.models.cpu_gemm import resolve_cpu_linear
+
+    linears = resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16)
+    assert f"torch.bfloat16, {linears} linears" in log, log[-2000:]
 
     from worker.engine import Engine, EngineConfig
 
