@@ -164,11 +164,12 @@ class Round:
 
 
 def _requests(batch: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> list[GenerateRequest]:
+    """Fresh random prompts per seed (ids >= 3: no special tokens), greedy, fixed length."""
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [GenerateRequest(request_id=f"r{seed}-{i}", prompt_token_ids=[rng.randrange(3, vocab) for _ in
-                                                                        range(prompt_len)], params=params)
-            for i in range(batch)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    return [GenerateRequest(request_id=f"r{seed}-{i}", prompt_token_ids=p, params=params)
+            for i, p in enumerate(prompts)]
 
 
 def _count(deltas, counts: dict[str, int]) -> int:
