@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from worker.engine.attention.backends.cpu_native import CpuNativeBackend
 from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import build_attention_metadata
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.kernels import load_cpu_kernels
 from worker.engine.models import LlamaForCausalLM, kv_cache_shape
 from worker.engine.models.cpu_gemm import onednn_supported

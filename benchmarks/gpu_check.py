@@ -740,7 +740,7 @@ def check_model(preset: str, args: argparse.Namespace, workdir: Path, progress: 
     progress.log(f"{preset}: loading HF ({dtype_name})")
     hf = load_hf(path, dtype, device)
     vocab = hf.config.vocab_size
-    from worker.engine.loading.model_config import ModelConfig
+    from worker.engine.models.config import ModelConfig
     from worker.engine.models import kv_bytes_per_block
 
     mc = ModelConfig.from_dir(str(path))

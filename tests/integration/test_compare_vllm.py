@@ -118,7 +118,7 @@ def test_special_tokens_fill_the_vocabulary():
 
 
 def test_small_preset_loads_in_our_engine(tmp_path):
-    from worker.engine.loading.model_config import ModelConfig
+    from worker.engine.models.config import ModelConfig
     from common.tokenizer import load_tokenizer
 
     path = build_preset_model("small", tmp_path / "m")

@@ -94,7 +94,7 @@ def _check(reqs, got, decode) -> int:
 @pytest.fixture(scope="module")
 def decode(llama_dir):
     from common.tokenizer import load_tokenizer
-    from worker.engine.loading.model_config import ModelConfig
+    from worker.engine.models.config import ModelConfig
 
     mc = ModelConfig.from_dir(llama_dir)
     return grammar_text_decoder(load_tokenizer(llama_dir), mc.vocab_size, mc.eos_token_ids)

@@ -7,7 +7,9 @@ included: a lazy ``import`` inside a function is still a dependency.
 * inside ``worker/engine``: the core (the runner, the scheduler and block manager, the
   model, attention, configuration, sampling) imports no feature; features never import
   the engine (``core.engine_core`` / ``engine``), which wires them; the model runner knows no
-  feature and not ``parallel/`` (features reach it through ``runner.hooks``);
+  feature and not ``parallel/`` (features reach it through ``runner.hooks``); the imports
+  that still run back up into ``core/`` are a closed list that may only shrink; the models
+  never import the loader;
 * in ``gateway/``: the generation relay (``gateway.relay``) knows no API (its formatters
   plug in), and the API packages (``generate_api``, ``openai_api``, ``chat``,
   ``parsers``, ``structured_outputs``) import no route module (``gateway.resources``) nor the app.
@@ -183,6 +185,42 @@ def test_runner_hooks_and_config_are_leaves():
     """The interfaces features and the runner share, and the configuration everything
     reads, import nothing of the engine."""
     hits = _hits(_our_graph(), lambda m: m in (f"{E}.runner.hooks", f"{E}.config"), lambda m, t: _under(t, E))
+    assert not hits, hits
+
+
+# Imports that run back up into core/ from the packages below it: features and the runner
+# reading the step loop's records (Request, the scheduler's ScheduledSeq, outputs).  The
+# frozen per-step plan and the narrow component context of the async-step work remove
+# them; until then this list may only shrink (an arrow that is gone must leave it too).
+KNOWN_BACK_ARROWS = {
+    ("components.base", "core.outputs"),
+    ("components.base", "core.request"),
+    ("components.base", "core.scheduler"),
+    ("components.kv_transfer", "core.request"),
+    ("components.routed_experts", "core.wire_output"),
+    ("disagg.encoder_disaggregation", "core.outputs"),
+    ("disagg.encoder_disaggregation", "core.request"),
+    ("runner.model_runner", "core.request"),
+    ("runner.model_runner", "core.scheduler"),
+    ("spec_decode.draft_model", "core.request"),
+    ("spec_decode.draft_model", "core.scheduler"),
+    ("spec_decode.speculator", "core.request"),
+    ("spec_decode.verify", "core.outputs"),
+}
+
+
+def test_no_new_import_runs_back_up_into_the_core():
+    graph = _our_graph()
+    below = [m for m in graph if _under(m, E) and m.count(".") > 2 and not _under(m, f"{E}.core")]
+    found = {(m[len(E) + 1:], t[len(E) + 1:]) for m in below for t in graph[m] if _under(t, f"{E}.core")}
+    assert not found - KNOWN_BACK_ARROWS, f"new imports back up into core/: {sorted(found - KNOWN_BACK_ARROWS)}"
+    assert not KNOWN_BACK_ARROWS - found, f"gone, remove from KNOWN_BACK_ARROWS: {sorted(KNOWN_BACK_ARROWS - found)}"
+
+
+def test_models_do_not_import_the_loading_package():
+    """The models read their configuration (models/config.py) and nothing of the loader:
+    loading/ builds models, never the other way round."""
+    hits = _hits(_our_graph(), lambda m: _under(m, f"{E}.models"), lambda m, t: _under(t, f"{E}.loading"))
     assert not hits, hits
 
 

@@ -11,7 +11,7 @@ from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import PagedSeqs, hf_logits
 from worker.engine.loading import demo_model
 from worker.engine.loading.loader import load_model
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from common.tokenizer import load_tokenizer
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]

@@ -14,7 +14,7 @@ from tests.support.model_factory import load_hf_model
 from worker.engine.attention.metadata import build_attention_metadata
 from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.models import kv_bytes_per_block, kv_cache_shape
 from common.dtype_policy import cpu_has_native_bf16
 from worker.engine.models.cpu_gemm import (onednn_linear, onednn_supported, pack_weight, resolve_cpu_linear,
@@ -276,7 +276,7 @@ def test_model_config_fields(tiny_model):
     qwen2 = ModelConfig.from_dir(tiny_model("qwen2"))
     assert qwen2.qkv_bias and not qwen2.o_bias
     assert qwen2.eos_token_ids == (257, 258) and qwen2.max_new_tokens == 32
-    from worker.engine.loading.model_config import generation_defaults
+    from worker.engine.models.config import generation_defaults
 
     assert generation_defaults("auto", qwen2.path) == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 32}
     assert generation_defaults("vllm", qwen2.path) == {}

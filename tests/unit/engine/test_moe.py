@@ -15,7 +15,7 @@ from tests.support.model_factory import MOE_KINDS, load_hf_model
 from tests.unit.engine.test_quantized_checkpoints import _with_config as _edited
 from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
 from worker.engine.loading.loader import load_model
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import onednn_supported
 from worker.engine.models.moe import fused_experts_torch, select_experts
 from worker.engine.loading.weights import ModelWeights

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.engine.loading.loader import load_model
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 
 
 def _with_config(src, dst, **changes):

@@ -18,7 +18,7 @@ from common.prefix_hash import prompt_routing_hashes  # noqa: E402
 from common.protocol import GenerateRequest, MultiModalItem, SamplingParams  # noqa: E402
 from tests.support.engine_helpers import make_engine  # noqa: E402
 from tests.support.vl_factory import hf_qwen2_vl  # noqa: E402
-from worker.engine.loading.model_config import ModelConfig  # noqa: E402
+from worker.engine.models.config import ModelConfig  # noqa: E402
 
 VOCAB = 160
 IMAGE, VSTART, VEND, VIDEO = 150, 151, 152, 153

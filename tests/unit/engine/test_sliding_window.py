@@ -12,7 +12,7 @@ from worker.engine.attention.backends.cpu_native import CpuNativeBackend
 from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.kernels import load_cpu_kernels
 from worker.engine.loading.loader import load_model
-from worker.engine.loading.model_config import ModelConfig, _layer_sliding_windows
+from worker.engine.models.config import ModelConfig, _layer_sliding_windows
 
 
 def test_layer_windows_follow_transformers(tiny_model):

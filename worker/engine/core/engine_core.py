@@ -31,7 +31,7 @@ from worker.engine.disagg.encoder_disaggregation import EncoderDisaggregation
 from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                     score_token_ids, to_token_logprobs)
-from worker.engine.loading.model_config import ModelConfig, generation_defaults
+from worker.engine.models.config import ModelConfig, generation_defaults
 from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.lora.step_inputs import LoRAStepInputs
 from worker.engine.multimodal.images import EncoderCache, MultimodalInputs, check_mm_items, image_config_for

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

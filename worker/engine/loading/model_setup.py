@@ -14,7 +14,7 @@ from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model, safetensors_files
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import linear_scheme, resolve_cpu_linear
 
 log = logging.getLogger(__name__)

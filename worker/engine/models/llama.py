@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.attention.metadata import AttentionMetadata
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.cpu_gemm import ONEDNN, LinearFn, PackedLinears

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.loading.model_config import ModelConfig, MoEConfig
+from worker.engine.models.config import ModelConfig, MoEConfig
 from worker.engine.models.layers import empty_param, silu_and_mul
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from worker.engine.attention.metadata import AttentionMetadata
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.models.mrope import mrope_cos_sin
 from worker.engine.models.qwen2_vl_vision import build_vision_tower, hf_to_local_name

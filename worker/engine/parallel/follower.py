@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from worker.engine.attention.metadata import StepLayout
 from worker.engine.config import EngineConfig
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.parallel.sharding import head_shard, split
 from worker.engine.parallel.state import destroy_tensor_parallel, get_tp, init_tensor_parallel
 from worker.engine.runner.hooks import LocalRun

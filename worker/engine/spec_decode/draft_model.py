@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.loading.model_config import ModelConfig
+from worker.engine.models.config import ModelConfig
 from worker.engine.models.llama import kv_bytes_per_block
 from worker.engine.core.request import EngineSequence
 from worker.engine.core.scheduler import ScheduledSeq
