@@ -182,6 +182,13 @@ class Scheduler:
             heapq.heappush(self._waiting, item)
         return out
 
+    def preempt_all(self) -> None:
+        """Every running sequence back to the waiting queue, its blocks freed: it is
+        recomputed from its tokens when next scheduled (RL weight changes and sleep: K/V
+        computed before must not be used again, or the cache is being released)."""
+        for seq in list(self.running):
+            self._preempt(seq)
+
     def _preempt(self, seq: EngineSequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)

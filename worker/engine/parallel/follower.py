@@ -97,8 +97,8 @@ def min_across_ranks(value: int) -> int:
 def agree_on_graphs(runner) -> None:
     """After a lockstep capture: decode runs graphed only if every rank captured
     (rank 0 and the followers must take the same path at every step)."""
-    if not min_across_ranks(int(bool(runner._graphs))):
-        runner._graphs.clear()
+    if not min_across_ranks(int(runner.has_cuda_graphs)):
+        runner.drop_cuda_graphs()
 
 
 class TPFollower(LocalRun):

@@ -161,8 +161,7 @@ class RLControl(EngineComponent):
         preempted (their prompt and output so far are recomputed with the new weights,
         so every later token is exactly what the new weights sample for that prefix)
         and the prefix cache is forgotten."""
-        for seq in list(self.core.scheduler.running):
-            self.core.scheduler._preempt(seq)
+        self.core.scheduler.preempt_all()
         self.core.block_manager.reset_prefix_cache()
         if self.core.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
             self.core.runner.encoder_cache.clear()
@@ -188,8 +187,7 @@ class RLControl(EngineComponent):
         self.sleep_level = level  # vLLM's record_sleep_state(1, level), level 0 included
         if level < 1:
             return
-        for seq in list(self.core.scheduler.running):
-            self.core.scheduler._preempt(seq)
+        self.core.scheduler.preempt_all()
         self.core.block_manager.reset_prefix_cache()
         if "kv_cache" not in self.asleep:
             self.core.runner.release_kv_cache()

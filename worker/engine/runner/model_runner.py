@@ -258,10 +258,18 @@ class ModelRunner:
         rows = self.routing_store.index_select(0, slots).cpu().numpy()
         return rows if rows.dtype == np.uint8 else rows.astype(np.uint16)
 
-    def release_kv_cache(self) -> None:
-        """Sleep: give the KV cache memory back (CUDA graphs hold its address: dropped too)."""
+    @property
+    def has_cuda_graphs(self) -> bool:
+        return bool(self._graphs)
+
+    def drop_cuda_graphs(self) -> None:
+        """Decode runs eager from now on (until the next capture)."""
         self._graphs.clear()
         self._lora_graphs.clear()
+
+    def release_kv_cache(self) -> None:
+        """Sleep: give the KV cache memory back (CUDA graphs hold its address: dropped too)."""
+        self.drop_cuda_graphs()
         self._graph_pool = None
         self.kv_cache = None
         for hook in self._kv_hooks:
