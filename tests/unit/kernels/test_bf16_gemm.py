@@ -166,3 +166,31 @@ def test_weight_updates_through_native_packing(tiny_model_root, kind):
     fresh = make_engine(b, dtype="bfloat16", cpu_linear="native")
     reqs = lambda: [request("x", [5, 6, 7, 8], max_tokens=8, ignore_eos=True)]  # noqa: E731
     assert engine.generate(reqs())["x"][0].token_ids == fresh.generate(reqs())["x"][0].token_ids
+
+
+def test_a_model_the_native_layout_cannot_pack_falls_back_whole(tmp_path, caplog):
+    """An odd input dimension (here the down projection's, intermediate_size 97) cannot be
+    paired: ``auto`` serves the model on the next GEMM (nothing half-packed, a warning says
+    why), and ``--cpu-linear native`` asked by name is refused with the reason."""
+    import logging
+
+    import transformers
+
+    from tests.support.engine_helpers import make_engine, request
+    from tests.support.model_factory import write_tokenizer
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=97, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    caplog.set_level(logging.WARNING)
+    engine = make_engine(tmp_path, dtype="bfloat16")
+    assert engine.cpu_linear in ("onednn", "torch")
+    assert all(layer.packing is None or layer.packing.name == engine.cpu_linear for layer in engine.model.layers)
+    assert any("cannot pack this model's weights" in r.getMessage() for r in caplog.records)
+    out = engine.generate([request("x", [5, 6, 7], max_tokens=4, ignore_eos=True)])
+    assert len(out["x"][0].token_ids) == 4
+    with pytest.raises(ValueError, match="--cpu-linear native cannot pack"):
+        make_engine(tmp_path, dtype="bfloat16", cpu_linear="native")

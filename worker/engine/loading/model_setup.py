@@ -15,7 +15,7 @@ from worker.engine.attention.selector import resolve_attention_backend
 from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model, safetensors_files
 from worker.engine.models.config import ModelConfig
-from worker.engine.models.cpu_gemm import linear_scheme, resolve_cpu_linear
+from worker.engine.models.cpu_gemm import linear_scheme, onednn_supported, resolve_cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,14 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     model.weight_spec = weight_spec(model)  # what weight updates may name (cheap before packing)
     cpu_linear = resolve_cpu_linear(config.cpu_linear, device, config.torch_dtype)
     scheme = linear_scheme(cpu_linear)
+    if scheme is not None and not model.packable(scheme):
+        if config.cpu_linear == cpu_linear:  # asked for by name: say why it cannot be
+            raise ValueError(f"--cpu-linear {cpu_linear} cannot pack this model's weights (an odd input "
+                             "dimension); use --cpu-linear onednn or torch")
+        fallback = "onednn" if cpu_linear != "onednn" and onednn_supported(device, config.torch_dtype) else "torch"
+        log.warning("the %s GEMM cannot pack this model's weights (an odd input dimension): %s linears instead",
+                    cpu_linear, fallback)
+        cpu_linear, scheme = fallback, linear_scheme(fallback)
     if scheme is not None:
         model.pack_linears(scheme)
     elif device.type == "cpu" and config.torch_dtype == torch.bfloat16 and config.cpu_linear != "torch":

@@ -112,13 +112,16 @@ class PackedLinears:
     ``unpack`` back to the exact dense weight (weight updates write into that).
     ``packs_experts``: MoE expert stacks are packed too, one weight per expert (the
     native GEMM per expert group beat torch's grouped GEMM 10x in bf16 on an AVX2 CPU;
-    oneDNN would build a primitive per expert and row count, so its experts stay dense)."""
+    oneDNN would build a primitive per expert and row count, so its experts stay dense).
+    ``accepts``: whether a ``[out, in]`` weight can be packed (the native layout pairs
+    input columns, so the input dimension must be even)."""
 
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     linear: LinearFn
     unpack: Callable[[torch.Tensor], torch.Tensor]
     packs_experts: bool = False
+    accepts: Callable[[torch.Tensor], bool] = lambda weight: True
 
 
 ONEDNN = PackedLinears("onednn", pack_weight, onednn_linear, lambda packed: packed.to_dense())
@@ -131,7 +134,8 @@ def native_linears(kernels: Any) -> PackedLinears:
     def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return gemm(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
 
-    return PackedLinears("native", kernels.pack_bf16_weight, linear, kernels.unpack_bf16_weight, packs_experts=True)
+    return PackedLinears("native", kernels.pack_bf16_weight, linear, kernels.unpack_bf16_weight, packs_experts=True,
+                         accepts=lambda weight: weight.shape[-1] % 2 == 0)
 
 
 def _native_kernels() -> Optional[Any]:

@@ -271,6 +271,16 @@ class LlamaForCausalLM(nn.Module):
             layer.pack_linears(scheme)
         self.pack_lm_head()
 
+    def packable(self, scheme: PackedLinears) -> bool:
+        """Whether ``scheme`` can pack every weight ``pack_linears`` would (checked before
+        packing anything: a model is packed whole or not at all)."""
+        weights = [self.lm_head]
+        for layer in self.layers:
+            weights += [getattr(layer, name) for name in layer._LINEAR_WEIGHTS]
+            if layer.moe is not None and scheme.packs_experts:
+                weights += [layer.moe.w13[0], layer.moe.w2[0]]
+        return all(scheme.accepts(w) for w in weights)
+
     def pack_lm_head(self) -> None:
         """(Re)pack the head from the dense ``lm_head``: the embedding table stays dense
         (tied heads share it), so the head gets its own packed copy."""
