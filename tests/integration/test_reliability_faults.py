@@ -17,6 +17,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Callable, Optional
 
 import httpx
 import pytest
@@ -30,8 +31,10 @@ pytestmark = pytest.mark.timeout(240)
 
 HEARTBEAT_S = 1.0  # every process (env); shorter makes CPU-starved CI machines see false deaths
 LONG = 400  # tokens of a stream that is still running when the fault hits
+LONGEST = 1000  # within the tiny model's 1024 positions: a stream no starved step loop finishes early
 MAX_OUTPUT = 1000  # the longest output the tiny Llama allows a 3-token prompt (max_model_len 1024)
-WORKER_ARGS = "--threads 1 --max-num-seqs 128 --num-kv-blocks 600"
+# KV for 50 streams of LONGEST tokens per worker without preemption (3,200 x 16 tokens).
+WORKER_ARGS = "--threads 1 --max-num-seqs 128 --num-kv-blocks 3200"
 
 
 class Stack:
@@ -82,22 +85,29 @@ def _long_body(i: int, max_tokens: int = LONG) -> dict:
             "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
 
 
-async def _streams_with_fault(stack: Stack, count: int, prefix: str, fault,
-                              max_tokens: int = LONG) -> tuple[list[SseResult], float]:
-    """Start ``count`` long streams, call ``fault()`` once every one has its first chunk,
+async def _streams_with_fault(stack: Stack, count: int, prefix: str, fault, max_tokens: int = LONG,
+                              rank_of: Optional[Callable[[int], int]] = None,
+                              victims: Optional[set[int]] = None) -> tuple[list[SseResult], float]:
+    """Start ``count`` long streams (stream i pinned to worker ``rank_of(i)`` when given),
+    call ``fault()`` once every stream in ``victims`` (default: all) has its first chunk,
     and collect them all; returns the results and the fault's monotonic time."""
     started: set[int] = set()
+    waited = set(range(count)) if victims is None else victims
 
     def first_chunk(i: int):
         return lambda res: started.add(i) or False
 
-    tasks = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i, max_tokens),
-                                          {"X-Request-Id": f"{prefix}-{i}"}, stop=first_chunk(i)))
+    def headers(i: int) -> dict:
+        pin = {} if rank_of is None else {"X-data-parallel-rank": str(rank_of(i))}
+        return {"X-Request-Id": f"{prefix}-{i}", **pin}
+
+    tasks = [asyncio.create_task(post_sse(stack.url, GENERATE, _long_body(i, max_tokens), headers(i),
+                                          stop=first_chunk(i)))
              for i in range(count)]
     deadline = time.monotonic() + 60
-    while len(started) < count and time.monotonic() < deadline:
+    while not waited <= started and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert len(started) == count, f"only {len(started)}/{count} streams started"
+    assert waited <= started, f"only {len(waited & started)}/{len(waited)} streams started"
     t_fault = time.monotonic()
     await asyncio.to_thread(fault)
     results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # none may hang
@@ -124,19 +134,26 @@ def test_worker_kill9_under_100_streams_then_launcher_restart(stack):
             health_during.append(stack.health())
             time.sleep(0.1)
 
-    results, t_kill = asyncio.run(_streams_with_fault(stack, 100, "kill", kill_and_probe_health))
+    # Half the streams pinned to each worker, so the victim certainly holds some; the kill
+    # comes once every stream on it has its first chunk, and their outputs are long enough
+    # (LONGEST) that none can finish first even on a starved machine.
+    rank_of = lambda i: i % 2  # noqa: E731
+    results, t_kill = asyncio.run(_streams_with_fault(stack, 100, "kill", kill_and_probe_health, LONGEST, rank_of,
+                                                      victims={i for i in range(100) if rank_of(i) == 0}))
     completed = failed = 0
-    for res in results:
+    for i, res in enumerate(results):
         _assert_well_formed(res)
         err = _error_chunk(res)
         if err is None:
-            assert len(res.tokens()) == LONG and res.chunks()[-1]["choices"][0]["finish_reason"] == "length"
+            assert rank_of(i) == 1, f"stream {i} on the killed worker completed"
+            assert len(res.tokens()) == LONGEST and res.chunks()[-1]["choices"][0]["finish_reason"] == "length"
             completed += 1
         else:
+            assert rank_of(i) == 0, f"stream {i} on the surviving worker failed: {err}"
             assert err["code"] == 500 and "died" in err["message"], err
             assert res.times[-1] - t_kill < 3.0, f"error came {res.times[-1] - t_kill:.1f}s after the kill"
             failed += 1
-    assert completed and failed, (completed, failed)  # both workers had streams
+    assert (completed, failed) == (50, 50)
     assert health_during == [200] * 5
 
     # The launcher restarts the worker; it registers again and takes requests pinned to its rank.
