@@ -36,7 +36,6 @@ import cProfile
 import ctypes
 import datetime
 import io
-import json
 import os
 import platform
 import pstats
@@ -51,13 +50,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
-from worker.engine.loading.demo_model import random_llama_weights  # noqa: E402
+from benchmarks.engine_throughput import write_llama  # noqa: E402
 
 # mode -> EngineConfig overrides.  The async-scheduling work adds e.g.
 # "async": {"async_scheduling": True} (and "sync" then pins it off).
@@ -71,14 +69,7 @@ NUM_LOGITS = 8  # precomputed logits tensors, cycled: greedy picks change from s
 
 
 def write_model(out: Path, vocab: int, seed: int = 0) -> Path:
-    cfg = dict(TINY_LLAMA, vocab_size=vocab)
-    config = {**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    save_file(random_llama_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return write_llama(out, dict(TINY_LLAMA, vocab_size=vocab), seed)
 
 
 class StandInModel:

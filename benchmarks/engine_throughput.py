@@ -37,7 +37,11 @@ SHAPES = {"125m": LLAMA_125M, "8x512": LLAMA_8X512}
 
 
 def build_model(out: Path, seed: int = 0, shape: str = "125m") -> Path:
-    cfg = dict(SHAPES[shape])
+    return write_llama(out, dict(SHAPES[shape]), seed)
+
+
+def write_llama(out: Path, cfg: dict, seed: int = 0) -> Path:
+    """A random-weight Llama checkpoint of shape ``cfg`` (config.json keys) in ``out``."""
     config = {**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
               "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
