@@ -47,21 +47,31 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs
     return out
 
 
+def _by_expert(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
+    """The (token, expert) pairs sorted by expert: (sort order, pairs per expert, each
+    pair's token, the pairs' input rows)."""
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    token_of = order // topk_ids.shape[1]
+    return order, counts, token_of, x.index_select(0, token_of)
+
+
+def _weighted_sum(x: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+                  token_of: torch.Tensor) -> torch.Tensor:
+    """Each pair's output ``y`` times its routing weight, added back to its token."""
+    y.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype))
+    return x.new_zeros(x.shape).index_add_(0, token_of, y)
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, H]``: pairs sorted by expert, one
     grouped GEMM per projection, one scatter-add back to the tokens."""
-    t, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0])
-    token_of = order // top_k
-    xs = x.index_select(0, token_of)
+    order, counts, token_of, xs = _by_expert(x, topk_ids, w13.shape[0])
     offsets = counts.cumsum(0).to(torch.int32)
     h = act(_grouped_linear(xs, w13, counts, offsets))
-    y = _grouped_linear(h, w2, counts, offsets)
-    y.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype))
-    return x.new_zeros(x.shape).index_add_(0, token_of, y)
+    return _weighted_sum(x, _grouped_linear(h, w2, counts, offsets), topk_weights, order, token_of)
 
 
 def fused_experts_packed(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
@@ -69,20 +79,14 @@ def fused_experts_packed(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torc
     """``fused_experts_torch`` over per-expert packed weights: the same sort by expert,
     then ``linear`` (the scheme's GEMM) on each expert's contiguous rows.  A token's
     contributions are summed in expert order whatever else is in the batch."""
-    t, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=len(w13)).tolist()
-    token_of = order // top_k
-    xs = x.index_select(0, token_of)
-    y = x.new_empty((flat.numel(), x.shape[1]))
+    order, counts, token_of, xs = _by_expert(x, topk_ids, len(w13))
+    y = torch.empty_like(xs)
     start = 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(counts.tolist()):
         if c:
             y[start:start + c] = linear(act(linear(xs[start:start + c], w13[e], None)), w2[e], None)
             start += c
-    y.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype))
-    return x.new_zeros(x.shape).index_add_(0, token_of, y)
+    return _weighted_sum(x, y, topk_weights, order, token_of)
 
 
 class SparseMoeBlock(nn.Module):
