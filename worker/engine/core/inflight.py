@@ -17,11 +17,15 @@ step's sampled ids right before the forward (``placeholder_fill``).
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+
+
+SWITCH_INTERVAL_S = 0.0002  # GIL switch interval with a device thread (see StepExecutor)
 
 
 @dataclass(eq=False)
@@ -88,6 +92,11 @@ class StepExecutor:
         self.threaded = threaded
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         if threaded:
+            # The device thread must get the GIL back as soon as its wait (a GPU sync, a
+            # kernel) returns, or every step's tail waits up to a whole switch interval
+            # (5 ms by default) behind the host's Python: 1.14x -> 1.57x decode tok/s at
+            # batch 256 in benchmarks/async_overlap.py.  Process-wide, hence only lowered.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             # One thread: steps run one at a time, in order (the next step's placeholders
             # read the previous one's samples; the KV cache is written in step order).
             self._pool = concurrent.futures.ThreadPoolExecutor(

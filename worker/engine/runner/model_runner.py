@@ -53,6 +53,7 @@ class RunPlan:
     extras: Optional[StepExtras]
     holes: list[int]  # input positions whose token the step in flight samples
     hole_seqs: list  # ... the sequence each belongs to
+    inputs: Optional[StepInputs] = None  # an eager step's tensors and attention plan, made with the plan
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -384,7 +385,15 @@ class ModelRunner:
             extras = StepExtras()
             for contributor in self._contributors:
                 contributor.contribute(scheduled, layout, extras)
-        return RunPlan(layout, extras, holes, hole_seqs)
+        plan = RunPlan(layout, extras, holes, hole_seqs)
+        if self.device.type == "cpu" and self.parallel is LOCAL and \
+                (extras is None or (extras.lora is None and not extras.eager)):
+            # The input tensors (zero-copy views on CPU) and the attention backend's plan
+            # are host work too: made here, they overlap the step in flight (async
+            # scheduling) instead of following it.  (CUDA stages them through pinned
+            # buffers the device side owns: made there.)
+            plan.inputs = self.to_inputs(layout)
+        return plan
 
     @torch.inference_mode()
     def run(self, plan: RunPlan, fill: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
@@ -394,6 +403,8 @@ class ModelRunner:
         (``plan.holes``) on the device, before the forward."""
         layout, extras = plan.layout, plan.extras
         self._extras = extras
+        if plan.inputs is not None:
+            return self.execute(self._filled(plan.inputs, fill))
         if extras is None or (extras.lora is None and not extras.eager):
             return self.run_layout(layout, fill)
         if extras.eager:
