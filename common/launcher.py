@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="gateways serve /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan each engine step while the previous one runs (vLLM's flag; default: on wherever "
-                        "it can run, see the README)")
+                   help="plan each engine step while the previous one runs (vLLM's flag; default: on for CUDA "
+                        "workers, off for CPU workers; see the README)")
     p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                    help="workers' speculative decoding (vLLM's JSON, method ngram)")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan step N+1 while step N runs (vLLM's flag); default: on wherever it can run "
-                        "(off under tensor parallelism, speculative decoding, routed-experts capture)")
+                   help="plan step N+1 while step N runs (vLLM's flag); default: on for CUDA (off under tensor "
+                        "parallelism, speculative decoding, routed-experts capture), off on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tokens-only", action="store_true", help="serve without a tokenizer")
     p.add_argument("--served-model-name", default=None)

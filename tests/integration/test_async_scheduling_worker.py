@@ -1,4 +1,5 @@
-"""Real `tokserve worker` processes with async scheduling (the default) and with
+"""Real `tokserve worker` processes with `--async-scheduling` (the CUDA default; asked
+for here, as CPU workers default to the synchronous step) and with
 `--no-async-scheduling` stream the same tokens, logprobs and finish reasons for a
 concurrent mix of requests: greedy, seeded sampling with n > 1 (choices forked when
 planning), logprobs, stop ids, a penalty request (its steps run synchronously) beside
@@ -59,10 +60,24 @@ def _serve(llama_dir, tmp_path, *flags):
 
 
 def test_worker_streams_the_same_with_and_without_async_scheduling(llama_dir, tmp_path):
-    overlapped, log_on = _serve(llama_dir, tmp_path / "on")
+    overlapped, log_on = _serve(llama_dir, tmp_path / "on", "--async-scheduling")
     synchronous, log_off = _serve(llama_dir, tmp_path / "off", "--no-async-scheduling")
     assert "async scheduling on" in log_on, log_on[-2000:]
     assert "async scheduling off" in log_off, log_off[-2000:]
     assert overlapped == synchronous
     assert all(e["finish"] is not None for r in overlapped.values() for e in r.values())
     assert sorted(overlapped["r1"]) == [0, 1, 2]
+
+
+def test_cpu_worker_defaults_to_the_synchronous_step(llama_dir, tmp_path):
+    """No flag on a CPU worker: the synchronous step, as vLLM's CPU platform."""
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        procs.worker(broker, 0, "--model", str(llama_dir), "--threads", "1", "--num-kv-blocks", "64",
+                     "--log-level", "INFO")
+        try:
+            wait_for_workers(broker.frontend, 1, timeout=120)
+        except TimeoutError:
+            pytest.fail("worker did not register\n" + procs.tails())
+    log = (tmp_path / "worker0.log").read_text()
+    assert "async scheduling off on CPU" in log and "async scheduling off" in log, log[-2000:]

@@ -41,7 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # vLLM's --async-scheduling: plan step N+1 while step N runs (core/inflight.py).
-    # None: on wherever it can run; False: --no-async-scheduling.
+    # None: on for CUDA where it can run, off on CPU (as vLLM's CPU platform); True / False: forced.
     async_scheduling: Optional[bool] = None
     max_logprobs: int = 20
     seed: int = 0

@@ -120,7 +120,7 @@ def request_fixture(request):
 
 def test_requests_reading_their_history_run_synchronously(qwen2_dir):
     """A penalty request alone: every step synchronous (its sampling reads the last token)."""
-    engine = make_engine(qwen2_dir)
+    engine = make_engine(qwen2_dir, async_scheduling=True)
     engine.generate([request("p", [5, 9, 33, 71], max_tokens=6, ignore_eos=True, presence_penalty=1.0)])
     assert engine.step_counts.get("overlapped", 0) == 0 and engine.step_counts["synchronous"] >= 6
     engine.generate([request("g", [5, 9, 33, 71], max_tokens=6, ignore_eos=True)])
@@ -137,7 +137,7 @@ def test_abort_while_a_step_is_in_flight(llama_dir):
     prompt = random_prompts(1, 10, 11, seed=5)[0]
     full = make_engine(llama_dir, async_scheduling=False).generate(
         [request("a", prompt, max_tokens=30, ignore_eos=True)])["a"][0].token_ids
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, async_scheduling=True)
     engine.add_request(request("a", prompt, max_tokens=30, ignore_eos=True))
     deltas = []
     while sum(len(d.token_ids) for d in deltas) < 5:
@@ -156,7 +156,7 @@ def test_weight_changes_wait_for_the_step_in_flight(llama_dir):
     """RL control drains the step in flight before it touches the weights or the cache;
     the drained outputs still reach the client with the next step."""
     prompt = random_prompts(1, 10, 11, seed=9)[0]
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, async_scheduling=True)
     engine.add_request(request("w", prompt, max_tokens=12, ignore_eos=True))
     deltas = []
     while not deltas:
@@ -175,6 +175,14 @@ def test_no_async_scheduling_flag_pins_the_synchronous_step(llama_dir):
     engine = make_engine(llama_dir, async_scheduling=False)
     engine.generate([request("s", [3, 4, 5], max_tokens=5, ignore_eos=True)])
     assert engine.step_counts["synchronous"] >= 5 and not engine.executor.threaded
+
+
+def test_cpu_default_is_the_synchronous_step_and_the_flag_turns_it_on(llama_dir):
+    """As vLLM's CPU platform: no flag, no overlap on CPU; --async-scheduling overlaps."""
+    assert not make_engine(llama_dir).executor.threaded
+    on = make_engine(llama_dir, async_scheduling=True)
+    on.generate([request("s", [3, 4, 5], max_tokens=5, ignore_eos=True)])
+    assert on.executor.threaded and on.step_counts["overlapped"] >= 4
 
 
 @pytest.mark.cuda

@@ -129,8 +129,14 @@ class EngineCore:
                  "on" if self._async else "off")
 
     def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
-        """vLLM's --async-scheduling (on unless --no-async-scheduling), where it can run."""
+        """vLLM's --async-scheduling, where it can run: on by default on CUDA; on CPU only
+        when asked for (as vLLM's CPU platform, which turns it off: there the forward runs
+        on the host's own cores, and side by side it was no faster, 15 % slower at batch 1:
+        benchmarks/README.md, "Async scheduling")."""
         if config.async_scheduling is False:
+            return False
+        if config.async_scheduling is None and self.device.type != "cuda":
+            log.info("async scheduling off on CPU (as vLLM's CPU platform; --async-scheduling turns it on)")
             return False
         why = None
         if self.tp_leader is not None:
