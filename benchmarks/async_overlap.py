@@ -25,9 +25,11 @@ timed, then ``--steps`` decode steps are, one by one (every sequence decodes one
 token per timed step), then the requests finish untimed.  Rounds alternate the
 modes and print every round; the table gives medians over rounds.
 
-Modes map to EngineConfig options (``MODES``).  Only ``sync`` exists today: the
-async-scheduling work adds its mode there, and this run then compares the two in
-the same process, rounds alternating.
+Modes map to EngineConfig options (``MODES``): ``sync`` (``--no-async-scheduling``)
+and ``async`` (async scheduling, the default: step N+1 is planned and launched while
+step N runs on the executor's thread, step N's outputs processed meanwhile).  Both run
+in the same process, rounds alternating; the table prints each one's tok/s against
+the first mode's.
 """
 from __future__ import annotations
 
@@ -57,9 +59,8 @@ from common.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
 from benchmarks.engine_throughput import write_llama  # noqa: E402
 
-# mode -> EngineConfig overrides.  The async-scheduling work adds e.g.
-# "async": {"async_scheduling": True} (and "sync" then pins it off).
-MODES: dict[str, dict] = {"sync": {}}
+# mode -> EngineConfig overrides: the synchronous step, and async scheduling (the default).
+MODES: dict[str, dict] = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True}}
 
 # The real model never runs (the stand-in replaces it); the smallest Llama keeps the
 # engine's start-up and its KV cache cheap.
@@ -254,16 +255,18 @@ def print_profile(profiler: cProfile.Profile, steps: int, top: int) -> None:
 
 # --- where the host time goes ------------------------------------------------------------------
 # (owner attribute of the engine, method, label), in step order; none contains another except
-# _sample, which contains select rows / logits / sampler: its remainder is the sampling metadata.
+# _launch, which contains the indented ones: its remainder is mostly the sampling metadata.
+# The "device step" phases run on the executor's thread under async scheduling (then they
+# overlap the host's; the profile is of the first mode: run it with --modes sync async).
 PHASES = [("", "_schedule", "schedule (scheduler + hooks)"),
-          ("runner", "layout", "runner: batch layout"),
-          ("runner", "to_inputs", "runner: input tensors + attention plan"),
-          ("scheduler", "update_after_step", "scheduler.update_after_step"),
-          ("", "_sample", "_sample"),
+          ("", "_launch", "launch (host plan of the step)"),
+          ("runner", "plan", "  runner: batch layout"),
+          ("scheduler", "update_after_step", "  scheduler.update_after_step"),
           ("", "_select_rows", "  select rows"),
-          ("runner", "compute_logits", "  runner.compute_logits"),
-          ("", "sampler", "  sampler"),
-          ("", "_process_outputs", "process outputs (tolist, append, stops)"),
+          ("runner", "to_inputs", "device step: input tensors + attention plan"),
+          ("runner", "compute_logits", "device step: runner.compute_logits"),
+          ("", "sampler", "device step: sampler"),
+          ("", "_process_outputs", "process outputs (append, stops)"),
           ("", "_deltas", "Engine: CompletionDelta packing")]
 
 
@@ -335,10 +338,11 @@ def print_phases(phases: PhaseTimes, r: Round, device_s: float) -> None:
     rows: list[tuple[str, list[float]]] = []
     for _, _, label in PHASES:
         rows.append((label, [p.get(label, 0.0) * us for p in phases.steps]))
-        if label == "  sampler":  # what _sample spends outside its timed parts: SamplingMetadata.build mostly
-            rows.append(("  sampling metadata + rest of _sample",
-                         [(p.get("_sample", 0.0) - p.get("  select rows", 0.0) - p.get("  runner.compute_logits", 0.0)
-                           - p.get("  sampler", 0.0)) * us for p in phases.steps]))
+        if label == "  select rows":  # what _launch spends outside its timed parts: SamplingMetadata.build mostly
+            rows.append(("  sampling metadata + rest of launch",
+                         [(p.get("launch (host plan of the step)", 0.0) - p.get("  runner: batch layout", 0.0)
+                           - p.get("  scheduler.update_after_step", 0.0) - p.get("  select rows", 0.0)) * us
+                          for p in phases.steps]))
     tops = [label for label, _ in rows if not label.startswith("  ")]
     rows.append(("stand-in wait past T (timer overshoot)", [(w - device_s) * us for w in r.device_s]))
     rows.append(("rest (step/tick hooks, forward plumbing, phase timers)",

@@ -163,15 +163,17 @@ def vllm_server(args, model_dir: str, log_dir: str, *, name: str = "vllm", dtype
 
 
 def tokserve_server(args, model_dir: str, log_dir: str, *, name: str = "tokserve", dtype: Optional[str] = None,
-                    pythonpath: Optional[str] = None, port: int = 0) -> ManagedServer:
+                    pythonpath: Optional[str] = None, port: int = 0, extra_worker_args: str = "") -> ManagedServer:
     """``dtype`` None: ``args.dtype``; ``pythonpath``: run the stack from that source tree
-    (another branch's engine) instead of the one this benchmark imports."""
+    (another branch's engine) instead of the one this benchmark imports; ``extra_worker_args``:
+    after ``args.worker_args``."""
     port = port or args.port or free_port()
     threads = ["--threads", str(args.threads)] if args.threads else []
     worker_args = " ".join([*threads, *dtype_flag(args.dtype if dtype is None else dtype),
                             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                            "--kv-cache-memory-gb", str(args.kv_cache_gb), args.worker_args]).strip()
+                            "--kv-cache-memory-gb", str(args.kv_cache_gb), args.worker_args,
+                            extra_worker_args]).strip()
     argv = [sys.executable, "-m", "common.cli", "serve", "--model", model_dir, "--port", str(port),
             "--host", "127.0.0.1", "--log-level", "warning",
             "--frontend", f"ipc://{log_dir}/{name}-frontend", "--backend", f"ipc://{log_dir}/{name}-backend",

@@ -61,10 +61,13 @@ class Engine:
     name: str
     system: str  # "ours" | "vllm"
     dtype: str  # the --dtype given; "auto" = no flag
+    worker_flags: str = ""  # ours: more worker flags
 
 
 ENGINES = {e.name: e for e in (Engine("ours", "ours", "auto"), Engine("vllm", "vllm", "auto"),
-                               Engine("ours-fp32", "ours", "float32"), Engine("vllm-fp32", "vllm", "float32"))}
+                               Engine("ours-fp32", "ours", "float32"), Engine("vllm-fp32", "vllm", "float32"),
+                               # issue 41: async scheduling asked for (CPU workers default to the synchronous step)
+                               Engine("ours-async", "ours", "auto", "--async-scheduling"))}
 REFERENCE = "ours-fp32"  # the logprob gap is measured against this engine
 
 
@@ -280,7 +283,8 @@ def ratio(a: float, b: float) -> float:
     return a / b if b and a == a and b == b else float("nan")
 
 
-RATIOS = [("ours", "vllm"), ("ours", "ours-fp32"), ("ours-fp32", "vllm-fp32"), ("vllm", "vllm-fp32")]
+RATIOS = [("ours", "vllm"), ("ours", "ours-fp32"), ("ours-fp32", "vllm-fp32"), ("vllm", "vllm-fp32"),
+          ("ours-async", "ours")]
 
 
 def format_report(medians: dict[str, dict[str, dict]], workloads: list[Workload], dtypes: dict[str, str]) -> str:
@@ -393,7 +397,8 @@ def make_servers(args, engines: list[str], model_dir: str, log_dir: str,
     for name in engines:
         e = ENGINES[name]
         if e.system == "ours":
-            s = tokserve_server(args, model_dir, log_dir, name=name, dtype=e.dtype, pythonpath=args.ours_tree)
+            s = tokserve_server(args, model_dir, log_dir, name=name, dtype=e.dtype, pythonpath=args.ours_tree,
+                                extra_worker_args=e.worker_flags)
         else:
             s = vllm_server(args, model_dir, log_dir, name=name, dtype=e.dtype)
         s.env["VLLM_SERVER_DEV_MODE"] = "1"  # GET /server_info: the dtype each really serves

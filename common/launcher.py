@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory per worker")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="gateways serve /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan each engine step while the previous one runs (vLLM's flag; default: on for CUDA "
+                        "workers, off for CPU workers; see the README)")
     p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                    help="workers' speculative decoding (vLLM's JSON, method ngram)")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
@@ -218,6 +221,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
                             ("--max-cpu-loras", args.max_cpu_loras)):
             if value is not None:
                 worker_args += [flag, str(value)]
+    if args.async_scheduling is not None:
+        worker_args.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.speculative_config:
         worker_args += ["--speculative-config", args.speculative_config]
     so_config = None

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while step N runs (vLLM's flag); default: on for CUDA (off under tensor "
+                        "parallelism, speculative decoding, routed-experts capture), off on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tokens-only", action="store_true", help="serve without a tokenizer")
     p.add_argument("--served-model-name", default=None)
@@ -167,7 +170,8 @@ def engine_config_from_args(args):
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        enable_chunked_prefill=not args.no_chunked_prefill, max_logprobs=args.max_logprobs,
+                        enable_chunked_prefill=not args.no_chunked_prefill,
+                        async_scheduling=args.async_scheduling, max_logprobs=args.max_logprobs,
                         seed=args.seed, served_model_name=args.served_model_name, tokens_only=args.tokens_only,
                         num_threads=args.threads, enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear,
                         cpu_attention=args.cpu_attention, attention_backend=args.attention_backend,

@@ -333,3 +333,14 @@ def test_disaggregation_roles_reach_broker_and_workers():
     for argv in (["--encoder-workers", "1"], ["--workers", "2", "--prefill-workers", "1", "--encoder-workers", "1"]):
         with pytest.raises(SystemExit, match="at least one worker for the language model"):
             plan_children(build_parser().parse_args(argv), "/m")
+
+
+def test_async_scheduling_flags_reach_workers():
+    from common.launcher import build_parser, plan_children
+
+    for flags, expected in (([], None), (["--async-scheduling"], "--async-scheduling"),
+                            (["--no-async-scheduling"], "--no-async-scheduling")):
+        _, workers, gateways = plan_children(build_parser().parse_args(flags), "/m")
+        passed = [a for a in workers[0].argv if a.endswith("async-scheduling")]
+        assert passed == ([expected] if expected else [])
+        assert not any(a.endswith("async-scheduling") for g in gateways for a in g.argv)

@@ -40,6 +40,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # capped by the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's --async-scheduling: plan step N+1 while step N runs (core/inflight.py).
+    # None: on for CUDA where it can run, off on CPU (as vLLM's CPU platform); True / False: forced.
+    async_scheduling: Optional[bool] = None
     max_logprobs: int = 20
     seed: int = 0
     served_model_name: Optional[str] = None

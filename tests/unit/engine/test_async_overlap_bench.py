@@ -11,6 +11,7 @@ T = 0.001  # the stand-in's device time: the only wait in these tests
 def test_measure_times_decode_steps_around_the_stand_in(tmp_path):
     model = async_overlap.write_model(tmp_path, vocab=64)
     engine = async_overlap.build_engine(model, "sync", max_batch=4, max_model_len=32, device_s=T)
+    assert not engine.executor.threaded
     try:
         r = async_overlap.measure(engine, "sync", 4, steps=5, warmup=1, prompt_len=4)
         assert not engine.has_unfinished()
@@ -29,5 +30,23 @@ def test_main_prints_rounds_table_and_profile(capsys):
                                "--device-ms", "1", "--vocab", "64", "--profile", "3", "--profile-top", "5"]) == 0
     out = capsys.readouterr().out
     assert "round 0   sync batch    1" in out and "round 0   sync batch    3" in out
+    assert "round 0  async batch    1" in out and "x" in out.split("medians over rounds")[1]
     assert "medians over rounds" in out
     assert "host time per decode step at batch 3" in out and "cProfile over 3 decode steps" in out
+
+
+def test_async_mode_overlaps_and_decodes_the_same_tokens(tmp_path):
+    """The async mode plans each step while the previous one runs: every timed step
+    still gives one token per sequence, no forward is wasted (length is known ahead),
+    and the engine counts the steps as overlapped."""
+    model = async_overlap.write_model(tmp_path, vocab=64)
+    engine = async_overlap.build_engine(model, "async", max_batch=4, max_model_len=32, device_s=T)
+    try:
+        assert engine.executor.threaded
+        r = async_overlap.measure(engine, "async", 4, steps=5, warmup=1, prompt_len=4)
+        assert not engine.has_unfinished()
+    finally:
+        engine.close()
+    assert r.tokens == 4 * 5 and len(r.step_s) == 5
+    assert engine.runner.model.forwards == 1 + 1 + 5 + 1
+    assert engine.step_counts["overlapped"] == 1 + 1 + 5 + 1 and not engine.step_counts["synchronous"]

@@ -177,14 +177,14 @@ def test_step_cap_and_backoff_limit_what_is_verified(llama_dir):
 
     engine = _spec_engine(llama_dir, cap=6)
     seen = []
-    forward = engine.runner.forward
+    plan = engine.runner.plan
 
     def spy(scheduled):
         decodes = [s for s in scheduled if s.num_new_tokens - len(s.spec) == 1 and s.seq.num_output_tokens]
         seen.append((len(decodes), sum(len(s.spec) for s in decodes)))
-        return forward(scheduled)
+        return plan(scheduled)
 
-    engine.runner.forward = spy
+    engine.runner.plan = spy
     prompts = _repetitive(4, seed=6)
     want = [r[0].token_ids for r in _run(make_engine(llama_dir), prompts, max_tokens=24, ignore_eos=True)]
     assert [r[0].token_ids for r in _run(engine, prompts, max_tokens=24, ignore_eos=True)] == want

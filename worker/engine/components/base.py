@@ -17,6 +17,10 @@ Hook order in a request's life::
                                   it) or WAIT (the component holds it and hands it to the
                                   scheduler later itself); ``held``: an earlier component
                                   already returned WAIT (register state, start nothing)
+    can_overlap(request)          once, after admit: False when the request's steps need the
+                                  previous step's outputs on the host before they are planned
+                                  (a grammar's state, drafts, adapter or encoder inputs): its
+                                  steps then run synchronously (async scheduling, core/step_pipeline.py)
     tick()                        housekeeping: every step, and while the worker idles
     before_schedule()             every model step, before the scheduler runs
     wait_idle()                   nothing can be scheduled: wait briefly for your own async
@@ -53,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
-HOOKS = ("check", "admit", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled",
+HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled",
          "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
          "on_kv_cache_allocated", "close")
@@ -74,6 +78,13 @@ class EngineComponent:
         ``held``: an earlier component returned WAIT.  Raising undoes the admission
         (every component's ``forget`` runs)."""
         return READY
+
+    def can_overlap(self, request: "Request") -> bool:
+        """Whether the request's steps may be planned while its previous step is still in
+        flight (async scheduling): the plan then cannot know the token that step samples.
+        False when this feature needs that token on the host first -- the request's steps
+        run synchronously, the others keep overlapping."""
+        return True
 
     def holds_steps(self) -> bool:
         """True while the engine must not step at all (sleep released its KV cache or
@@ -141,6 +152,7 @@ class Hooks:
     # typed views (the attributes are set above)
     check: list[Callable[..., Any]]
     admit: list[Callable[..., str]]
+    can_overlap: list[Callable[..., bool]]
     holds_steps: list[Callable[[], bool]]
     tick: list[Callable[[], None]]
     before_schedule: list[Callable[[], None]]

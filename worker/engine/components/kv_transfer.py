@@ -38,6 +38,11 @@ class KvTransferComponent(EngineComponent):
         self._closing: dict[str, Optional[dict]] = {}
 
     # --- admission ---------------------------------------------------------------------
+    def can_overlap(self, request) -> bool:
+        # A prefill leg's blocks are handed to the transfer server when it finishes: no
+        # step that might still write them may be in flight then.
+        return request.req.kv_transfer_params is None
+
     def check(self, req, mm) -> None:
         """Requests whose KV blocks move between workers: what this engine refuses."""
         check_shape(req.kv_transfer_params, KV_PARAM)  # bounded, plain JSON before anything reads it

@@ -75,6 +75,11 @@ class LoRAComponent(EngineComponent):
             self.pinned[request.request_id] = key
         return READY
 
+    def can_overlap(self, request) -> bool:
+        # An adapter is loaded into a device slot while the batch is planned: never while a
+        # step that may read the slot is in flight.
+        return request.req.lora_name is None
+
     def on_scheduled(self, scheduled) -> None:
         # Each adapter's rows contiguous: the CPU path multiplies views instead of
         # gathering and scattering rows (stable: priority order within an adapter).

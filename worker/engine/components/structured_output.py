@@ -234,6 +234,11 @@ class StructuredOutputComponent(EngineComponent):
         entry.sequences.add(seq.seq_id)
         return m
 
+    def can_overlap(self, request) -> bool:
+        # The next bitmask needs the matcher advanced by the token in flight.  (vLLM
+        # computes it while the step runs; here such a request's steps run synchronously.)
+        return request.request_id not in self.grammars
+
     def process_logits(self, seqs, specs, logits: torch.Tensor) -> None:
         if not self.grammars:
             return

@@ -7,6 +7,7 @@ packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from common.transfer_peers import format_address
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.inflight import DeviceStep, StepExecutor, placeholder_fill
 from worker.engine.disagg.kv_transfer import KvTransfer
 from worker.engine.components.base import WAIT, EngineComponent, Hooks
 from worker.engine.components.kv_transfer import KvTransferComponent
@@ -42,7 +44,8 @@ from worker.engine.core.request import FinishReason, Request, EngineSequence
 from worker.engine.rl.control import RLControl
 from worker.engine.components.routing_capture import RoutingCapture
 from worker.engine.sample.sampler import Sampler
-from worker.engine.sample.sampling_metadata import SamplingMetadata, SamplingRow, make_generator, tokenize_bad_words
+from worker.engine.sample.sampling_metadata import (SamplingMetadata, SamplingRow, make_generator,
+                                                    reads_output_history, tokenize_bad_words)
 from worker.engine.core.scheduler import ScheduledSeq, Scheduler
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.draft_model import DraftModelSpeculator
@@ -111,10 +114,43 @@ class EngineCore:
         self.hooks = Hooks(self.components)
         self._sampler_masks = any(c.needs_sampler_masks for c in self.components)
         self._run_step = self.ec.encode_step if self.ec.encoder_only else self._model_step
-        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d",
-                 mc.architecture, device, config.torch_dtype,
+        # Async scheduling (core/inflight.py): the step in flight, outputs finished outside
+        # a step (drain), the requests whose steps run synchronously.
+        self._async = self._resolve_async_scheduling(config)
+        self.executor = StepExecutor(self._async, device)
+        self._inflight: Optional[DeviceStep] = None
+        self._drained: list[SequenceOutput] = []
+        self._sync_only: set[str] = set()
+        self.step_counts: collections.Counter = collections.Counter()  # model steps: overlapped / synchronous
+        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d, "
+                 "async scheduling %s", mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
-                 self.block_manager.num_blocks, config.block_size, self.max_model_len)
+                 self.block_manager.num_blocks, config.block_size, self.max_model_len,
+                 "on" if self._async else "off")
+
+    def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
+        """vLLM's --async-scheduling, where it can run: on by default on CUDA; on CPU only
+        when asked for (as vLLM's CPU platform, which turns it off: there the forward runs
+        on the host's own cores, and side by side it was no faster, 15 % slower at batch 1:
+        benchmarks/README.md, "Async scheduling")."""
+        if config.async_scheduling is False:
+            return False
+        if config.async_scheduling is None and self.device.type != "cuda":
+            log.info("async scheduling off on CPU (as vLLM's CPU platform; --async-scheduling turns it on)")
+            return False
+        why = None
+        if self.tp_leader is not None:
+            why = "tensor parallelism broadcasts each step's host inputs to the followers"
+        elif self.ec.encoder_only:
+            why = "an encoder-only worker runs no language-model step"
+        elif self.spec is not None:
+            why = "speculative decoding proposes each step's drafts from the last token, on the host"
+        elif config.enable_return_routed_experts:
+            why = "routed-experts capture reads a finished choice's rows while the next step writes the store"
+        if why is not None:
+            (log.warning if config.async_scheduling else log.info)("async scheduling off: %s", why)
+            return False
+        return True
 
     def _build_model_and_cache(self, config: EngineConfig, mc: ModelConfig, device: torch.device) -> None:
         """Model (with its tensor-parallel followers), tokenizer, runner, KV cache,
@@ -246,6 +282,9 @@ class EngineCore:
         except BaseException:
             self.forget_request(request)
             raise
+        if not (all(ok(request) for ok in self.hooks.can_overlap)
+                and not reads_output_history(seq.sampling_row)):
+            self._sync_only.add(request.request_id)  # its steps run synchronously
         if not held:
             self.scheduler.add(seq)
 
@@ -299,6 +338,7 @@ class EngineCore:
 
     def forget_request(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
+        self._sync_only.discard(request.request_id)
         if self.requests.pop(request.request_id, None) is not None:
             for forget in self.hooks.forget:
                 forget(request)
@@ -327,7 +367,10 @@ class EngineCore:
         if request is None:
             return []
         self.forget_request(request)
-        outs: list[SequenceOutput] = []
+        # Outputs a control command finished early go first: the client gets every token.
+        outs = [o for o in self._drained if o.request is request]
+        if outs:
+            self._drained = [o for o in self._drained if o.request is not request]
         for seq in request.sequences:
             if not seq.is_finished():
                 seq.finish(FinishReason.ABORT)
@@ -341,7 +384,9 @@ class EngineCore:
         return outs
 
     def close(self) -> None:
-        """Stop the tensor-parallel followers (idempotent; nothing to do at TP=1)."""
+        """Stop the step executor and the tensor-parallel followers (idempotent)."""
+        self.drain()
+        self.executor.shutdown()
         for close in self.hooks.close:
             close()
         if self.tp_leader is not None:
@@ -349,7 +394,7 @@ class EngineCore:
             self.tp_leader = None
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._request_errors)
+        return bool(self.requests or self._request_errors or self._drained) or self._inflight is not None
 
     def load(self) -> WorkerLoad:
         load = WorkerLoad(running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
@@ -374,51 +419,49 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[SequenceOutput]:
         if any(held() for held in self.hooks.holds_steps):  # asleep: requests wait for wake_up
-            return []
+            return self._take_drained()
         self.tick()
         return self._run_step()  # _model_step (an encoder-only engine: EncoderDisaggregation.encode_step)
 
     def _model_step(self) -> list[SequenceOutput]:
-        """nano-vllm's step: schedule, run the model, sample, process the outputs."""
+        """nano-vllm's step -- schedule, run the model and sample, process the outputs --
+        with async scheduling: this step is planned and launched while the previous one
+        still runs on the device, whose outputs are processed while this one runs.  A
+        step with a choice that cannot be planned before its last token is known
+        (``_overlaps``) first finishes the step in flight and runs synchronously."""
+        outs = self._take_drained()
         scheduled = self._schedule()
         if not scheduled:
-            return []
-        hidden = self.runner.forward(scheduled)
+            return outs + self._finish_inflight()
+        overlap = self._async and self._overlaps(scheduled)
+        if not overlap and self._inflight is not None:
+            outs += self._finish_inflight()  # the plan reads what that step samples
+            scheduled = [s for s in scheduled if not s.seq.is_finished()]
+            if not scheduled:
+                return outs
+        step = self._launch(scheduled)
+        self.step_counts["overlapped" if overlap else "synchronous"] += 1
+        outs += self._finish_inflight()  # the previous step's outputs, while this one runs
+        if overlap:
+            self._inflight = step
+        else:
+            outs += self._finish(step)
+        return outs
+
+    def _overlaps(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether every choice of the plan can run with its last token still in flight."""
+        sync_only = self._sync_only
+        if not sync_only:
+            return True
+        return not any(s.seq.request.request_id in sync_only for s in scheduled)
+
+    def _launch(self, scheduled: list[ScheduledSeq]) -> DeviceStep:
+        """Plan the step on the host (layout, logit rows, forks, sampling metadata) and
+        hand it to the executor, which runs it after the step in flight."""
+        run_plan = self.runner.plan(scheduled)
         self.scheduler.update_after_step(scheduled)
-        sampled = self._sample(hidden, scheduled)
-        if sampled is None:
-            return []
-        return self._process_outputs(*sampled)
-
-    def _schedule(self) -> list[ScheduledSeq]:
-        """The step's batch, with the components' hooks around the scheduler."""
-        if not self.scheduler.has_unfinished():  # only pulls in flight: wait for one a little
-            any(wait() for wait in self.hooks.wait_idle)
-        for hook in self.hooks.before_schedule:  # speculative decoding proposes its drafts
-            hook()
-        out = self.scheduler.schedule()
-        if not out:
-            if self.scheduler.num_waiting and not self.scheduler.num_running:
-                self._stalled()
-            return []
-        for hook in self.hooks.on_scheduled:  # LoRA orders the batch, draft models fill their slots
-            hook(out.scheduled)
-        return out.scheduled
-
-    def _sample(self, hidden: torch.Tensor, scheduled: list[ScheduledSeq]):
-        """Logits of the rows that need them: prompt positions are scored, sequences at
-        their end sample (choices of n>1 requests fork here).  None: nothing sampled;
-        else (sampling sequences, their drafts, SamplerOutput)."""
         prompt_jobs, sample_seqs, rows, specs = self._select_rows(scheduled)
-        if not rows:
-            return None
-        logits = self.runner.compute_logits(hidden, rows)
         num_prompt_rows = len(rows) - len(sample_seqs) - sum(len(sp) for sp in specs)
-        if prompt_jobs:
-            self._score_prompts(prompt_jobs, logits[:num_prompt_rows])
-        if not sample_seqs:
-            return None
-
         # Each sampling choice's first logits row; a choice verifying drafts owns the
         # rows after it too (one per draft: the distribution after that draft).
         sample_rows, at = [], num_prompt_rows
@@ -428,33 +471,105 @@ class EngineCore:
         self._fork_choices(sample_seqs, sample_rows)
         specs += [()] * (len(sample_seqs) - len(specs))  # forked choices verify nothing
         flat = [r + j for r, sp in zip(sample_rows, specs) for j in range(len(sp) + 1)]
-        if len(flat) == len(rows) - num_prompt_rows:  # no fork: the rows are a plain tail
-            sample_logits = logits[num_prompt_rows:]
-        else:
-            sample_logits = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=logits.device))
-        for process in self.hooks.process_logits:  # grammar masks (structured outputs)
-            process(sample_seqs, specs, sample_logits)
-        sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
-        meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
-        return sample_seqs, specs, self.sampler(sample_logits, meta, self._sampler_masks)
+        sample_index = None if len(flat) == len(rows) - num_prompt_rows else flat  # a fork reuses rows
+        meta = None
+        if sample_seqs:
+            sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
+            meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
+        step = DeviceStep(run_plan, rows, num_prompt_rows, sample_index, prompt_jobs, sample_seqs, specs, meta)
+        r = 0
+        for seq, sp in zip(sample_seqs, specs):
+            seq.num_pending += 1
+            step.row_of[seq.seq_id] = r
+            r += 1 + len(sp)
+        fill = placeholder_fill(run_plan.holes, run_plan.hole_seqs, self._inflight)
+        step.future = self.executor.submit(self._run_on_device, step, fill)
+        return step
 
-    def _process_outputs(self, sample_seqs: list[EngineSequence], specs: list[tuple],
-                         result) -> list[SequenceOutput]:
+    @torch.inference_mode()
+    def _run_on_device(self, step: DeviceStep, fill) -> None:
+        """Forward, logits of the rows that need them, grammar masks, sampling, and the
+        host copy of the sampled ids (the executor's thread under async scheduling)."""
+        hidden = self.runner.run(step.run_plan, fill)
+        if not step.rows:
+            return
+        logits = self.runner.compute_logits(hidden, step.rows, step.run_plan)
+        n = step.num_prompt_rows
+        if step.prompt_jobs:
+            step.prompt_logits = logits[:n]
+        if not step.sample_seqs:
+            return
+        if step.sample_index is None:
+            sample_logits = logits[n:]
+        else:
+            sample_logits = logits.index_select(
+                0, torch.tensor(step.sample_index, dtype=torch.long, device=logits.device))
+        for process in self.hooks.process_logits:  # grammar masks (structured outputs)
+            process(step.sample_seqs, step.specs, sample_logits)
+        result = self.sampler(sample_logits, step.meta, self._sampler_masks)
+        step.result, step.sampled_ids = result, result.sampled
+        step.sampled = result.sampled.tolist()
+        step.logprob_lists = result.logprobs.tolists() if result.logprobs is not None else None
+
+    def _finish_inflight(self) -> list[SequenceOutput]:
+        step, self._inflight = self._inflight, None
+        return self._finish(step) if step is not None else []
+
+    def _finish(self, step: DeviceStep) -> list[SequenceOutput]:
+        """Wait for a launched step; score its prompt rows and process its samples."""
+        step.future.result()  # a device failure fails the step (the worker fails its requests)
+        if step.prompt_jobs:
+            self._score_prompts(step.prompt_jobs, step.prompt_logits)
+        if not step.sample_seqs:
+            return []
+        return self._process_outputs(step)
+
+    def drain(self) -> None:
+        """Finish the step in flight now (before weights change, the cache is released,
+        ...); its outputs go out with the next ``step()``."""
+        if self._inflight is not None:
+            self._drained += self._finish_inflight()
+
+    def _take_drained(self) -> list[SequenceOutput]:
+        outs, self._drained = self._drained, []
+        return outs
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        """The step's batch, with the components' hooks around the scheduler."""
+        if not self.scheduler.has_unfinished():  # only pulls in flight: wait for one a little
+            any(wait() for wait in self.hooks.wait_idle)
+        for hook in self.hooks.before_schedule:  # speculative decoding proposes its drafts
+            hook()
+        out = self.scheduler.schedule()
+        if not out:
+            # (With a step in flight nothing is stalled: its outputs free blocks or let a
+            # preempted choice whose last token it samples queue again.)
+            if self.scheduler.num_waiting and not self.scheduler.num_running and self._inflight is None:
+                self._stalled()
+            return []
+        for hook in self.hooks.on_scheduled:  # LoRA orders the batch, draft models fill their slots
+            hook(out.scheduled)
+        return out.scheduled
+
+    def _process_outputs(self, step: DeviceStep) -> list[SequenceOutput]:
         """Append each choice's sampled token (after the drafts it accepted), check stops,
-        detokenize; the components see the step's outputs (``on_sampled``)."""
-        sampled = result.sampled.tolist()
-        lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
+        detokenize; the components see the step's outputs (``on_sampled``).  A choice
+        that finished or was aborted while the step ran drops its sample (async
+        scheduling: a step planned before the choice's stop was known)."""
+        sampled, lp_lists = step.sampled, step.logprob_lists
         now = time.time()
         outs, first_rows, r = [], [], 0
-        for seq, sp in zip(sample_seqs, specs):
-            first_rows.append(r)
-            if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
-                outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
-            else:
-                outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
+        for seq, sp in zip(step.sample_seqs, step.specs):
+            seq.num_pending -= 1
+            if not seq.is_finished():
+                first_rows.append(r)
+                if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
+                    outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
+                else:
+                    outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
             r += 1 + len(sp)
         for hook in self.hooks.on_sampled:  # routed experts, sampling masks, weight versions
-            hook(outs, first_rows, result)
+            hook(outs, first_rows, step.result)
         return outs
 
     def _fork_choices(self, sample_seqs: list[EngineSequence], sample_rows: list[int]) -> None:

@@ -106,11 +106,16 @@ class EngineSequence:
         self.detokenizer: Any = None
         self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
         self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
+        # Async scheduling: tokens sampled by steps still in flight, not appended yet.  The
+        # scheduler counts them (the next step computes their K/V, its input id filled on
+        # the device from the step that samples it); stop checks see only known tokens.
+        self.num_pending = 0
 
     # --- sizes -----------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt + output, counting the tokens still in flight (what the scheduler plans with)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -142,7 +147,7 @@ class EngineSequence:
                 return self.finish(FinishReason.STOP)
             if last in req.stop_token_ids:
                 return self.finish(FinishReason.STOP, last)
-        if n_out >= req.max_tokens or self.num_tokens >= max_model_len:
+        if n_out >= req.max_tokens or len(self.token_ids) >= max_model_len:
             return self.finish(FinishReason.LENGTH)
         return False
 
@@ -153,5 +158,5 @@ class EngineSequence:
         return True
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return (f"EngineSequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+        return (f"EngineSequence({self.request.request_id}#{self.index}, tokens={len(self.token_ids)}+{self.num_pending}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)}, {self.status.name})")

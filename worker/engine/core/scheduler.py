@@ -127,7 +127,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (seq.num_pending and self._ends_with_pending(seq)):
                 i += 1
                 continue
             spec = ()
@@ -154,7 +154,8 @@ class Scheduler:
         skipped = []  # waiting behind a limit (an adapter with no slot to run in) this step
         while self._waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][3]
-            if limits and not all(limit.admits(state, seq) for limit, state in limits):
+            if seq.num_pending or (limits and not all(limit.admits(state, seq) for limit, state in limits)):
+                # (a preempted choice whose last token is still in flight joins once it is known)
                 skipped.append(heapq.heappop(self._waiting))
                 continue
             cached = self.bm.find_cached_prefix(seq)
@@ -181,6 +182,12 @@ class Scheduler:
         for item in skipped:
             heapq.heappush(self._waiting, item)
         return out
+
+    def _ends_with_pending(self, seq: EngineSequence) -> bool:
+        """The token in flight is the choice's last by length (max_tokens or the context):
+        no step after it is planned (vLLM's async scheduler makes the same check)."""
+        return (seq.num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens
+                or seq.num_tokens >= self.max_model_len)
 
     def preempt_all(self) -> None:
         """Every running sequence back to the waiting queue, its blocks freed: it is

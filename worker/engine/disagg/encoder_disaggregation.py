@@ -49,6 +49,11 @@ class EncoderDisaggregation(EngineComponent):
             self._start_encoder_exports()
 
     # --- hooks ---------------------------------------------------------------------------
+    def can_overlap(self, request: Request) -> bool:
+        # Images run the vision tower inside the step's input preparation (and the
+        # encoder cache it fills): those steps run synchronously.
+        return request.mm is None
+
     def check(self, req: GenerateRequest, mm) -> None:
         check_shape(req.ec_transfer_params, EC_PARAM)  # bounded, plain JSON before anything reads it
         self._check_ec_params(req)

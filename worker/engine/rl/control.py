@@ -108,6 +108,7 @@ class RLControl(EngineComponent):
     @property
     def weights(self) -> ModelWeights:
         self.require_single_rank("updating or reading weights")
+        self.core.drain()  # async scheduling: no step in flight reads weights being written
         if "weights" in self.asleep:
             raise BadRequest("the weights are released (sleep level 2): POST /wake_up first", None)
         if self._weights is None:
@@ -117,6 +118,7 @@ class RLControl(EngineComponent):
     def set_weight_version(self, version: str) -> None:
         if not isinstance(version, str) or not version:
             raise BadRequest("the weight version must be a non-empty string", "weight_version")
+        self.core.drain()  # tokens sampled before the label changes carry the old one
         self.weight_version = version
 
     # --- weights -------------------------------------------------------------------
@@ -161,6 +163,7 @@ class RLControl(EngineComponent):
         preempted (their prompt and output so far are recomputed with the new weights,
         so every later token is exactly what the new weights sample for that prefix)
         and the prefix cache is forgotten."""
+        self.core.drain()
         self.core.scheduler.preempt_all()
         self.core.block_manager.reset_prefix_cache()
         if self.core.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
@@ -168,6 +171,7 @@ class RLControl(EngineComponent):
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; running sequences keep theirs (same weights: still valid)."""
+        self.core.drain()
         self.core.block_manager.reset_prefix_cache()
         return True
 
@@ -187,6 +191,7 @@ class RLControl(EngineComponent):
         self.sleep_level = level  # vLLM's record_sleep_state(1, level), level 0 included
         if level < 1:
             return
+        self.core.drain()
         self.core.scheduler.preempt_all()
         self.core.block_manager.reset_prefix_cache()
         if "kv_cache" not in self.asleep:
@@ -213,6 +218,7 @@ class RLControl(EngineComponent):
         last update came over the wire it cannot be reloaded: the weights fall back to
         the disk lineage and the version label to ``default``, so the broker sees the
         rank as stale and does not serve from it until it gets the weights again."""
+        self.core.drain()
         wanted = set(SLEEP_TAGS if tags is None else tags)
         unknown = wanted - set(SLEEP_TAGS) - {"scheduling"}
         if unknown:

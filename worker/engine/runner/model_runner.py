@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,19 @@ class StepInputs:
     attn: AttentionMetadata
     num_tokens: int
     layout: StepLayout  # the host arrays the tensors were made from
+
+
+@dataclass
+class RunPlan:
+    """A step as the host laid it out, frozen before the device runs it (async
+    scheduling plans the next step meanwhile, so nothing here may read the sequences
+    again): the batch's host arrays, the contributors' inputs, and the input positions
+    whose token is still in flight (filled on the device, see core/inflight.py)."""
+    layout: StepLayout
+    extras: Optional[StepExtras]
+    holes: list[int]  # input positions whose token the step in flight samples
+    hole_seqs: list  # ... the sequence each belongs to
+    inputs: Optional[StepInputs] = None  # an eager step's tensors and attention plan, made with the plan
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -279,27 +292,46 @@ class ModelRunner:
 
     # --- batch layout ---------------------------------------------------------
     def layout(self, scheduled: Sequence[ScheduledSeq], *, table_width: Optional[int] = None) -> StepLayout:
-        """Host arrays of the step (the shared ``StepLayout.build``)."""
+        """Host arrays of the step (the shared ``StepLayout.build``); every token known."""
+        layout, holes, _ = self._layout(scheduled, table_width)
+        assert not holes, "a token in flight: lay the step out with plan()"
+        return layout
+
+    def _layout(self, scheduled: Sequence[ScheduledSeq], table_width: Optional[int] = None
+                ) -> tuple[StepLayout, list[int], list]:
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         context_lens = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64,
                                    count=num_seqs)
         input_ids = np.empty(int(query_lens.sum()), dtype=np.int64)
+        holes: list[int] = []
+        hole_seqs: list = []
         t = 0
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             if n == 1:
-                input_ids[t] = seq.token_ids[start]
+                if start < len(seq.token_ids):
+                    input_ids[t] = seq.token_ids[start]
+                else:  # sampled by the step in flight (async scheduling)
+                    input_ids[t] = 0
+                    holes.append(t)
+                    hole_seqs.append(seq)
             elif s.spec:  # the last token, then the drafts to verify
                 input_ids[t] = seq.token_ids[start]
                 input_ids[t + 1:t + n] = s.spec
             else:
-                input_ids[t:t + n] = seq.token_ids[start:start + n]
+                known = seq.token_ids[start:start + n]
+                input_ids[t:t + len(known)] = known
+                for hole in range(t + len(known), t + n):
+                    input_ids[hole] = 0
+                    holes.append(hole)
+                    hole_seqs.append(seq)
             t += n
         # The scheduler allocated every sequence's blocks: no coverage check on the hot path.
-        return StepLayout.build(query_lens, context_lens, [s.seq.block_ids for s in scheduled], self.block_size,
-                                input_ids=input_ids, table_width=table_width, check=False)
+        layout = StepLayout.build(query_lens, context_lens, [s.seq.block_ids for s in scheduled], self.block_size,
+                                  input_ids=input_ids, table_width=table_width, check=False)
+        return layout, holes, hole_seqs
 
     def prepare(self, scheduled: Sequence[ScheduledSeq], *, pad_block_table_to: Optional[int] = None) -> StepInputs:
         return self.to_inputs(self.layout(scheduled, table_width=pad_block_table_to))
@@ -340,37 +372,66 @@ class ModelRunner:
     # --- execution ------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, scheduled: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Hidden states [T, H] of the step's tokens (the K/V are written to the cache);
-        decode-only steps replay a CUDA graph.  Installed contributors add their inputs
-        first: a step they mark eager runs without a graph, one with adapter inputs
-        replays the graph set captured with them."""
-        layout = self.layout(scheduled)
-        if not self._contributors:
-            return self.run_layout(layout)
-        extras = self._extras = StepExtras()
-        for contributor in self._contributors:
-            contributor.contribute(scheduled, layout, extras)
+        """Hidden states [T, H] of the step's tokens (the K/V are written to the cache):
+        ``run(plan(scheduled))``."""
+        return self.run(self.plan(scheduled))
+
+    def plan(self, scheduled: Sequence[ScheduledSeq]) -> RunPlan:
+        """The host side of a step: its layout and the installed contributors' inputs.
+        Reads the sequences; nothing after it does."""
+        layout, holes, hole_seqs = self._layout(scheduled)
+        extras = None
+        if self._contributors:
+            extras = StepExtras()
+            for contributor in self._contributors:
+                contributor.contribute(scheduled, layout, extras)
+        plan = RunPlan(layout, extras, holes, hole_seqs)
+        if self.device.type == "cpu" and self.parallel is LOCAL and \
+                (extras is None or (extras.lora is None and not extras.eager)):
+            # The input tensors (zero-copy views on CPU) and the attention backend's plan
+            # are host work too: made here, they overlap the step in flight (async
+            # scheduling) instead of following it.  (CUDA stages them through pinned
+            # buffers the device side owns: made there.)
+            plan.inputs = self.to_inputs(layout)
+        return plan
+
+    @torch.inference_mode()
+    def run(self, plan: RunPlan, fill: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+        """The device side: decode-only steps replay a CUDA graph.  A step the
+        contributors mark eager runs without one, one with adapter inputs replays the
+        graph set captured with them.  ``fill`` writes the placeholders' input ids
+        (``plan.holes``) on the device, before the forward."""
+        layout, extras = plan.layout, plan.extras
+        self._extras = extras
+        if plan.inputs is not None:
+            return self.execute(self._filled(plan.inputs, fill))
+        if extras is None or (extras.lora is None and not extras.eager):
+            return self.run_layout(layout, fill)
         if extras.eager:
-            inputs = self.to_inputs(layout)
+            inputs = self._filled(self.to_inputs(layout), fill)
             positions = inputs.positions if extras.positions is None else \
                 torch.from_numpy(extras.positions).to(self.device)
             return self.model(inputs.input_ids, positions, inputs.attn, self.kv_cache, extras.lora,
                               **extras.model_kwargs)
-        if extras.lora is None:
-            return self.run_layout(layout)
         graph = self._graph_for(layout, self._lora_graphs)
         if graph is not None:
-            return graph.run(self, layout, extras)
-        return self.execute(self.to_inputs(layout), extras.lora)
+            return graph.run(self, layout, extras, fill)
+        return self.execute(self._filled(self.to_inputs(layout), fill), extras.lora)
 
-    def run_layout(self, layout: StepLayout) -> torch.Tensor:
+    def run_layout(self, layout: StepLayout, fill: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
         """Hidden states of a step given as host arrays (tensor-parallel followers
         enter here with the layout rank 0 broadcast)."""
         self.parallel.before_step(layout)
         graph = self._graph_for(layout)
         if graph is not None:
-            return graph.run(self, layout)
-        return self.execute(self.to_inputs(layout))
+            return graph.run(self, layout, fill=fill)
+        return self.execute(self._filled(self.to_inputs(layout), fill))
+
+    @staticmethod
+    def _filled(inputs: StepInputs, fill: Optional[Callable[[torch.Tensor], None]]) -> StepInputs:
+        if fill is not None:
+            fill(inputs.input_ids)
+        return inputs
 
     def execute(self, inputs: StepInputs, lora: Optional[Any] = None) -> torch.Tensor:
         """The forward pass of prepared inputs (``lora``: the step's adapter argument)."""
@@ -379,13 +440,15 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache, lora)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """float32 logits [len(rows), V] of the selected batch rows."""
+    def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int], plan: Optional[RunPlan] = None
+                       ) -> torch.Tensor:
+        """float32 logits [len(rows), V] of the selected batch rows (``plan``: the step's,
+        whose contributed inputs the logits rows reuse; default: the last run's)."""
         self.parallel.before_logits(rows)
         index = torch.tensor(rows, dtype=torch.long)
         if self.device.type != "cpu":
             index = index.to(self.device, non_blocking=True)
-        extras = self._extras
+        extras = self._extras if plan is None else plan.extras
         lora = None if extras is None or extras.logits_inputs is None else extras.logits_inputs(rows)
         return self.model.compute_logits(hidden.index_select(0, index), lora)
 
@@ -503,8 +566,10 @@ class _DecodeGraph:
             self.output = model(self.input_ids, self.positions, self.attn, kv, self.lora)
         return self
 
-    def run(self, runner: ModelRunner, layout: StepLayout, extras: Optional[StepExtras] = None) -> torch.Tensor:
-        """``extras``: the step's contributed inputs (graphs captured with ``inputs``)."""
+    def run(self, runner: ModelRunner, layout: StepLayout, extras: Optional[StepExtras] = None,
+            fill: Optional[Any] = None) -> torch.Tensor:
+        """``extras``: the step's contributed inputs (graphs captured with ``inputs``);
+        ``fill``: writes the placeholders' input ids (async scheduling)."""
         n = len(layout.query_lens)
         if extras is not None:
             self.inputs.fill_static(self.lora, extras)
@@ -514,6 +579,8 @@ class _DecodeGraph:
             layout.block_tables = table
         inputs = runner.to_device_only(layout)
         self.input_ids[:n].copy_(inputs.input_ids)
+        if fill is not None:
+            fill(self.input_ids[:n])
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(inputs.attn.slot_mapping)
         self.block_tables[:n].copy_(inputs.attn.block_tables)

@@ -341,3 +341,13 @@ def _build_penalties(rows: Sequence[SamplingRow], pen_rows: list[int], vocab_siz
     row_t, presence, frequency, repetition = (torch.cat(x) for x in per_entry)
     return Penalties(flat_index=row_t * vocab_size + torch.cat(ids), output_counts=torch.cat(counts),
                      presence=presence, frequency=frequency, repetition=repetition)
+
+
+def reads_output_history(row: SamplingRow) -> bool:
+    """Whether sampling a choice reads the tokens it generated so far (penalty counts,
+    min_tokens' count where it masks stop ids, bad words' prefixes).  Async scheduling
+    plans a step before the previous step's token is known, so such a choice's steps
+    run synchronously."""
+    p = row.params
+    return (_row_needs_penalties(p) or (p.min_tokens > 0 and bool(row.stop_ids_for_min_tokens))
+            or bool(row.bad_words_ids))

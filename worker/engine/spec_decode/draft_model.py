@@ -54,6 +54,9 @@ class _WithDrafts:
         n = len(self.base)
         return self.base[i] if i < n else self.drafts[i - n]
 
+    def __len__(self) -> int:
+        return len(self.base) + len(self.drafts)
+
 
 class DraftModelSpeculator(Speculator):
     def __init__(self, config: SpeculativeConfig, engine_config, target_mc: ModelConfig, device: torch.device,

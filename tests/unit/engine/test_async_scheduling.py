@@ -1,0 +1,200 @@
+"""Async scheduling (issue 41): the engine plans step N+1 while step N runs, with the
+token N samples still in flight.  Whatever the feature, the outputs are those of the
+synchronous step: same tokens, logprobs (bitwise on CPU), texts, finish reasons,
+prompt logprobs.  Steps of a request that cannot be planned ahead (penalties,
+min_tokens, bad words, grammars, adapters, images, KV transfer) run synchronously,
+the others keep overlapping."""
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine_helpers import make_engine, random_prompts, request, run_to_completion
+from tests.support.model_factory import EOS_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _outputs(engine, reqs, *, staggered: bool = False):
+    """Every delta's content per (request, choice), merged in order."""
+    got: dict = {}
+    pending = list(reqs)
+    if not staggered:
+        for r in pending:
+            engine.add_request(r)
+        pending = []
+    for _ in range(20_000):
+        if pending:
+            engine.add_request(pending.pop(0))
+        elif not engine.has_unfinished():
+            break
+        for d in engine.step():
+            entry = got.setdefault((d.request_id, d.index), {"tokens": [], "logprobs": [], "text": "",
+                                                               "finish": None, "stop": None, "prompt": None})
+            entry["tokens"] += d.token_ids
+            if d.logprobs is not None:
+                lp = d.logprobs
+                entry["logprobs"] += list(zip(lp.token_ids, lp.logprobs, lp.ranks,
+                                              [tuple(x) for x in lp.top_ids], [tuple(x) for x in lp.top_logprobs]))
+            entry["text"] += d.text or ""
+            if d.prompt_logprobs is not None:
+                entry["prompt"] = (d.prompt_logprobs.token_ids, d.prompt_logprobs.logprobs)
+            if d.finish_reason is not None:
+                entry["finish"], entry["stop"] = d.finish_reason, d.stop_reason
+    else:
+        raise AssertionError("engine did not finish")
+    return got
+
+
+def _both(model_dir, make_reqs, staggered=False, **overrides):
+    results, counts = {}, {}
+    for mode in (False, True):
+        engine = make_engine(model_dir, async_scheduling=mode, **overrides)
+        results[mode] = _outputs(engine, make_reqs(), staggered=staggered)
+        counts[mode] = dict(engine.step_counts)
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, "every block comes back"
+        assert not any(s.num_pending for r in engine.requests.values() for s in r.sequences)
+        engine.close()
+    assert results[True] == results[False]
+    assert counts[False].get("overlapped", 0) == 0
+    return results[True], counts[True]
+
+
+def _greedy(n=6, lo=5, hi=40, seed=0, **params):
+    prompts = random_prompts(n, lo, hi, seed=seed)
+    params.setdefault("ignore_eos", True)
+    return lambda: [request(f"r{i}", p, max_tokens=4 + 3 * i, **params) for i, p in enumerate(prompts)]
+
+
+CASES = {
+    # name: (model fixture, requests, engine overrides, staggered arrivals)
+    "greedy_chunked": ("llama_dir", _greedy(), dict(max_num_batched_tokens=16), False),
+    "greedy_staggered": ("llama_dir", _greedy(8, seed=3), {}, True),
+    "seeded_sampling_and_forks": ("llama_dir", lambda: [
+        request(f"s{i}", p, max_tokens=9, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=20, seed=7 + i,
+                n=1 + i % 3)
+        for i, p in enumerate(random_prompts(5, 8, 30, seed=4))], {}, True),
+    "logprobs_and_prompt_logprobs": ("llama_dir", lambda: [
+        request(f"l{i}", p, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+        for i, p in enumerate(random_prompts(4, 5, 25, seed=5))], dict(max_num_batched_tokens=16), False),
+    "eos_and_stop_ids": ("qwen2_dir", lambda: [
+        request("e", [5, 9, 33, 71, 2, 8], logit_bias={EOS_ID: 100.0}),
+        request("x", [5, 9, 33, 71, 2, 8, 11], max_tokens=12),
+        *[request(f"t{i}", p, max_tokens=10, stop_token_ids=[p[0], 17, 42, 99]) for i, p in
+          enumerate(random_prompts(5, 4, 20, seed=6))]], {}, False),
+    "preemption_prefix_cache_pressure": ("llama_dir", lambda: [
+        request(str(i), random_prompts(1, 40, 41, seed=11)[0][:8 * (i % 4 + 1)] + t, max_tokens=6 + i % 3,
+                ignore_eos=True, n=1 + i % 2, temperature=0.7 * (i % 2), seed=i)
+        for i, t in enumerate(random_prompts(8, 1, 20, seed=12))],
+        dict(num_kv_blocks=12, block_size=8, max_model_len=96, max_num_batched_tokens=12), True),
+    "context_length_limit": ("llama_dir", lambda: [
+        request(f"c{i}", p, max_tokens=100, ignore_eos=True) for i, p in enumerate(random_prompts(3, 50, 60))],
+        dict(max_model_len=64), False),
+    "text_and_stop_strings": ("llama_dir", lambda: [
+        request(f"t{i}", [72, 101, 108, 108, 111, i + 3], max_tokens=16, ignore_eos=True, output_text=True,
+                stop=["ab", "e", "zz"], allowed_token_ids=list(range(97, 123)), temperature=1.0, seed=i)
+        for i in range(4)], {}, False),
+    # Synchronous per request (they read the tokens generated so far), mixed with plain ones.
+    "penalties_min_tokens_bad_words_beside_plain": ("qwen2_dir", lambda: [
+        request("p", [5, 9, 33, 71], max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5),
+        request("m", [5, 9, 33, 71, 2], logit_bias={EOS_ID: 100.0}, min_tokens=3),
+        request("b", [5, 9, 33, 71, 2, 3], max_tokens=8, ignore_eos=True, bad_words=["ab", "c"]),
+        *[request(f"g{i}", p, max_tokens=8, ignore_eos=True) for i, p in
+          enumerate(random_prompts(4, 4, 20, seed=8))]], {}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_async_scheduling_gives_the_synchronous_outputs(case, request_fixture):
+    fixture, make_reqs, overrides, staggered = CASES[case]
+    model_dir = request_fixture(fixture)
+    out, counts = _both(model_dir, make_reqs, staggered=staggered, **overrides)
+    assert all(e["finish"] is not None for e in out.values())
+    assert counts.get("overlapped", 0) > 0, f"no step overlapped: {counts}"
+
+
+@pytest.fixture
+def request_fixture(request):
+    return request.getfixturevalue
+
+
+def test_requests_reading_their_history_run_synchronously(qwen2_dir):
+    """A penalty request alone: every step synchronous (its sampling reads the last token)."""
+    engine = make_engine(qwen2_dir, async_scheduling=True)
+    engine.generate([request("p", [5, 9, 33, 71], max_tokens=6, ignore_eos=True, presence_penalty=1.0)])
+    assert engine.step_counts.get("overlapped", 0) == 0 and engine.step_counts["synchronous"] >= 6
+    engine.generate([request("g", [5, 9, 33, 71], max_tokens=6, ignore_eos=True)])
+    assert engine.step_counts["overlapped"] >= 5
+    # min_tokens with ignore_eos masks no stop id (benchmarks send min_tokens = max_tokens): it overlaps.
+    before = engine.step_counts["overlapped"]
+    engine.generate([request("m", [5, 9, 33, 71], max_tokens=6, min_tokens=6, ignore_eos=True)])
+    assert engine.step_counts["overlapped"] >= before + 5
+
+
+def test_abort_while_a_step_is_in_flight(llama_dir):
+    """An aborted choice's token in flight is dropped; what reached the client is a
+    prefix of the full output, the abort is its last delta, every block comes back."""
+    prompt = random_prompts(1, 10, 11, seed=5)[0]
+    full = make_engine(llama_dir, async_scheduling=False).generate(
+        [request("a", prompt, max_tokens=30, ignore_eos=True)])["a"][0].token_ids
+    engine = make_engine(llama_dir, async_scheduling=True)
+    engine.add_request(request("a", prompt, max_tokens=30, ignore_eos=True))
+    deltas = []
+    while sum(len(d.token_ids) for d in deltas) < 5:
+        deltas += engine.step()
+    assert engine._inflight is not None  # the next step is running
+    deltas += engine.abort("a")
+    deltas += engine.step()  # the step in flight finishes: its token is dropped
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == full[:len(tokens)] and deltas[-1].finish_reason == "abort"
+    assert [d for d in deltas if d.finish_reason] == [deltas[-1]]
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_weight_changes_wait_for_the_step_in_flight(llama_dir):
+    """RL control drains the step in flight before it touches the weights or the cache;
+    the drained outputs still reach the client with the next step."""
+    prompt = random_prompts(1, 10, 11, seed=9)[0]
+    engine = make_engine(llama_dir, async_scheduling=True)
+    engine.add_request(request("w", prompt, max_tokens=12, ignore_eos=True))
+    deltas = []
+    while not deltas:
+        deltas += engine.step()
+    assert engine._inflight is not None
+    engine.rl.reset_prefix_cache()
+    assert engine._inflight is None and engine.has_unfinished()
+    rest = run_to_completion(engine)
+    tokens = [t for d in deltas for t in d.token_ids] + [t for d in rest[("w", 0)] for t in d.token_ids]
+    full = make_engine(llama_dir, async_scheduling=False).generate(
+        [request("w", prompt, max_tokens=12, ignore_eos=True)])["w"][0].token_ids
+    assert tokens == full
+
+
+def test_no_async_scheduling_flag_pins_the_synchronous_step(llama_dir):
+    engine = make_engine(llama_dir, async_scheduling=False)
+    engine.generate([request("s", [3, 4, 5], max_tokens=5, ignore_eos=True)])
+    assert engine.step_counts["synchronous"] >= 5 and not engine.executor.threaded
+
+
+def test_cpu_default_is_the_synchronous_step_and_the_flag_turns_it_on(llama_dir):
+    """As vLLM's CPU platform: no flag, no overlap on CPU; --async-scheduling overlaps."""
+    assert not make_engine(llama_dir).executor.threaded
+    on = make_engine(llama_dir, async_scheduling=True)
+    on.generate([request("s", [3, 4, 5], max_tokens=5, ignore_eos=True)])
+    assert on.executor.threaded and on.step_counts["overlapped"] >= 4
+
+
+@pytest.mark.cuda
+def test_cuda_graph_steps_fill_placeholders_on_the_device(llama_dir):
+    """On a GPU the token in flight is written into the captured graph's static input
+    buffer (``_DecodeGraph.run``'s fill) and into eager steps' inputs: same outputs as
+    the synchronous step, CUDA graphs on."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out, counts = _both(llama_dir, _greedy(8, seed=2), device="cuda", dtype="bfloat16")
+    assert counts["overlapped"] > 0
+    out2, counts2 = _both(llama_dir, CASES["seeded_sampling_and_forks"][1], device="cuda", staggered=True)
+    assert counts2["overlapped"] > 0

@@ -1,0 +1,119 @@
+"""The device side of an engine step, and where it runs (async scheduling).
+
+A ``DeviceStep`` is one step as the host planned it -- the runner's ``RunPlan``, the
+logit rows, the sampling metadata, the choices that sample -- frozen when it is
+launched: the device work reads it and fills in its results, the host never changes
+it afterwards.  ``StepExecutor`` runs device steps strictly in launch order, either
+inline (synchronous scheduling) or on one background thread, so that the host plans
+step N+1 and processes step N's outputs while step N+1 runs (vLLM's async scheduling,
+SGLang's overlap scheduler).  Torch releases the GIL in its kernels and while it waits
+on a GPU, so the two threads really overlap.
+
+A token sampled by a step still in flight is not known when the next step is planned:
+the choice counts it as pending (``EngineSequence.num_pending``) and the next step's
+input id at that position is a placeholder, filled on the device from the previous
+step's sampled ids right before the forward (``placeholder_fill``).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+
+SWITCH_INTERVAL_S = 0.0002  # GIL switch interval with a device thread (see StepExecutor)
+
+
+@dataclass(eq=False)
+class DeviceStep:
+    run_plan: Any  # the runner's RunPlan (host arrays of the batch, contributed inputs)
+    rows: list[int]  # hidden rows whose logits are computed: prompt rows, then sampling rows
+    num_prompt_rows: int
+    sample_index: Optional[list[int]]  # logit rows of the sampler (None: all rows after the prompt rows)
+    prompt_jobs: list  # (request, first position, count): prompt positions scored
+    sample_seqs: list  # the choices that sample, in sampler-row order
+    specs: list  # drafts each verifies (speculative decoding)
+    meta: Any  # SamplingMetadata of the sampling rows
+    row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> its first sampler row
+    future: Any = None
+    # Results, set by the device work
+    prompt_logits: Optional[torch.Tensor] = None
+    result: Any = None  # SamplerOutput
+    sampled_ids: Optional[torch.Tensor] = None  # result.sampled, on the device (the next step's inputs)
+    sampled: Optional[list[int]] = None  # ... copied to the host
+    logprob_lists: Any = None
+
+
+def placeholder_fill(holes: list[int], hole_seqs: list, prev: Optional[DeviceStep]
+                     ) -> Optional[Callable[[torch.Tensor], None]]:
+    """The function that writes the tokens in flight into a step's input ids: input
+    ``holes[i]`` is the token ``prev`` sampled for ``hole_seqs[i]``.  Runs on the device
+    side, after ``prev`` (the executor's order), before the forward."""
+    if not holes:
+        return None
+    assert prev is not None, "a placeholder needs the step in flight that samples it"
+    src = [prev.row_of[seq.seq_id] for seq in hole_seqs]
+
+    def fill(input_ids: torch.Tensor) -> None:
+        sampled = prev.sampled_ids
+        index = torch.tensor(holes, dtype=torch.long).to(input_ids.device, non_blocking=True)
+        rows = torch.tensor(src, dtype=torch.long).to(sampled.device, non_blocking=True)
+        input_ids.index_copy_(0, index, sampled.index_select(0, rows).to(input_ids.dtype))
+
+    return fill
+
+
+class _Done:
+    """A finished (or failed) inline run, with a Future's ``result()``."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple):
+        self._value = self._error = None
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result(), as a Future does
+            self._error = e
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class StepExecutor:
+    """Runs device steps in launch order: inline, or on one background thread."""
+
+    def __init__(self, threaded: bool, device: torch.device):
+        self.threaded = threaded
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        if threaded:
+            # The device thread must get the GIL back as soon as its wait (a GPU sync, a
+            # kernel) returns, or every step's tail waits up to a whole switch interval
+            # (5 ms by default) behind the host's Python: 1.14x -> 1.57x decode tok/s at
+            # batch 256 in benchmarks/async_overlap.py.  Process-wide, hence only lowered.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+            # One thread: steps run one at a time, in order (the next step's placeholders
+            # read the previous one's samples; the KV cache is written in step order).
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="engine-device", initializer=_device_thread_init, initargs=(device,))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._pool is None:
+            return _Done(fn, args)
+        return self._pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _device_thread_init(device: torch.device) -> None:
+    threading.current_thread().name = "engine-device"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # per thread: the step's kernels and events land on it
