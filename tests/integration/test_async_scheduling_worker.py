@@ -47,8 +47,8 @@ def _stream(client: Client, req: GenerateRequest):
 def _serve(llama_dir, tmp_path, *flags):
     with ProcGroup(tmp_path) as procs:
         broker = procs.broker()
-        procs.worker(broker, 0, "--model", str(llama_dir), "--threads", "1", "--num-kv-blocks", "128",
-                     "--log-level", "INFO", *flags)
+        worker = procs.worker(broker, 0, "--model", str(llama_dir), "--threads", "1", "--num-kv-blocks", "128",
+                              "--log-level", "INFO", *flags)
         try:
             wait_for_workers(broker.frontend, 1, timeout=120)
         except TimeoutError:
@@ -56,7 +56,7 @@ def _serve(llama_dir, tmp_path, *flags):
         reqs = _requests()
         with Client(broker.frontend) as client, concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
             got = dict(zip([r.request_id for r in reqs], pool.map(lambda r: _stream(client, r), reqs)))
-    return got, (tmp_path / "worker0.log").read_text()
+    return got, worker.log_path.read_text()
 
 
 def test_worker_streams_the_same_with_and_without_async_scheduling(llama_dir, tmp_path):
@@ -73,11 +73,11 @@ def test_cpu_worker_defaults_to_the_synchronous_step(llama_dir, tmp_path):
     """No flag on a CPU worker: the synchronous step, as vLLM's CPU platform."""
     with ProcGroup(tmp_path) as procs:
         broker = procs.broker()
-        procs.worker(broker, 0, "--model", str(llama_dir), "--threads", "1", "--num-kv-blocks", "64",
-                     "--log-level", "INFO")
+        worker = procs.worker(broker, 0, "--model", str(llama_dir), "--threads", "1", "--num-kv-blocks", "64",
+                              "--log-level", "INFO")
         try:
             wait_for_workers(broker.frontend, 1, timeout=120)
         except TimeoutError:
             pytest.fail("worker did not register\n" + procs.tails())
-    log = (tmp_path / "worker0.log").read_text()
+    log = worker.log_path.read_text()
     assert "async scheduling off on CPU" in log and "async scheduling off" in log, log[-2000:]

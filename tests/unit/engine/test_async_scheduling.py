@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.engine_helpers import make_engine, random_prompts, request, run_to_completion
+from common.protocol import StructuredOutputs
 from tests.support.model_factory import EOS_ID
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,6 +102,11 @@ CASES = {
         request("b", [5, 9, 33, 71, 2, 3], max_tokens=8, ignore_eos=True, bad_words=["ab", "c"]),
         *[request(f"g{i}", p, max_tokens=8, ignore_eos=True) for i, p in
           enumerate(random_prompts(4, 4, 20, seed=8))]], {}, True),
+    "structured_outputs_beside_plain": ("llama_dir", lambda: [
+        request("so-digits", [1, 2, 3], max_tokens=12, structured_outputs=StructuredOutputs(regex="[0-9]{6}x")),
+        request("so-choice", [4, 5], max_tokens=12, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])),
+        *[request(f"g{i}", p, max_tokens=10, ignore_eos=True) for i, p in
+          enumerate(random_prompts(4, 4, 20, seed=13))]], {}, True),
 }
 
 
@@ -198,3 +204,26 @@ def test_cuda_graph_steps_fill_placeholders_on_the_device(llama_dir):
     assert counts["overlapped"] > 0
     out2, counts2 = _both(llama_dir, CASES["seeded_sampling_and_forks"][1], device="cuda", staggered=True)
     assert counts2["overlapped"] > 0
+
+
+def test_lora_requests_beside_base_requests(llama_dir, tmp_path):
+    """Adapter requests run their steps synchronously (slots load while planning), base
+    requests beside them keep overlapping; outputs as without async scheduling."""
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import ATTENTION, build_adapter
+
+    adapter = build_adapter(llama_dir, tmp_path / "a", ATTENTION, rank=4, alpha=8, seed=3)
+    prompts = random_prompts(6, 5, 30, seed=14)
+
+    def reqs():
+        out = []
+        for i, p in enumerate(prompts):
+            r = request(f"r{i}", p, max_tokens=8 + i, ignore_eos=True)
+            if i % 2:
+                r.lora_name = "a"
+            out.append(r)
+        return out
+
+    _, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=1, max_lora_rank=8,
+                      lora_modules={"a": str(adapter)})
+    assert counts["synchronous"] > 0

@@ -42,3 +42,24 @@ def test_the_engine_and_the_fake_worker_implement_the_worker_protocol(llama_dir)
         assert not missing, (type(obj).__name__, missing)
     assert not [n for n in _members(RLControlAPI) if not hasattr(engine.rl, n)]
     assert not [n for n in _members(LoRAControlAPI) if not hasattr(engine.lora, n)]
+
+
+def test_components_get_the_narrow_context_not_the_core(llama_dir):
+    """Issue 41: the components the core builds hold its EngineContext, never the core
+    itself (RL control, which owns the weights and the cache's release, is the one
+    exception, named here so that a new one fails)."""
+    from worker.engine.components.base import EngineContext
+    from worker.engine.core.engine_core import EngineCore
+
+    engine = make_engine(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    holders = {type(c).__name__: [k for k, v in vars(c).items() if isinstance(v, EngineCore)]
+               for c in engine.components}
+    assert {name for name, keys in holders.items() if keys} == {"RLControl"}, holders
+    ctx = engine.context
+    for name in ("config", "device", "model_config", "tokenizer", "max_model_len", "block_manager", "kv_cache",
+                 "running", "waiting", "is_live", "schedule", "withdraw", "fail_request", "fail_admitted_request",
+                 "forget_request"):
+        assert hasattr(ctx, name) and name in EngineContext.__dict__ | EngineContext.__annotations__, name
+    assert ctx.max_model_len == engine.max_model_len and ctx.kv_cache() is engine.runner.kv_cache
+    assert {c.ctx for c in engine.components if hasattr(c, "ctx")} == {ctx}
+    assert not ctx.is_live("nope") and ctx.running() == [] and ctx.waiting() == []

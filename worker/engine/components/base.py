@@ -43,7 +43,7 @@ Hook order in a request's life::
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -53,6 +53,37 @@ if TYPE_CHECKING:  # pragma: no cover
     from worker.engine.core.request import EngineSequence, Request
     from worker.engine.sample.sampler import SamplerOutput
     from worker.engine.core.scheduler import ScheduledSeq
+
+class EngineContext(Protocol):
+    """What a component may do to the engine and read of it; the core hands its
+    implementation (core/context.py: CoreContext) to the components it builds, never
+    itself.  Live values: each read asks the core."""
+
+    config: Any  # EngineConfig
+    device: Any  # torch.device
+    model_config: Any  # ModelConfig
+    tokenizer: Any  # None when serving tokens only
+    max_model_len: int
+    block_manager: Any  # KV blocks a P/D leg reserves, holds and frees
+
+    def kv_cache(self) -> "Optional[torch.Tensor]": ...
+
+    def running(self) -> "list[EngineSequence]": ...
+
+    def waiting(self) -> "list[EngineSequence]": ...
+
+    def is_live(self, request_id: str) -> bool: ...
+
+    def schedule(self, seq: "EngineSequence") -> None: ...
+
+    def withdraw(self, seq: "EngineSequence") -> bool: ...
+
+    def fail_request(self, request: "Request", status: int, message: str, param: str) -> None: ...
+
+    def fail_admitted_request(self, request: "Request", status: int, message: str, param: str) -> None: ...
+
+    def forget_request(self, request: "Request") -> None: ...
+
 
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)

@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 class KvTransferComponent(EngineComponent):
     name = "kv_transfer"
 
-    def __init__(self, core, transport: KvTransfer):
-        self.core = core  # EngineCore: config, block_manager, scheduler, runner, fail_request
+    def __init__(self, ctx, transport: KvTransfer):
+        self.ctx = ctx  # EngineContext: config, block_manager, kv_cache, schedule, fail_request
         self.transport = transport
         self.legs: dict[str, Any] = {}  # request id -> PrefillLeg / DecodeLeg, while the request lives
         self.answers: dict[str, dict] = {}  # request id -> a finished prefill leg's kv_transfer_params
@@ -49,7 +49,7 @@ class KvTransferComponent(EngineComponent):
         leg = parse_params(req.kv_transfer_params)
         if leg is None:
             return
-        config = self.core.config
+        config = self.ctx.config
         if not config.kv_transfer_enabled and not req.transfer_trust & TRUST_KV:
             # vLLM honours kv_transfer_params only with a KV connector configured.
             raise BadRequest(f"{KV_PARAM}: this worker does not take part in KV transfer (prefill/decode "
@@ -79,7 +79,7 @@ class KvTransferComponent(EngineComponent):
 
     def _prefill_leg_blocks(self, req) -> int:
         """The full prompt blocks a prefill leg keeps for its decode side."""
-        return len(req.prompt_token_ids) // self.core.block_manager.block_size
+        return len(req.prompt_token_ids) // self.ctx.block_manager.block_size
 
     def admit(self, request, seq, held: bool) -> str:
         leg = parse_params(request.req.kv_transfer_params)
@@ -102,7 +102,7 @@ class KvTransferComponent(EngineComponent):
         """Release blocks the decode side freed or that waited past the timeout; start the
         decode legs whose pull finished."""
         self._closing.clear()  # the last step's deltas are packed
-        kv, bm = self.transport, self.core.block_manager
+        kv, bm = self.transport, self.ctx.block_manager
         while True:
             try:
                 rid = kv.held.freed.get_nowait()
@@ -133,7 +133,7 @@ class KvTransferComponent(EngineComponent):
     def on_stalled(self) -> bool:
         """Requests wait but none can start: blocks held for remote decode come back (FREE or
         the timeout), so wait a little for a FREE (False: nothing is held, a bug)."""
-        kv, bm = self.transport, self.core.block_manager
+        kv, bm = self.transport, self.ctx.block_manager
         if not kv.held.num_blocks:
             return False
         try:  # expiry is checked every step
@@ -157,18 +157,18 @@ class KvTransferComponent(EngineComponent):
             except TransferError as exc:
                 error = exc
         if error is not None:
-            self.core.fail_request(request, error.status, error.message, "kv_transfer_params")
+            self.ctx.fail_request(request, error.status, error.message, "kv_transfer_params")
             return
-        self.core.scheduler.add(seq)
+        self.ctx.schedule(seq)
 
     def _import_pulled(self, seq, leg: DecodeLeg, header: dict, raw) -> None:
         """The pulled prompt blocks become this engine's cached blocks (keyed by the
         prompt's block hashes): the prefix-cache lookup then serves them."""
-        kv_cache = self.core.runner.kv_cache
+        kv_cache = self.ctx.kv_cache()
         if kv_cache is None:
             raise TransferError(503, "kv_transfer_params: the KV cache is released (sleeping)")
         data = blocks_from_reply(header, raw, kv_cache, len(leg.block_ids))
-        bm = self.core.block_manager
+        bm = self.ctx.block_manager
         if seq.request.wants_prompt_scores:
             return  # prompt scores read nothing from the cache: recompute
         taken = bm.import_blocks(seq, len(leg.block_ids))
@@ -189,7 +189,7 @@ class KvTransferComponent(EngineComponent):
         """A prefill leg finished: keep its full prompt blocks for the decode side and
         answer with NixlConnector's kv_transfer_params."""
         request, kv = seq.request, self.transport
-        bm = self.core.block_manager
+        bm = self.ctx.block_manager
         num_full = min(seq.num_prompt_tokens, seq.num_computed_tokens) // bm.block_size
         blocks = list(seq.block_ids[:num_full])
         kv.reserved.pop(request.request_id, None)  # the reservation becomes the held blocks

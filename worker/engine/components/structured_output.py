@@ -66,11 +66,11 @@ class _RequestGrammar:
 class StructuredOutputComponent(EngineComponent):
     name = "structured_output"
 
-    def __init__(self, core, config: StructuredOutputsConfig, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    def __init__(self, ctx, config: StructuredOutputsConfig, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  compile_workers: int = 2):
-        self.core = core  # EngineCore: scheduler, tokenizer, fail_request
+        self.ctx = ctx  # EngineContext: running / waiting sequences, schedule, withdraw, tokenizer, failures
         self.config = config
-        self.vocab_size = core.vocab_size  # the model's logits width (padded vocabulary)
+        self.vocab_size = ctx.model_config.vocab_size  # the model's logits width (padded vocabulary)
         self.compile_timeout_s = compile_timeout_s
         # Two: one slow (or pathological) spec does not stall every other request's compile.
         self.compile_workers = compile_workers
@@ -81,7 +81,7 @@ class StructuredOutputComponent(EngineComponent):
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> matcher
         self._failed: list[_RequestGrammar] = []  # failures seen inside a step: failed by the next tick
         self._dead: dict[str, tuple] = {}  # request id -> (request, message): no token allowed this step
-        self._buffer = BitmaskBuffer(self.vocab_size, core.device)
+        self._buffer = BitmaskBuffer(self.vocab_size, ctx.device)
 
     # --- the compile side ---------------------------------------------------------------
     @property
@@ -90,8 +90,8 @@ class StructuredOutputComponent(EngineComponent):
             from worker.engine.structured_output.backend_xgrammar import XgrammarBackend
             from worker.engine.structured_output.grammar_cache import GrammarCache
 
-            mc = self.core.model_config
-            backend = XgrammarBackend(self.core.tokenizer, self.vocab_size, list(mc.eos_token_ids))
+            mc = self.ctx.model_config
+            backend = XgrammarBackend(self.ctx.tokenizer, self.vocab_size, list(mc.eos_token_ids))
             self._cache = GrammarCache(backend.compile, workers=self.compile_workers)
             self.backend = backend
         return self._cache
@@ -103,7 +103,7 @@ class StructuredOutputComponent(EngineComponent):
     def check(self, req, mm) -> None:
         if req.params.structured_outputs is None:
             return
-        if self.core.tokenizer is None:
+        if self.ctx.tokenizer is None:
             raise BadRequest(f"{PARAM} needs the model's tokenizer; this worker serves tokens only", PARAM)
         self._key(req)
 
@@ -151,15 +151,15 @@ class StructuredOutputComponent(EngineComponent):
             return
         entry.compiled = future.result()
         if entry.schedules:
-            self.core.scheduler.add(entry.seq)
+            self.ctx.schedule(entry.seq)
 
     def _fail(self, entry: _RequestGrammar, message: str, status: int = 400) -> None:
         log.info("request %s: %s", entry.request.request_id, message)
         if entry.schedules and entry.compiled is None and not entry.withdrawn:
             # never scheduled, holds no blocks: nothing to undo but the registration
-            self.core.fail_request(entry.request, status, message, PARAM)
+            self.ctx.fail_request(entry.request, status, message, PARAM)
         else:  # scheduled (by us or another component): its sequences are aborted first
-            self.core.fail_admitted_request(entry.request, status, message, PARAM)
+            self.ctx.fail_admitted_request(entry.request, status, message, PARAM)
 
     def wait_idle(self) -> bool:
         """Only compiles in flight: wait for one a little instead of spinning."""
@@ -178,7 +178,7 @@ class StructuredOutputComponent(EngineComponent):
             self._hold_back_until_compiled()
         if not self.matchers:
             return
-        for seq in self.core.scheduler.running:
+        for seq in self.ctx.running():
             drafts = seq.spec_token_ids
             if drafts:
                 m = self.matchers.get(seq.seq_id)
@@ -199,8 +199,8 @@ class StructuredOutputComponent(EngineComponent):
             if entry.schedules or entry.seq is None:
                 continue
             if waiting is None:
-                waiting = {id(seq) for seq in self.core.scheduler.waiting()}
-            if id(entry.seq) in waiting and self.core.scheduler.withdraw(entry.seq):
+                waiting = {id(seq) for seq in self.ctx.waiting()}
+            if id(entry.seq) in waiting and self.ctx.withdraw(entry.seq):
                 entry.schedules = entry.withdrawn = True
 
     def _matcher(self, seq) -> Optional[SequenceMatcher]:
@@ -299,7 +299,7 @@ class StructuredOutputComponent(EngineComponent):
                 delta.token_ids, delta.text, delta.logprobs, delta.sampling_mask = [], None, None, None
                 delta.finish_reason = delta.stop_reason = None
         for request, message in dead.values():
-            self.core.fail_admitted_request(request, 400, message, PARAM)
+            self.ctx.fail_admitted_request(request, 400, message, PARAM)
 
     def fill_load(self, load) -> None:
         load.grammar_matchers = len(self.matchers)

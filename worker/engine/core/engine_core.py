@@ -20,6 +20,7 @@ from common.transfer_peers import format_address
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.context import CoreContext
 from worker.engine.core.inflight import DeviceStep, StepExecutor, placeholder_fill
 from worker.engine.disagg.kv_transfer import KvTransfer
 from worker.engine.components.base import WAIT, EngineComponent, Hooks
@@ -104,10 +105,11 @@ class EngineCore:
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
         self.kv_transfer.max_held_blocks = int(config.kv_transfer_max_held * self.block_manager.num_blocks)
-        self.kv = KvTransferComponent(self, self.kv_transfer)
+        self.context = CoreContext(self)  # what the components may do to the engine
+        self.kv = KvTransferComponent(self.context, self.kv_transfer)
         if config.kv_transfer_enabled:
             self.kv_transfer.server()  # bound now: READY announces it (the broker admits only known peers)
-        self.ec = EncoderDisaggregation(self, config)
+        self.ec = EncoderDisaggregation(self.context, config, self.runner, self.kv_transfer)
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
         self.components: list[EngineComponent] = self._build_components(config)
@@ -214,12 +216,12 @@ class EngineCore:
             components.append(self.lora)
         self.spec_decode: Optional[SpecDecodeComponent] = None
         if self.spec is not None:  # after LoRA: drafts fill the batch in its final order
-            self.spec_decode = SpecDecodeComponent(self.spec, self)
+            self.spec_decode = SpecDecodeComponent(self.spec, self.context)
             components.append(self.spec_decode)
         # Last: a request whose KV / encoder outputs are pulled is scheduled by that pull
         # (its grammar compiles meanwhile); WAIT here only for a request nothing else holds.
         self.structured_output = StructuredOutputComponent(
-            self, structured_outputs_config(config.structured_outputs_config))
+            self.context, structured_outputs_config(config.structured_outputs_config))
         components.append(self.structured_output)
         return components
 

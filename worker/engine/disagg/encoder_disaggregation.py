@@ -29,17 +29,18 @@ log = logging.getLogger(__name__)
 
 
 class EncoderDisaggregation(EngineComponent):
-    """The engine's side of encoder disaggregation (needs the core's config, model_config,
-    runner, kv_transfer (the transfer server), scheduler, requests, device, fail_request)."""
+    """The engine's side of encoder disaggregation: the engine context (model config,
+    device, queueing, failing and forgetting requests), the runner (whose encoder cache
+    encodes and holds images) and the KV transfer server (exports ride on it)."""
 
     name = "encoder_disaggregation"
 
-    def __init__(self, core, config: EngineConfig):
-        self.core = core
+    def __init__(self, ctx, config: EngineConfig, runner, kv_transfer):
+        self.ctx = ctx  # EngineContext: device, schedule, fail_request, forget_request, is_live
         self.config = config
-        self.model_config = core.model_config
-        self.runner = core.runner
-        self.kv_transfer = core.kv_transfer  # the transfer server exports ride on
+        self.model_config = ctx.model_config
+        self.runner = runner
+        self.kv_transfer = kv_transfer  # the transfer server exports ride on
         self.ec_pulls = EcPulls()
         self.encoder_only = config.mm_encoder_only
         self._to_encode: list[EngineSequence] = []  # encoder-only: admitted, not yet encoded
@@ -172,7 +173,7 @@ class EncoderDisaggregation(EngineComponent):
         """Encoder-only: encode admitted requests' images (one batched fetch of at most
         about ``MAX_ENCODE_PATCHES`` patches, which exports them) and finish those requests
         with no tokens and their announcement."""
-        todo = [s for s in self._to_encode if s.request.request_id in self.core.requests]
+        todo = [s for s in self._to_encode if self.ctx.is_live(s.request.request_id)]
         batch, patches = [], 0
         for seq in todo:
             if batch and patches >= MAX_ENCODE_PATCHES:
@@ -194,7 +195,7 @@ class EncoderDisaggregation(EngineComponent):
             seq.finish(FinishReason.STOP)
             if request.mm is not None:
                 self._announce_encodings(request)
-            self.core.forget_request(request)
+            self.ctx.forget_request(request)
             outs.append(SequenceOutput(request, seq.index, seq, []))
         return outs
 
@@ -206,13 +207,13 @@ class EncoderDisaggregation(EngineComponent):
         request, seq, sources, _ = entry
         for key, error in failed.items():
             if sources[key].required:
-                self.core.fail_request(request, error.status, error.message, EC_PARAM)
+                self.ctx.fail_request(request, error.status, error.message, EC_PARAM)
                 return
             log.warning("request %s: %s; encoding its pixels here instead", rid, error.message)
         dtype = self.config.torch_dtype
         for key, emb in pulled.items():
-            request.mm.embeds[key] = emb.to(device=self.core.device, dtype=dtype)
-        self.core.scheduler.add(seq)
+            request.mm.embeds[key] = emb.to(device=self.ctx.device, dtype=dtype)
+        self.ctx.schedule(seq)
 
     def _announce_encodings(self, request: Request) -> None:
         """An encoder worker's request finished: where consumers read its items' outputs."""

@@ -184,19 +184,27 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 torch::Tensor unpack_bf16_weight(const torch::Tensor& packed);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 
+// The compute kernels run without the GIL (as torch's own ops do): the worker's other
+// threads -- the engine's host thread planning the next step under async scheduling, the
+// transfer server, the heartbeats -- keep running Python meanwhile.  Arguments are
+// converted before the guard releases it and the result after it is taken back.
+using nogil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "single-token attention over the paged KV cache (CPU, float32 / bfloat16)");
+        "single-token attention over the paged KV cache (CPU, float32 / bfloat16)", nogil());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of prefill chunks over the paged KV cache, written into out (CPU, float32 / bfloat16)");
+        "causal attention of prefill chunks over the paged KV cache, written into out (CPU, float32 / bfloat16)",
+        nogil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, after residual += x when a residual is given (CPU, float32 / bfloat16)",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (CPU, float32 / bfloat16)");
-  m.def("rotary_", &rotary_, "rotary embedding in place, rotating halves (CPU, float32 / bfloat16)");
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), nogil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [gate | up] projection (CPU, float32 / bfloat16)",
+        nogil());
+  m.def("rotary_", &rotary_, "rotary embedding in place, rotating halves (CPU, float32 / bfloat16)", nogil());
   m.def("native_bf16_gemm_isa", &native_bf16_gemm_isa,
         "the ISA of this build's bf16 GEMM (avx512_bf16 / avx2), empty where it has none");
-  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [out, in] weight packed for bf16_linear (same shape)");
-  m.def("unpack_bf16_weight", &unpack_bf16_weight, "the dense [out, in] weight of a packed one (exact)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [out, in] weight packed for bf16_linear (same shape)", nogil());
+  m.def("unpack_bf16_weight", &unpack_bf16_weight, "the dense [out, in] weight of a packed one (exact)", nogil());
   m.def("bf16_linear", &bf16_linear, "x @ weight.T + bias over a packed bf16 weight, fp32 accumulation (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), nogil());
 }

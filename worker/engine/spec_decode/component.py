@@ -15,9 +15,9 @@ from worker.engine.components.base import READY, EngineComponent
 class SpecDecodeComponent(EngineComponent):
     name = "spec_decode"
 
-    def __init__(self, speculator, core):
+    def __init__(self, speculator, ctx):
         self.speculator = speculator
-        self.core = core  # EngineCore: scheduler, max_model_len
+        self.ctx = ctx  # EngineContext: running sequences, max_model_len, block_manager
         self.stats: dict[str, Any] = {}  # request id -> SpecDecodeStats
         self._closing: dict[str, Any] = {}  # forgotten since the last step: reported by its last delta
 
@@ -25,7 +25,7 @@ class SpecDecodeComponent(EngineComponent):
         self.speculator.release_cache()
 
     def on_kv_cache_allocated(self) -> None:
-        self.speculator.allocate(self.core.block_manager.num_blocks, self.core.max_model_len)
+        self.speculator.allocate(self.ctx.block_manager.num_blocks, self.ctx.max_model_len)
 
     def admit(self, request, seq, held) -> str:
         self.stats[request.request_id] = self.speculator.new_stats()
@@ -38,7 +38,7 @@ class SpecDecodeComponent(EngineComponent):
         self._closing.clear()  # the last step's deltas are packed
 
     def before_schedule(self) -> None:
-        self.speculator.propose(self.core.scheduler.running, self.core.max_model_len)
+        self.speculator.propose(self.ctx.running(), self.ctx.max_model_len)
 
     def on_scheduled(self, scheduled) -> None:
         self.speculator.fill(scheduled)
