@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from worker.engine.core.outputs import SequenceOutput
     from worker.engine.core.request import EngineSequence, Request
     from worker.engine.sample.sampler import SamplerOutput
-    from worker.engine.core.scheduler import ScheduledSeq
+    from worker.engine.step_plan import ScheduledSeq
 
 class EngineContext(Protocol):
     """What a component may do to the engine and read of it; the core hands its

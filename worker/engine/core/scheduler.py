@@ -19,15 +19,7 @@ from typing import Any, Optional, Protocol
 
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.request import SeqStatus, EngineSequence
-
-
-@dataclass
-class ScheduledSeq:
-    seq: EngineSequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
-    # Speculative decoding: draft tokens verified this step, after the sequence's last
-    # token (counted in num_new_tokens; their KV counts only where they are accepted).
-    spec: tuple = ()
+from worker.engine.step_plan import ScheduledSeq  # noqa: F401 - the scheduler's output record, re-exported
 
 
 @dataclass

@@ -27,7 +27,7 @@ from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from worker.engine.models.llama import kv_bytes_per_block, kv_cache_shape
 from worker.engine.runner.hooks import (LOCAL, InputContributor, KVCacheHook, MemoryProfileHook, ParallelHook,
                                         StepExtras)
-from worker.engine.core.scheduler import ScheduledSeq
+from worker.engine.step_plan import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
@@ -455,18 +455,13 @@ class ModelRunner:
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of ``num_tokens`` tokens split into max_model_len sequences (profiling)."""
-        from worker.engine.core.request import EngineSequence as Seq
-
         scheduled = []
         block = 0
         remaining = num_tokens
         while remaining > 0:
             n = min(remaining, self.max_model_len)
-            seq = Seq.__new__(Seq)  # bare: prepare() only reads tokens, progress and blocks
-            seq.token_ids = [0] * n
-            seq.num_computed_tokens = 0
             nb = -(-n // self.block_size)
-            seq.block_ids = list(range(block, block + nb))
+            seq = _ProfileSeq([0] * n, list(range(block, block + nb)))
             block += nb
             scheduled.append(ScheduledSeq(seq, n))
             remaining -= n
@@ -516,6 +511,16 @@ class ModelRunner:
             if size >= n:
                 return graphs[size]
         return None
+
+
+class _ProfileSeq:
+    """A stand-in sequence of the profiling step: the layout reads only its tokens,
+    progress and blocks."""
+
+    __slots__ = ("token_ids", "num_computed_tokens", "block_ids")
+
+    def __init__(self, token_ids: list[int], block_ids: list[int]):
+        self.token_ids, self.num_computed_tokens, self.block_ids = token_ids, 0, block_ids
 
 
 class _DecodeGraph:
