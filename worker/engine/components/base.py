@@ -19,8 +19,8 @@ Hook order in a request's life::
                                   already returned WAIT (register state, start nothing)
     can_overlap(request)          once, after admit: False when the request's steps need the
                                   previous step's outputs on the host before they are planned
-                                  (a grammar's state, drafts, adapter or encoder inputs): its
-                                  steps then run synchronously (async scheduling, core/step_pipeline.py)
+                                  (a grammar's state, adapter or encoder inputs): its steps
+                                  then run synchronously (async scheduling, core/inflight.py)
     tick()                        housekeeping: every step, and while the worker idles
     before_schedule()             every model step, before the scheduler runs
     wait_idle()                   nothing can be scheduled: wait briefly for your own async
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from worker.engine.core.request import EngineSequence, Request
     from worker.engine.sample.sampler import SamplerOutput
     from worker.engine.step_plan import ScheduledSeq
+
 
 class EngineContext(Protocol):
     """What a component may do to the engine and read of it; the core hands its
@@ -88,8 +89,8 @@ class EngineContext(Protocol):
 READY = "ready"  # admit(): the core hands the sequence to the scheduler
 WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
-HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled", "on_scheduled",
-         "process_logits", "on_sampled",
+HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
+         "on_scheduled", "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
          "on_kv_cache_allocated", "close")
 

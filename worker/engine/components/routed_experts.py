@@ -19,9 +19,6 @@ class RoutedExpertsCapture(EngineComponent):
         self.runner = runner
         self.captured: dict[int, Any] = {}  # seq_id -> numpy [positions, moe layers, top_k]
 
-    def can_overlap(self, request) -> bool:
-        return False  # a finished choice's rows are read from the store the next step writes
-
     def on_finished(self, seq) -> None:
         """Every position the model ran (the last sampled token never was), from the
         request's routed_experts_prompt_start."""

@@ -509,7 +509,7 @@ class EngineCore:
         for process in self.hooks.process_logits:  # grammar masks (structured outputs)
             process(step.sample_seqs, step.specs, sample_logits)
         result = self.sampler(sample_logits, step.meta, self._sampler_masks)
-        step.result, step.sampled_ids = result, result.sampled
+        step.result = result
         step.sampled = result.sampled.tolist()
         step.logprob_lists = result.logprobs.tolists() if result.logprobs is not None else None
 

@@ -43,8 +43,7 @@ class DeviceStep:
     # Results, set by the device work
     prompt_logits: Optional[torch.Tensor] = None
     result: Any = None  # SamplerOutput
-    sampled_ids: Optional[torch.Tensor] = None  # result.sampled, on the device (the next step's inputs)
-    sampled: Optional[list[int]] = None  # ... copied to the host
+    sampled: Optional[list[int]] = None  # result.sampled copied to the host
     logprob_lists: Any = None
 
 
@@ -59,7 +58,7 @@ def placeholder_fill(holes: list[int], hole_seqs: list, prev: Optional[DeviceSte
     src = [prev.row_of[seq.seq_id] for seq in hole_seqs]
 
     def fill(input_ids: torch.Tensor) -> None:
-        sampled = prev.sampled_ids
+        sampled = prev.result.sampled  # on the device: the host copy may still be on its way
         index = torch.tensor(holes, dtype=torch.long).to(input_ids.device, non_blocking=True)
         rows = torch.tensor(src, dtype=torch.long).to(sampled.device, non_blocking=True)
         input_ids.index_copy_(0, index, sampled.index_select(0, rows).to(input_ids.dtype))

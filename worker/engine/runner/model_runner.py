@@ -321,6 +321,8 @@ class ModelRunner:
                 input_ids[t] = seq.token_ids[start]
                 input_ids[t + 1:t + n] = s.spec
             else:
+                # A chunk may end in the token in flight: a choice forked in the step in flight
+                # computes its prompt's partial last block and that token together.
                 known = seq.token_ids[start:start + n]
                 input_ids[t:t + len(known)] = known
                 for hole in range(t + len(known), t + n):

@@ -31,9 +31,6 @@ class SpecDecodeComponent(EngineComponent):
         self.stats[request.request_id] = self.speculator.new_stats()
         return READY
 
-    def can_overlap(self, request) -> bool:
-        return False  # drafts are proposed from the sequence's last token, on the host
-
     def tick(self) -> None:
         self._closing.clear()  # the last step's deltas are packed
 
