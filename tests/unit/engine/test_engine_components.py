@@ -57,8 +57,7 @@ def test_components_get_the_narrow_context_not_the_core(llama_dir):
     assert {name for name, keys in holders.items() if keys} == {"RLControl"}, holders
     ctx = engine.context
     for name in ("config", "device", "model_config", "tokenizer", "max_model_len", "block_manager", "kv_cache",
-                 "running", "waiting", "is_live", "schedule", "withdraw", "fail_request", "fail_admitted_request",
-                 "forget_request"):
+                 "running", "waiting", "is_live", "close_gate", "open_gate", "fail_request", "forget_request"):
         assert hasattr(ctx, name) and name in EngineContext.__dict__ | EngineContext.__annotations__, name
     assert ctx.max_model_len == engine.max_model_len and ctx.kv_cache() is engine.runner.kv_cache
     assert {c.ctx for c in engine.components if hasattr(c, "ctx")} == {ctx}

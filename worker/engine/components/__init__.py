@@ -1,4 +1,4 @@
 """Engine components: the features that plug into ``EngineCore`` through hooks (base.py)."""
-from worker.engine.components.base import READY, WAIT, EngineComponent, Hooks
+from worker.engine.components.base import EngineComponent, Hooks
 
-__all__ = ["READY", "WAIT", "EngineComponent", "Hooks"]
+__all__ = ["EngineComponent", "Hooks"]

@@ -13,10 +13,9 @@ sequence id inside it), not to ``Request`` / ``EngineSequence``.
 Hook order in a request's life::
 
     check(req, mm)                validate; raise a ClientError (400/404/429...) to refuse
-    admit(request, seq, held)     after the request is registered: READY (the core schedules
-                                  it) or WAIT (the component holds it and hands it to the
-                                  scheduler later itself); ``held``: an earlier component
-                                  already returned WAIT (register state, start nothing)
+    admit(request, seq)           after the request is registered: register state, start
+                                  async work; ``ctx.close_gate(request, name)`` when the
+                                  request must not run before that work is done
     can_overlap(request)          once, after admit: False when the request's steps need the
                                   previous step's outputs on the host before they are planned
                                   (a grammar's state, adapter or encoder inputs): its steps
@@ -40,6 +39,18 @@ Hook order in a request's life::
     on_kv_cache_released()        sleep released the KV cache / wake-up allocated it again
     on_kv_cache_allocated()
     close()                       the engine shuts down
+
+Readiness gates (core/gates.py) instead of an order between components: a request
+whose KV blocks are pulled (``kv_pull``), whose encodings are pulled (``encoder_pull``)
+or whose grammar compiles (``grammar``) has that gate closed by the component that
+does the work, in ``admit``; the component opens it (``ctx.open_gate``) from ``tick`` /
+``wait_idle`` when the work is done, and the core queues the request for the scheduler
+once *every* gate is open -- several components may wait on one request at once, none
+knows of the others.  Work that can never finish (a failed transfer, a grammar that
+does not compile) fails the request instead (``ctx.fail_request``: its choices are
+aborted, its blocks freed, its other gates dropped); opening a gate of a request that is
+gone changes nothing.  Limits that depend on the running batch rather than on the
+request (LoRA's adapter slots) are the scheduler's ``limits``, not gates.
 """
 from __future__ import annotations
 
@@ -75,19 +86,14 @@ class EngineContext(Protocol):
 
     def is_live(self, request_id: str) -> bool: ...
 
-    def schedule(self, seq: "EngineSequence") -> None: ...
+    def close_gate(self, request: "Request", name: str) -> None: ...
 
-    def withdraw(self, seq: "EngineSequence") -> bool: ...
+    def open_gate(self, request: "Request", name: str) -> None: ...
 
     def fail_request(self, request: "Request", status: int, message: str, param: str) -> None: ...
 
-    def fail_admitted_request(self, request: "Request", status: int, message: str, param: str) -> None: ...
-
     def forget_request(self, request: "Request") -> None: ...
 
-
-READY = "ready"  # admit(): the core hands the sequence to the scheduler
-WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
 
 HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
          "on_scheduled", "process_logits", "on_sampled",
@@ -105,11 +111,11 @@ class EngineComponent:
         """Refuse a request (raise a ClientError) before anything is registered; ``mm``:
         its MultiModalState (multimodal/images.py) or None."""
 
-    def admit(self, request: "Request", seq: "EngineSequence", held: bool) -> str:
-        """The request is registered; READY or WAIT (the component schedules it later).
-        ``held``: an earlier component returned WAIT.  Raising undoes the admission
-        (every component's ``forget`` runs)."""
-        return READY
+    def admit(self, request: "Request", seq: "EngineSequence") -> None:
+        """The request is registered (``seq``: its choice 0): keep what the feature needs
+        of it, start its async work and close the gate that work opens
+        (``ctx.close_gate``).  Raising undoes the admission (every component's
+        ``forget`` runs)."""
 
     def can_overlap(self, request: "Request") -> bool:
         """Whether the request's steps may be planned while its previous step is still in
@@ -183,7 +189,7 @@ class Hooks:
 
     # typed views (the attributes are set above)
     check: list[Callable[..., Any]]
-    admit: list[Callable[..., str]]
+    admit: list[Callable[..., None]]
     can_overlap: list[Callable[..., bool]]
     holds_steps: list[Callable[[], bool]]
     tick: list[Callable[[], None]]

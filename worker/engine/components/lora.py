@@ -8,7 +8,7 @@ adapters in the load, and owns the load/unload commands."""
 from __future__ import annotations
 
 from common.errors import BadRequest, NotFound
-from worker.engine.components.base import READY, EngineComponent
+from worker.engine.components.base import EngineComponent
 
 
 def _adapter_key(s) -> str:
@@ -66,14 +66,13 @@ class LoRAComponent(EngineComponent):
         if req.lora_name is not None and req.lora_name not in self.manager.keys:
             raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
 
-    def admit(self, request, seq, held) -> str:
+    def admit(self, request, seq) -> None:
         name = request.req.lora_name
         if name is not None:  # a refusal here leaves nothing to undo
             key = self.manager.keys[name]
             self.manager.acquire(key)
             request.lora_key = key
             self.pinned[request.request_id] = key
-        return READY
 
     def can_overlap(self, request) -> bool:
         # An adapter is loaded into a device slot while the batch is planned: never while a

@@ -2,8 +2,8 @@
 
 Components used to receive the whole ``EngineCore`` and reached into its scheduler,
 runner and block manager as they pleased.  ``CoreContext`` is the narrow face the core
-hands them instead (``components.base.EngineContext`` is its protocol): queue or
-withdraw a sequence, fail or forget a request, read the running and waiting sequences,
+hands them instead (``components.base.EngineContext`` is its protocol): close and
+open a request's readiness gates, fail or forget a request, read the running and waiting sequences,
 the KV cache and the engine's fixed facts.  A component that needs something else of
 the core needs a new, named entry here -- not a reach into the core's members.
 """
@@ -60,19 +60,21 @@ class CoreContext:
         """The request is still in the engine (not finished, aborted or failed)."""
         return request_id in self._core.requests
 
-    def schedule(self, seq: Any) -> None:
-        """Queue a sequence the component held (``admit`` returned WAIT) for scheduling."""
-        self._core.scheduler.add(seq)
+    def close_gate(self, request: Any, name: str) -> None:
+        """The request waits for ``name`` (``kv_pull``, ``encoder_pull``, ``grammar``...)
+        before its first step; closed in ``admit`` (core/gates.py)."""
+        self._core.close_gate(request, name)
 
-    def withdraw(self, seq: Any) -> bool:
-        """Take a waiting sequence back out of the queue, keeping its blocks."""
-        return self._core.scheduler.withdraw(seq)
+    def open_gate(self, request: Any, name: str) -> None:
+        """``name`` is done; the request is scheduled once its last gate opens.  For a
+        request that is gone, nothing."""
+        self._core.open_gate(request, name)
 
     def fail_request(self, request: Any, status: int, message: str, param: str) -> None:
+        """Fail a request outside a step's outputs (a gate that can never open: a failed
+        pull, a grammar that does not compile): its choices are aborted and its blocks
+        freed; the error is its answer.  For a request that is gone, nothing."""
         self._core.fail_request(request, status, message, param)
-
-    def fail_admitted_request(self, request: Any, status: int, message: str, param: str) -> None:
-        self._core.fail_admitted_request(request, status, message, param)
 
     def forget_request(self, request: Any) -> None:
         self._core.forget_request(request)

@@ -21,9 +21,10 @@ from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
 from common.validation import validate_request
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.context import CoreContext
+from worker.engine.core.gates import Gates
 from worker.engine.core.inflight import DeviceStep, StepExecutor, placeholder_fill
 from worker.engine.disagg.kv_transfer import KvTransfer
-from worker.engine.components.base import WAIT, EngineComponent, Hooks
+from worker.engine.components.base import EngineComponent, Hooks
 from worker.engine.components.kv_transfer import KvTransferComponent
 from worker.engine.components.lora import LoRAComponent
 from worker.engine.components.routed_experts import RoutedExpertsCapture
@@ -101,6 +102,8 @@ class EngineCore:
             weight_transfer_backend="nccl" if device.type == "cuda" else "gloo",
         )
         self.requests: dict[str, Request] = {}
+        self.gates = Gates()  # per request, what it waits for before its first step
+        self._admitting: Optional[Request] = None  # the request whose admit hooks run
         self._arrivals = itertools.count()
         self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
                                       lambda: self.runner.kv_cache)
@@ -207,8 +210,7 @@ class EngineCore:
             components.append(RoutedExpertsCapture(self.runner))
         if config.return_sampling_mask:
             components.append(SamplingMaskCapture())
-        # Encoder transfer before KV transfer: a request pulling encodings starts once they are
-        # here (never through a KV pull); KV transfer's refusal of LoRA requests before LoRA's.
+        # KV transfer's refusal of LoRA requests before LoRA's (check order).
         components += [self.ec, self.kv]
         self.lora: Optional[LoRAComponent] = None
         if self.lora_manager is not None:
@@ -218,8 +220,7 @@ class EngineCore:
         if self.spec is not None:  # after LoRA: drafts fill the batch in its final order
             self.spec_decode = SpecDecodeComponent(self.spec, self.context)
             components.append(self.spec_decode)
-        # Last: a request whose KV / encoder outputs are pulled is scheduled by that pull
-        # (its grammar compiles meanwhile); WAIT here only for a request nothing else holds.
+        # After speculative decoding: its before_schedule cuts the drafts just proposed.
         self.structured_output = StructuredOutputComponent(
             self.context, structured_outputs_config(config.structured_outputs_config))
         components.append(self.structured_output)
@@ -277,18 +278,40 @@ class EngineCore:
                 raise BadRequest(str(e), "bad_words") from None
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = request
-        held = False
+        self._admitting = request
         try:
-            for admit in self.hooks.admit:  # READY, or WAIT: the component schedules it later
-                held = admit(request, seq, held) == WAIT or held
+            for admit in self.hooks.admit:  # each may close gates the request then waits for
+                admit(request, seq)
         except BaseException:
             self.forget_request(request)
             raise
+        finally:
+            self._admitting = None
         if not (all(ok(request) for ok in self.hooks.can_overlap)
                 and not reads_output_history(seq.sampling_row)):
             self._sync_only.add(request.request_id)  # its steps run synchronously
-        if not held:
+        if request.request_id not in self.gates:
             self.scheduler.add(seq)
+
+    # --- readiness gates (core/gates.py) ---------------------------------------------
+    def close_gate(self, request: Request, name: str) -> None:
+        """The request waits for ``name`` (a pull, a compile) before its first step.
+        Gates are closed in ``admit``, before the request is queued (or while another
+        of its gates is still closed)."""
+        if self.requests.get(request.request_id) is not request:
+            return  # gone already
+        if request is not self._admitting and request.request_id not in self.gates:
+            raise RuntimeError(f"gate {name!r} of request {request.request_id}: gates are closed at admission, "
+                               "before the request is queued")
+        self.gates.close(request.request_id, name)
+
+    def open_gate(self, request: Request, name: str) -> None:
+        """``name`` is done: the request is queued when it was its last closed gate.  A
+        request that is gone (aborted, failed) or a gate that is not closed: nothing."""
+        if self.requests.get(request.request_id) is not request:
+            return
+        if self.gates.open(request.request_id, name) and request is not self._admitting:
+            self.scheduler.add(request.sequences[0])
 
     def tick(self) -> None:
         """Housekeeping of the components (every step, and by the worker while idle):
@@ -297,14 +320,12 @@ class EngineCore:
             hook()
 
     def fail_request(self, request: Request, status: int, message: str, param: str) -> None:
-        """A request failed outside a step's outputs (a pull): it is gone; the worker
-        reports it (``take_request_errors``)."""
-        self.forget_request(request)
-        self._request_errors.append((request.request_id, status, message, param))
-
-    def fail_admitted_request(self, request: Request, status: int, message: str, param: str) -> None:
-        """``fail_request`` for a request whose choices may be scheduled already: they are
-        aborted (blocks freed, pulls cancelled) first; the error is its only answer."""
+        """A request failed outside a step's outputs (a pull, a grammar, a gate that never
+        opens): its choices are aborted (blocks freed, pulls cancelled, gates dropped) and
+        the error is its only answer -- the worker reports it (``take_request_errors``).
+        A request already gone: nothing."""
+        if self.requests.get(request.request_id) is not request:
+            return
         self.abort(request.request_id)
         self._request_errors.append((request.request_id, status, message, param))
 
@@ -317,7 +338,6 @@ class EngineCore:
         seq = self.scheduler.head_waiting()
         bm = self.block_manager
         if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
-            self.scheduler.remove(seq)
             self.fail_request(seq.request, 503, f"the request needs {bm.blocks_needed(seq.num_tokens)} KV blocks; "
                               f"this worker's KV cache holds {bm.num_blocks}", "prompt")
             return
@@ -341,6 +361,7 @@ class EngineCore:
     def forget_request(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
         self._sync_only.discard(request.request_id)
+        self.gates.drop(request.request_id)
         if self.requests.pop(request.request_id, None) is not None:
             for forget in self.hooks.forget:
                 forget(request)

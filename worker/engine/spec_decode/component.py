@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.components.base import READY, EngineComponent
+from worker.engine.components.base import EngineComponent
 
 
 class SpecDecodeComponent(EngineComponent):
@@ -27,9 +27,8 @@ class SpecDecodeComponent(EngineComponent):
     def on_kv_cache_allocated(self) -> None:
         self.speculator.allocate(self.ctx.block_manager.num_blocks, self.ctx.max_model_len)
 
-    def admit(self, request, seq, held) -> str:
+    def admit(self, request, seq) -> None:
         self.stats[request.request_id] = self.speculator.new_stats()
-        return READY
 
     def tick(self) -> None:
         self._closing.clear()  # the last step's deltas are packed
