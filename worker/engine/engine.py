@@ -7,8 +7,8 @@ from typing import Iterable
 
 from common.protocol import CompletionDelta, GenerateRequest
 from worker.engine.core.engine_core import EngineCore
-from worker.engine.core.outputs import SequenceOutput
-from worker.engine.core.wire_output import merge_delta, to_delta
+from worker.engine.records import SequenceOutput
+from worker.engine.wire_output import merge_delta, to_delta
 
 
 class Engine(EngineCore):

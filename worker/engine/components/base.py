@@ -60,8 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from common.protocol import CompletionDelta, GenerateRequest, WorkerLoad
-    from worker.engine.core.outputs import SequenceOutput
-    from worker.engine.core.request import EngineSequence, Request
+    from worker.engine.records import EngineSequence, Request, SequenceOutput
     from worker.engine.sample.sampler import SamplerOutput
     from worker.engine.step_plan import ScheduledSeq
 

@@ -21,7 +21,7 @@ from common.transfer_peers import KV_PARAM, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER,
 from worker.engine.components.base import EngineComponent
 from worker.engine.disagg.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
                                        blocks_from_reply, parse_params)
-from worker.engine.core.request import FinishReason
+from worker.engine.records import FinishReason
 
 log = logging.getLogger(__name__)
 

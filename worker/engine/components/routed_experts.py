@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.engine.components.base import EngineComponent
-from worker.engine.core.wire_output import npy_bytes
+from worker.engine.wire_output import npy_bytes
 
 
 class RoutedExpertsCapture(EngineComponent):

@@ -2,7 +2,7 @@
 
 ``step()`` = schedule -> forward -> logits of the rows that need them -> sample ->
 append tokens, check stops, detokenize.  Requests join and leave between steps
-(continuous batching).  What a step produced stays engine state (``outputs.py``);
+(continuous batching).  What a step produced stays engine state (``records.SequenceOutput``);
 packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
 """
 from __future__ import annotations
@@ -40,9 +40,8 @@ from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.lora.step_inputs import LoRAStepInputs
 from worker.engine.multimodal.images import EncoderCache, MultimodalInputs, check_mm_items, image_config_for
 from worker.engine.loading.model_setup import build_model
-from worker.engine.core.outputs import SequenceOutput
 from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
-from worker.engine.core.request import FinishReason, Request, EngineSequence
+from worker.engine.records import EngineSequence, FinishReason, Request, SequenceOutput
 from worker.engine.rl.control import RLControl
 from worker.engine.components.routing_capture import RoutingCapture
 from worker.engine.sample.sampler import Sampler

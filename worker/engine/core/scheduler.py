@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from worker.engine.core.block_manager import BlockManager
-from worker.engine.core.request import SeqStatus, EngineSequence
+from worker.engine.records import SeqStatus, EngineSequence
 from worker.engine.step_plan import ScheduledSeq  # noqa: F401 - the scheduler's output record, re-exported
 
 

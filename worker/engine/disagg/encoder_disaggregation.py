@@ -22,8 +22,7 @@ from worker.engine.disagg.ec_transfer import PARAM as EC_PARAM
 from worker.engine.disagg.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
                                        remote_sources)
 from worker.engine.multimodal.images import MAX_ENCODE_PATCHES, REMOTE
-from worker.engine.core.outputs import SequenceOutput
-from worker.engine.core.request import EngineSequence, FinishReason, Request
+from worker.engine.records import EngineSequence, FinishReason, Request, SequenceOutput
 
 log = logging.getLogger(__name__)
 

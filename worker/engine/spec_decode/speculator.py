@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from common.protocol import SpecDecodeStats
-from worker.engine.core.request import EngineSequence
+from worker.engine.records import EngineSequence
 from worker.engine.sample.sampling_metadata import SamplingRow
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.ngram import propose_ngram
