@@ -4,9 +4,9 @@ included: a lazy ``import`` inside a function is still a dependency.
 * no import cycles among our modules;
 * ``common/`` imports no other package of ours;
 * nothing in ``worker/engine`` imports the rest of ``worker/``, ``gateway/`` or ``broker/``;
-* inside ``worker/engine``: the core (the runner, the scheduler and block manager, the
-  model, attention, configuration, sampling) imports no feature; features never import
-  the engine (``core.engine_core`` / ``engine``), which wires them; the model runner knows no
+* inside ``worker/engine``: the core (``core/`` with its step loop, the runner, the model,
+  attention, configuration, sampling) imports no feature; features never import the
+  wiring (``build``) or the engine, which build them; the model runner knows no
   feature and not ``parallel/`` (features reach it through ``runner.hooks``); no import
   runs back up into ``core/`` from below it (the shared records are the leaves
   ``records`` / ``step_plan``); the models never import the loader;
@@ -135,18 +135,20 @@ def _under(module: str, *prefixes: str) -> bool:
 
 
 E = "worker.engine"
-# The engine's core: it runs batches and knows no feature.  core/ holds the step loop's
-# records (engine_core, which wires the features, is the top); runner/, sample/ and
-# loading/ are core whole.  parallel.state / sharding are the collectives the model's
-# layers call (parallel.follower, which drives the followers' runners, is a feature).
-CORE = (f"{E}.config", f"{E}.step_plan", f"{E}.records", f"{E}.wire_output", f"{E}.core.block_manager",
-        f"{E}.core.scheduler", f"{E}.core.gates", f"{E}.core.inflight", f"{E}.core.context", f"{E}.runner",
-        f"{E}.sample", f"{E}.loading",
+# The engine's core: it runs batches and knows no feature.  core/ is the step loop (its
+# EngineCore receives the features it runs with, built by ``build``), with the leaves it
+# shares with the features (the component interface, the records, the step's plan);
+# runner/, sample/ and loading/ are core whole.  parallel.state / sharding are the
+# collectives the model's layers call (parallel.follower, which drives the followers'
+# runners, is a feature).
+CORE = (f"{E}.config", f"{E}.step_plan", f"{E}.records", f"{E}.wire_output", f"{E}.component", f"{E}.core",
+        f"{E}.runner", f"{E}.sample", f"{E}.loading",
         f"{E}.attention", f"{E}.models", f"{E}.kernels", f"{E}.parallel.state", f"{E}.parallel.sharding")
 FEATURES = (f"{E}.lora", f"{E}.spec_decode", f"{E}.multimodal", f"{E}.disagg", f"{E}.rl", f"{E}.components",
             f"{E}.structured_output",
             f"{E}.parallel.follower")
-TOP = (f"{E}.core.engine_core", f"{E}.engine")
+# The wiring (``build``: which features an engine runs with) and the engine it builds.
+TOP = (f"{E}.build", f"{E}.engine")
 
 
 def test_no_import_cycles():
@@ -167,6 +169,8 @@ def test_engine_imports_nothing_of_the_worker_process_the_broker_or_the_gateway(
 
 
 def test_engine_core_imports_no_feature():
+    """core/ (the step loop included) and what it stands on import no feature: the
+    features are built by ``build`` and handed to ``EngineCore``."""
     hits = _hits(_our_graph(), lambda m: _under(m, *CORE), lambda m, t: _under(t, *FEATURES, *TOP))
     assert not hits, hits
 

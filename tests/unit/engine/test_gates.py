@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.engine_helpers import hf_greedy, make_engine, request
-from worker.engine.components.base import EngineComponent, Hooks
+from worker.engine.component import EngineComponent, Hooks
 from worker.engine.core.gates import Gates
 
 

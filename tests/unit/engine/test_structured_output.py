@@ -470,7 +470,7 @@ def test_a_request_whose_pull_is_done_waits_for_its_grammar(llama_dir):
     """A KV / encoder pull may finish (open its gate) before the request's grammar
     compiled: the request waits at its grammar gate, no step waits for the compile, and
     no token is sampled unconstrained."""
-    from worker.engine.components.base import EngineComponent, Hooks
+    from worker.engine.component import EngineComponent, Hooks
 
     engine = make_engine(llama_dir)
     so = engine.structured_output

@@ -18,7 +18,7 @@ import torch
 
 from common.errors import BadRequest, Overloaded
 from common.transfer_peers import KV_PARAM, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER, check_shape
-from worker.engine.components.base import EngineComponent
+from worker.engine.component import EngineComponent
 from worker.engine.disagg.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
                                        blocks_from_reply, parse_params)
 from worker.engine.records import FinishReason
@@ -239,3 +239,11 @@ class KvTransferComponent(EngineComponent):
 
     def close(self) -> None:
         self.transport.close()
+
+
+def maybe_create(config, ctx, transport: KvTransfer) -> KvTransferComponent:
+    """Always on: its checks refuse transfer parameters this worker cannot serve."""
+    transport.max_held_blocks = int(config.kv_transfer_max_held * ctx.block_manager.num_blocks)
+    if config.kv_transfer_enabled:
+        transport.server()  # bound now: READY announces it (the broker admits only known peers)
+    return KvTransferComponent(ctx, transport)

@@ -37,8 +37,9 @@ from typing import Any, Optional
 import torch
 
 from common.errors import BadRequest
-from worker.engine.components.base import EngineComponent
+from worker.engine.component import EngineComponent
 from common.structured_outputs_config import StructuredOutputsConfig
+from worker.engine.config import structured_outputs_config
 from worker.engine.structured_output.bitmask import BitmaskBuffer
 from worker.engine.structured_output.reasoning import prompt_ended_reasoning
 from worker.engine.structured_output.sequence_matcher import DeadEnd, SequenceMatcher
@@ -278,3 +279,8 @@ class StructuredOutputComponent(EngineComponent):
     @property
     def num_matchers(self) -> int:
         return len(self.matchers)
+
+
+def maybe_create(config, ctx) -> StructuredOutputComponent:
+    """Always on (as vLLM): its hooks return at once while no request has a grammar."""
+    return StructuredOutputComponent(ctx, structured_outputs_config(config.structured_outputs_config))

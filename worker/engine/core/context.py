@@ -2,7 +2,7 @@
 
 Components used to receive the whole ``EngineCore`` and reached into its scheduler,
 runner and block manager as they pleased.  ``CoreContext`` is the narrow face the core
-hands them instead (``components.base.EngineContext`` is its protocol): close and
+hands them instead (``component.EngineContext`` is its protocol): close and
 open a request's readiness gates, fail or forget a request, read the running and waiting sequences,
 the KV cache and the engine's fixed facts.  A component that needs something else of
 the core needs a new, named entry here -- not a reach into the core's members.
@@ -45,9 +45,19 @@ class CoreContext:
         """KV blocks: a P/D leg reserves, holds and frees them; sizes are read from it."""
         return self._core.block_manager
 
+    @property
+    def model_info(self) -> Any:
+        """What the worker announces (LoRA keeps its adapter list there up to date)."""
+        return self._core.model_info
+
     def kv_cache(self) -> Optional["torch.Tensor"]:
         """The paged KV cache (None while sleep has released it)."""
         return self._core.runner.kv_cache
+
+    def add_admission_limit(self, limit: Any) -> None:
+        """A limit on which waiting sequences a step admits (core/scheduler.py
+        ``AdmissionLimit``: LoRA's adapter slots)."""
+        self._core.scheduler.limits.append(limit)
 
     # --- requests and sequences --------------------------------------------------------------
     def running(self) -> list:
@@ -78,3 +88,25 @@ class CoreContext:
 
     def forget_request(self, request: Any) -> None:
         self._core.forget_request(request)
+
+    # --- engine-wide commands (RL control: weight updates, sleep / wake) -------------------
+    def drain(self) -> None:
+        """Finish the step in flight now (async scheduling): before weights change or the
+        cache is released; its outputs go out with the next step."""
+        self._core.drain()
+
+    def preempt_all(self) -> None:
+        """Every running choice back to waiting, its blocks freed (recomputed later)."""
+        self._core.scheduler.preempt_all()
+
+    def release_kv_cache(self) -> None:
+        """Sleep: release the KV cache and what lives beside it (a draft model's)."""
+        self._core.release_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """Wake-up: allocate the KV cache (and what lives beside it) again."""
+        self._core.allocate_kv_cache()
+
+    def replace_model(self, model: Any) -> None:
+        """The runner's model is now ``model`` (None: sleep released the weights)."""
+        self._core.replace_model(model)

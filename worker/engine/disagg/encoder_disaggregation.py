@@ -16,7 +16,7 @@ from typing import Optional
 from common.errors import BadRequest
 from common.protocol import GenerateRequest
 from common.transfer_peers import TRUST_EC, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers
-from worker.engine.components.base import EngineComponent
+from worker.engine.component import EngineComponent
 from worker.engine.config import EngineConfig
 from worker.engine.disagg.ec_transfer import PARAM as EC_PARAM
 from worker.engine.disagg.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
@@ -224,3 +224,8 @@ class EncoderDisaggregation(EngineComponent):
         self.answers[request.request_id] = announce(request.mm.items, request.mm.wire_hashes, self.ec_exports,
                                            server.host, server.port)
 
+
+def maybe_create(config: EngineConfig, ctx, runner, transport) -> EncoderDisaggregation:
+    """Always on: it checks ec_transfer_params (and pulls what they announce); an
+    encoder-only engine's step is its ``encode_step``."""
+    return EncoderDisaggregation(ctx, config, runner, transport)

@@ -36,8 +36,9 @@ Hook order in a request's life::
     forget(request)               the request is gone (finished, aborted or failed)
     fill_deltas(outs, deltas)     the step's outputs become wire CompletionDeltas (engine.py)
     fill_load(load)               the worker's load report
-    on_kv_cache_released()        sleep released the KV cache / wake-up allocated it again
+    on_kv_cache_released()        sleep released the KV cache / start and wake-up allocated it
     on_kv_cache_allocated()
+    on_model_replaced(model)      wake-up reloaded the weights into a new model (None: released)
     close()                       the engine shuts down
 
 Readiness gates (core/gates.py) instead of an order between components: a request
@@ -75,9 +76,12 @@ class EngineContext(Protocol):
     model_config: Any  # ModelConfig
     tokenizer: Any  # None when serving tokens only
     max_model_len: int
-    block_manager: Any  # KV blocks a P/D leg reserves, holds and frees
+    block_manager: Any  # KV blocks a P/D leg reserves, holds and frees; the prefix cache's reset
+    model_info: Any  # common.protocol.ModelInfo: what the worker announces (LoRA keeps its adapters there)
 
     def kv_cache(self) -> "Optional[torch.Tensor]": ...
+
+    def add_admission_limit(self, limit: Any) -> None: ...
 
     def running(self) -> "list[EngineSequence]": ...
 
@@ -93,11 +97,46 @@ class EngineContext(Protocol):
 
     def forget_request(self, request: "Request") -> None: ...
 
+    # the engine-wide commands of RL control (rl/control.py), between two steps
+    def drain(self) -> None: ...
+
+    def preempt_all(self) -> None: ...
+
+    def release_kv_cache(self) -> None: ...
+
+    def allocate_kv_cache(self) -> None: ...
+
+    def replace_model(self, model: Any) -> None: ...
+
+
+class EngineWiring(Protocol):
+    """What ``EngineCore`` asks of the features it runs with while it is built; it imports
+    none of them (worker/engine/build.py's ``EngineFeatures`` is the implementation,
+    ``Engine`` hands it over).  Without one the core runs the bare loop."""
+
+    def start(self, ctx: EngineContext) -> None:
+        """Before the model is built: configuration checks, tensor parallelism's followers."""
+
+    def install(self, ctx: EngineContext, runner: Any) -> None:
+        """The runner exists, its KV cache is not sized yet: the features' runner hooks."""
+
+    def components(self, ctx: EngineContext, runner: Any) -> "list[EngineComponent]":
+        """Scheduler, block manager and model info exist: the components, in hook order."""
+
+    def parse_images(self, req: "GenerateRequest") -> Any:
+        """The request's images checked against the model (MultiModalState, None: none)."""
+
+    # after components(): an engine that runs another step than the model's (encoder-only),
+    # why async scheduling cannot run, and speculative decoding's verification
+    step: "Optional[Callable[[], list[SequenceOutput]]]"
+    overlap_blocker: Optional[str]
+    append_verified: Optional[Callable[..., "SequenceOutput"]]
+
 
 HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
          "on_scheduled", "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
-         "on_kv_cache_allocated", "close")
+         "on_kv_cache_allocated", "on_model_replaced", "close")
 
 
 class EngineComponent:
@@ -172,7 +211,11 @@ class EngineComponent:
         """Sleep released the KV cache: release what lives beside it (a draft model's cache)."""
 
     def on_kv_cache_allocated(self) -> None:
-        """Wake-up allocated the KV cache again."""
+        """The KV cache was allocated: when the engine starts, and at wake-up."""
+
+    def on_model_replaced(self, model: Any) -> None:
+        """Wake-up reloaded the weights into a new model object (None: sleep released
+        it): re-attach what lives in the model (LoRA's slots)."""
 
     def close(self) -> None:
         """The engine shuts down."""
@@ -204,4 +247,5 @@ class Hooks:
     fill_load: list[Callable[..., None]]
     on_kv_cache_released: list[Callable[[], None]]
     on_kv_cache_allocated: list[Callable[[], None]]
+    on_model_replaced: list[Callable[..., None]]
     close: list[Callable[[], None]]
