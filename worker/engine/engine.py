@@ -29,6 +29,7 @@ class Engine(EngineCore):
         self.spec = features.spec
         self.spec_decode = features.spec_decode
         self.structured_output = features.structured_output
+        self.tp_leader = features.tp_leader  # tensor parallelism's rank 0 (None at size 1)
 
     def transfer_address(self) -> Optional[str]:
         """"host:port" of the transfer server (READY announces it), None when not bound."""
