@@ -1,4 +1,4 @@
-"""The engine component interface (issue 31).
+"""The engine component interface (issues 31, 41): a leaf the core and the features share.
 
 A feature that is not the core loop (schedule -> forward -> sample -> append) is an
 ``EngineComponent``: ``EngineCore`` holds a list of them and calls their hooks, in
@@ -8,7 +8,9 @@ default; ``Hooks`` collects, once, only the components that *override* a hook, s
 a step pays nothing for a feature that is off or does not care about that point.
 
 Per-request state belongs to the component (a dict keyed by request id or by
-sequence id inside it), not to ``Request`` / ``EngineSequence``.
+sequence id inside it), not to ``Request`` / ``EngineSequence``.  Components are built
+by worker/engine/build.py (each feature module's ``maybe_create``) and get the core's
+``EngineContext``, never the core.
 
 Hook order in a request's life::
 
