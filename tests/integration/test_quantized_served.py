@@ -39,7 +39,9 @@ def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
     prompts = random_prompts(3, 5, 30, seed=7)
     with ProcGroup(tmp_path) as procs:
         broker = procs.broker()
-        procs.worker(broker, 0, "--model", str(path), "--log-level", "INFO")
+        # vLLM users pass the method (or its Marlin alias) explicitly: accepted when it is the checkpoint's
+        arg = ["--quantization", "awq_marlin"] if fmt == "awq" else []
+        procs.worker(broker, 0, "--model", str(path), "--log-level", "INFO", *arg)
         wait_for_workers(broker.frontend, 1, timeout=120)
         gw = start_gateway(procs, broker.frontend)
         got = []
@@ -51,3 +53,13 @@ def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
         log = procs.tails()
     assert got == [_hf_greedy(ref, p, 10) for p in prompts]
     assert f"quantized checkpoint: {described}" in log, log[-3000:]
+
+
+def test_worker_refuses_a_quantization_argument_the_checkpoint_does_not_have(tiny_model, tmp_path):
+    path, _ = qf.write_awq(tiny_model("llama"), tmp_path / "awq")
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        worker = procs.worker(broker, 0, "--model", str(path), "--quantization", "fp8")
+        from tests.support.procs import wait_for
+        wait_for(lambda: not worker.alive(), 120, "the worker to exit")
+        assert "Quantization method specified in the model config (awq) does not match" in worker.tail()

@@ -136,3 +136,28 @@ def test_ignored_layers_stay_dense():
                                                                 "group_size": 128, "symmetric": True}}}})
     assert q.scheme_for("lm_head") is None and q.scheme_for("model.layers.0.mlp.gate") is None
     assert q.scheme_for("model.layers.0.mlp.experts.3.up_proj").kind == "packed"
+
+
+def test_quantization_argument_is_checked_against_the_checkpoint():
+    from worker.engine.quantization.config import check_quantization_arg
+
+    awq = parse_quantization({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"})
+    check_quantization_arg(None, awq)
+    check_quantization_arg("awq", awq)
+    check_quantization_arg("awq_marlin", awq)  # vLLM's kernel choice for the same format
+    with pytest.raises(ValueError, match=r"Quantization method specified in the model config \(awq\) does not match "
+                                         r"the quantization method specified in the `quantization` argument \(gptq\)"):
+        check_quantization_arg("gptq", awq)
+    with pytest.raises(ValueError, match="online quantization at load"):
+        check_quantization_arg("fp8", None)
+    with pytest.raises(ValueError, match="Unknown quantization method: bogus"):
+        check_quantization_arg("bogus", None)
+
+
+def test_engine_refuses_a_mismatched_quantization_argument(tiny_model, quant_root):
+    path, _ = qf.write_awq(tiny_model("llama"), quant_root / "awq-arg")
+    with pytest.raises(ValueError, match="does not match the quantization method"):
+        make_engine(path, quantization="gptq")
+    engine = make_engine(path, quantization="awq")
+    assert engine.model_config.quantization.method == "awq"
+    engine.close()

@@ -28,6 +28,7 @@ from worker.engine.core.gates import Gates
 from worker.engine.core.inflight import DeviceStep, StepExecutor, placeholder_fill
 from worker.engine.core.scheduler import ScheduledSeq, Scheduler
 from worker.engine.loading.model_setup import build_model
+from worker.engine.quantization.config import check_quantization_arg
 from worker.engine.models.config import ModelConfig, generation_defaults
 from worker.engine.records import EngineSequence, FinishReason, Request, SequenceOutput
 from worker.engine.runner.model_runner import ModelRunner
@@ -57,6 +58,7 @@ class EngineCore:
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
         self.model_config = ModelConfig.from_dir(config.model)
+        check_quantization_arg(config.quantization, self.model_config.quantization)
         mc = self.model_config
         self.device = device
         self.features = features
