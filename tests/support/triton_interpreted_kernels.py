@@ -139,6 +139,40 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reshape_and_cache_into_fp8_saturates(fp8):
+    """--kv-cache-dtype fp8: values rounded to FP8 (scale 1.0), out-of-range ones saturated."""
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16) * 4
+    v = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16) * 4
+    k[0, 0, 0], v[1, 1, 3] = 1e4, -1e5  # beyond e4m3's 448 (and e5m2's 57344)
+    kc = torch.zeros(3, 4, 2, 32, dtype=fp8)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([2, 5, -1, 11, 0])
+    _ops().reshape_and_cache(k, v, kc, vc, slots)
+    limit = torch.finfo(fp8).max
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            for x, c in ((k, kc), (v, vc)):
+                want = x[t].float().clamp(-limit, limit).to(fp8)
+                assert torch.equal(c.view(-1, 2, 32)[s].float(), want.float())
+    assert torch.isfinite(kc.float()).all() and torch.isfinite(vc.float()).all()
+
+
+@pytest.mark.parametrize("case", [([7, 1, 1], [0, 40, 9], 8, 2, 64, 16, None), ([5], [20], 4, 4, 32, 4, 8)])
+def test_unified_attention_over_fp8_caches(case):
+    """The attention kernels read an FP8 cache converted to q's dtype: equal to the
+    reference over the dequantized cache (prefill, decode and the split-KV decode)."""
+    q_lens, ctx, hq, hkv, d, bs, window = case
+    q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, ctx, hq, hkv, d, bs, torch.float32, seed=7)
+    kc8, vc8 = (c.mul(3).clamp(-448, 448).to(torch.float8_e4m3fn) for c in (kc, vc))
+    out = torch.full(q.shape, float("nan"))
+    _ops().unified_attention(q, kc8, vc8, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=d ** -0.5,
+                             sliding_window=window, max_query_len=max(q_lens))
+    ref = reference_attention(q, kc8.float(), vc8.float(), qsl, sl, bt, d ** -0.5, window)
+    assert (out - ref).abs().max().item() < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_and_without_residual(dtype):
     g = torch.Generator().manual_seed(1)

@@ -113,10 +113,12 @@ class EngineCore:
         self._drained: list[SequenceOutput] = []
         self._sync_only: set[str] = set()
         self.step_counts: collections.Counter = collections.Counter()  # model steps: overlapped / synchronous
-        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens, max_model_len %d, "
+        log.info("engine ready: %s on %s (%s%s, %s attention), %d KV blocks x %d tokens%s, max_model_len %d, "
                  "async scheduling %s", mc.architecture, device, config.torch_dtype,
                  f", {self.cpu_linear} linears" if device.type == "cpu" else "", self.attention_backend.describe(),
-                 self.block_manager.num_blocks, config.block_size, self.max_model_len,
+                 self.block_manager.num_blocks, config.block_size,
+                 f" in {self.runner.kv_dtype}" if self.runner.kv_dtype != config.torch_dtype else "",
+                 self.max_model_len,
                  "on" if self._async else "off")
 
     @property
