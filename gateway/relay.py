@@ -66,7 +66,11 @@ def as_serving_error(err: RequestError) -> ServingError:
 
 
 class StreamFormatter:
-    """An API's SSE events; subclasses define ``chunk`` and may override the rest."""
+    """An API's SSE events; subclasses define ``chunk`` and may override the rest.
+    ``done``: the stream's last bytes (OpenAI's ``[DONE]``; empty for APIs whose last
+    event says so itself, as Anthropic's ``message_stop``)."""
+
+    done: bytes = SSE_DONE
 
     def head(self) -> Iterable[bytes]:
         return ()
@@ -317,4 +321,6 @@ async def _sse(runs: list[Generation], formatter: StreamFormatter) -> AsyncItera
         yield event
     finally:
         await close_all(runs, error_status)
-    yield SSE_DONE
+    done = getattr(formatter, "done", SSE_DONE)
+    if done:
+        yield done
