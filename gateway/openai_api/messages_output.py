@@ -9,7 +9,8 @@ block (its signature a random hex, as vLLM's: nothing here can verify one), cont
 a ``text`` block, tool calls -> ``tool_use`` blocks.  Stop reasons map as vLLM maps
 them (stop -> ``end_turn``, length -> ``max_tokens``, tool_calls -> ``tool_use``), and a
 stop on one of the request's ``stop_sequences`` is ``stop_sequence`` with the matched
-string, as Anthropic answers (vLLM says ``end_turn`` there).
+string, as Anthropic answers (vLLM says ``end_turn`` there); a forced named call stops
+with ``tool_use`` (vLLM: ``end_turn``).
 """
 from __future__ import annotations
 
@@ -48,7 +49,12 @@ def anthropic_event(name: str, payload: Any) -> bytes:
 
 def stop_reason(rendered: RenderedChat, engine_reason: Optional[str], stop: Any,
                 tools_called: bool, stop_sequences: Optional[list[str]]) -> tuple[Optional[str], Optional[str]]:
-    """(stop_reason, stop_sequence) of a finished message."""
+    """(stop_reason, stop_sequence) of a finished message.  A message that ends in
+    ``tool_use`` blocks stops with ``tool_use`` under a named tool choice too (``tool_choice:
+    {"type": "tool"}``), as Anthropic answers and agents rely on to run the tool; vLLM's
+    chat rule says ``stop`` there, which it maps to ``end_turn``."""
+    if tools_called and engine_reason == "stop":
+        return "tool_use", None
     reason = rendered.parsing.finish_reason(engine_reason, tools_called)
     if reason == "stop" and isinstance(stop, str) and stop in (stop_sequences or ()):
         return "stop_sequence", stop

@@ -195,6 +195,14 @@ def test_messages_tools_over_several_turns(stack):
     assert second.usage.output_tokens == len(choice["token_ids"])
     text = "".join(b.text for b in second.content if b.type == "text")
     assert text == (choice["message"]["content"] or "")
+    # A named tool, and tool_choice none (the tools are shown, no call is parsed).
+    named = client.messages.create(**_sdk(dict(turn1, tool_choice={"type": "tool", "name": "get_weather"})))
+    (ncall,) = [b for b in named.content if b.type == "tool_use"]
+    assert ncall.name == "get_weather" and ncall.input["city"] in ("Paris", "Oslo")
+    assert named.stop_reason == "tool_use"
+    none = client.messages.create(**_sdk(dict(turn1, tool_choice={"type": "none"}, max_tokens=8)))
+    assert none.stop_reason != "tool_use" and not [b for b in none.content if b.type == "tool_use"]
+    assert none.usage.input_tokens == first.usage.input_tokens
     counted = client.messages.count_tokens(model=model, messages=turn2["messages"], tools=ANTHROPIC_TOOLS,
                                            thinking=NO_THINKING)
     assert counted.input_tokens == len(gen2["token_ids"])
@@ -322,6 +330,10 @@ def test_responses_function_tools_over_several_turns(stack):
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert deltas == scall.arguments
     assert [e.type for e in events if e.type.startswith("response.function_call_arguments.done")]
+
+    named = client.responses.create(**dict(turn1, tool_choice={"type": "function", "name": "get_weather"}))
+    (ncall,) = [i for i in named.output if i.type == "function_call"]
+    assert ncall.name == "get_weather" and json.loads(ncall.arguments)["city"] in ("Paris", "Oslo")
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"}
     replay = dict(turn1, tool_choice="auto", max_output_tokens=8,

@@ -100,8 +100,8 @@ def test_messages_forced_call_streams_its_arguments_in_pieces():
     events = _stream(MessagesStream(None, _rendered(forced), "m", None), _deltas(['{"ci', 'ty": "Oslo"}']))
     partial = [e["delta"]["partial_json"] for n, e in events if e.get("delta", {}).get("type") == "input_json_delta"]
     assert partial == ['{"ci', 'ty": "Oslo"}']
-    # vLLM's resolve_finish_reason: a named choice ends "stop" -> end_turn
-    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+    # A forced named call stops with tool_use, as Anthropic answers (vLLM: end_turn).
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
 def test_stop_reasons():
@@ -111,6 +111,9 @@ def test_stop_reasons():
     assert stop_reason(plain, "stop", None, True, None) == ("tool_use", None)
     assert stop_reason(plain, "stop", "##", False, ["##"]) == ("stop_sequence", "##")
     assert stop_reason(plain, "stop", 7, False, ["##"]) == ("end_turn", None)  # a stop token id
+    named = _rendered(ChatParsing(forced_tool_choice="named", named_tool="f"))
+    assert stop_reason(named, "stop", None, True, None) == ("tool_use", None)
+    assert stop_reason(named, "length", None, True, None) == ("max_tokens", None)
 
 
 def test_anthropic_error_shape():
