@@ -205,6 +205,10 @@ class ResponsesStream(StreamFormatter):
         self.item: Optional[dict] = None  # the open item
         self.text = ""  # the open item's text (reasoning, output text or arguments)
         self.item_logprobs: list = []
+        # Logprob entries of tokens whose text has not reached an output_text delta yet (a
+        # partial character, a held-back tag, reasoning): sent with the next one, so the
+        # deltas carry every token's entry, as the non-streamed output_text does.
+        self.pending_logprobs: list = []
 
     def _event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -239,6 +243,11 @@ class ResponsesStream(StreamFormatter):
             return
         index, text = self._index(), self.text
         if item["type"] == "message":
+            if self.pending_logprobs:  # tokens that added no text (yet): their entries still go out
+                out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                       content_index=0, delta="", logprobs=self.pending_logprobs))
+                self.item_logprobs.extend(self.pending_logprobs)
+                self.pending_logprobs = []
             logprobs = self.item_logprobs if self.ctx.top_logprobs is not None else None
             done = message_item(item["id"], text, logprobs)
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
@@ -265,7 +274,7 @@ class ResponsesStream(StreamFormatter):
     def chunk(self, delta: CompletionDelta, run: int = 0) -> Optional[bytes]:
         if self.counts.finish is not None:
             return None
-        entries = self.counts.add(delta)
+        self.pending_logprobs.extend(self.counts.add(delta) or ())
         done = delta.finish_reason is not None
         message = self.choice.delta(delta.text or "", done)
         out: list[bytes] = []
@@ -281,11 +290,11 @@ class ResponsesStream(StreamFormatter):
                 if self._kind() != "message":
                     self._open(out, message_item(_id("msg"), "", None, status="in_progress") | {"content": []})
                 self.text += message.content
-                if entries:
-                    self.item_logprobs.extend(entries)
+                entries, self.pending_logprobs = self.pending_logprobs, []
+                self.item_logprobs.extend(entries)
                 out.append(self._event("response.output_text.delta", item_id=self.item["id"],
                                        output_index=self._index(), content_index=0, delta=message.content,
-                                       logprobs=entries or []))
+                                       logprobs=entries))
             for call in message.tool_calls if isinstance(message.tool_calls, list) else ():
                 arguments = getattr(call.function, "arguments", None)
                 if isinstance(call.id, str):
@@ -300,7 +309,13 @@ class ResponsesStream(StreamFormatter):
         return b"".join(out) or None
 
     def final(self) -> Optional[bytes]:
-        response = self.ctx.response(_status(self.counts.finish), self.output, self.counts.usage())
+        output = self.output
+        if self.ctx.top_logprobs is not None:
+            # The message's output_text carries every output token's entry (tool-call
+            # tokens after it included), as the non-streamed Response's does.
+            output = [message_item(i["id"], i["content"][0]["text"], list(self.counts.logprobs))
+                      if i["type"] == "message" else i for i in output]
+        response = self.ctx.response(_status(self.counts.finish), output, self.counts.usage())
         if self.on_done is not None:
             self.on_done(response)
         return self._event("response.completed", response=response)

@@ -258,7 +258,10 @@ def test_responses_create_equals_render_and_generate(stack):
     assert out.object == "response" and out.id.startswith("resp_") and out.status == "incomplete"
     assert out.incomplete_details.reason == "max_output_tokens" and out.metadata == {"run": "1"}
     assert out.usage.input_tokens == len(gen["token_ids"]) and out.usage.output_tokens == len(ids) == 12
-    assert out.usage.input_tokens_details.cached_tokens >= 0
+    # The same prompt again: its full blocks come from the prefix cache.
+    again = client.responses.create(**body)
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+    assert again.output[0].content[0].text == out.output[0].content[0].text
     (item,) = out.output
     assert item.type == "reasoning" and item.content[0].text
     assert out.usage.output_tokens_details.reasoning_tokens == 12 - _think_markers(gw, ids)
@@ -297,9 +300,13 @@ def test_responses_stream_events_and_final_response(stack):
     assert final.output[0].content[0].text == full.output[0].content[0].text
     assert final.usage.output_tokens == full.usage.output_tokens == 12
     # Reasoning off: output text events.
-    with client.responses.stream(**body, reasoning={"effort": "none"}) as stream:
+    with client.responses.stream(**body, reasoning={"effort": "none"}, include=["message.output_text.logprobs"],
+                                 top_logprobs=1) as stream:
         events = list(stream)
         final = stream.get_final_response()
+    streamed_logprobs = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert len(streamed_logprobs) == final.usage.output_tokens
+    assert [lp.token for lp in streamed_logprobs] == [lp.token for lp in final.output[0].content[0].logprobs]
     kinds = [e.type for e in events]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.completed"]
