@@ -4,8 +4,9 @@ a request is mapped onto the wire.
 It submits each wire request to the broker client (``Generation``), waits for the first
 delta before answering (a rejection by the broker or a worker — 503 overloaded, 400 —
 stays a real HTTP error, even for a stream), then either collects every delta into one
-JSON body or streams them as ``data:`` events ending with ``data: [DONE]``; a failure
-after the stream began becomes an error event and ``[DONE]``.  It watches for the client
+JSON body or streams them as SSE events ending with ``data: [DONE]`` (or the
+formatter's own ``done``: Anthropic's and the Responses API's streams end on their last
+event); a failure after the stream began becomes an error event and that ending.  It watches for the client
 going away (gateway/disconnect.py: abort at once, cancel the relay after the grace
 period), feeds the request's metrics tracker (gateway/metrics.py) and closes the delta
 streams (an ABORT when cut short) with the status the metrics record.

@@ -230,3 +230,39 @@ def test_key_scope():
     assert a and a == key_scope(_Req({"x-api-key": "k1"})) and "k1" not in a
     assert a != key_scope(_Req({"Authorization": "Bearer k2"}))
     assert key_scope(_Req({})) == ""
+
+
+def test_previous_response_history_goes_between_instructions_and_input():
+    import pytest
+
+    from common.errors import ServingError
+    from gateway.openai_api.responses_messages import responses_chat_request
+
+    request = responses_request_decoder.decode(json.dumps({
+        "instructions": "new rules", "previous_response_id": "resp_1",
+        "input": [{"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}))
+    history = [{"role": "user", "content": "q"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{}"}}]}]
+    chat = responses_chat_request(request, history=history)
+    assert chat.messages == [{"role": "system", "content": "new rules"}, *history,
+                             {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    with pytest.raises(ServingError, match="stateless render endpoint"):  # the render route has no store
+        responses_chat_request(request)
+
+
+def test_generating_route_refuses_builtin_tools_and_background():
+    import pytest
+
+    from common.errors import BadRequest
+    from gateway.resources.agent_apis import _refuse_unserved
+
+    def request(**body):
+        return responses_request_decoder.decode(json.dumps(dict({"input": "hi"}, **body)))
+
+    _refuse_unserved(request(tools=[{"type": "function", "name": "f", "parameters": {}}]))
+    for tool in ("web_search_preview", "file_search", "code_interpreter", "mcp", "custom"):
+        with pytest.raises(BadRequest, match=f"'{tool}'"):
+            _refuse_unserved(request(tools=[{"type": tool, "name": "x"}]))
+    with pytest.raises(BadRequest, match="background"):
+        _refuse_unserved(request(background=True))
