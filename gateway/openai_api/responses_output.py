@@ -27,7 +27,6 @@ from common.protocol import CompletionDelta
 from gateway.errors import stream_error_json
 from gateway.generate_api.logprobs_format import chat_logprobs
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_message
-from gateway.openai_api.facade import now
 from gateway.openai_api.protocol import json_encoder
 from gateway.openai_api.render import RenderedChat
 from gateway.relay import Generation, StreamFormatter, sse_event
