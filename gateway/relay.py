@@ -103,7 +103,7 @@ class Generation:
     ``observe``."""
 
     def __init__(self, state: GatewayState, req, mapped, *, num_prompt_tokens: Optional[int] = None,
-                 timing: bool = False):
+                 timing: bool = False, detached: bool = False):
         self.state = state
         self.mapped = mapped  # gateway.generate_api.request_mapping.MappedRequest
         wire = mapped.wire
@@ -112,7 +112,9 @@ class Generation:
             wire.arrival_time)
         self.deltas = state.client.generate(wire)
         request_id = wire.request_id
-        self.watcher = DisconnectWatcher(req.scope.get(RECEIVE_SCOPE_KEY),
+        # detached: no connection waits on it (a background Response): the client that
+        # asked for it going away does not abort it.
+        self.watcher = DisconnectWatcher(None if detached else req.scope.get(RECEIVE_SCOPE_KEY),
                                          lambda: state.client.abort([request_id]),
                                          state.settings.disconnect_grace_s)
         self.first: Optional[CompletionDelta] = None

@@ -173,14 +173,17 @@ class ResponsesCollector:
         if delta.text:
             self.texts.append(delta.text)
 
-    def body(self) -> bytes:
+    def response(self) -> dict:
         counts = self.counts
         logprobs = counts.logprobs if self.ctx.top_logprobs is not None else None
         response = self.ctx.response(_status(counts.finish), output_items("".join(self.texts), self.ctx.rendered,
                                                                            logprobs), counts.usage())
         if self.on_done is not None:
             self.on_done(response)
-        return json_encoder.encode(response)
+        return response
+
+    def body(self) -> bytes:
+        return json_encoder.encode(self.response())
 
 
 class ResponsesStream(StreamFormatter):

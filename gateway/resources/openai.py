@@ -117,12 +117,13 @@ class TextRoutes:
         raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model")
 
 
-    async def start_chat(self, req, request, base_id: str, arrival: float,
-                         request_id: Optional[str] = None) -> tuple[RenderedChat, Generation]:
+    async def start_chat(self, req, request, base_id: str, arrival: float, request_id: Optional[str] = None,
+                         detached: bool = False) -> tuple[RenderedChat, Generation]:
         """A chat request rendered, mapped and checked for the workers: the one path
         /v1/chat/completions, /v1/responses and /v1/messages generate through (the last
         two map their protocol onto a ChatCompletionRequest first).  ``request_id``
-        replaces the rendered one (``resp_...`` for a Responses request)."""
+        replaces the rendered one (``resp_...`` for a Responses request); ``detached``: the
+        generation outlives the connection (a background Response)."""
         max_len, _, _ = await self.limits()
         images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
         rendered = await self.offload_light(self.renderer.chat, request, max_len, base_id, images=images,
@@ -131,7 +132,7 @@ class TextRoutes:
             rendered.generate["request_id"] = request_id
         mapped = await map_rendered(self.state, req, rendered.generate, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
-        return rendered, generations(self.state, req, [mapped])[0]
+        return rendered, generations(self.state, req, [mapped], detached=detached)[0]
 
 
 class ChatCompletions(TextRoutes):

@@ -21,8 +21,8 @@ import pydantic
 import pytest
 
 from tests.integration.test_openai_http import WORKER_ARGS, build_chat_model
-from tests.support.gateway_helpers import GENERATE, start_gateway
-from tests.support.procs import ProcGroup, wait_for_workers
+from tests.support.gateway_helpers import GENERATE, metric_value, start_gateway
+from tests.support.procs import ProcGroup, wait_for, wait_for_workers
 
 pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.timeout(600)
@@ -392,9 +392,48 @@ def test_stored_responses_are_key_scoped(stack):
         plain.responses.create(model=_model(default), input="more", previous_response_id=kept.id, max_output_tokens=2)
 
 
+def test_background_responses_finish_in_the_store_and_cancel(stack):
+    """background: answered queued at once, generated detached, the finished Response in
+    the store (the same as the foreground one); a running one cancelled stays cancelled;
+    without the store (vLLM's default) background is vLLM's 400."""
+    gw, default = stack
+    client = _openai(gw)
+    body = dict(model=_model(gw), input="Count to three.", max_output_tokens=12, temperature=0,
+                reasoning={"effort": "none"})
+    queued = client.responses.create(**body, background=True)
+    assert queued.status == "queued" and queued.output == [] and queued.background is True
+
+    def finished():
+        got = client.responses.retrieve(queued.id)
+        return got if got.status not in ("queued", "in_progress") else None
+
+    done = wait_for(finished, 120, "the background response to finish")
+    foreground = client.responses.create(**body, store=False)
+    assert done.status == foreground.status == "incomplete" and done.id == queued.id
+    assert done.output_text == foreground.output_text and done.usage.output_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(queued.id)
+    with pytest.raises(openai.NotFoundError):  # another key's
+        _openai(gw, OTHER).responses.cancel(queued.id)
+
+    long = client.responses.create(**dict(body, max_output_tokens=900), background=True,
+                                   extra_body={"ignore_eos": True})
+    running = lambda: metric_value(httpx.get(gw.url + "/metrics").text, "vllm:num_requests_running")  # noqa: E731
+    wait_for(lambda: running() >= 1, 60, "the background request to run")
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    # the workers let it go: nothing is left running
+    wait_for(lambda: running() == 0, 60, "the cancelled request to leave the workers")
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+    with pytest.raises(openai.BadRequestError, match="VLLM_ENABLE_RESPONSES_API_STORE"):
+        _openai(default).responses.create(**body, background=True)
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "web_search_preview"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "stream": True}, "stream"),
     ({"input": []}, "non-empty"),
 ])
 def test_responses_refusals(stack, body, needle):

@@ -251,7 +251,7 @@ def test_previous_response_history_goes_between_instructions_and_input():
         responses_chat_request(request)
 
 
-def test_generating_route_refuses_builtin_tools_and_background():
+def test_generating_route_refuses_builtin_tools_and_unserved_background():
     import pytest
 
     from common.errors import BadRequest
@@ -260,9 +260,81 @@ def test_generating_route_refuses_builtin_tools_and_background():
     def request(**body):
         return responses_request_decoder.decode(json.dumps(dict({"input": "hi"}, **body)))
 
-    _refuse_unserved(request(tools=[{"type": "function", "name": "f", "parameters": {}}]))
+    from common.errors import ServingError
+
+    _refuse_unserved(request(tools=[{"type": "function", "name": "f", "parameters": {}}]), True)
     for tool in ("web_search_preview", "file_search", "code_interpreter", "mcp", "custom"):
         with pytest.raises(BadRequest, match=f"'{tool}'"):
-            _refuse_unserved(request(tools=[{"type": tool, "name": "x"}]))
-    with pytest.raises(BadRequest, match="background"):
-        _refuse_unserved(request(background=True))
+            _refuse_unserved(request(tools=[{"type": tool, "name": "x"}]), True)
+    _refuse_unserved(request(background=True), True)
+    with pytest.raises(ServingError, match="VLLM_ENABLE_RESPONSES_API_STORE"):  # vLLM: store needed
+        _refuse_unserved(request(background=True), False)
+    with pytest.raises(BadRequest, match="stream"):
+        _refuse_unserved(request(background=True, stream=True), True)
+
+
+class _FakeRun:
+    """A Generation stand-in: its deltas, then (``hang``) none until cancelled."""
+
+    def __init__(self, deltas, hang: bool = False, fail: Exception = None):
+        self.deltas, self.hang, self.fail = deltas, hang, fail
+        self.closed = []
+
+    async def start(self):
+        if self.fail is not None:
+            raise self.fail
+
+    async def __aiter__(self):
+        import asyncio
+
+        for d in self.deltas:
+            yield d
+        if self.hang:
+            await asyncio.Event().wait()
+
+    async def close(self, error_status=None):
+        self.closed.append(error_status)
+
+
+def test_background_responses_finish_fail_and_cancel():
+    import asyncio
+
+    import pytest
+
+    from common.errors import BadRequest, NotFound, ServingError
+    from gateway.resources.agent_apis import BackgroundResponses
+
+    async def scenario():
+        store = ResponseStore(10, 100_000)
+        background = BackgroundResponses(store)
+        ctx = _ctx(ChatParsing())
+        queued = background.start("k", _FakeRun(_deltas(["a", "b"])), ctx, [{"role": "user", "content": "hi"}])
+        assert queued["status"] == "queued" and store.get("k", "resp_1").response["status"] == "queued"
+        await asyncio.gather(*background.tasks.values())
+        done = store.get("k", "resp_1")
+        assert done.response["status"] == "completed" and done.response["output"][0]["content"][0]["text"] == "ab"
+        assert done.messages == [{"role": "user", "content": "hi"}] and not background.tasks
+        with pytest.raises(ServingError, match="Cannot cancel a synchronous response"):
+            await background.cancel("k", "resp_1")
+        with pytest.raises(NotFound):
+            await background.cancel("other-key", "resp_1")
+
+        hanging = _FakeRun([CompletionDelta(request_id="r", token_ids=[1], text="a")], hang=True)
+        ctx2 = _ctx(ChatParsing())
+        ctx2.response_id = "resp_2"
+        background.start("k", hanging, ctx2, [])
+        await asyncio.sleep(0)
+        cancelled = await background.cancel("k", "resp_2")
+        assert cancelled["status"] == "cancelled" and hanging.closed[0] == 499  # closing aborts the generation
+        assert store.get("k", "resp_2").response["status"] == "cancelled" and not background.tasks
+
+        ctx3 = _ctx(ChatParsing())
+        ctx3.response_id = "resp_3"
+        failing = _FakeRun([], fail=BadRequest("worker says no"))
+        background.start("k", failing, ctx3, [])
+        await asyncio.gather(*background.tasks.values())
+        failed = store.get("k", "resp_3").response
+        assert failed["status"] == "failed" and failed["error"]["message"] == "worker says no"
+        assert failing.closed == [400]
+
+    asyncio.run(scenario())
