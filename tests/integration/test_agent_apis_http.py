@@ -275,6 +275,13 @@ def test_responses_create_equals_render_and_generate(stack):
     (message,) = out.output
     logprobs = message.content[0].logprobs
     assert len(logprobs) == len(text["token_ids"]) and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    # Same tokens and the same logprobs (each a function of the whole prompt): the route
+    # generated from exactly the rendered prompt.
+    want = text["logprobs"]["content"]
+    assert [(lp.token, lp.logprob) for lp in logprobs] == [(e["token"], pytest.approx(e["logprob"], abs=1e-5))
+                                                          for e in want]
+    assert [[t.token for t in lp.top_logprobs] for lp in logprobs] == [[t["token"] for t in e["top_logprobs"]]
+                                                                       for e in want]
 
 
 def _think_markers(gw, ids: list[int]) -> int:
@@ -343,15 +350,22 @@ def test_responses_function_tools_over_several_turns(stack):
     assert ncall.name == "get_weather" and json.loads(ncall.arguments)["city"] in ("Paris", "Oslo")
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"}
-    replay = dict(turn1, tool_choice="auto", max_output_tokens=8,
+    replay = dict(turn1, tool_choice="auto", max_output_tokens=8, include=["message.output_text.logprobs"],
                   input=[user, *[i.model_dump(exclude_none=True) for i in first.output], result])
     second = client.responses.create(**replay)
     gen = _post(gw, "/v1/responses/render", replay)
+    text = _generate(gw, gen, "text")
     assert second.usage.input_tokens == len(gen["token_ids"])
-    assert second.usage.output_tokens == len(_generate(gw, gen, "tokens")["token_ids"])
+    assert second.usage.output_tokens == len(text["token_ids"])
     chained = client.responses.create(**dict(replay, input=[result], previous_response_id=first.id))
     assert chained.usage.input_tokens == second.usage.input_tokens
     assert chained.output_text == second.output_text and chained.previous_response_id == first.id
+    # The same logprobs from all three: the stored conversation renders to the replayed prompt.
+    (message,) = [i for i in second.output if i.type == "message"]
+    (chained_message,) = [i for i in chained.output if i.type == "message"]
+    got = [(lp.token, lp.logprob) for lp in message.content[0].logprobs]
+    assert got == [(lp.token, pytest.approx(lp.logprob, abs=1e-5)) for lp in chained_message.content[0].logprobs]
+    assert got == [(e["token"], pytest.approx(e["logprob"], abs=1e-5)) for e in text["logprobs"]["content"]]
 
 
 class City(pydantic.BaseModel):
