@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", default=None,
                    help="the checkpoint's quantization method, as vLLM (awq, awq_marlin, gptq, gptq_marlin, fp8, "
                         "fbgemm_fp8, compressed-tensors); default: what its config.json says. A method other than "
-                        "the checkpoint's is an error (docs/quantization.md)")
+                        "the checkpoint's is an error; fp8 on an unquantized checkpoint quantizes it online, W8A8 "
+                        "(docs/quantization.md)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="what the KV cache stores, as vLLM: auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (a "
                         "byte per value: twice bf16's tokens in the same memory; scale 1.0, saturated on write)")

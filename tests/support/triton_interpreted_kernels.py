@@ -434,3 +434,20 @@ def test_int4_linear_matches_dequantized_matmul(zeros, m):
     bias = torch.randn(n, generator=g)
     got = _qg().int4_linear(x, qweight, scales, z, group, bias)
     torch.testing.assert_close(got, x @ w.t() + bias, atol=1e-4, rtol=1e-4)
+
+
+def test_online_fp8_triton_scheme_is_the_emulated_w8a8():
+    """--quantization fp8 on CUDA: weights kept in FP8, the Triton W8A8 GEMM; equal to the
+    CPU emulation (FP8-rounded weights and per-token activations) and the head left dense."""
+    from worker.engine.quantization.online_fp8 import Fp8Weight, round_rows, triton_fp8_scheme
+
+    scheme = triton_fp8_scheme()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g) * 0.1
+    x = torch.randn(9, 64, generator=g)
+    packed = scheme.pack(w)
+    assert isinstance(packed, Fp8Weight) and packed.q.dtype == torch.float8_e4m3fn
+    got = scheme.linear(x, packed, None)
+    torch.testing.assert_close(got, round_rows(x) @ round_rows(w).t(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(scheme.unpack(packed), round_rows(w))
+    assert scheme.head_scheme.name == "torch"

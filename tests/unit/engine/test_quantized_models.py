@@ -148,8 +148,9 @@ def test_quantization_argument_is_checked_against_the_checkpoint():
     with pytest.raises(ValueError, match=r"Quantization method specified in the model config \(awq\) does not match "
                                          r"the quantization method specified in the `quantization` argument \(gptq\)"):
         check_quantization_arg("gptq", awq)
+    check_quantization_arg("fp8", None)  # online FP8 (quantization/online_fp8.py)
     with pytest.raises(ValueError, match="online quantization at load"):
-        check_quantization_arg("fp8", None)
+        check_quantization_arg("fp8_per_block", None)
     with pytest.raises(ValueError, match="Unknown quantization method: bogus"):
         check_quantization_arg("bogus", None)
 

@@ -16,6 +16,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model, safetensors_files
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import linear_scheme, onednn_supported, resolve_cpu_linear
+from worker.engine.quantization.config import ONLINE_SUPPORTED
+from worker.engine.quantization.online_fp8 import online_fp8_scheme
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,12 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
         log.warning("the %s GEMM cannot pack this model's weights (an odd input dimension): %s linears instead",
                     cpu_linear, fallback)
         cpu_linear, scheme = fallback, linear_scheme(fallback)
+    if config.quantization in ONLINE_SUPPORTED and mc.quantization is None:
+        if mc.moe is not None:
+            raise ValueError("--quantization fp8 (online) on a mixture-of-experts model is not supported: its "
+                             "experts have no FP8 path yet")
+        scheme = online_fp8_scheme(device, scheme)
+        log.info("online quantization: %s; weights re-quantized after every weight update", scheme.name)
     if scheme is not None:
         model.pack_linears(scheme)
     elif device.type == "cpu" and config.torch_dtype == torch.bfloat16 and config.cpu_linear != "torch":

@@ -122,9 +122,17 @@ class PackedLinears:
     unpack: Callable[[torch.Tensor], torch.Tensor]
     packs_experts: bool = False
     accepts: Callable[[torch.Tensor], bool] = lambda weight: True
+    # The LM head's packing when it differs (a quantizing scheme keeps the head in the
+    # model dtype, as vLLM does); None: this scheme.
+    head: Optional["PackedLinears"] = None
+
+    @property
+    def head_scheme(self) -> "PackedLinears":
+        return self.head if self.head is not None else self
 
 
 ONEDNN = PackedLinears("onednn", pack_weight, onednn_linear, lambda packed: packed.to_dense())
+DENSE = PackedLinears("torch", lambda w: w, F.linear, lambda w: w)  # dense weights, torch's GEMM
 
 
 def native_linears(kernels: Any) -> PackedLinears:

@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_lm_head(self) -> None:
         """(Re)pack the head from the dense ``lm_head``: the embedding table stays dense
         (tied heads share it), so the head gets its own packed copy."""
-        self._lm_head_packed = self.packing.pack(self.lm_head) if self.packing is not None else None
+        self._lm_head_packed = self.packing.head_scheme.pack(self.lm_head) if self.packing is not None else None
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Attention through ``backend`` and, where it has them, its fused RMSNorm,
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         rows' LoRABatch, for adapters on the output head."""
         packed = self._lm_head_packed
         if packed is not None:
-            logits = self.packing.linear(hidden, packed, None)
+            logits = self.packing.head_scheme.linear(hidden, packed, None)
         else:
             logits = F.linear(hidden, self.lm_head)
         if lora is not None and self.lora is not None:

@@ -192,14 +192,16 @@ def _compressed_tensors(quant: dict) -> CheckpointQuantization:
 # Marlin kernels are a choice of kernel, not of format: here the same dequantized load).
 _ARG_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 # Methods vLLM applies to an unquantized checkpoint at load (online quantization).
-_ONLINE = ("fp8", "fp8_per_tensor", "fp8_per_block", "int8_per_channel_weight_only", "bitsandbytes", "experts_int8")
+_ONLINE = ("fp8_per_tensor", "fp8_per_block", "int8_per_channel_weight_only", "bitsandbytes", "experts_int8")
+ONLINE_SUPPORTED = ("fp8",)  # quantization/online_fp8.py
 
 
 def check_quantization_arg(requested: Optional[str], checkpoint: Optional[CheckpointQuantization]) -> None:
     """``--quantization`` against what the checkpoint stores (vLLM's _verify_quantization):
     unset or naming the checkpoint's method (or its Marlin alias) is fine; another method
-    is vLLM's mismatch error; a method for an unquantized checkpoint (online
-    quantization) is refused by name, as are unknown ones."""
+    is vLLM's mismatch error; on an unquantized checkpoint ``fp8`` is online quantization
+    (quantization/online_fp8.py), the other online methods are refused by name, as are
+    unknown ones."""
     if requested is None:
         return
     method = _ARG_ALIASES.get(requested, requested)
@@ -209,9 +211,11 @@ def check_quantization_arg(requested: Optional[str], checkpoint: Optional[Checkp
                              f"match the quantization method specified in the `quantization` argument "
                              f"({requested}).")
         return
+    if requested in ONLINE_SUPPORTED:
+        return
     if requested in _ONLINE:
         raise ValueError(f"--quantization {requested} on an unquantized checkpoint (online quantization at load) "
-                         f"is not supported; serve a checkpoint quantized by its quantizer (quant_methods: "
+                         f"is not supported (--quantization fp8 is); serve a checkpoint quantized by its quantizer (quant_methods: "
                          f"{', '.join(SUPPORTED_METHODS)}) or drop --quantization")
-    known = sorted(set(SUPPORTED_METHODS) | set(_ARG_ALIASES) | set(_ONLINE))
+    known = sorted(set(SUPPORTED_METHODS) | set(_ARG_ALIASES) | set(_ONLINE) | set(ONLINE_SUPPORTED))
     raise ValueError(f"Unknown quantization method: {requested}. Must be one of {known}.")

@@ -1,0 +1,99 @@
+"""Online FP8 (``--quantization fp8`` on an unquantized checkpoint, as vLLM): every
+decoder projection's weight is quantized to FP8 e4m3 with one scale per output channel
+when the model is packed (after loading, and again after every RL weight update: the
+update unpacks, writes the trainer's weights, packs, so they are re-quantized before the
+next step), and activations are quantized per token, dynamically, at each call (W8A8,
+llm-compressor's FP8_DYNAMIC scheme).  The LM head, embeddings and norms stay in the
+model dtype, as in vLLM.
+
+It is a packing scheme (models/cpu_gemm.PackedLinears), so the model runs it through the
+seam every CPU GEMM uses:
+* CUDA: weights kept in FP8 (half of bf16's memory) in an ``Fp8Weight``, the Triton W8A8
+  GEMM (kernels/triton/quant_gemm.fp8_linear) per call.
+* CPU (no FP8 GEMM here): the same arithmetic emulated -- the weight rounded to its FP8
+  values times its scale and packed for the CPU GEMM the engine picked, the activations
+  rounded to their per-token FP8 values -- so rollouts sample from what an FP8 model
+  computes, at bf16's speed and memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.models.cpu_gemm import DENSE, PackedLinears
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> (FP8 ``[N, K]``, fp32 scale ``[N]``): amax of each row maps to 448."""
+    scale = (w.detach().float().abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def round_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` replaced by its per-row FP8 values times their scale, in x's dtype (what a
+    W8A8 GEMM multiplies, emulated)."""
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return (q.float() * scale[:, None]).to(x.dtype).reshape(x.shape)
+
+
+@dataclass
+class Fp8Weight:
+    """A projection weight kept in FP8 with its per-channel scale (the CUDA path)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype  # the model dtype it came from (unpack returns to it)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def triton_fp8_scheme() -> PackedLinears:
+    """Weights in FP8, the Triton W8A8 GEMM (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
+    from worker.engine.kernels.triton.quant_gemm import fp8_linear
+
+    def pack(w: torch.Tensor) -> Fp8Weight:
+        q, scale = quantize_rows(w)
+        return Fp8Weight(q, scale, w.dtype)
+
+    def linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        shape = x.shape
+        out = fp8_linear(x.reshape(-1, shape[-1]).contiguous(), w.q, w.scale, bias=bias)
+        return out.reshape(*shape[:-1], w.q.shape[0])
+
+    def unpack(w: Fp8Weight) -> torch.Tensor:
+        return (w.q.float() * w.scale[:, None]).to(w.dtype)
+
+    return PackedLinears("fp8 (Triton W8A8)", pack, linear, unpack, head=DENSE)
+
+
+def emulated_fp8_scheme(inner: Optional[PackedLinears]) -> PackedLinears:
+    """W8A8 FP8 numerics over a CPU GEMM: weights rounded to their FP8 values before
+    ``inner`` packs them (F.linear when None), activations rounded per token per call."""
+    inner_pack = inner.pack if inner is not None else (lambda w: w)
+    inner_linear = inner.linear if inner is not None else F.linear
+    inner_unpack = inner.unpack if inner is not None else (lambda w: w)
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        return inner_pack(round_rows(w))
+
+    def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return inner_linear(round_rows(x), packed, bias)
+
+    name = f"fp8 (W8A8 emulated over {inner.name if inner is not None else 'torch'} linears)"
+    accepts = inner.accepts if inner is not None else (lambda w: True)
+    # Experts stay unquantized (packs_experts False): a MoE model is refused before this.
+    return PackedLinears(name, pack, linear, inner_unpack, packs_experts=False, accepts=accepts,
+                         head=inner if inner is not None else DENSE)
+
+
+def online_fp8_scheme(device: torch.device, cpu_scheme: Optional[PackedLinears]) -> PackedLinears:
+    return triton_fp8_scheme() if device.type == "cuda" else emulated_fp8_scheme(cpu_scheme)
