@@ -115,10 +115,13 @@ class Scheduler:
         self._preempt_for_priority()
         # Running sequences in priority order, so that preemption takes from the tail.
         self.running.sort(key=lambda s: s.priority_key)
+        block_size = self.bm.block_size
+        scheduled = out.scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            num_new = min(len(seq.token_ids) + seq.num_pending - computed, budget)
             if num_new <= 0 or (seq.num_pending and self._ends_with_pending(seq)):
                 i += 1
                 continue
@@ -126,6 +129,13 @@ class Scheduler:
             if num_new == 1 and seq.spec_token_ids:  # a decode with drafts: verify them too
                 spec = tuple(seq.spec_token_ids[:budget - 1])
                 num_new += len(spec)
+            elif computed + num_new <= len(seq.block_ids) * block_size:
+                # Its blocks have room already (a decode inside its last block, most steps):
+                # what allocate_slots would decide, without its bookkeeping.
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not self.bm.allocate_slots(seq, num_new):
                 if spec:  # drafts are an option, never a reason to preempt: verify none
                     num_new, spec = num_new - len(spec), ()
@@ -219,9 +229,19 @@ class Scheduler:
     def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance computed-token counts and publish newly full blocks to the prefix cache
         (drafts are not counted: ``accept_draft`` adds each accepted one)."""
+        bm = self.bm
+        if not bm.enable_prefix_caching:
+            for s in scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
+            return
+        bs = bm.block_size
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
-            self.bm.register_computed_blocks(s.seq)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
+            # Only a step that completed a block has anything to hash or publish.
+            if (seq.num_computed_tokens // bs > seq.num_registered_blocks
+                    or len(seq.token_ids) // bs > len(seq.block_hashes)):
+                bm.register_computed_blocks(seq)
 
     def accept_draft(self, seq: EngineSequence) -> None:
         """The next verified draft joined the sequence's tokens: its KV is valid."""
