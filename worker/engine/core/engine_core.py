@@ -573,12 +573,24 @@ class EngineCore:
         sampled, lp_lists = step.sampled, step.logprob_lists
         now = time.time()
         outs, first_rows, r = [], [], 0
+        max_model_len = self.max_model_len
         for seq, sp in zip(step.sample_seqs, step.specs):
             seq.num_pending -= 1
             if not seq.is_finished():
                 first_rows.append(r)
                 if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
                     outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
+                elif lp_lists is None and seq.detokenizer is None:
+                    # append_token's path without logprobs or text, inlined (every choice, every step)
+                    token = sampled[r]
+                    request = seq.request
+                    if request.first_token_time is None:
+                        request.first_token_time = now
+                    seq.token_ids.append(token)
+                    seq.output_ids.append(token)
+                    if seq.check_token_stop(max_model_len):
+                        self._sequence_finished(seq)
+                    outs.append(SequenceOutput(request, seq.index, seq, [token]))
                 else:
                     outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
             r += 1 + len(sp)

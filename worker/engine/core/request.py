@@ -111,6 +111,9 @@ class EngineSequence:
         # scheduler counts them (the next step computes their K/V, its input id filled on
         # the device from the step that samples it); stop checks see only known tokens.
         self.num_pending = 0
+        # (priority, arrival): the scheduler's order, sorted by every step (a request's
+        # priority and arrival never change, so it is kept, not recomputed).
+        self.priority_key: tuple[int, int] = (request.priority, request.arrival_seq)
 
     # --- sizes -----------------------------------------------------------
     @property
@@ -125,10 +128,6 @@ class EngineSequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def priority_key(self) -> tuple[int, int]:
-        return (self.request.priority, self.request.arrival_seq)
 
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

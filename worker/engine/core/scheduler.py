@@ -13,6 +13,7 @@ priority may likewise preempt a worse running one to get in.
 from __future__ import annotations
 
 import heapq
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -20,6 +21,9 @@ from typing import Any, Optional, Protocol
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.request import SeqStatus, EngineSequence
 from worker.engine.step_plan import ScheduledSeq  # noqa: F401 - the scheduler's output record, re-exported
+
+
+_PRIORITY_KEY = operator.attrgetter("priority_key")
 
 
 @dataclass
@@ -114,7 +118,7 @@ class Scheduler:
         budget = self.token_budget
         self._preempt_for_priority()
         # Running sequences in priority order, so that preemption takes from the tail.
-        self.running.sort(key=lambda s: s.priority_key)
+        self.running.sort(key=_PRIORITY_KEY)
         block_size = self.bm.block_size
         scheduled = out.scheduled
         i = 0

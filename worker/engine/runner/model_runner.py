@@ -309,16 +309,16 @@ class ModelRunner:
         # frozen while the next step updates the rows.
         rows = self.batch.sync(seqs)
         table = self.batch.table(rows, table_width)
-        context_lens = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
         holes: list[int] = []
         hole_seqs: list = []
         if all(s.num_new_tokens == 1 for s in scheduled):
             # Decode: one input id per sequence, the token at its first uncomputed position.
             query_lens = np.ones(num_seqs, dtype=np.int64)
-            ids = []
+            ids, starts = [], []
             for t, seq in enumerate(seqs):
                 tokens = seq.token_ids
                 start = seq.num_computed_tokens
+                starts.append(start)
                 if start < len(tokens):
                     ids.append(tokens[start])
                 else:  # sampled by the step in flight (async scheduling)
@@ -326,7 +326,9 @@ class ModelRunner:
                     holes.append(t)
                     hole_seqs.append(seq)
             input_ids = np.array(ids, dtype=np.int64)
+            context_lens = np.array(starts, dtype=np.int64)
         else:
+            context_lens = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
             query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
             input_ids = np.empty(int(query_lens.sum()), dtype=np.int64)
             t = 0
@@ -470,12 +472,17 @@ class ModelRunner:
         """float32 logits [len(rows), V] of the selected batch rows (``plan``: the step's,
         whose contributed inputs the logits rows reuse; default: the last run's)."""
         self.parallel.before_logits(rows)
-        index = torch.tensor(rows, dtype=torch.long)
-        if self.device.type != "cpu":
-            index = index.to(self.device, non_blocking=True)
+        n = len(rows)
+        if n == hidden.shape[0] and rows == list(range(n)):
+            selected = hidden  # every row, in order (a decode step): no gather
+        else:
+            index = torch.tensor(rows, dtype=torch.long)
+            if self.device.type != "cpu":
+                index = index.to(self.device, non_blocking=True)
+            selected = hidden.index_select(0, index)
         extras = self._extras if plan is None else plan.extras
         lora = None if extras is None or extras.logits_inputs is None else extras.logits_inputs(rows)
-        return self.model.compute_logits(hidden.index_select(0, index), lora)
+        return self.model.compute_logits(selected, lora)
 
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:

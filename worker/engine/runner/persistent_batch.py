@@ -33,6 +33,7 @@ class PersistentBatch:
         self.max_blocks_per_seq = max(1, max_blocks_per_seq)
         self.block_table = np.zeros((max_rows, self.max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)  # blocks written in each row
+        self._counts: list[int] = [0] * max_rows  # the same, as Python ints (read per sequence per step)
         self._lists: list[Any] = [None] * max_rows  # the block list object each row mirrors
         self._seqs: list[Any] = [None] * max_rows  # row -> sequence (None: a free row)
         self._seen = np.full(max_rows, -1, dtype=np.int64)  # the last step that ran each row (-1: free)
@@ -49,31 +50,31 @@ class PersistentBatch:
         date with its sequence's blocks; rows of sequences not in ``seqs`` are released."""
         self._step += 1
         step = self._step
-        row_of = self.row_of
-        lists, nblocks, seen = self._lists, self.num_blocks, self._seen
-        rows = np.empty(len(seqs), dtype=np.int64)
-        joining = []
-        for i, seq in enumerate(seqs):
+        row_of, lists, counts = self.row_of, self._lists, self._counts
+        rows: list[int] = []
+        joining: list[int] = []
+        for seq in seqs:
             row = row_of.get(seq)
             if row is None:
-                joining.append(i)
+                joining.append(len(rows))
+                rows.append(-1)
                 continue
             blocks = seq.block_ids
-            have = nblocks[row]
-            if lists[row] is not blocks or have > len(blocks):
-                self._write(row, blocks, 0)
-            elif have != len(blocks):
-                self._write(row, blocks, int(have))
-            rows[i] = row
-            seen[row] = step
+            if lists[row] is not blocks or counts[row] != len(blocks):
+                # grown in place: only the new blocks; a replaced list: all of it
+                self._write(row, blocks, counts[row] if lists[row] is blocks and counts[row] < len(blocks) else 0)
+            rows.append(row)
         if len(row_of) > len(seqs) - len(joining):  # first free the rows of those that left
+            known = np.fromiter((r for r in rows if r >= 0), dtype=np.int64, count=len(rows) - len(joining))
+            self._seen[known] = step
             self._release_unseen(step)
         for i in joining:
             seq = seqs[i]
             row = rows[i] = self._add(seq)
             self._write(row, seq.block_ids, 0)
-            self._seen[row] = step
-        return rows
+        out = np.array(rows, dtype=np.int64)
+        self._seen[out] = step
+        return out
 
     def table(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
         """A copy of the rows' block tables, ``width`` columns (default: the widest row's)."""
@@ -86,7 +87,7 @@ class PersistentBatch:
     def blocks_of(self, seq: Any) -> list[int]:
         """The row of a sequence as a list (tests, debugging)."""
         row = self.row_of[seq]
-        return self.block_table[row, :self.num_blocks[row]].tolist()
+        return self.block_table[row, :self._counts[row]].tolist()
 
     # --- rows ------------------------------------------------------------------
     def _add(self, seq: Any) -> int:
@@ -96,7 +97,6 @@ class PersistentBatch:
         self.row_of[seq] = row
         self._seqs[row] = seq
         self._lists[row] = None
-        self.num_blocks[row] = 0
         return row
 
     def _write(self, row: int, blocks: list[int], start: int) -> None:
@@ -104,12 +104,13 @@ class PersistentBatch:
         n = len(blocks)
         if n > self.block_table.shape[1]:
             self._widen(n)
-        old = int(self.num_blocks[row])
+        old = self._counts[row]
         if old > n:  # a shorter list replaced the row's: rows stay zero-padded, as the rebuilt layout's
             self.block_table[row, n:old] = 0
         if n > start:
             self.block_table[row, start:n] = blocks[start:] if start else blocks
         self.num_blocks[row] = n
+        self._counts[row] = n
         self._lists[row] = blocks
 
     def _release_unseen(self, step: int) -> None:
@@ -124,8 +125,9 @@ class PersistentBatch:
             return
         self._seqs[row] = None
         self._lists[row] = None  # the list is not kept alive by a free row
-        self.block_table[row, :self.num_blocks[row]] = 0
+        self.block_table[row, :self._counts[row]] = 0
         self.num_blocks[row] = 0
+        self._counts[row] = 0
         self._seen[row] = -1
         self._free.append(row)
 
@@ -137,6 +139,7 @@ class PersistentBatch:
         self._seen = np.concatenate([self._seen, np.full(old, -1, dtype=np.int64)])
         self._lists += [None] * old
         self._seqs += [None] * old
+        self._counts += [0] * old
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
 
     def _widen(self, width: int) -> None:
