@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests.support.engine_helpers import make_engine, random_prompts, request
 from worker.engine.attention.metadata import StepLayout
 from worker.engine.runner.persistent_batch import PersistentBatch
 
@@ -113,3 +115,43 @@ def test_equals_rebuilt_layout_over_random_histories(ops, max_rows):
         want = StepLayout.build(q, c, [s.block_ids for s in step], BS)
         for field in ("query_lens", "context_lens", "block_tables", "positions", "slot_mapping"):
             np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_steps_lay_out_as_rebuilt_from_the_lists(llama_dir, async_scheduling):
+    """Through the real engine -- prefix caching, chunked prefill, preemption under KV
+    pressure, n > 1 forks, requests joining and finishing, async placeholders -- every
+    step's layout from the persistent batch equals the one built from the sequences'
+    block lists at that moment, and the batch holds exactly the step's sequences."""
+    engine = make_engine(llama_dir, num_kv_blocks=14, block_size=8, max_model_len=96, max_num_batched_tokens=12,
+                         async_scheduling=async_scheduling)
+    runner = engine.runner
+    layout = runner._layout
+    checked = []
+
+    def checking_layout(scheduled, table_width=None):
+        want = StepLayout.build([s.num_new_tokens for s in scheduled], [s.seq.num_computed_tokens for s in scheduled],
+                                [list(s.seq.block_ids) for s in scheduled], runner.block_size)
+        got, holes, hole_seqs = layout(scheduled, table_width)
+        for field in ("query_lens", "context_lens", "block_tables", "positions", "slot_mapping"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+        assert runner.batch.num_rows == len(scheduled)
+        checked.append(len(scheduled))
+        return got, holes, hole_seqs
+
+    runner._layout = checking_layout
+    prompts = random_prompts(9, 1, 20, seed=12)
+    shared = random_prompts(1, 40, 41, seed=11)[0]
+    reqs = [request(str(i), shared[:8 * (i % 4 + 1)] + p, max_tokens=6 + i % 4, ignore_eos=True, n=1 + i % 2,
+                    temperature=0.7 * (i % 2), seed=i) for i, p in enumerate(prompts)]
+    pending = list(reqs)
+    for _ in range(5000):
+        if pending:
+            engine.add_request(pending.pop(0))
+        elif not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    assert engine.scheduler.num_preemptions > 0, "the case is meant to preempt"
+    assert len(checked) > 20 and max(checked) > 1
+    engine.close()

@@ -520,10 +520,8 @@ class EngineCore:
                 0, torch.tensor(step.sample_index, dtype=torch.long, device=logits.device))
         for process in self.hooks.process_logits:  # grammar masks (structured outputs)
             process(step.sample_seqs, step.specs, sample_logits)
-        result = self.sampler(sample_logits, step.meta, self._sampler_masks)
-        step.result = result
-        step.sampled = result.sampled.tolist()
-        step.logprob_lists = result.logprobs.tolists() if result.logprobs is not None else None
+        # CPU: listed now; CUDA: the host copy starts, this thread goes on to queue the next step
+        step.set_result(self.sampler(sample_logits, step.meta, self._sampler_masks))
 
     def _finish_inflight(self) -> list[SequenceOutput]:
         step, self._inflight = self._inflight, None
@@ -532,6 +530,7 @@ class EngineCore:
     def _finish(self, step: DeviceStep) -> list[SequenceOutput]:
         """Wait for a launched step; score its prompt rows and process its samples."""
         step.future.result()  # a device failure fails the step (the worker fails its requests)
+        step.collect()  # CUDA: wait for the sampled ids' host copy
         if step.prompt_jobs:
             self._score_prompts(step.prompt_jobs, step.prompt_logits)
         if not step.sample_seqs:
