@@ -120,13 +120,18 @@ class Scheduler:
         # Running sequences in priority order, so that preemption takes from the tail.
         self.running.sort(key=_PRIORITY_KEY)
         block_size = self.bm.block_size
+        max_model_len = self.max_model_len
         scheduled = out.scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             computed = seq.num_computed_tokens
-            num_new = min(len(seq.token_ids) + seq.num_pending - computed, budget)
-            if num_new <= 0 or (seq.num_pending and self._ends_with_pending(seq)):
+            num_tokens = len(seq.token_ids) + seq.num_pending
+            num_new = min(num_tokens - computed, budget)
+            # A token in flight that is the choice's last by length (max_tokens or the context):
+            # no step after it is planned (vLLM's async scheduler makes the same check).
+            if num_new <= 0 or (seq.num_pending and (num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens
+                                                     or num_tokens >= max_model_len)):
                 i += 1
                 continue
             spec = ()
@@ -188,12 +193,6 @@ class Scheduler:
         for item in skipped:
             heapq.heappush(self._waiting, item)
         return out
-
-    def _ends_with_pending(self, seq: EngineSequence) -> bool:
-        """The token in flight is the choice's last by length (max_tokens or the context):
-        no step after it is planned (vLLM's async scheduler makes the same check)."""
-        return (seq.num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens
-                or seq.num_tokens >= self.max_model_len)
 
     def preempt_all(self) -> None:
         """Every running sequence back to the waiting queue, its blocks freed: it is
