@@ -580,7 +580,8 @@ class EngineCore:
                 if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
                     outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
                 elif lp_lists is None and seq.detokenizer is None:
-                    # append_token's path without logprobs or text, inlined (every choice, every step)
+                    # append_token without logprobs or text (the stop check is all), inlined:
+                    # every choice, every step
                     token = sampled[r]
                     request = seq.request
                     if request.first_token_time is None:
@@ -677,12 +678,7 @@ class EngineCore:
         request = seq.request
         if request.first_token_time is None:
             request.first_token_time = now
-        seq.token_ids.append(token)  # seq.append_token, inlined: every choice, every step
-        seq.output_ids.append(token)
-        if lp_lists is None and seq.detokenizer is None:  # no logprobs, no text: the stop check is all
-            if seq.check_token_stop(self.max_model_len):
-                self._sequence_finished(seq)
-            return SequenceOutput(request, seq.index, seq, [token])
+        seq.append_token(token)
         p = request.params
         if p.logprobs is not None and lp_lists is not None:
             entry = to_token_logprobs(lp_lists, row, p.logprobs)
