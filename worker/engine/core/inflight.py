@@ -26,7 +26,7 @@ import torch
 
 from worker.engine.sample.logprobs import LogprobsTensors
 
-SWITCH_INTERVAL_S = 0.0002  # GIL switch interval with a device thread (see StepExecutor)
+SWITCH_INTERVAL_S = 0.00005  # GIL switch interval with a device thread (see StepExecutor)
 
 
 @dataclass(eq=False)
@@ -167,7 +167,10 @@ class StepExecutor:
             # The device thread must get the GIL back as soon as its wait (a GPU sync, a
             # kernel) returns, or every step's tail waits up to a whole switch interval
             # (5 ms by default) behind the host's Python: 1.14x -> 1.57x decode tok/s at
-            # batch 256 in benchmarks/async_overlap.py.  Process-wide, hence only lowered.
+            # batch 256 in benchmarks/async_overlap.py; 50 us rather than 200: every torch call
+            # of the device thread hands the GIL over and waits to get it back, and on a loaded
+            # 2-core box that cut the exposed host time at batch 64 from 0.63 to 0.48 ms and at
+            # 256 from 3-4 ms to 0.4-0.65 ms (benchmarks/README.md).  Process-wide, hence only lowered.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             # One thread: steps run one at a time, in order (the next step's placeholders
             # read the previous one's samples; the KV cache is written in step order).
