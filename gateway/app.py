@@ -23,7 +23,7 @@ from gateway.resources.generate import GenerateResource
 from gateway.resources.health import HealthResource
 from gateway.resources.metrics import MetricsResource
 from gateway.resources.models import ModelsResource, VersionResource
-from gateway.resources import dev, kv_events, lora, openai, render_apis, rl
+from gateway.resources import agent_apis, dev, kv_events, lora, openai, render_apis, rl
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 
@@ -94,6 +94,7 @@ def create_falcon_app(settings: GatewaySettings, client=None) -> tuple[falcon.as
     if renderer is not None:
         openai.add_routes(app, state, renderer)
         render_apis.add_routes(app, state, renderer)
+        agent_apis.add_routes(app, state, renderer)  # /v1/messages, /v1/responses: they generate
     return app, state
 
 

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details (cached_tokens) on /inference/v1/generate and the OpenAI "
                         "routes, as vLLM's flag")
+    p.add_argument("--responses-store-max-entries", type=int, default=1024,
+                   help="with VLLM_ENABLE_RESPONSES_API_STORE=1: the most stored /v1/responses kept (oldest "
+                        "evicted first)")
+    p.add_argument("--responses-store-max-bytes", type=int, default=64 * 1024 * 1024,
+                   help="with VLLM_ENABLE_RESPONSES_API_STORE=1: the most bytes of stored /v1/responses kept "
+                        "(oldest evicted first)")
     p.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
                    help="model folder whose tokenizer and chat template serve render, derender, /tokenize and the "
                         "OpenAI routes (/v1/chat/completions, /v1/completions)")
@@ -300,6 +306,10 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         enable_per_request_metrics=args.enable_per_request_metrics,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        # vLLM's env switch, off by default as there: store=true is then silently not stored.
+        enable_responses_store=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") not in ("", "0"),
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
         allow_runtime_lora=args.allow_runtime_lora
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )

@@ -4,8 +4,9 @@ a request is mapped onto the wire.
 It submits each wire request to the broker client (``Generation``), waits for the first
 delta before answering (a rejection by the broker or a worker — 503 overloaded, 400 —
 stays a real HTTP error, even for a stream), then either collects every delta into one
-JSON body or streams them as ``data:`` events ending with ``data: [DONE]``; a failure
-after the stream began becomes an error event and ``[DONE]``.  It watches for the client
+JSON body or streams them as SSE events ending with ``data: [DONE]`` (or the
+formatter's own ``done``: Anthropic's and the Responses API's streams end on their last
+event); a failure after the stream began becomes an error event and that ending.  It watches for the client
 going away (gateway/disconnect.py: abort at once, cancel the relay after the grace
 period), feeds the request's metrics tracker (gateway/metrics.py) and closes the delta
 streams (an ABORT when cut short) with the status the metrics record.
@@ -66,7 +67,11 @@ def as_serving_error(err: RequestError) -> ServingError:
 
 
 class StreamFormatter:
-    """An API's SSE events; subclasses define ``chunk`` and may override the rest."""
+    """An API's SSE events; subclasses define ``chunk`` and may override the rest.
+    ``done``: the stream's last bytes (OpenAI's ``[DONE]``; empty for APIs whose last
+    event says so itself, as Anthropic's ``message_stop``)."""
+
+    done: bytes = SSE_DONE
 
     def head(self) -> Iterable[bytes]:
         return ()
@@ -98,7 +103,7 @@ class Generation:
     ``observe``."""
 
     def __init__(self, state: GatewayState, req, mapped, *, num_prompt_tokens: Optional[int] = None,
-                 timing: bool = False):
+                 timing: bool = False, detached: bool = False):
         self.state = state
         self.mapped = mapped  # gateway.generate_api.request_mapping.MappedRequest
         wire = mapped.wire
@@ -107,7 +112,9 @@ class Generation:
             wire.arrival_time)
         self.deltas = state.client.generate(wire)
         request_id = wire.request_id
-        self.watcher = DisconnectWatcher(req.scope.get(RECEIVE_SCOPE_KEY),
+        # detached: no connection waits on it (a background Response): the client that
+        # asked for it going away does not abort it.
+        self.watcher = DisconnectWatcher(None if detached else req.scope.get(RECEIVE_SCOPE_KEY),
                                          lambda: state.client.abort([request_id]),
                                          state.settings.disconnect_grace_s)
         self.first: Optional[CompletionDelta] = None
@@ -317,4 +324,6 @@ async def _sse(runs: list[Generation], formatter: StreamFormatter) -> AsyncItera
         yield event
     finally:
         await close_all(runs, error_status)
-    yield SSE_DONE
+    done = getattr(formatter, "done", SSE_DONE)
+    if done:
+        yield done

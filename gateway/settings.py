@@ -74,6 +74,11 @@ class GatewaySettings:
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details (cached_tokens) on
     # /inference/v1/generate, /v1/chat/completions and /v1/completions; off, it is null.
     enable_prompt_tokens_details: bool = False
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE (off: store=true is silently not stored, as
+    # there); stored responses are bounded (gateway/openai_api/response_store.py).
+    enable_responses_store: bool = False
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 1024 * 1024
     # Text side (render / derender / tokenize / the OpenAI facade): the model folder whose
     # tokenizer and chat template the gateway loads; None serves tokens only.
     tokenizer: Optional[str] = None

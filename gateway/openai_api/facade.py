@@ -100,6 +100,7 @@ def now() -> int:
     return int(time.time())
 
 
-def generations(state: GatewayState, req, mapped: list[MappedRequest]) -> list[Generation]:
-    """The relay's runs of an OpenAI request, keeping the timestamps of its per-request metrics."""
-    return [Generation(state, req, m, timing=True) for m in mapped]
+def generations(state: GatewayState, req, mapped: list[MappedRequest], detached: bool = False) -> list[Generation]:
+    """The relay's runs of an OpenAI request, keeping the timestamps of its per-request
+    metrics (``detached``: Generation's, for a background Response)."""
+    return [Generation(state, req, m, timing=True, detached=detached) for m in mapped]

@@ -56,6 +56,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     include: Optional[list[str]] = None
     background: Optional[bool] = False
     store: Optional[bool] = True
+    metadata: Optional[JsonObject] = None  # echoed in the Response
+    user: Optional[str] = None
     stream: Optional[bool] = False
     temperature: Optional[float] = None
     text: Optional[JsonObject] = None
@@ -161,20 +163,36 @@ def _response_item_message(item: Any, prev: Optional[dict]) -> Optional[dict]:
     raise BadRequest(f"Unsupported input item type: {kind}", "input")
 
 
-def responses_messages(request: ResponsesRequest) -> list[dict]:
-    """vLLM's ``construct_input_messages`` with no previous response."""
-    messages: list[dict] = []
-    if request.instructions:
-        messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        return messages
+def _items_messages(items: list) -> list[dict]:
     converted: list[dict] = []
-    for item in request.input:
+    for item in items:
         message = _response_item_message(item, converted[-1] if converted else None)
         if message is not None:
             converted.append(message)
-    return messages + converted
+    return converted
+
+
+def previous_messages(messages: list[dict], output: list) -> list[dict]:
+    """The conversation a stored response leaves for ``previous_response_id``: the
+    messages it answered but their system ones (instructions do not carry over, as
+    vLLM's ``construct_input_messages``), then its output items.  vLLM replays only the
+    output's ``message`` items; here reasoning and ``function_call`` items are replayed
+    too, through the same item conversion as ``input`` -- otherwise the next turn's
+    ``function_call_output`` answers a call the prompt never shows."""
+    return [m for m in messages if m.get("role") != "system"] + _items_messages(output)
+
+
+def responses_messages(request: ResponsesRequest, history: Optional[list[dict]] = None) -> list[dict]:
+    """vLLM's ``construct_input_messages``: instructions, the previous response's
+    conversation (``history``, from :func:`previous_messages`), the input."""
+    messages: list[dict] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    messages.extend(history or ())
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+        return messages
+    return messages + _items_messages(request.input)
 
 
 def _continue_final(request_input: Any) -> bool:
@@ -260,12 +278,15 @@ def _chat_tool_choice(tool_choice: Union[str, JsonObject], tools: Optional[list]
     return "auto" if auto_tools and tool_choice == "auto" else None
 
 
-def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = False) -> ChatCompletionRequest:
+def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = False,
+                           history: Optional[list[dict]] = None) -> ChatCompletionRequest:
     """``auto_tools``: the server parses tool calls (--enable-auto-tool-choice with a
     --tool-call-parser), so tool_choice ``auto`` reaches the chat render, whose parser
     keeps its markers (vLLM's ``adjust_request``); without it the tools are still
-    rendered (vLLM's Responses render does not ask for the flag)."""
-    if request.previous_response_id is not None:
+    rendered (vLLM's Responses render does not ask for the flag).  ``history``: the
+    stored conversation ``previous_response_id`` names (the generating route looks it
+    up; the render route has none)."""
+    if request.previous_response_id is not None and history is None:
         # vLLM's render_responses_request types this one "invalid_request_error" (the Responses
         # API's own type); its other 400s here are validation errors, "BadRequestError".
         raise ServingError("previous_response_id is not supported by the stateless render endpoint.",
@@ -283,7 +304,7 @@ def responses_chat_request(request: ResponsesRequest, *, auto_tools: bool = Fals
     logprobs = bool(request.include and "message.output_text.logprobs" in request.include)
     tools = responses_tools(request.tools)
     return ChatCompletionRequest(
-        messages=responses_messages(request), model=request.model, tools=tools,
+        messages=responses_messages(request, history), model=request.model, tools=tools,
         tool_choice=_chat_tool_choice(tool_choice, tools, auto_tools),
         parallel_tool_calls=request.parallel_tool_calls, include_reasoning=request.include_reasoning,
         reasoning_effort=effort, add_generation_prompt=not continue_final, continue_final_message=continue_final,

@@ -36,9 +36,9 @@ from gateway.openai_api.protocol import (
     tokenize_request_decoder,
 )
 from gateway.multimodal import attach_images, load_chat_images
-from gateway.openai_api.render import Renderer, base_request_id
+from gateway.openai_api.render import RenderedChat, Renderer, base_request_id
 from gateway.generate_api.request_mapping import base_model_names
-from gateway.relay import respond
+from gateway.relay import Generation, respond
 from gateway.state import GatewayState
 
 
@@ -117,23 +117,35 @@ class TextRoutes:
         raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model")
 
 
+    async def start_chat(self, req, request, base_id: str, arrival: float, request_id: Optional[str] = None,
+                         detached: bool = False) -> tuple[RenderedChat, Generation]:
+        """A chat request rendered, mapped and checked for the workers: the one path
+        /v1/chat/completions, /v1/responses and /v1/messages generate through (the last
+        two map their protocol onto a ChatCompletionRequest first).  ``request_id``
+        replaces the rendered one (``resp_...`` for a Responses request); ``detached``: the
+        generation outlives the connection (a background Response)."""
+        max_len, _, _ = await self.limits()
+        images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
+        rendered = await self.offload_light(self.renderer.chat, request, max_len, base_id, images=images,
+                                           hold=self.hold)
+        if request_id is not None:
+            rendered.generate["request_id"] = request_id
+        mapped = await map_rendered(self.state, req, rendered.generate, arrival)
+        await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
+        return rendered, generations(self.state, req, [mapped], detached=detached)[0]
+
+
 class ChatCompletions(TextRoutes):
     async def on_post(self, req, resp) -> None:
         arrival = time.time()
         request = await self.decode(req, chat_request_decoder)
         model = await self.check_model(request.model)
-        max_len, _, _ = await self.limits()
-        images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
-        rendered = await self.offload_light(self.renderer.chat, request, max_len,
-                                           base_request_id(req.get_header("X-Request-Id"), request.request_id),
-                                           images=images, hold=self.hold)
-        mapped = await map_rendered(self.state, req, rendered.generate, arrival)
-        await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
+        rendered, run = await self.start_chat(
+            req, request, base_request_id(req.get_header("X-Request-Id"), request.request_id), arrival)
         view = ResponseView.of(request, request.top_logprobs if request.logprobs else None, self.state.settings)
-        runs = generations(self.state, req, [mapped])
         stream = bool(request.stream)
-        formatter = (ChatStream if stream else ChatCollector)(runs[0], view, rendered, model)
-        await respond(resp, runs, formatter, stream)
+        formatter = (ChatStream if stream else ChatCollector)(run, view, rendered, model)
+        await respond(resp, [run], formatter, stream)
 
 
 class Completions(TextRoutes):

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import pytest
 
-from gateway.auth import OPEN_ROUTES
+from gateway.auth import ANTHROPIC_UNAUTHORIZED_BODY, OPEN_ROUTES, X_API_KEY_ROUTES
 from tests.support.gateway_helpers import start_gateway
 from tests.support.procs import ProcGroup, wait_for_workers
 
@@ -89,7 +89,8 @@ def test_route_list_covers_the_dangerous_routes(demo_model_dir):
     routes = registered_routes(_flags(demo_model_dir))
     for must in ("/pause", "/inference/v1/generate", "/v1/chat/completions", "/v1/load_lora_adapter",
                  "/weight_info", "/v1/models", "/tokenize", "/update_weights", "/weight_checker",
-                 "/collective_rpc", "/server_info", "/kv_event_sources", "/get_server_info"):
+                 "/collective_rpc", "/server_info", "/kv_event_sources", "/get_server_info", "/v1/messages",
+                 "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}"):
         assert must in routes, routes
 
 
@@ -106,7 +107,10 @@ def test_every_route_and_spelling_needs_the_key(locked_gateway, demo_model_dir):
                 if status not in allowed:
                     served_without_key.append((method, path, status, body[:80]))
                 elif status == 401:
-                    assert json.loads(body) == {"error": "Unauthorized"}
+                    # The Anthropic routes answer in Anthropic's error shape.
+                    want = json.loads(ANTHROPIC_UNAUTHORIZED_BODY) if routed and route in X_API_KEY_ROUTES \
+                        else {"error": "Unauthorized"}
+                    assert json.loads(body) == want
     assert not served_without_key, served_without_key
 
 

@@ -22,11 +22,12 @@ class Gateway:
 
 
 def start_gateway(procs: ProcGroup, frontend: str, *extra: str, wait_healthy: bool = True,
-                  prefix: Optional[list[str]] = None) -> Gateway:
-    """``prefix``: a command that execs the gateway in another context (``prlimit ...``)."""
+                  prefix: Optional[list[str]] = None, env: Optional[dict] = None) -> Gateway:
+    """``prefix``: a command that execs the gateway in another context (``prlimit ...``);
+    ``env``: variables added to its environment."""
     port = free_port()
     proc = procs.spawn(f"gateway{port}", ["-m", "common.cli", "gateway", "--port", str(port), "--broker", frontend,
-                                          "--info-ttl", "0.2", *extra], prefix=prefix)
+                                          "--info-ttl", "0.2", *extra], prefix=prefix, env=env)
     gw = Gateway(proc, port)
     want = (200,) if wait_healthy else (200, 503)
 

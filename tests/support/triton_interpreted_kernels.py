@@ -139,6 +139,40 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reshape_and_cache_into_fp8_saturates(fp8):
+    """--kv-cache-dtype fp8: values rounded to FP8 (scale 1.0), out-of-range ones saturated."""
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16) * 4
+    v = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16) * 4
+    k[0, 0, 0], v[1, 1, 3] = 1e4, -1e5  # beyond e4m3's 448 (and e5m2's 57344)
+    kc = torch.zeros(3, 4, 2, 32, dtype=fp8)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([2, 5, -1, 11, 0])
+    _ops().reshape_and_cache(k, v, kc, vc, slots)
+    limit = torch.finfo(fp8).max
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            for x, c in ((k, kc), (v, vc)):
+                want = x[t].float().clamp(-limit, limit).to(fp8)
+                assert torch.equal(c.view(-1, 2, 32)[s].float(), want.float())
+    assert torch.isfinite(kc.float()).all() and torch.isfinite(vc.float()).all()
+
+
+@pytest.mark.parametrize("case", [([7, 1, 1], [0, 40, 9], 8, 2, 64, 16, None), ([5], [20], 4, 4, 32, 4, 8)])
+def test_unified_attention_over_fp8_caches(case):
+    """The attention kernels read an FP8 cache converted to q's dtype: equal to the
+    reference over the dequantized cache (prefill, decode and the split-KV decode)."""
+    q_lens, ctx, hq, hkv, d, bs, window = case
+    q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, ctx, hq, hkv, d, bs, torch.float32, seed=7)
+    kc8, vc8 = (c.mul(3).clamp(-448, 448).to(torch.float8_e4m3fn) for c in (kc, vc))
+    out = torch.full(q.shape, float("nan"))
+    _ops().unified_attention(q, kc8, vc8, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=d ** -0.5,
+                             sliding_window=window, max_query_len=max(q_lens))
+    ref = reference_attention(q, kc8.float(), vc8.float(), qsl, sl, bt, d ** -0.5, window)
+    assert (out - ref).abs().max().item() < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_and_without_residual(dtype):
     g = torch.Generator().manual_seed(1)
@@ -331,3 +365,72 @@ def test_apply_bitmask_matches_torch(dtype, vocab):
     _ops().apply_bitmask_(got, bitmask, indices)
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 2]], logits[[1, 2]])
+
+
+# --- quantized GEMMs (kernels/triton/quant_gemm.py) ---------------------------------------
+def _qg():
+    from worker.engine.kernels.triton import quant_gemm
+
+    return quant_gemm
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_quantize_fp8_rows(group):
+    x = torch.randn(5, 96) * 3
+    q, s = _qg().quantize_fp8_rows(x, group)
+    g = group or 128
+    assert s.shape == (5, -(-96 // g))
+    for i in range(5):
+        for j in range(s.shape[1]):
+            chunk = x[i, j * g:(j + 1) * g]
+            assert s[i, j].item() == pytest.approx(chunk.abs().max().item() / 448.0, rel=1e-6)
+            want = (chunk / s[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert torch.equal(q[i, j * g:(j + 1) * g].float(), want.float())
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_fp8_linear_matches_dequantized_reference(kind, m):
+    torch.manual_seed(0)
+    n, k = 96, 256  # 96 = 3 weight blocks of 32 rows; the GEMM's 64-column tiles straddle them
+    w = torch.randn(n, k) * 0.05
+    if kind == "block":
+        block = (32, 128)
+        wb = w.reshape(n // 32, 32, k // 128, 128)
+        ws = wb.abs().amax((1, 3)) / 448.0
+        wq = (wb / ws[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+        w_deq = (wq.float().reshape(n // 32, 32, k // 128, 128) * ws[:, None, :, None]).reshape(n, k)
+    else:
+        block = None
+        ws = w.abs().amax(1) / 448.0 if kind == "channel" else w.abs().max().reshape(1) / 448.0
+        wq = (w / (ws[:, None] if kind == "channel" else ws)).to(torch.float8_e4m3fn)
+        w_deq = wq.float() * (ws[:, None] if kind == "channel" else ws)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    got = _qg().fp8_linear(x, wq, ws, block=block, bias=bias)
+    xq, xs = _qg().quantize_fp8_rows(x, block[1] if block else None)
+    x_deq = (xq.float().reshape(m, -1, block[1]) * xs[:, :, None]).reshape(m, k) if block else xq.float() * xs
+    want = x_deq @ w_deq.t() + bias
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # and close to the unquantized product (FP8's rounding only)
+    assert (got - (x @ w.t() + bias)).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("m", [1, 20])
+def test_int4_linear_matches_dequantized_matmul(zeros, m):
+    g = torch.Generator().manual_seed(1)
+    n, k, group = 72, 256, 64
+    q = torch.randint(0, 16, (n, k), generator=g)
+    words = torch.zeros(n, k // 8, dtype=torch.int64)
+    for i in range(8):
+        words |= q[:, i::8].to(torch.int64) << (4 * i)
+    qweight = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
+    scales = torch.rand(n, k // group, generator=g) * 0.02
+    z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.int32) if zeros else None
+    zf = z.float() if zeros else torch.full((n, k // group), 8.0)
+    w = (q.float() - zf.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    got = _qg().int4_linear(x, qweight, scales, z, group, bias)
+    torch.testing.assert_close(got, x @ w.t() + bias, atol=1e-4, rtol=1e-4)

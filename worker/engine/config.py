@@ -11,6 +11,11 @@ import torch
 from common.structured_outputs_config import StructuredOutputsConfig, parse_structured_outputs_config
 from common.dtype_policy import checkpoint_dtype, resolve_auto_dtype
 
+# vLLM's --kv-cache-dtype values this engine stores: fp8 is e4m3 (vLLM's default FP8 on
+# CUDA); the scale is 1.0 (vLLM's without calibrated k/v scales): values are saturated
+# to the format's range when written, converted back to the model dtype when read.
+KV_CACHE_DTYPES: dict[str, Optional[torch.dtype]] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -49,6 +54,8 @@ class EngineConfig:
     tokens_only: bool = False  # serve without a tokenizer
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     enforce_eager: bool = False  # False: CUDA graphs for decode batches
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2
+    quantization: Optional[str] = None  # vLLM's --quantization: must name the checkpoint's method when given
     cpu_linear: str = "auto"  # CPU GEMMs: native (our bf16 GEMM), onednn (prepacked), torch (MKL); auto: see cpu_gemm
     cpu_attention: str = "auto"  # CPU attention + RMSNorm/SwiGLU/rotary: native (compiled), torch, auto: native if it builds
     # auto: triton on CUDA (flash_attn, then torch without it), cpu_attention's choice on CPU
@@ -151,6 +158,7 @@ class EngineConfig:
         structured_outputs_config(self.structured_outputs_config)  # ValueError naming what is wrong
         self.torch_device  # validates the device string
         self.dtype_for(self.torch_device)  # validates the dtype string
+        self.kv_dtype  # validates --kv-cache-dtype
 
     @property
     def torch_device(self) -> torch.device:
@@ -189,6 +197,18 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return self.dtype_for(self.torch_device)
+
+    @property
+    def kv_dtype(self) -> Optional[torch.dtype]:
+        """The KV cache's storage dtype when it differs from the model's (FP8), else None."""
+        name = self.kv_cache_dtype.lower()
+        if name not in KV_CACHE_DTYPES:
+            if name in ("bfloat16", "fp8_ds_mla", "fp8_inc"):
+                raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is not supported (the KV cache holds the "
+                                 f"model dtype with auto, or FP8: {', '.join(KV_CACHE_DTYPES)})")
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        return KV_CACHE_DTYPES[name]
 
     def resolve_max_model_len(self, max_position_embeddings: Optional[int]) -> int:
         limits = [x for x in (self.max_model_len, max_position_embeddings) if x]

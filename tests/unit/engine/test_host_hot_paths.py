@@ -10,7 +10,7 @@ import torch
 
 from common.protocol import GenerateRequest, SamplingParams
 from worker.engine.core.block_manager import BlockManager
-from worker.engine.core.request import EngineSequence, Request
+from worker.engine.records import EngineSequence, Request
 from worker.engine.core.scheduler import Scheduler
 from worker.engine.sample.sampler import argmax_rows
 from worker.engine.sample.sampling_metadata import MetadataCache, SamplingRow

@@ -7,6 +7,8 @@ here is an error, never a silent fallback.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import logging
 import os
 
@@ -26,7 +28,8 @@ def _triton_kernels():
 
 
 def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.device, dtype: torch.dtype,
-                              block_size: int) -> AttentionBackend:
+                              block_size: int, kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
+    """``kv_dtype``: an FP8 KV cache (``--kv-cache-dtype``), None when it holds ``dtype``."""
     from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 
     if choice not in ATTENTION_BACKEND_CHOICES:
@@ -40,7 +43,7 @@ def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.dev
         from worker.engine.kernels import resolve_cpu_kernels
 
         module = resolve_cpu_kernels("native" if choice == "native" else cpu_attention, device, dtype)
-        return CpuNativeBackend(module) if module is not None else TorchSDPABackend()
+        return CpuNativeBackend(module, kv_fp8=kv_dtype is not None) if module is not None else TorchSDPABackend()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
@@ -63,6 +66,8 @@ def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.dev
         problem = f"this FlashAttention build pages only block sizes that are multiples of {loaded[1]}"
     elif dtype not in (torch.float16, torch.bfloat16):
         problem = "FlashAttention needs float16 or bfloat16"
+    elif kv_dtype is not None:
+        problem = "this engine's FlashAttention path reads model-dtype KV caches, not FP8 (--kv-cache-dtype)"
     if problem is None:
         return FlashAttnBackend(loaded)
     if choice == "flash_attn":

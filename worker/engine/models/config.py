@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
+
 log = logging.getLogger(__name__)
 
 # architecture -> per-family switches of the single Llama implementation.
@@ -136,6 +138,8 @@ class ModelConfig:
     image_token_id: Optional[int] = None
     vision_start_token_id: Optional[int] = None
     mrope_section: Optional[tuple[int, ...]] = None
+    # How the checkpoint's linear layers are stored when quantized (None: dense).
+    quantization: Optional[CheckpointQuantization] = field(default=None, compare=False, hash=False)
 
     @property
     def is_multimodal(self) -> bool:
@@ -181,15 +185,9 @@ class ModelConfig:
             text = cfg.get("text_config")
             if isinstance(text, dict):
                 cfg = {**cfg, **{k: v for k, v in text.items() if v is not None and k != "architectures"}}
-        quant = cfg.get("quantization_config") or cfg.get("compression_config")
-        if quant:
-            if isinstance(quant, dict):  # old bitsandbytes configs name no method, only load_in_4bit/8bit
-                method = quant.get("quant_method") or quant.get("format") or (
-                    "bitsandbytes" if quant.get("load_in_4bit") or quant.get("load_in_8bit") else "unknown")
-            else:
-                method = quant
-            raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported; serve an "
-                             f"unquantized bfloat16/float16/float32 checkpoint")
+        # A quantized checkpoint loads when its format is one the loader can turn dense
+        # (quantization/config.py); any other is refused by name here, before a weight is read.
+        quantization = parse_quantization(cfg.get("quantization_config") or cfg.get("compression_config"))
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"Unsupported hidden_act {act!r}; only silu is implemented")
@@ -287,6 +285,7 @@ class ModelConfig:
             vision_start_token_id=(int(top["vision_start_token_id"]) if vision and
                                    top.get("vision_start_token_id") is not None else None),
             mrope_section=mrope_section,
+            quantization=quantization,
         )
 
 

@@ -122,6 +122,9 @@ class ModelRunner:
         self.parallel: ParallelHook = LOCAL
         self.backend = backend if backend is not None else TorchSDPABackend()
         self.dtype = config.torch_dtype
+        # What the KV cache stores: the model dtype, or FP8 under --kv-cache-dtype (half of
+        # bf16's bytes per token: twice the tokens in the same memory).
+        self.kv_dtype = config.kv_dtype or self.dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.token_budget = config.step_token_budget(max_model_len)
@@ -181,7 +184,7 @@ class ModelRunner:
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype) + self.extra_bytes_per_block
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype) + self.extra_bytes_per_block
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.mm_encoder_only:  # no language-model step ever runs: one sequence's worth keeps the invariants
@@ -257,7 +260,7 @@ class ModelRunner:
         self.parallel.before_alloc(num_blocks, self.max_model_len)
         mc = self.model_config
         extra = 1 if self.device.type == "cuda" else 0
-        self.kv_cache = torch.zeros(kv_cache_shape(mc, num_blocks + extra, self.block_size), dtype=self.dtype,
+        self.kv_cache = torch.zeros(kv_cache_shape(mc, num_blocks + extra, self.block_size), dtype=self.kv_dtype,
                                     device=self.device)
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks

@@ -33,6 +33,24 @@ class AttentionSpec:
         return self.head_dim ** -0.5
 
 
+def to_kv_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the KV cache stores it: unchanged in the model dtype; in FP8 (``--kv-cache-dtype``,
+    scale 1.0 as vLLM without calibrated scales) saturated to the format's range first, as
+    vLLM's CUDA conversion does, instead of overflowing to NaN."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded as the cache would store it, back in its own dtype: attention over
+    freshly computed K/V then sees what later steps read from the cache."""
+    return x if x.dtype == cache_dtype else to_kv_storage(x, cache_dtype).to(x.dtype)
+
+
 class AttentionImpl:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
@@ -44,6 +62,9 @@ class AttentionImpl:
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
         """Store the step's K/V ``[T, kv_heads, D]`` at ``attn.slot_mapping``."""
         flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
+        k, v = to_kv_storage(k, kv_layer.dtype), to_kv_storage(v, kv_layer.dtype)
+        if kv_layer.element_size() == 1:  # torch has no FP8 index_copy_ on CPU: move the bytes
+            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
         flat[0].index_copy_(0, attn.slot_mapping, k)
         flat[1].index_copy_(0, attn.slot_mapping, v)
 

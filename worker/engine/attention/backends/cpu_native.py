@@ -45,16 +45,23 @@ class CpuNativeImpl(AttentionImpl):
 class CpuNativeBackend(AttentionBackend):
     name = "native"
 
-    def __init__(self, module: Any):
+    def __init__(self, module: Any, kv_fp8: bool = False):
         self.module = module
         self.ops = module  # the same module holds RMSNorm, SwiGLU and rotary
-        self._sdpa_layers = False
+        # The compiled attention kernels read float32 / bf16 caches: with an FP8 KV cache
+        # every layer attends through torch SDPA (which converts the blocks it gathers);
+        # the fused element-wise kernels stay.
+        self.kv_fp8 = kv_fp8
+        self._sdpa_layers = kv_fp8
+
+    def describe(self) -> str:
+        return "native (torch SDPA attention over the FP8 KV cache)" if self.kv_fp8 else self.name
 
     def plan(self, attn: AttentionMetadata, block_size: int) -> TorchPlan:
         return TorchPlan(attn, block_size, native=True, torch_prefills=self._sdpa_layers)
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
-        if spec.sliding_window:
+        if spec.sliding_window or self.kv_fp8:
             self._sdpa_layers = True
             return TorchSDPAImpl(spec)
         return CpuNativeImpl(spec, self.module)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attention.backends.base import AttentionBackend, AttentionImpl, AttentionSpec
+from worker.engine.attention.backends.base import AttentionBackend, AttentionImpl, AttentionSpec, as_stored
 from worker.engine.attention.metadata import AttentionMetadata
 
 
@@ -183,8 +183,9 @@ class DecodeKVMirror:
         if self.k is not None and self._continues(lens, tables):
             cap, d = self.k.shape[2], self.k.shape[3]
             idx = g.append_index(cap, self.k.shape[1])
-            self.k.view(-1, d).index_copy_(0, idx, k_new.reshape(-1, d))
-            self.v.view(-1, d).index_copy_(0, idx, v_new.reshape(-1, d))
+            # the mirror holds what the cache holds (FP8-rounded under --kv-cache-dtype fp8)
+            self.k.view(-1, d).index_copy_(0, idx, as_stored(k_new, kv_layer.dtype).reshape(-1, d))
+            self.v.view(-1, d).index_copy_(0, idx, as_stored(v_new, kv_layer.dtype).reshape(-1, d))
         else:
             block_size = kv_layer.shape[2]
             cap = -(-(g.max_len + self.HEADROOM) // block_size) * block_size
@@ -254,7 +255,7 @@ class TorchSDPAImpl(AttentionImpl):
         kvh, d = self.num_kv_heads, self.head_dim
         if kv is None:
             kv = tuple(_gather_blocks(kv_layer[i], g.flat_blocks).view(g.num, -1, kvh, d)[:, : g.max_len]
-                       .transpose(1, 2) for i in (0, 1))
+                       .transpose(1, 2).to(q.dtype) for i in (0, 1))
         keys, values = kv
         qd = q if g.rows is None else q.index_select(0, g.rows)
         qd = qd.reshape(g.num, kvh, self.group, d)  # group heads as the query-length axis
@@ -267,13 +268,14 @@ class TorchSDPAImpl(AttentionImpl):
         """Outputs ``[q_len, heads, D]`` of one sequence's chunk."""
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         mask = s.mask_for(self.sliding_window, q.device)
-        if s.context == 0:
-            ks = k[s.start:s.end].transpose(0, 1).unsqueeze(0)
-            vs = v[s.start:s.end].transpose(0, 1).unsqueeze(0)
+        if s.context == 0:  # its own fresh K/V, rounded as the cache stores them
+            ks = as_stored(k[s.start:s.end], kv_layer.dtype).transpose(0, 1).unsqueeze(0)
+            vs = as_stored(v[s.start:s.end], kv_layer.dtype).transpose(0, 1).unsqueeze(0)
         else:
             shape = (-1, self.num_kv_heads, self.head_dim)
             ks = _gather_blocks(kv_layer[0], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
             vs = _gather_blocks(kv_layer[1], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         if mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
         else:

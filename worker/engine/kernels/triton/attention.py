@@ -58,10 +58,14 @@ def _attend_tile(q, m_i, l_i, acc, tile, table, k_cache, v_cache, seq_len, q_pos
     k_ok = k_pos < seq_len
     page = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
     slot_in_page = k_pos % BLOCK_SIZE
+    # An FP8 cache (--kv-cache-dtype, scale 1.0) is converted to q's dtype as it is loaded;
+    # a cache in q's dtype passes unchanged (the conversion is a no-op).
     k = tl.load(k_cache + page[None, :] * stride_kb + slot_in_page[None, :] * stride_ks
-                + kv_head * stride_kh + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+                + kv_head * stride_kh + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None],
+                other=0.0).to(q.dtype)  # [D, N]
     v = tl.load(v_cache + page[:, None] * stride_vb + slot_in_page[:, None] * stride_vs
-                + kv_head * stride_vh + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+                + kv_head * stride_vh + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                other=0.0).to(q.dtype)  # [N, D]
     if IEEE:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -288,28 +292,35 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
 
 def compile_specs() -> list:
     specs = []
-    for dtype, head_dim, block_size, g, window in (("bf16", 128, 16, 4, False), ("fp16", 64, 32, 8, True),
-                                                   ("fp32", 80, 16, 1, False), ("bf16", 64, 1, 2, True)):
+    for dtype, head_dim, block_size, g, window, kv in (
+            ("bf16", 128, 16, 4, False, "bf16"), ("fp16", 64, 32, 8, True, "fp16"), ("fp32", 80, 16, 1, False, "fp32"),
+            ("bf16", 64, 1, 2, True, "bf16"), ("bf16", 128, 16, 4, True, "fp8e4nv"), ("fp16", 64, 16, 8, False, "fp8e5")):
         cfg = launch_config(g * 2, 2, head_dim, block_size, None)
-        sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}", "out_ptr": f"*{dtype}",
+        sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{kv}", "v_cache": f"*{kv}", "out_ptr": f"*{dtype}",
                "query_start_loc": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
                "scale": "fp32", "num_seqs": "i32", "window": "i32"}
         for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh",
                      "stride_vb", "stride_vs", "stride_vh", "stride_bt"):
             sig[name] = "i64"
         const = dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")
-        specs.append((f"unified_attention[{dtype},D={head_dim},bs={block_size},G={g},window={window}]",
+        kv_name = "" if kv == dtype else f",kv={kv}"
+        specs.append((f"unified_attention[{dtype},D={head_dim},bs={block_size},G={g},window={window}{kv_name}]",
                       _unified_attention_kernel, sig, const))
-    for dtype, head_dim, block_size, g, window in (("bf16", 128, 16, 4, False), ("fp32", 80, 1, 8, True)):
+    for dtype, head_dim, block_size, g, window, kv in (("bf16", 128, 16, 4, False, "bf16"),
+                                                       ("fp32", 80, 1, 8, True, "fp32"),
+                                                       ("bf16", 128, 16, 4, False, "fp8e4nv")):
         cfg = _split_config(g * 2, 2, head_dim, block_size)
-        sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}", "m_buf": "*fp32",
+        sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{kv}", "v_cache": f"*{kv}", "m_buf": "*fp32",
                "l_buf": "*fp32", "acc_buf": "*fp32", "query_start_loc": "*i32", "seq_lens": "*i32",
                "block_tables": "*i32", "scale": "fp32", "window": "i32"}
         for name in ("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                      "stride_vh", "stride_bt"):
             sig[name] = "i64"
-        specs.append((f"decode_split[{dtype},D={head_dim},bs={block_size},G={g},window={window}]",
+        kv_name = "" if kv == dtype else f",kv={kv}"
+        specs.append((f"decode_split[{dtype},D={head_dim},bs={block_size},G={g},window={window}{kv_name}]",
                       _decode_split_kernel, sig, dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")))
+        if kv != dtype:
+            continue  # the combine kernel reads fp32 partials only: the variant above has it already
         specs.append((f"decode_combine[{dtype},D={head_dim}]", _combine_kernel,
                       {"m_buf": "*fp32", "l_buf": "*fp32", "acc_buf": "*fp32", "out_ptr": f"*{dtype}",
                        "query_start_loc": "*i32", "stride_ot": "i64", "stride_oh": "i64", "num_heads": "i32"},
