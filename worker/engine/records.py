@@ -59,6 +59,7 @@ class Request:
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.n = req.params.n
         self.max_tokens = max_tokens
+        self.min_tokens = req.params.min_tokens  # (read by every stop check)
         self.primary_eos = eos_token_ids[0] if eos_token_ids and not req.params.ignore_eos else None
         # vLLM: extra generation_config eos ids behave like stop_token_ids (stop_reason = id).
         stop_ids = set(req.params.stop_token_ids or ())
@@ -116,6 +117,9 @@ class EngineSequence:
         # scheduler counts them (the next step computes their K/V, its input id filled on
         # the device from the step that samples it); stop checks see only known tokens.
         self.num_pending = 0
+        # (priority, arrival): the scheduler's order, sorted by every step (a request's
+        # priority and arrival never change, so it is kept, not recomputed).
+        self.priority_key: tuple[int, int] = (request.priority, request.arrival_seq)
 
     # --- sizes -----------------------------------------------------------
     @property
@@ -131,10 +135,6 @@ class EngineSequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def priority_key(self) -> tuple[int, int]:
-        return (self.request.priority, self.request.arrival_seq)
-
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
@@ -146,14 +146,15 @@ class EngineSequence:
     def check_token_stop(self, max_model_len: int) -> bool:
         """Apply the token-level stop rules (vLLM v1 check_stop) after a token was appended."""
         req = self.request
-        n_out = self.num_output_tokens
-        if n_out >= req.params.min_tokens:
-            last = self.token_ids[-1]
+        tokens = self.token_ids
+        n_out = len(tokens) - self.num_prompt_tokens
+        if n_out >= req.min_tokens:
+            last = tokens[-1]
             if last == req.primary_eos:
                 return self.finish(FinishReason.STOP)
-            if last in req.stop_token_ids:
+            if req.stop_token_ids and last in req.stop_token_ids:
                 return self.finish(FinishReason.STOP, last)
-        if n_out >= req.max_tokens or len(self.token_ids) >= max_model_len:
+        if n_out >= req.max_tokens or len(tokens) >= max_model_len:
             return self.finish(FinishReason.LENGTH)
         return False
 

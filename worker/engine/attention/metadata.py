@@ -68,13 +68,14 @@ class StepLayout:
 
     @classmethod
     def build(cls, query_lens: Sequence[int] | np.ndarray, context_lens: Sequence[int] | np.ndarray,
-              block_tables: Sequence[Sequence[int]], block_size: int, *,
+              block_tables: Sequence[Sequence[int]] | np.ndarray, block_size: int, *,
               input_ids: Optional[np.ndarray] = None, table_width: Optional[int] = None,
               check: bool = True) -> "StepLayout":
         """Layout from per-sequence lengths and block id lists.
 
         ``block_tables[i]`` lists the KV block ids of sequence i in order and must
-        cover its ``context_lens[i] + query_lens[i]`` tokens; ``table_width`` pads
+        cover its ``context_lens[i] + query_lens[i]`` tokens (or is row i of a padded
+        [B, W] int32 array, taken as is: no coverage check); ``table_width`` pads
         every row to a fixed width (CUDA-graph buffers).  ``input_ids`` defaults to
         zeros (tests that only exercise attention).  Vectorised numpy: a few tens
         of microseconds for a typical batch.
@@ -89,10 +90,18 @@ class StepLayout:
         if check and ((q < 1).any() or (c < 0).any()):
             raise ValueError("query_lens must be >= 1 and context_lens >= 0")
         s = q + c
-        width = table_width or max(1, max(len(bt) for bt in block_tables))
-        table = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, bt in enumerate(block_tables):
-            table[i, :len(bt)] = bt
+        if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
+            # Rows already padded (the runner's persistent batch gathers them): used as is,
+            # widened to ``table_width``; the caller vouches for their coverage.
+            table = block_tables.astype(np.int32, copy=False)
+            if table_width and table_width > table.shape[1]:
+                table = np.pad(table, ((0, 0), (0, table_width - table.shape[1])))
+            check = False
+        else:
+            width = table_width or max(1, max(len(bt) for bt in block_tables))
+            table = np.zeros((num_seqs, width), dtype=np.int32)
+            for i, bt in enumerate(block_tables):
+                table[i, :len(bt)] = bt
         if check:
             have = np.fromiter((len(bt) for bt in block_tables), dtype=np.int64, count=num_seqs)
             short = np.flatnonzero(have * block_size < s)

@@ -35,7 +35,7 @@ from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                            score_token_ids, to_token_logprobs)
 from worker.engine.sample.sampler import Sampler
-from worker.engine.sample.sampling_metadata import (SamplingMetadata, SamplingRow, draft_sampling_rows, make_generator,
+from worker.engine.sample.sampling_metadata import (MetadataCache, SamplingRow, draft_sampling_rows, make_generator,
                                                     reads_output_history, tokenize_bad_words)
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class EngineCore:
                                    max_model_len=max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler()
+        self._sampling_metadata = MetadataCache()
 
     # --- what RL control does to the engine (through the context) ---------------------
     def release_kv_cache(self) -> None:
@@ -420,26 +421,37 @@ class EngineCore:
         run_plan = self.runner.plan(scheduled)
         self.scheduler.update_after_step(scheduled)
         prompt_jobs, sample_seqs, rows, specs = self._select_rows(scheduled)
-        num_prompt_rows = len(rows) - len(sample_seqs) - sum(len(sp) for sp in specs)
-        # Each sampling choice's first logits row; a choice verifying drafts owns the
-        # rows after it too (one per draft: the distribution after that draft).
-        sample_rows, at = [], num_prompt_rows
-        for sp in specs:
-            sample_rows.append(at)
-            at += 1 + len(sp)
-        self._fork_choices(sample_seqs, sample_rows)
-        specs += [()] * (len(sample_seqs) - len(specs))  # forked choices verify nothing
-        flat = [r + j for r, sp in zip(sample_rows, specs) for j in range(len(sp) + 1)]
-        sample_index = None if len(flat) == len(rows) - num_prompt_rows else flat  # a fork reuses rows
+        num_sampling = len(sample_seqs)
+        if not any(specs):  # no drafts to verify: one logits row per sampling choice
+            num_prompt_rows = len(rows) - num_sampling
+            sample_rows = list(range(num_prompt_rows, len(rows)))
+            self._fork_choices(sample_seqs, sample_rows)
+            sample_index = None if len(sample_rows) == num_sampling else sample_rows  # a fork reuses rows
+            specs = [()] * len(sample_seqs)
+            sampling_rows = [seq.sampling_row for seq in sample_seqs]
+        else:
+            num_prompt_rows = len(rows) - num_sampling - sum(len(sp) for sp in specs)
+            # Each sampling choice's first logits row; a choice verifying drafts owns the
+            # rows after it too (one per draft: the distribution after that draft).
+            sample_rows, at = [], num_prompt_rows
+            for sp in specs:
+                sample_rows.append(at)
+                at += 1 + len(sp)
+            self._fork_choices(sample_seqs, sample_rows)
+            specs += [()] * (len(sample_seqs) - len(specs))  # forked choices verify nothing
+            flat = [r + j for r, sp in zip(sample_rows, specs) for j in range(len(sp) + 1)]
+            sample_index = None if len(flat) == len(rows) - num_prompt_rows else flat
+            sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
         meta = None
         if sample_seqs:
-            sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
-            meta = SamplingMetadata.build(sampling_rows, self.vocab_size, self.device)
+            # The previous step's metadata when the same rows sample again (sampling_metadata.py).
+            meta = self._sampling_metadata.build(sampling_rows, self.vocab_size, self.device)
         step = DeviceStep(run_plan, rows, num_prompt_rows, sample_index, prompt_jobs, sample_seqs, specs, meta)
+        row_of = step.row_of
         r = 0
         for seq, sp in zip(sample_seqs, specs):
             seq.num_pending += 1
-            step.row_of[seq.seq_id] = r
+            row_of[seq.seq_id] = r
             r += 1 + len(sp)
         fill = placeholder_fill(run_plan.holes, run_plan.hole_seqs, self._inflight)
         step.future = self.executor.submit(self._run_on_device, step, fill)
@@ -465,10 +477,8 @@ class EngineCore:
                 0, torch.tensor(step.sample_index, dtype=torch.long, device=logits.device))
         for process in self.hooks.process_logits:  # grammar masks (structured outputs)
             process(step.sample_seqs, step.specs, sample_logits)
-        result = self.sampler(sample_logits, step.meta, self._sampler_masks)
-        step.result = result
-        step.sampled = result.sampled.tolist()
-        step.logprob_lists = result.logprobs.tolists() if result.logprobs is not None else None
+        # CPU: listed now; CUDA: the host copy starts, this thread goes on to queue the next step
+        step.set_result(self.sampler(sample_logits, step.meta, self._sampler_masks))
 
     def _finish_inflight(self) -> list[SequenceOutput]:
         step, self._inflight = self._inflight, None
@@ -477,6 +487,7 @@ class EngineCore:
     def _finish(self, step: DeviceStep) -> list[SequenceOutput]:
         """Wait for a launched step; score its prompt rows and process its samples."""
         step.future.result()  # a device failure fails the step (the worker fails its requests)
+        step.collect()  # CUDA: wait for the sampled ids' host copy
         if step.prompt_jobs:
             self._score_prompts(step.prompt_jobs, step.prompt_logits)
         if not step.sample_seqs:
@@ -518,12 +529,25 @@ class EngineCore:
         sampled, lp_lists = step.sampled, step.logprob_lists
         now = time.time()
         outs, first_rows, r = [], [], 0
+        max_model_len = self.max_model_len
         for seq, sp in zip(step.sample_seqs, step.specs):
             seq.num_pending -= 1
             if not seq.is_finished():
                 first_rows.append(r)
                 if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
                     outs.append(self._append_verified(self, seq, sp, sampled, lp_lists, r, now))
+                elif lp_lists is None and seq.detokenizer is None:
+                    # append_token without logprobs or text (the stop check is all), inlined:
+                    # every choice, every step
+                    token = sampled[r]
+                    request = seq.request
+                    if request.first_token_time is None:
+                        request.first_token_time = now
+                    seq.token_ids.append(token)
+                    seq.output_ids.append(token)
+                    if seq.check_token_stop(max_model_len):
+                        self._sequence_finished(seq)
+                    outs.append(SequenceOutput(request, seq.index, seq, [token]))
                 else:
                     outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
             r += 1 + len(sp)
@@ -559,10 +583,12 @@ class EngineCore:
         specs: list[tuple] = []
         row = 0
         for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens - len(s.spec)
-            start = seq.num_computed_tokens - n
+            seq, n, spec = s.seq, s.num_new_tokens, s.spec
+            if spec:
+                n -= len(spec)
             request = seq.request
             if request.wants_prompt_scores and seq.index == 0:
+                start = seq.num_computed_tokens - n
                 # Logits at position p score prompt token p+1; recompute after preemption
                 # must not score a position twice.
                 first = max(start, request.num_prompt_scored)
@@ -571,11 +597,17 @@ class EngineCore:
                     prompt_jobs.append((request, first, last - first))
                     prompt_rows.extend(range(row + first - start, row + last - start))
                     request.num_prompt_scored = last
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending:  # reached its end
                 sample_seqs.append(seq)
-                sample_rows.extend(range(row + n - 1, row + n + len(s.spec)))
-                specs.append(s.spec)
-            row += n + len(s.spec)
+                if spec:
+                    sample_rows.extend(range(row + n - 1, row + n + len(spec)))
+                    row += len(spec)
+                else:
+                    sample_rows.append(row + n - 1)
+                specs.append(spec)
+            elif spec:
+                row += len(spec)
+            row += n
         return prompt_jobs, sample_seqs, prompt_rows + sample_rows, specs
 
     def _score_prompts(self, jobs: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
@@ -625,9 +657,12 @@ class EngineCore:
             if stop_str is not None:
                 seq.finish(FinishReason.STOP, stop_str)
         if seq.is_finished():
-            for hook in self.hooks.on_finished:
-                hook(seq)
-            self.scheduler.remove(seq)
-            if request.is_finished():
-                self.forget_request(request)
+            self._sequence_finished(seq)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)
+
+    def _sequence_finished(self, seq: EngineSequence) -> None:
+        for hook in self.hooks.on_finished:
+            hook(seq)
+        self.scheduler.remove(seq)
+        if seq.request.is_finished():
+            self.forget_request(seq.request)

@@ -24,8 +24,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from worker.engine.sample.logprobs import LogprobsTensors
 
-SWITCH_INTERVAL_S = 0.0002  # GIL switch interval with a device thread (see StepExecutor)
+SWITCH_INTERVAL_S = 0.00005  # GIL switch interval with a device thread (see StepExecutor)
 
 
 @dataclass(eq=False)
@@ -45,6 +46,65 @@ class DeviceStep:
     result: Any = None  # SamplerOutput
     sampled: Optional[list[int]] = None  # result.sampled copied to the host
     logprob_lists: Any = None
+    host_copy: Optional["HostCopy"] = None  # CUDA: the sampled ids (and logprobs) on their way to the host
+
+    def set_result(self, result: Any) -> None:
+        """The sampler's output (``SamplerOutput``).  On the CPU its ids and logprobs are
+        listed at once (there is nothing to overlap); on CUDA their copy to the host
+        starts (``HostCopy``) and ``collect`` lists them when the host needs them, so
+        the device thread never waits for the device."""
+        self.result = result
+        lp = result.logprobs
+        if result.sampled.device.type == "cuda":
+            self.host_copy = HostCopy([result.sampled] + ([lp.token_ids, lp.token_logprobs, lp.ranks, lp.top_ids,
+                                                           lp.top_logprobs] if lp is not None else []))
+            return
+        self.sampled = result.sampled.tolist()
+        self.logprob_lists = lp.tolists() if lp is not None else None
+
+    def collect(self) -> None:
+        """``sampled`` and ``logprob_lists`` from the host copy, once it arrived (a step
+        whose results were listed on the device thread has none)."""
+        copy, self.host_copy = self.host_copy, None
+        if copy is None:
+            return
+        host = copy.wait()
+        self.sampled = host[0].tolist()
+        if len(host) > 1:
+            self.logprob_lists = LogprobsTensors(*host[1:]).tolists()
+
+
+class HostCopy:
+    """Device tensors copied to the host without blocking the thread that starts the copy
+    (vLLM's async model runner output).  CUDA: each is copied into pinned host memory
+    with ``non_blocking=True`` on the current stream and one event is recorded after
+    the copies; ``wait()`` blocks on that event only -- not on what the device thread
+    queued after it (the next step's forward) -- and returns the host tensors.  Host
+    tensors (CPU) are taken as they are: there is nothing to wait for."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._event = None
+        if not tensors or tensors[0].device.type != "cuda":
+            self.host = list(tensors)
+            return
+        self.host = []
+        for t in tensors:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            self.host.append(h)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    @property
+    def pending(self) -> bool:
+        """Whether the copy may still be on its way (CUDA, not waited for, event not reached)."""
+        return self._event is not None and not self._event.query()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.host
 
 
 def placeholder_fill(holes: list[int], hole_seqs: list, prev: Optional[DeviceStep]
@@ -55,12 +115,25 @@ def placeholder_fill(holes: list[int], hole_seqs: list, prev: Optional[DeviceSte
     if not holes:
         return None
     assert prev is not None, "a placeholder needs the step in flight that samples it"
-    src = [prev.row_of[seq.seq_id] for seq in hole_seqs]
+    row_of = prev.row_of
+    src = [row_of[seq.seq_id] for seq in hole_seqs]
+    n = len(holes)
+    # The index tensors are made here, on the host thread: every torch call of the device
+    # thread gives up the GIL and waits to get it back while the host runs Python.
+    iota = list(range(n))
+    if holes == iota and src == iota:
+        # A steady decode batch: input i is what the previous step sampled in row i.
+        def fill_rows(input_ids: torch.Tensor) -> None:
+            input_ids[:n].copy_(prev.result.sampled[:n])  # on the device: the host copy may still be on its way
+
+        return fill_rows
+    index_host = torch.tensor(holes, dtype=torch.long)
+    rows_host = torch.tensor(src, dtype=torch.long)
 
     def fill(input_ids: torch.Tensor) -> None:
         sampled = prev.result.sampled  # on the device: the host copy may still be on its way
-        index = torch.tensor(holes, dtype=torch.long).to(input_ids.device, non_blocking=True)
-        rows = torch.tensor(src, dtype=torch.long).to(sampled.device, non_blocking=True)
+        index = index_host.to(input_ids.device, non_blocking=True)
+        rows = rows_host.to(sampled.device, non_blocking=True)
         input_ids.index_copy_(0, index, sampled.index_select(0, rows).to(input_ids.dtype))
 
     return fill
@@ -94,7 +167,10 @@ class StepExecutor:
             # The device thread must get the GIL back as soon as its wait (a GPU sync, a
             # kernel) returns, or every step's tail waits up to a whole switch interval
             # (5 ms by default) behind the host's Python: 1.14x -> 1.57x decode tok/s at
-            # batch 256 in benchmarks/async_overlap.py.  Process-wide, hence only lowered.
+            # batch 256 in benchmarks/async_overlap.py; 50 us rather than 200: every torch call
+            # of the device thread hands the GIL over and waits to get it back, and on a loaded
+            # 2-core box that cut the exposed host time at batch 64 from 0.63 to 0.48 ms and at
+            # 256 from 3-4 ms to 0.4-0.65 ms (benchmarks/README.md).  Process-wide, hence only lowered.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             # One thread: steps run one at a time, in order (the next step's placeholders
             # read the previous one's samples; the KV cache is written in step order).

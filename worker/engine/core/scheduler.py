@@ -13,6 +13,7 @@ priority may likewise preempt a worse running one to get in.
 from __future__ import annotations
 
 import heapq
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -20,6 +21,9 @@ from typing import Any, Optional, Protocol
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.records import SeqStatus, EngineSequence
 from worker.engine.step_plan import ScheduledSeq  # noqa: F401 - the scheduler's output record, re-exported
+
+
+_PRIORITY_KEY = operator.attrgetter("priority_key")
 
 
 @dataclass
@@ -104,18 +108,33 @@ class Scheduler:
         budget = self.token_budget
         self._preempt_for_priority()
         # Running sequences in priority order, so that preemption takes from the tail.
-        self.running.sort(key=lambda s: s.priority_key)
+        self.running.sort(key=_PRIORITY_KEY)
+        block_size = self.bm.block_size
+        max_model_len = self.max_model_len
+        scheduled = out.scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 or (seq.num_pending and self._ends_with_pending(seq)):
+            computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids) + seq.num_pending
+            num_new = min(num_tokens - computed, budget)
+            # A token in flight that is the choice's last by length (max_tokens or the context):
+            # no step after it is planned (vLLM's async scheduler makes the same check).
+            if num_new <= 0 or (seq.num_pending and (num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens
+                                                     or num_tokens >= max_model_len)):
                 i += 1
                 continue
             spec = ()
             if num_new == 1 and seq.spec_token_ids:  # a decode with drafts: verify them too
                 spec = tuple(seq.spec_token_ids[:budget - 1])
                 num_new += len(spec)
+            elif computed + num_new <= len(seq.block_ids) * block_size:
+                # Its blocks have room already (a decode inside its last block, most steps):
+                # what allocate_slots would decide, without its bookkeeping.
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not self.bm.allocate_slots(seq, num_new):
                 if spec:  # drafts are an option, never a reason to preempt: verify none
                     num_new, spec = num_new - len(spec), ()
@@ -165,12 +184,6 @@ class Scheduler:
             heapq.heappush(self._waiting, item)
         return out
 
-    def _ends_with_pending(self, seq: EngineSequence) -> bool:
-        """The token in flight is the choice's last by length (max_tokens or the context):
-        no step after it is planned (vLLM's async scheduler makes the same check)."""
-        return (seq.num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens
-                or seq.num_tokens >= self.max_model_len)
-
     def preempt_all(self) -> None:
         """Every running sequence back to the waiting queue, its blocks freed: it is
         recomputed from its tokens when next scheduled (RL weight changes and sleep: K/V
@@ -209,9 +222,19 @@ class Scheduler:
     def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance computed-token counts and publish newly full blocks to the prefix cache
         (drafts are not counted: ``accept_draft`` adds each accepted one)."""
+        bm = self.bm
+        if not bm.enable_prefix_caching:
+            for s in scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
+            return
+        bs = bm.block_size
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
-            self.bm.register_computed_blocks(s.seq)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens - len(s.spec)
+            # Only a step that completed a block has anything to hash or publish.
+            if (seq.num_computed_tokens // bs > seq.num_registered_blocks
+                    or len(seq.token_ids) // bs > len(seq.block_hashes)):
+                bm.register_computed_blocks(seq)
 
     def accept_draft(self, seq: EngineSequence) -> None:
         """The next verified draft joined the sequence's tokens: its KV is valid."""

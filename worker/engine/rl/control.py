@@ -84,8 +84,10 @@ class RLControl(EngineComponent):
             tracked = spans.get(seq.seq_id)
             if tracked is None:
                 tracked = spans[seq.seq_id] = VersionSpans()
-            # the step's first token of this choice (stop-string trimming only cuts the last ones)
-            tracked.track(version, len(seq.output_ids) - len(out.new_token_ids))
+            starts = tracked.starts
+            if not starts or starts[-1][0] != version:  # VersionSpans.track, inlined: every choice, every step
+                # the step's first token of this choice (stop-string trimming only cuts the last ones)
+                starts.append((version, len(seq.output_ids) - len(out.new_token_ids)))
 
     def fill_deltas(self, outs, deltas) -> None:
         for out, delta in zip(outs, deltas):

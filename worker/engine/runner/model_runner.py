@@ -25,6 +25,7 @@ from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import AttentionMetadata, StepLayout
 from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from worker.engine.models.llama import kv_bytes_per_block, kv_cache_shape
+from worker.engine.runner.persistent_batch import PersistentBatch
 from worker.engine.runner.hooks import (LOCAL, InputContributor, KVCacheHook, MemoryProfileHook, ParallelHook,
                                         StepExtras)
 from worker.engine.step_plan import ScheduledSeq
@@ -148,6 +149,8 @@ class ModelRunner:
         self._kv_hooks: list[KVCacheHook] = []
         self._profilers: list[MemoryProfileHook] = []
         self._extras: Optional[StepExtras] = None  # the last forward's (its logits rows reuse them)
+        # Block tables of the running sequences, kept across steps (persistent_batch.py).
+        self.batch = PersistentBatch(config.max_num_seqs, self.max_blocks_per_seq)
 
     # --- features -----------------------------------------------------------
     def install(self, hook: Any) -> None:
@@ -303,38 +306,60 @@ class ModelRunner:
     def _layout(self, scheduled: Sequence[ScheduledSeq], table_width: Optional[int] = None
                 ) -> tuple[StepLayout, list[int], list]:
         num_seqs = len(scheduled)
-        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
-        context_lens = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64,
-                                   count=num_seqs)
-        input_ids = np.empty(int(query_lens.sum()), dtype=np.int64)
+        seqs = [s.seq for s in scheduled]
+        # Block tables: the persistent batch's rows (only the blocks a sequence grew by
+        # are written), gathered in step order -- a copy, so the step's layout stays
+        # frozen while the next step updates the rows.
+        rows = self.batch.sync(seqs)
+        table = self.batch.table(rows, table_width)
         holes: list[int] = []
         hole_seqs: list = []
-        t = 0
-        for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
-            if n == 1:
-                if start < len(seq.token_ids):
-                    input_ids[t] = seq.token_ids[start]
+        if all(s.num_new_tokens == 1 for s in scheduled):
+            # Decode: one input id per sequence, the token at its first uncomputed position.
+            query_lens = np.ones(num_seqs, dtype=np.int64)
+            ids, starts = [], []
+            for t, seq in enumerate(seqs):
+                tokens = seq.token_ids
+                start = seq.num_computed_tokens
+                starts.append(start)
+                if start < len(tokens):
+                    ids.append(tokens[start])
                 else:  # sampled by the step in flight (async scheduling)
-                    input_ids[t] = 0
+                    ids.append(0)
                     holes.append(t)
                     hole_seqs.append(seq)
-            elif s.spec:  # the last token, then the drafts to verify
-                input_ids[t] = seq.token_ids[start]
-                input_ids[t + 1:t + n] = s.spec
-            else:
-                # A chunk may end in the token in flight: a choice forked in the step in flight
-                # computes its prompt's partial last block and that token together.
-                known = seq.token_ids[start:start + n]
-                input_ids[t:t + len(known)] = known
-                for hole in range(t + len(known), t + n):
-                    input_ids[hole] = 0
-                    holes.append(hole)
-                    hole_seqs.append(seq)
-            t += n
+            input_ids = np.array(ids, dtype=np.int64)
+            context_lens = np.array(starts, dtype=np.int64)
+        else:
+            context_lens = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=num_seqs)
+            query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
+            input_ids = np.empty(int(query_lens.sum()), dtype=np.int64)
+            t = 0
+            for s in scheduled:
+                seq, n = s.seq, s.num_new_tokens
+                start = seq.num_computed_tokens
+                if n == 1:
+                    if start < len(seq.token_ids):
+                        input_ids[t] = seq.token_ids[start]
+                    else:  # sampled by the step in flight (async scheduling)
+                        input_ids[t] = 0
+                        holes.append(t)
+                        hole_seqs.append(seq)
+                elif s.spec:  # the last token, then the drafts to verify
+                    input_ids[t] = seq.token_ids[start]
+                    input_ids[t + 1:t + n] = s.spec
+                else:
+                    # A chunk may end in the token in flight: a choice forked in the step in flight
+                    # computes its prompt's partial last block and that token together.
+                    known = seq.token_ids[start:start + n]
+                    input_ids[t:t + len(known)] = known
+                    for hole in range(t + len(known), t + n):
+                        input_ids[hole] = 0
+                        holes.append(hole)
+                        hole_seqs.append(seq)
+                t += n
         # The scheduler allocated every sequence's blocks: no coverage check on the hot path.
-        layout = StepLayout.build(query_lens, context_lens, [s.seq.block_ids for s in scheduled], self.block_size,
+        layout = StepLayout.build(query_lens, context_lens, table, self.block_size,
                                   input_ids=input_ids, table_width=table_width, check=False)
         return layout, holes, hole_seqs
 
@@ -450,12 +475,17 @@ class ModelRunner:
         """float32 logits [len(rows), V] of the selected batch rows (``plan``: the step's,
         whose contributed inputs the logits rows reuse; default: the last run's)."""
         self.parallel.before_logits(rows)
-        index = torch.tensor(rows, dtype=torch.long)
-        if self.device.type != "cpu":
-            index = index.to(self.device, non_blocking=True)
+        n = len(rows)
+        if n == hidden.shape[0] and rows == list(range(n)):
+            selected = hidden  # every row, in order (a decode step): no gather
+        else:
+            index = torch.tensor(rows, dtype=torch.long)
+            if self.device.type != "cpu":
+                index = index.to(self.device, non_blocking=True)
+            selected = hidden.index_select(0, index)
         extras = self._extras if plan is None else plan.extras
         lora = None if extras is None or extras.logits_inputs is None else extras.logits_inputs(rows)
-        return self.model.compute_logits(hidden.index_select(0, index), lora)
+        return self.model.compute_logits(selected, lora)
 
     @torch.inference_mode()
     def _dummy_run(self, num_tokens: int) -> None:

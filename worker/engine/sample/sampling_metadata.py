@@ -7,6 +7,7 @@ common all-greedy / plain-temperature batch costs a couple of tiny tensors.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -365,3 +366,26 @@ def draft_sampling_rows(seq: Any, spec: tuple) -> list[SamplingRow]:
                                output_token_ids=seq.output_ids + list(spec[:j]), generator=row.generator,
                                stop_ids_for_min_tokens=row.stop_ids_for_min_tokens, bad_words_ids=row.bad_words_ids))
     return out
+
+
+class MetadataCache:
+    """``SamplingMetadata.build`` that hands back the previous step's metadata when the
+    same rows (the same ``SamplingRow`` objects, in the same order) sample again and
+    none of them reads its output history: then every tensor in it depends only on
+    the rows' parameters, which never change, and the output lists it holds are the
+    rows' live ones.  A steady decode batch builds its metadata once, not every step
+    (vLLM's persistent batch keeps its sampling tensors the same way)."""
+
+    def __init__(self) -> None:
+        self._rows: Optional[list[SamplingRow]] = None
+        self._meta: Optional[SamplingMetadata] = None
+
+    def build(self, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
+        last = self._rows
+        if (last is not None and len(last) == len(rows) and self._meta.vocab_size == vocab_size
+                and all(map(operator.is_, last, rows))):
+            return self._meta
+        meta = SamplingMetadata.build(rows, vocab_size, device)
+        reusable = not any(map(reads_output_history, rows))
+        self._rows, self._meta = (list(rows), meta) if reusable else (None, None)
+        return meta

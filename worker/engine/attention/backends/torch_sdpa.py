@@ -39,8 +39,7 @@ class _DecodeGroup:
     def __init__(self, attn: AttentionMetadata, seq_idx: list[int], block_size: int):
         device = attn.block_tables.device
         all_rows = len(seq_idx) == attn.num_seqs
-        lens = [attn.seq_lens_cpu[i] for i in seq_idx]
-        self.max_len = max(lens)
+        self.max_len = attn.max_seq_len if all_rows else max(attn.seq_lens_cpu[i] for i in seq_idx)
         nblocks = -(-self.max_len // block_size)
         if all_rows:
             self.rows = None  # every sequence decodes: the flat batch is already in order
@@ -131,15 +130,18 @@ class TorchPlan:
         decode_idx: list[int] = []
         prefill_idx: list[int] = []
         self.prefills: list[_PrefillSeq] = []
-        start = 0
-        for i, q_len in enumerate(attn.query_lens_cpu):
-            if q_len == 1:
-                decode_idx.append(i)
-            else:
-                prefill_idx.append(i)
-                if torch_prefills:
-                    self.prefills.append(_PrefillSeq(attn, i, start, block_size))
-            start += q_len
+        if attn.max_query_len == 1:  # decode only: every row one query
+            decode_idx = list(range(attn.num_seqs))
+        else:
+            start = 0
+            for i, q_len in enumerate(attn.query_lens_cpu):
+                if q_len == 1:
+                    decode_idx.append(i)
+                else:
+                    prefill_idx.append(i)
+                    if torch_prefills:
+                        self.prefills.append(_PrefillSeq(attn, i, start, block_size))
+                start += q_len
         self.decode = _DecodeGroup(attn, decode_idx, block_size) if decode_idx else None
         self.prefill_ids = torch.tensor(prefill_idx, dtype=torch.int64) if native and prefill_idx else None
 
