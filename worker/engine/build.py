@@ -54,7 +54,6 @@ class EngineFeatures:
         # What the core reads once the components exist (component.EngineWiring).
         self.step: Optional[Callable[[], list]] = None
         self.overlap_blocker: Optional[str] = None
-        self.append_verified: Optional[Callable[..., Any]] = None
 
     # 1. before the model is built
     def start(self, ctx) -> None:
@@ -95,10 +94,6 @@ class EngineFeatures:
         ]
         self.step = self.ec.encode_step if self.ec.encoder_only else None
         self.overlap_blocker = self._overlap_blocker()
-        if self.spec is not None:
-            from worker.engine.spec_decode.verify import append_verified
-
-            self.append_verified = append_verified
         return [c for c in built if c is not None]
 
     def _overlap_blocker(self) -> Optional[str]:

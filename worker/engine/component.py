@@ -128,11 +128,10 @@ class EngineWiring(Protocol):
     def parse_images(self, req: "GenerateRequest") -> Any:
         """The request's images checked against the model (MultiModalState, None: none)."""
 
-    # after components(): an engine that runs another step than the model's (encoder-only),
-    # why async scheduling cannot run, and speculative decoding's verification
+    # after components(): an engine that runs another step than the model's (encoder-only)
+    # and why async scheduling cannot run
     step: "Optional[Callable[[], list[SequenceOutput]]]"
     overlap_blocker: Optional[str]
-    append_verified: Optional[Callable[..., "SequenceOutput"]]
 
 
 HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",

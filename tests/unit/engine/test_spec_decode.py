@@ -147,7 +147,7 @@ def test_sampled_outputs_are_distributed_as_without_speculation(llama_dir, plain
 
 
 def test_the_distribution_test_catches_a_biased_acceptance_rule(llama_dir, plain_samples, monkeypatch):
-    import worker.engine.spec_decode.verify as verify
+    import worker.engine.sample.verify as verify
 
     monkeypatch.setattr(verify, "accepted_prefix", lambda sampled, r, spec: len(spec))  # keep every draft
     spec, _ = _sampled(_spec_engine(llama_dir, max_num_seqs=64), _repetitive(1, seed=5)[0])

@@ -34,6 +34,7 @@ from worker.engine.records import EngineSequence, FinishReason, Request, Sequenc
 from worker.engine.runner.model_runner import ModelRunner
 from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
                                            score_token_ids, to_token_logprobs)
+from worker.engine.sample.verify import verified_tokens
 from worker.engine.sample.sampler import Sampler
 from worker.engine.sample.sampling_metadata import (MetadataCache, SamplingRow, draft_sampling_rows, make_generator,
                                                     reads_output_history, tokenize_bad_words)
@@ -104,7 +105,6 @@ class EngineCore:
         self._sampler_masks = any(c.needs_sampler_masks for c in self.components)
         # An encoder-only engine runs its features' step (EncoderDisaggregation.encode_step).
         self._run_step = (features.step if features is not None else None) or self._model_step
-        self._append_verified = features.append_verified if features is not None else None  # speculative decoding
         # Async scheduling (core/inflight.py): the step in flight, outputs finished outside
         # a step (drain), the requests whose steps run synchronously.
         self._async = self._resolve_async_scheduling(config)
@@ -534,8 +534,8 @@ class EngineCore:
             seq.num_pending -= 1
             if not seq.is_finished():
                 first_rows.append(r)
-                if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
-                    outs.append(self._append_verified(self, seq, sp, sampled, lp_lists, r, now))
+                if sp:  # rows r..r+len(sp): the drafts it verifies, then the token after them
+                    outs.append(self._append_tokens(seq, verified_tokens(sampled, r, sp), lp_lists, r, now))
                 elif lp_lists is None and seq.detokenizer is None:
                     # append_token without logprobs or text (the stop check is all), inlined:
                     # every choice, every step
@@ -659,6 +659,23 @@ class EngineCore:
         if seq.is_finished():
             self._sequence_finished(seq)
         return SequenceOutput(request, seq.index, seq, new_tokens, text)
+
+    def _append_tokens(self, seq: EngineSequence, tokens: list[int], lp_lists: Any, r: int,
+                       now: float) -> SequenceOutput:
+        """Append a run of sampled tokens (rows ``r..``), stopping where the choice
+        finishes; every token after the first was computed at its position as a draft
+        this step, so its K/V is already in the cache (``Scheduler.accept_draft``)."""
+        new, texts = [], []
+        for j, token in enumerate(tokens):
+            if j:
+                self.scheduler.accept_draft(seq)
+            out = self.append_token(seq, token, lp_lists, r + j, now)
+            new += out.new_token_ids
+            if out.text:
+                texts.append(out.text)
+            if seq.is_finished():
+                break
+        return SequenceOutput(seq.request, seq.index, seq, new, "".join(texts) if texts else None)
 
     def _sequence_finished(self, seq: EngineSequence) -> None:
         for hook in self.hooks.on_finished:

@@ -4,12 +4,14 @@ The proposer (n-gram or draft model: speculator.py, draft_model.py) keeps its
 interface; this component calls it at the step's hook points -- drafts proposed before
 scheduling, draft slots filled once the batch is known -- and owns each request's
 acceptance counts, which the request's final delta reports (``spec_decode``).
-Verifying the drafts against the target's samples: verify.py."""
+The core appends what each choice's rows verified (sample/verify.py); this component
+counts, from the same rows, how many of the drafts it proposed were accepted."""
 from __future__ import annotations
 
 from typing import Any
 
 from worker.engine.component import EngineComponent
+from worker.engine.sample import verify
 
 
 class SpecDecodeComponent(EngineComponent):
@@ -20,6 +22,7 @@ class SpecDecodeComponent(EngineComponent):
         self.ctx = ctx  # EngineContext: running sequences, max_model_len, block_manager
         self.stats: dict[str, Any] = {}  # request id -> SpecDecodeStats
         self._closing: dict[str, Any] = {}  # forgotten since the last step: reported by its last delta
+        self._verifying: dict[int, tuple] = {}  # seq id -> the drafts it verifies in this step
 
     def on_kv_cache_released(self) -> None:
         self.speculator.release_cache()
@@ -38,6 +41,17 @@ class SpecDecodeComponent(EngineComponent):
 
     def on_scheduled(self, scheduled) -> None:
         self.speculator.fill(scheduled)
+        # the drafts each choice verifies this step (the scheduler may have cut them)
+        self._verifying = {s.seq.seq_id: s.spec for s in scheduled if s.spec}
+
+    def on_sampled(self, outs, first_rows, result) -> None:
+        if not self._verifying:
+            return
+        for out, r in zip(outs, first_rows):
+            drafts = self._verifying.get(out.seq.seq_id)
+            if drafts:
+                self.record(out.seq, len(drafts), verify.accepted_prefix(result.sampled, r, drafts))
+        self._verifying = {}
 
     def on_finished(self, seq) -> None:
         self.speculator.forget(seq)

@@ -138,11 +138,3 @@ def _token_array(seq: EngineSequence, st: SeqDrafting) -> np.ndarray:
         buf[filled:n] = seq.token_ids[filled:n]
     st.token_buffer = (buf, n)
     return buf[:n]
-
-
-def accepted_prefix(sampled: list[int], r: int, spec: tuple) -> int:
-    """How many leading drafts equal the token sampled at their position."""
-    n = 0
-    while n < len(spec) and sampled[r + n] == spec[n]:
-        n += 1
-    return n
