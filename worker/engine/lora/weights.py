@@ -98,7 +98,7 @@ class LayerLoRA:
     """The LoRA groups of one decoder layer: qkv, o and, on dense layers, gate_up and down."""
 
     def __init__(self, layer, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device):
-        q, kv, hidden = layer.q_size, layer.kv_size, layer.input_layernorm.weight.shape[0]
+        q, kv, hidden = layer.q_size, layer.kv_size, layer.hidden_size
 
         def group(modules, out_sizes, in_features):
             return _group(modules, out_sizes, in_features, num_slots, rank, dtype, device)

@@ -14,25 +14,9 @@ from typing import Any, Optional
 
 import torch
 
-log = logging.getLogger(__name__)
+from worker.engine.models.registry import ModelRegistry
 
-# architecture -> per-family switches of the single Llama implementation.
-#   qkv_bias_default: Qwen2 always has q/k/v biases (and no o_proj bias), the others
-#   follow config.attention_bias;  qk_norm: Qwen3 RMS-normalises q and k per head.
-#   moe: the sparse-MLP family (see ``_moe_config``), absent for dense models.
-_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias_default=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias_default=False, qk_norm=True),
-    "MixtralForCausalLM": dict(qkv_bias_default=False, qk_norm=False, moe="mixtral"),
-    "Qwen2MoeForCausalLM": dict(qkv_bias_default=True, qk_norm=False, moe="qwen2_moe"),
-    "Qwen3MoeForCausalLM": dict(qkv_bias_default=False, qk_norm=True, moe="qwen3_moe"),
-    # Vision-language: a Qwen2 LM with M-RoPE behind a Qwen2-VL / Qwen2.5-VL vision tower.
-    "Qwen2VLForConditionalGeneration": dict(qkv_bias_default=True, qk_norm=False, vision="qwen2_vl"),
-    "Qwen2_5_VLForConditionalGeneration": dict(qkv_bias_default=True, qk_norm=False, vision="qwen2_5_vl"),
-}
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -120,7 +104,7 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    qk_norm: bool  # RMS-normalise q and k (per head, or over the whole projection: qk_norm_full)
     dtype: torch.dtype  # checkpoint's torch_dtype (float32 when unspecified)
     eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
     bos_token_id: Optional[int] = None
@@ -136,6 +120,15 @@ class ModelConfig:
     image_token_id: Optional[int] = None
     vision_start_token_id: Optional[int] = None
     mrope_section: Optional[tuple[int, ...]] = None
+    # Family variations of the decoder (defaults: Llama's).
+    qk_norm_full: bool = False  # OLMo 2/3: q_norm/k_norm over all heads' [heads * head_dim] at once
+    norm_scheme: str = "pre"  # pre: x + f(norm(x)); post (OLMo 2/3): x + norm(f(x)); sandwich (Gemma 3): both
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # rotate the first rotary_dim of each head only (Phi-4-mini)
+    layer_rope: tuple[bool, ...] = ()  # per layer: rotary applied; () = every layer (SmolLM3: NoPE layers)
+    # The sliding-window layers' own (rope_theta, rope_scaling) where they differ from the
+    # full-attention layers' (Gemma 3's local base, OLMo 3's per-layer-type parameters).
+    local_rope: Optional[tuple[float, Optional[dict]]] = None
 
     @property
     def is_multimodal(self) -> bool:
@@ -148,6 +141,15 @@ class ModelConfig:
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def family(self):
+        """This architecture's registry entry (models/registry.py)."""
+        return ModelRegistry.resolve([self.architecture])
 
     @property
     def kv_size(self) -> int:
@@ -166,13 +168,8 @@ class ModelConfig:
     @classmethod
     def from_dicts(cls, path: Path, cfg: dict, gen: Optional[dict] = None) -> "ModelConfig":
         gen = gen or {}
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in _ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"Unsupported architecture {'/'.join(archs) or '(none given)'}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = _ARCHITECTURES[arch]
+        entry = ModelRegistry.resolve(cfg.get("architectures"))
+        arch, family = entry.architecture, entry.switches
         vision = family.get("vision")
         top = cfg
         if vision:
@@ -190,9 +187,10 @@ class ModelConfig:
                 method = quant
             raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported; serve an "
                              f"unquantized bfloat16/float16/float32 checkpoint")
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"Unsupported hidden_act {act!r}; only silu is implemented")
+        act = cfg.get("hidden_act", cfg.get("hidden_activation")) or "silu"
+        acts = family.get("acts", ("silu", "swish"))
+        if act not in acts:
+            raise ValueError(f"Unsupported hidden_act {act!r}; {arch} implements {', '.join(acts)}")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -207,15 +205,32 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
         rope = dict(cfg.get("rope_parameters") or {})
-        # transformers 5 may nest per-layer-type parameters; full attention is ours.
+        local_rope = None
+        # transformers 5 may nest per-layer-type parameters: full attention's are the
+        # model's, the sliding layers' are kept beside them when they differ.
         if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-            rope = dict(rope["full_attention"])
+            nested = rope
+            rope = dict(nested["full_attention"])
+            local = nested.get("sliding_attention")
+            if isinstance(local, dict) and local != nested["full_attention"]:
+                local_rope = _local_rope(local, cfg)
+        elif cfg.get("rope_local_base_freq") is not None:  # Gemma 3's legacy key
+            local_rope = (float(cfg["rope_local_base_freq"]), None)
         legacy = cfg.get("rope_scaling")
         if legacy:
             rope.update(legacy)
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope.pop("type", None)
+        if rope_type in ("su", "longrope"):  # Phi-3's LongRoPE (legacy name "su")
+            rope_type = rope["rope_type"] = "longrope"
+            if rope.get("original_max_position_embeddings") is None:
+                rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings")
+            lacking = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings")
+                       if rope.get(k) is None]
+            if lacking:
+                raise ValueError(f"rope_type longrope needs {', '.join(lacking)}")
         mrope_section = rope.pop("mrope_section", None)
         if rope_type == "mrope":  # Qwen2-VL's legacy name for default frequencies split by mrope_section
             rope_type = "default"
@@ -235,8 +250,8 @@ class ModelConfig:
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
 
         attention_bias = bool(cfg.get("attention_bias", False))
-        qkv_bias = family["qkv_bias_default"] or attention_bias
-        o_bias = attention_bias and not family["qkv_bias_default"]
+        qkv_bias = family.get("qkv_bias_default", False) or attention_bias
+        o_bias = attention_bias and not family.get("qkv_bias_default", False)
 
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if dtype_name not in _DTYPES:
@@ -248,7 +263,7 @@ class ModelConfig:
                 if i not in eos:
                     eos.append(i)
 
-        layer_windows = _layer_sliding_windows(cfg, arch, layers)
+        layer_windows = _layer_sliding_windows(cfg, family.get("sliding"), layers)
         sliding = next((w for w in layer_windows if w), None)
 
         max_new = gen.get("max_new_tokens")
@@ -272,7 +287,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family["qk_norm"],
+            qk_norm=bool(family.get("qk_norm")),
             dtype=_DTYPES[dtype_name],
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
@@ -287,6 +302,12 @@ class ModelConfig:
             vision_start_token_id=(int(top["vision_start_token_id"]) if vision and
                                    top.get("vision_start_token_id") is not None else None),
             mrope_section=mrope_section,
+            qk_norm_full=family.get("qk_norm") == "full",
+            norm_scheme=family.get("norm", "pre"),
+            hidden_act=act,
+            partial_rotary_factor=partial,
+            layer_rope=_layer_rope(cfg, family.get("nope"), layers),
+            local_rope=local_rope if any(layer_windows) else None,
         )
 
 
@@ -329,11 +350,36 @@ def _checked_moe(moe: MoEConfig) -> MoEConfig:
     return moe
 
 
-def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optional[int], ...]:
+def _local_rope(params: dict, cfg: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling or None) of one layer type's rope parameters."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
+    rope_type = params.pop("type", None) or params.get("rope_type", "default")
+    return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _layer_rope(cfg: dict, rule: Optional[str], num_layers: int) -> tuple[bool, ...]:
+    """Per layer: whether it rotates q/k.  SmolLM3's ``no_rope_layers`` holds 1 for a
+    layer with rotary, 0 for a NoPE layer (transformers' reading); absent, every
+    ``no_rope_layer_interval``-th layer (1-based) is NoPE."""
+    if rule != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(bool(f) for f in flags)
+
+
+def _layer_sliding_windows(cfg: dict, rule: Optional[str], num_layers: int) -> tuple[Optional[int], ...]:
     """Which layers attend within ``sliding_window`` positions, as transformers decides:
-    an explicit ``layer_types`` list wins; Mistral windows every layer when
-    ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, and then
-    the layers from ``max_window_layers`` on."""
+    an explicit ``layer_types`` list wins; the family's ``sliding`` rule (registry)
+    otherwise: ``all`` (Mistral, Phi-3) windows every layer when ``sliding_window`` is
+    set; ``qwen`` (Qwen2/Qwen3) only with ``use_sliding_window``, and then the layers
+    from ``max_window_layers`` on; none: no layer."""
     window = cfg.get("sliding_window")
     if not window:
         return (None,) * num_layers
@@ -346,12 +392,12 @@ def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optio
         if unknown:
             raise ValueError(f"Unsupported layer_types {unknown}; supported: full_attention, sliding_attention")
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if arch.startswith("Qwen"):
+    if rule == "qwen":
         if not cfg.get("use_sliding_window", False):
             return (None,) * num_layers
         first = int(cfg.get("max_window_layers", 28))
         return tuple(window if i >= first else None for i in range(num_layers))
-    if arch.startswith(("Mistral", "Mixtral")):
+    if rule == "all":
         return (window,) * num_layers
     return (None,) * num_layers
 
