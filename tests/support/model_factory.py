@@ -23,6 +23,13 @@ Kinds (``KINDS``):
   qwen2_moe      Qwen2MoeForCausalLM, 8 experts top-2 (not renormalised) + gated shared expert
   qwen3_moe      Qwen3MoeForCausalLM, 3 layers, layer 1 dense (mlp_only_layers), 8 experts top-2,
                  norm_topk_prob
+  phi3           Phi3ForCausalLM (fused qkv_proj / gate_up_proj tensors)
+  phi3_longrope  Phi3ForCausalLM with LongRoPE (original context 128 of 1024), partial rotary 0.5
+                 (Phi-4-mini's kind) and sliding_window=8 on every layer
+  smollm3        SmolLM3ForCausalLM, 4 layers: layer 3 is NoPE (no_rope_layer_interval 4)
+  smollm3_swa    the same with use_sliding_window: the NoPE layer attends within 8 positions
+  olmo2          Olmo2ForCausalLM: post-norm blocks, q/k RMSNorm over the whole projection
+  olmo3          Olmo3ForCausalLM, 4 layers: 3 sliding (window 8) + 1 full; YaRN on the full layer only
 Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
 """
 from __future__ import annotations
@@ -51,11 +58,12 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+         "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -102,6 +110,27 @@ def _hf_config(kind: str):
         return transformers.Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": 3}, head_dim=32, num_experts=8,
                                            num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                                            decoder_sparse_step=1, mlp_only_layers=[1], use_sliding_window=False)
+    if kind == "phi3":
+        return transformers.Phi3Config(**_COMMON, pad_token_id=0, sliding_window=None)
+    if kind == "phi3_longrope":
+        # rotary dim 8 (partial 0.5 of head_dim 16): 4 factors each
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [1.5, 4.0, 9.0, 17.0],
+                "original_max_position_embeddings": 128}
+        return transformers.Phi3Config(**_COMMON, pad_token_id=0, sliding_window=8, rope_parameters=rope,
+                                       original_max_position_embeddings=128, partial_rotary_factor=0.5)
+    if kind in ("smollm3", "smollm3_swa"):
+        swa = kind == "smollm3_swa"
+        return transformers.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0,
+                                          use_sliding_window=swa, sliding_window=8 if swa else None)
+    if kind == "olmo2":
+        return transformers.Olmo2Config(**_COMMON, pad_token_id=0)
+    if kind == "olmo3":
+        rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 256},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        return transformers.Olmo3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0, sliding_window=8,
+                                        rope_parameters=rope)
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}

@@ -379,9 +379,10 @@ def _layer_sliding_windows(cfg: dict, rule: Optional[str], num_layers: int) -> t
     an explicit ``layer_types`` list wins; the family's ``sliding`` rule (registry)
     otherwise: ``all`` (Mistral, Phi-3) windows every layer when ``sliding_window`` is
     set; ``qwen`` (Qwen2/Qwen3) only with ``use_sliding_window``, and then the layers
-    from ``max_window_layers`` on; none: no layer."""
+    from ``max_window_layers`` on; ``gated`` (SmolLM3): ``layer_types`` only with
+    ``use_sliding_window``; none: no layer."""
     window = cfg.get("sliding_window")
-    if not window:
+    if not window or (rule == "gated" and not cfg.get("use_sliding_window", False)):
         return (None,) * num_layers
     window = int(window)
     types = cfg.get("layer_types")

@@ -305,6 +305,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = LlamaDecoderLayer  # families with their own block subclass it
     def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None,
                  device: torch.device | str = "cpu"):
         super().__init__()
@@ -318,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         if shard_rows != self.vocab_held:
             self.embed_tokens.data[self.vocab_held:].zero_()
         windows = config.layer_sliding_windows or (None,) * config.num_hidden_layers
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, windows[i], i)
+        self.layers = nn.ModuleList(self.layer_class(config, dtype, device, windows[i], i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
@@ -333,12 +334,12 @@ class LlamaForCausalLM(nn.Module):
         self.packing: Optional[PackedLinears] = None  # the projections' and the head's packing, if any
         self.ops: Optional[Any] = None
         self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
-        self.rope_local: Optional[torch.Tensor] = None  # the sliding layers' own table (ModelConfig.local_rope)
+        local = None  # the sliding layers' own table (ModelConfig.local_rope), same length
         if config.local_rope is not None:
             theta, scaling = config.local_rope
             local = build_cos_sin_table(config.rotary_dim, theta, config.max_position_embeddings, scaling)
-            self.register_buffer("rope_local", rotation_table(local.to(device=device, dtype=dtype))[: len(self.rope)],
-                                 persistent=False)
+            local = rotation_table(local.to(device=device, dtype=dtype))[: len(self.rope)]
+        self.register_buffer("rope_local", local, persistent=False)
 
     def pack_linears(self, scheme: PackedLinears = ONEDNN) -> None:
         """Use packed weights (``scheme``, see cpu_gemm) for every projection and the LM
