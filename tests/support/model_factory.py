@@ -30,6 +30,8 @@ Kinds (``KINDS``):
   smollm3_swa    the same with use_sliding_window: the NoPE layer attends within 8 positions
   olmo2          Olmo2ForCausalLM: post-norm blocks, q/k RMSNorm over the whole projection
   olmo3          Olmo3ForCausalLM, 4 layers: 3 sliding (window 8) + 1 full; YaRN on the full layer only
+  gemma3         Gemma3ForCausalLM, 4 layers: local (window 8, rope base 10000) and global (base 1e6,
+                 linear x8) layers, query_pre_attn_scalar 24, final_logit_softcapping 30, tied head
 Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
 """
 from __future__ import annotations
@@ -58,12 +60,12 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3", "gemma3")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -131,6 +133,13 @@ def _hf_config(kind: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
         return transformers.Olmo3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0, sliding_window=8,
                                         rope_parameters=rope)
+    if kind == "gemma3":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        return transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True}, head_dim=16, pad_token_id=0,
+            query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=30.0, rope_parameters=rope,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}

@@ -1,7 +1,8 @@
 """The dense families beyond Llama against transformers: Phi-3/Phi-4 (fused
 checkpoint tensors, LongRoPE, partial rotary), SmolLM3 (NoPE layers), OLMo 2 (post-norm
 blocks, q/k norm over the whole projection) and OLMo 3 (+ sliding layers with their
-own rope).  Paged model steps (prompts crossing block boundaries and the sliding
+own rope) and Gemma 3 text (local/global layers with their own rope, sandwich norms with
+``1 + w``, GeGLU, the attention scale, scaled embeddings, final logit soft-capping).  Paged model steps (prompts crossing block boundaries and the sliding
 window, chunks after cached context, mixed batches, decodes) through every CPU
 attention backend, and the engine (greedy ids and top-3 logprobs, chunked prefill,
 prefix caching, preemption)."""
@@ -20,7 +21,7 @@ from worker.engine.kernels import load_cpu_kernels
 from worker.engine.loading.loader import load_model
 from worker.engine.models.config import ModelConfig
 
-FAMILIES = ["phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3"]
+FAMILIES = ["phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3", "gemma3"]
 
 
 def _backends():
@@ -44,6 +45,19 @@ def test_configs_read_the_family_settings(tiny_model):
     olmo3 = ModelConfig.from_dir(tiny_model("olmo3"))
     assert olmo3.layer_sliding_windows == (8, 8, 8, None)
     assert olmo3.rope_scaling["rope_type"] == "yarn" and olmo3.local_rope == (10000.0, None)
+    gemma = ModelConfig.from_dir(tiny_model("gemma3"))
+    assert gemma.layer_sliding_windows == (8, 8, None, 8) and gemma.norm_scheme == "sandwich"
+    assert (gemma.rope_theta, gemma.rope_scaling["rope_type"], gemma.local_rope) == (1e6, "linear", (10000.0, None))
+    assert gemma.query_pre_attn_scalar == 24 and gemma.final_logit_softcapping == 30.0
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings
+
+
+def test_attention_softcapping_is_refused_by_name(tiny_model, tmp_path):
+    import json
+
+    cfg = json.loads((tiny_model("gemma3") / "config.json").read_text())
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
+        ModelConfig.from_dicts(tmp_path, {**cfg, "attn_logit_softcapping": 50.0})
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -70,7 +84,8 @@ def test_paged_steps_match_hf(tiny_model, kind):
             torch.testing.assert_close(b[0], ref_other[pos - 40], atol=ATOL, rtol=0, msg=f"{name} {pos}")
 
 
-@pytest.mark.parametrize("kind, feature", [("smollm3", "nope"), ("olmo3", "local rope"), ("phi3_longrope", "partial")])
+@pytest.mark.parametrize("kind, feature", [("smollm3", "nope"), ("olmo3", "local rope"), ("phi3_longrope", "partial"),
+                                           ("gemma3", "local rope"), ("gemma3", "scale"), ("gemma3", "softcap")])
 def test_the_family_feature_matters(tiny_model, kind, feature):
     """Each variation changes the logits on these prompts, so the parity above could
     not pass by ignoring it."""
@@ -83,6 +98,12 @@ def test_the_family_feature_matters(tiny_model, kind, feature):
         model.rope_local = None
         for layer in model.layers:
             layer.rope_key = "global"
+    elif feature == "scale":
+        for layer in model.layers:
+            layer.attn.spec = type(layer.attn.spec)(**{**layer.attn.spec.__dict__, "softmax_scale": None})
+            layer.attn.set_backend(layer.attn.backend)
+    elif feature == "softcap":
+        model.config = type(model.config)(**{**model.config.__dict__, "final_logit_softcapping": None})
     else:
         for layer in model.layers:
             layer.rotary_dim = layer.head_dim
@@ -110,7 +131,7 @@ def test_longrope_table_switches_to_long_factors_past_the_original_context():
         torch.testing.assert_close(table[pos, 2:], (pos * inv).sin() * scale)
 
 
-@pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo2", "olmo3"])
+@pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo2", "olmo3", "gemma3"])
 def test_engine_greedy_and_logprobs_match_hf(tiny_model, kind):
     """Through the engine: chunked prefill (16-token steps) across the window and
     block boundaries, prefix caching (the prompts share a 32-token prefix), and

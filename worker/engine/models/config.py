@@ -129,6 +129,8 @@ class ModelConfig:
     # The sliding-window layers' own (rope_theta, rope_scaling) where they differ from the
     # full-attention layers' (Gemma 3's local base, OLMo 3's per-layer-type parameters).
     local_rope: Optional[tuple[float, Optional[dict]]] = None
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (Gemma 3); None: head_dim's
+    final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap) (Gemma)
 
     @property
     def is_multimodal(self) -> bool:
@@ -199,6 +201,11 @@ class ModelConfig:
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
+        if cfg.get("attn_logit_softcapping"):
+            # No attention backend here caps the attention logits (Gemma 2's setting;
+            # Gemma 3's configs leave it unset).
+            raise ValueError(f"{arch}: attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
+                             f"(no attention backend implements soft-capped attention logits)")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if heads % kv_heads:
@@ -308,6 +315,10 @@ class ModelConfig:
             partial_rotary_factor=partial,
             layer_rope=_layer_rope(cfg, family.get("nope"), layers),
             local_rope=local_rope if any(layer_windows) else None,
+            query_pre_attn_scalar=(float(cfg["query_pre_attn_scalar"]) if family.get("gemma") and
+                                   cfg.get("query_pre_attn_scalar") is not None else None),
+            final_logit_softcapping=(float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping")
+                                     else None),
         )
 
 

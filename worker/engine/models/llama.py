@@ -103,7 +103,8 @@ class LlamaDecoderLayer(nn.Module):
             self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
             self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
             self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window)
+        scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar is not None else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window, scale)
         self.linear: LinearFn = F.linear
         self.packing: Optional[PackedLinears] = None  # how the projections are packed (cpu_gemm), if they are
         self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
@@ -242,7 +243,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
             if self.qk_norm_weight is not None:
-                qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
+                qk = self._qk_norm(qk)
         if self.use_rope:
             qk = self._rotate(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
@@ -252,6 +253,10 @@ class LlamaDecoderLayer(nn.Module):
         if lora is not None:
             lora.apply(o.reshape(t, -1), out, self.lora.o)
         return out
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of q and k (Qwen3; Gemma 3 overrides it)."""
+        return F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
 
     def _rotate(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q and k rotated (partial rotary: the first rotary_dim of each head only)."""
@@ -321,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         windows = config.layer_sliding_windows or (None,) * config.num_hidden_layers
         self.layers = nn.ModuleList(self.layer_class(config, dtype, device, windows[i], i)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = self.layer_class.make_norm(config, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else empty_param(shard_rows, config.hidden_size, dtype=dtype, device=device))
         if self.lm_head is not self.embed_tokens and shard_rows != self.vocab_held:
@@ -467,4 +472,7 @@ class LlamaForCausalLM(nn.Module):
         logits = logits.float()
         if self.tp.active:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
         return logits

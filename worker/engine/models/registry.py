@@ -80,23 +80,7 @@ class _ModelRegistry:
     def resolve(self, architectures: Optional[Iterable[str]]) -> ModelFamily:
         """The first registered name of a config's ``architectures`` list; an
         unsupported one is refused by name with the supported list."""
-        archs = list(architectures or [    # Dense families composed of the same decoder (models/llama.py) with their variations.
-    ModelFamily("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3 / Phi-4",
-                dict(qkv_bias_default=False, qk_norm=None, sliding="all"), sliding_window=True,
-                lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), lora_served=False,
-                notes="fused qkv_proj / gate_up_proj; LongRoPE (per position, see models/rotary.py); partial rotary"),
-    ModelFamily("SmolLM3ForCausalLM", _LLAMA, "LlamaForCausalLM", "SmolLM3",
-                dict(qkv_bias_default=False, qk_norm=None, nope="smollm3", sliding="gated"), sliding_window=True,
-                notes="NoPE layers (no_rope_layers)"),
-    # OLMo 2/3: the q/k norms span all heads, so a rank's shard cannot normalise alone
-    # (tensor parallelism is not implemented for them).
-    ModelFamily("Olmo2ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 2",
-                dict(qkv_bias_default=False, qk_norm="full", norm="post"), tensor_parallel=False,
-                notes="post-norm blocks, q/k norm over the whole projection"),
-    ModelFamily("Olmo3ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 3",
-                dict(qkv_bias_default=False, qk_norm="full", norm="post"), tensor_parallel=False,
-                sliding_window=True, notes="as OLMo 2; sliding layers with their own rope parameters"),
-])
+        archs = list(architectures or [])
         for arch in archs:
             if arch in self._families:
                 return self._families[arch]
@@ -151,4 +135,9 @@ ModelRegistry = _ModelRegistry([
     ModelFamily("Olmo3ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 3",
                 dict(qkv_bias_default=False, qk_norm="full", norm="post"), tensor_parallel=False,
                 sliding_window=True, notes="as OLMo 2; sliding layers with their own rope parameters"),
+    ModelFamily("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)",
+                dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True,
+                     acts=("gelu_pytorch_tanh",)), sliding_window=True,
+                notes="local/global layers with their own rope; its (1 + w) norms and GeGLU run on torch ops; "
+                      "final_logit_softcapping; attention soft-capping refused (not set by Gemma 3 configs)"),
 ])
