@@ -33,7 +33,7 @@ from worker.engine.lora.adapter import MODEL, LoRAAdapter, load_adapter
 from worker.engine.lora.batch import LoRABatch
 from worker.engine.lora.weights import LayerLoRA, ModelLoRA
 
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 class LoRAError(ServingError):
@@ -142,6 +142,9 @@ class LoRAManager:
                     raise LoRAError(f"LoRA adapter at {path}: layer {layer} is a mixture-of-experts layer; "
                                     f"LoRA on expert MLPs ({module}) is not supported")
                 shapes, where = self.layer_loras[layer].shapes(), f"layer {layer} {module}"
+            if module not in shapes:  # e.g. Phi-3's fused qkv_proj on a model with q/k/v_proj
+                raise LoRAError(f"LoRA adapter at {path}: this model has no {module} (its projections: "
+                                f"{', '.join(shapes)}; an adapter of another base model?)")
             fan_in, fan_out = shapes[module]
             if a.shape[1] != fan_in or b.shape[0] != fan_out:
                 raise LoRAError(f"LoRA adapter at {path}: {where} has A {tuple(a.shape)} / B {tuple(b.shape)}, "

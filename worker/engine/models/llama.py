@@ -112,6 +112,9 @@ class LlamaDecoderLayer(nn.Module):
 
     _ATTENTION_WEIGHTS = ("qkv_weight", "o_weight")
     _MLP_WEIGHTS = ("gate_up_weight", "down_weight")
+    # The HF modules (PEFT target names) behind the fused q/k/v and gate/up projections.
+    LORA_QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+    LORA_GATE_UP_MODULES = ("gate_proj", "up_proj")
 
     @staticmethod
     def make_norm(c: ModelConfig, dtype: torch.dtype, device) -> RMSNorm:

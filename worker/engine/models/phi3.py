@@ -22,6 +22,9 @@ _SPLIT = {_QKV: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):
+    LORA_QKV_MODULES = ("qkv_proj",)  # PEFT adapters of Phi-3 target the fused modules
+    LORA_GATE_UP_MODULES = ("gate_up_proj",)
+
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         t = super().weight_targets(prefix)
         for fused, parts in _SPLIT.items():

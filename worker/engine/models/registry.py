@@ -122,7 +122,7 @@ ModelRegistry = _ModelRegistry([
     # Dense families composed of the same decoder (models/llama.py) with their variations.
     ModelFamily("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3 / Phi-4",
                 dict(qkv_bias_default=False, qk_norm=None, sliding="all"), sliding_window=True,
-                lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), lora_served=False,
+                lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
                 notes="fused qkv_proj / gate_up_proj; LongRoPE (per position, see models/rotary.py); partial rotary"),
     ModelFamily("SmolLM3ForCausalLM", _LLAMA, "LlamaForCausalLM", "SmolLM3",
                 dict(qkv_bias_default=False, qk_norm=None, nope="smollm3", sliding="gated"), sliding_window=True,
