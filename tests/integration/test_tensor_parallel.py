@@ -63,8 +63,10 @@ def _hf_step_logits(path: Path) -> np.ndarray:
 
 
 # kv heads 2 -> split; 1 -> replicated; Phi-3's fused checkpoint tensors are cut per rank;
-# SmolLM3's NoPE and sliding layers; Gemma 3's local/global layers, tied head and soft-capping.
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3"])
+# SmolLM3's NoPE and sliding layers; Gemma 3's local/global layers, tied head and soft-capping;
+# OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated.
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3",
+                                  "olmo2_mqa"])
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     """A prefill, a chunk after cached context beside a second prefill, and decodes
     over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""
@@ -117,8 +119,6 @@ def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
 def test_unshardable_sizes_are_refused_before_starting(tiny_model):
     with pytest.raises(ValueError, match="must divide num_attention_heads 4"):
         make_engine(tiny_model("llama"), tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="Olmo2ForCausalLM: tensor parallelism of this model family is not"):
-        make_engine(tiny_model("olmo2"), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model="x", tensor_parallel_size=0)
 

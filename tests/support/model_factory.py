@@ -29,6 +29,7 @@ Kinds (``KINDS``):
   smollm3        SmolLM3ForCausalLM, 4 layers: layer 3 is NoPE (no_rope_layer_interval 4)
   smollm3_swa    the same with use_sliding_window: the NoPE layer attends within 8 positions
   olmo2          Olmo2ForCausalLM: post-norm blocks, q/k RMSNorm over the whole projection
+  olmo2_mqa      the same with one KV head (replicated under tensor parallelism)
   olmo3          Olmo3ForCausalLM, 4 layers: 3 sliding (window 8) + 1 full; YaRN on the full layer only
   gemma3         Gemma3ForCausalLM, 4 layers: local (window 8, rope base 10000) and global (base 1e6,
                  linear x8) layers, query_pre_attn_scalar 24, final_logit_softcapping 30, tied head
@@ -60,7 +61,7 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3", "gemma3")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -125,8 +126,9 @@ def _hf_config(kind: str):
         swa = kind == "smollm3_swa"
         return transformers.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0,
                                           use_sliding_window=swa, sliding_window=8 if swa else None)
-    if kind == "olmo2":
-        return transformers.Olmo2Config(**_COMMON, pad_token_id=0)
+    if kind in ("olmo2", "olmo2_mqa"):
+        return transformers.Olmo2Config(**{**_COMMON, "num_key_value_heads": 1 if kind == "olmo2_mqa" else 2},
+                                        pad_token_id=0)
     if kind == "olmo3":
         rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                    "original_max_position_embeddings": 256},

@@ -85,6 +85,10 @@ class LlamaDecoderLayer(nn.Module):
         # OLMo 2/3: one norm over the whole q (and k) projection, not per head.
         self.q_norm_full = empty_param(q_size, dtype=dtype, device=device) if c.qk_norm_full else None
         self.k_norm_full = empty_param(kv_size, dtype=dtype, device=device) if c.qk_norm_full else None
+        # Under tensor parallelism their mean square spans all ranks' heads (a KV head
+        # held by several ranks counts once).
+        self.full_q_size, self.full_kv_size = c.q_size, c.kv_size
+        self.kv_replicas = max(1, tp.world // c.num_key_value_heads)
         self.qk_norm_eps = c.rms_norm_eps
         # Rotary: on this layer at all (SmolLM3's NoPE layers have none), over the first
         # rotary_dim of each head (partial rotary), from which of the model's tables.
@@ -167,6 +171,8 @@ class LlamaDecoderLayer(nn.Module):
             t.update({a + "q_proj.bias": q_rows, a + "k_proj.bias": kv_rows, a + "v_proj.bias": kv_rows})
         if self.gate_up_bias is not None:
             t.update({m + "gate_proj.bias": (0, self.inter_start, inter), m + "up_proj.bias": (0, self.inter_start, inter)})
+        if self.q_norm_full is not None:  # OLMo: the norms' weights follow the heads
+            t.update({a + "q_norm.weight": q_rows, a + "k_norm.weight": kv_rows})
         return t
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -239,9 +245,10 @@ class LlamaDecoderLayer(nn.Module):
             lora.apply(h, qkv, self.lora.qkv)
         n_qk = self.num_heads + self.num_kv_heads
         if self.q_norm_full is not None:
-            q_size, kv_size, eps = self.q_size, self.kv_size, self.qk_norm_eps
-            qk = torch.cat((F.rms_norm(qkv[:, :q_size], (q_size,), self.q_norm_full, eps),
-                            F.rms_norm(qkv[:, q_size:q_size + kv_size], (kv_size,), self.k_norm_full, eps)),
+            q_size, kv_size = self.q_size, self.kv_size
+            qk = torch.cat((self._full_norm(qkv[:, :q_size], self.q_norm_full, self.full_q_size, 1),
+                            self._full_norm(qkv[:, q_size:q_size + kv_size], self.k_norm_full, self.full_kv_size,
+                                            self.kv_replicas)),
                            dim=-1).view(t, n_qk, self.head_dim)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
@@ -256,6 +263,15 @@ class LlamaDecoderLayer(nn.Module):
         if lora is not None:
             lora.apply(o.reshape(t, -1), out, self.lora.o)
         return out
+
+    def _full_norm(self, x: torch.Tensor, weight: torch.Tensor, full_size: int, replicas: int) -> torch.Tensor:
+        """RMSNorm over the whole projection (OLMo), of which this rank holds ``x``."""
+        if not self.tp.active:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.qk_norm_eps)
+        sum_sq = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        if replicas > 1:
+            sum_sq.div_(replicas)
+        return (x.float() * torch.rsqrt(sum_sq / full_size + self.qk_norm_eps)).to(x.dtype) * weight
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """Per-head RMSNorm of q and k (Qwen3; Gemma 3 overrides it)."""

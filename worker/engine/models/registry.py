@@ -127,14 +127,12 @@ ModelRegistry = _ModelRegistry([
     ModelFamily("SmolLM3ForCausalLM", _LLAMA, "LlamaForCausalLM", "SmolLM3",
                 dict(qkv_bias_default=False, qk_norm=None, nope="smollm3", sliding="gated"), sliding_window=True,
                 notes="NoPE layers (no_rope_layers)"),
-    # OLMo 2/3: the q/k norms span all heads, so a rank's shard cannot normalise alone
-    # (tensor parallelism is not implemented for them).
+    # OLMo 2/3: the q/k norms span all heads (under TP their mean square is all-reduced).
     ModelFamily("Olmo2ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 2",
-                dict(qkv_bias_default=False, qk_norm="full", norm="post"), tensor_parallel=False,
+                dict(qkv_bias_default=False, qk_norm="full", norm="post"),
                 notes="post-norm blocks, q/k norm over the whole projection"),
     ModelFamily("Olmo3ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 3",
-                dict(qkv_bias_default=False, qk_norm="full", norm="post"), tensor_parallel=False,
-                sliding_window=True, notes="as OLMo 2; sliding layers with their own rope parameters"),
+                dict(qkv_bias_default=False, qk_norm="full", norm="post"), sliding_window=True, notes="as OLMo 2; sliding layers with their own rope parameters"),
     ModelFamily("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)",
                 dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True,
                      acts=("gelu_pytorch_tanh",)), sliding_window=True,
