@@ -69,6 +69,15 @@ class MoEConfig:
     # Checkpoint names: the block's attribute and the experts' gate / up / down projections.
     block_name: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # GLM-4.5 (DeepSeek-V3's router): sigmoid scores, a per-expert correction bias that only
+    # steers the choice, top-k within the topk_group best of n_group expert groups (a
+    # group's score: its two best), weights times routed_scaling_factor; always-on shared
+    # experts without a gate (shared_experts_intermediate_size).
+    scoring: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts_intermediate_size: int = 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -258,7 +267,11 @@ class ModelConfig:
 
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias = family.get("qkv_bias_default", False) or attention_bias
-        o_bias = attention_bias and not family.get("qkv_bias_default", False)
+        # GLM-4.5: attention_bias biases q/k/v only, o_proj never.
+        o_bias = attention_bias and not family.get("qkv_bias_default", False) and family.get("o_bias", True)
+        qk_norm = family.get("qk_norm")
+        if qk_norm == "config":  # GLM-4.5: per-head q/k norms when use_qk_norm
+            qk_norm = "head" if cfg.get("use_qk_norm") else None
 
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if dtype_name not in _DTYPES:
@@ -294,7 +307,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=bool(family.get("qk_norm")),
+            qk_norm=bool(qk_norm),
             dtype=_DTYPES[dtype_name],
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
@@ -309,7 +322,7 @@ class ModelConfig:
             vision_start_token_id=(int(top["vision_start_token_id"]) if vision and
                                    top.get("vision_start_token_id") is not None else None),
             mrope_section=mrope_section,
-            qk_norm_full=family.get("qk_norm") == "full",
+            qk_norm_full=qk_norm == "full",
             norm_scheme=family.get("norm", "pre"),
             hidden_act=act,
             partial_rotary_factor=partial,
@@ -325,6 +338,23 @@ class ModelConfig:
 def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
     """The sparse-MLP settings of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json, with
     the variants this engine cannot serve refused by name."""
+    if family == "glm4_moe":
+        experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)) or 0)
+        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+        try:
+            inter = int(cfg["moe_intermediate_size"])
+        except KeyError:
+            raise ValueError("config.json lacks required key 'moe_intermediate_size'") from None
+        n_group = int(cfg.get("n_group", 1) or 1)
+        if experts % n_group:
+            raise ValueError(f"n_group={n_group} does not divide the {experts} routed experts")
+        return _checked_moe(MoEConfig(
+            family, experts, int(cfg.get("num_experts_per_tok", 0)), inter,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=tuple(i >= first_dense for i in range(num_layers)), scoring="sigmoid", n_group=n_group,
+            topk_group=int(cfg.get("topk_group", 1) or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            shared_experts_intermediate_size=inter * int(cfg.get("n_shared_experts", 0) or 0)))
     if family == "mixtral":
         experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
         inter = int(cfg["intermediate_size"])

@@ -119,6 +119,10 @@ ModelRegistry = _ModelRegistry([
                 dict(qkv_bias_default=True, qk_norm=None, vision="qwen2_vl", sliding="qwen"), **_VL),
     ModelFamily("Qwen2_5_VLForConditionalGeneration", "qwen2_vl", "Qwen2VLForConditionalGeneration",
                 "Qwen2.5-VL", dict(qkv_bias_default=True, qk_norm=None, vision="qwen2_5_vl", sliding="qwen"), **_VL),
+    ModelFamily("Glm4MoeForCausalLM", _LLAMA, "LlamaForCausalLM", "GLM-4.5 / GLM-4.6",
+                dict(qkv_bias_default=False, o_bias=False, qk_norm="config", moe="glm4_moe"), **_MOE,
+                notes="sigmoid grouped top-k routing with the correction bias, shared experts, dense first "
+                      "layers, partial rotary"),
     # Dense families composed of the same decoder (models/llama.py) with their variations.
     ModelFamily("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3 / Phi-4",
                 dict(qkv_bias_default=False, qk_norm=None, sliding="all"), sliding_window=True,
