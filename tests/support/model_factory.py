@@ -36,6 +36,8 @@ Kinds (``KINDS``):
   glm4_moe       Glm4MoeForCausalLM, 3 layers: layer 0 dense (first_k_dense_replace), 8 experts in 4
                  groups (2 chosen) top-2 by sigmoid + correction bias, routed_scaling_factor 2.5, one
                  shared expert, q/k norm, q/k/v bias, partial rotary 0.5
+  gemma3_mm      Gemma3ForConditionalGeneration: gemma3's text tower (2 layers, no soft-capping) + a
+                 tiny SigLIP tower
 Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
 """
 from __future__ import annotations
@@ -64,13 +66,13 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "glm4_moe")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-         "glm4_moe": "Glm4MoeForCausalLM"}
+         "glm4_moe": "Glm4MoeForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -146,6 +148,16 @@ def _hf_config(kind: str):
             **{**_COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True}, head_dim=16, pad_token_id=0,
             query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=30.0, rope_parameters=rope,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    if kind == "gemma3_mm":
+        text = _hf_config("gemma3").to_dict()
+        # No final soft-capping: transformers' image-text class skips it (vLLM, and we, apply it
+        # when configured; released Gemma 3 configs leave it unset).
+        text.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                    final_logit_softcapping=None)
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=1,
+                                         image_token_index=300, boi_token_index=301, eoi_token_index=302)
     if kind == "glm4_moe":
         return transformers.Glm4MoeConfig(
             **{**_COMMON, "num_hidden_layers": 3}, head_dim=32, pad_token_id=0, n_routed_experts=8,

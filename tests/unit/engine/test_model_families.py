@@ -156,3 +156,23 @@ def test_engine_greedy_and_logprobs_match_hf(tiny_model, kind):
             np.testing.assert_allclose(top_lps[t], ref_top.values.numpy(), atol=1e-4)
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_tower(tiny_model):
+    """Gemma 3's released image-text checkpoints (Gemma3ForConditionalGeneration): the
+    LM under language_model.* loads, the vision tower is skipped, text logits equal
+    transformers' (image input stays refused: not a multimodal model here)."""
+    path = tiny_model("gemma3_mm")
+    config = ModelConfig.from_dir(path)
+    assert config.architecture == "Gemma3ForConditionalGeneration" and not config.is_multimodal
+    assert config.layer_sliding_windows == (8, None) and config.hidden_size == 64
+    hf, model = load_hf_model(path), load_model(path)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    ids = _tokens(40, seed=5, vocab=299)  # below the image token ids
+    ref = hf_logits(hf, ids)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", ids[:30])])
+    torch.testing.assert_close(got, ref[:30], atol=ATOL, rtol=0)
+    for pos in range(30, 40):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], ref[pos], atol=ATOL, rtol=0)

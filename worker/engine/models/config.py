@@ -183,9 +183,9 @@ class ModelConfig:
         arch, family = entry.architecture, entry.switches
         vision = family.get("vision")
         top = cfg
-        if vision:
-            # transformers 5 nests the LM's settings under text_config; older configs
-            # keep them top-level.  The text config's values win.
+        if vision or family.get("text_config"):
+            # transformers 5 nests the LM's settings under text_config (Gemma 3's image-text
+            # checkpoints always); older configs keep them top-level.  The text config's values win.
             text = cfg.get("text_config")
             if isinstance(text, dict):
                 cfg = {**cfg, **{k: v for k, v in text.items() if v is not None and k != "architectures"}}

@@ -12,12 +12,15 @@ variations, the rest composed from models/llama.py:
   ``sqrt(hidden_size)`` (rounded to the model dtype, as transformers does);
   ``final_logit_softcapping`` when configured (llama.compute_logits).
 
+``Gemma3ForConditionalGeneration`` checkpoints are served as their text tower (no
+image input yet).
+
 The norms run on torch ops, not the backends' fused RMSNorm (which has no ``1 + w``),
 and GeGLU likewise; attention goes through the chosen backend as for every family.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,3 +73,29 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = super()._embed(input_ids)
         return h.mul_(torch.tensor(self.embed_scale, dtype=h.dtype))
+
+
+# The vision tower and projector of a Gemma3ForConditionalGeneration checkpoint: not
+# served (image input is refused for this architecture), skipped at load.
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text tower of Gemma 3's image-text checkpoints (4B/12B/27B ship as
+    ``Gemma3ForConditionalGeneration``), served for text: its LM under the names of
+    the causal LM (``language_model.model.*`` as released, ``model.language_model.*`` as
+    transformers 5 names it).  ``final_logit_softcapping``, when a config sets it, is
+    applied as vLLM does (transformers' image-text class skips it; released Gemma 3
+    configs leave it unset)."""
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if not name.startswith(_VISION_PREFIXES):
+            yield name, tensor

@@ -94,6 +94,7 @@ class _ModelRegistry:
 _LLAMA = "llama"
 _MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=False, routed_experts=True)
 _VL = dict(tensor_parallel=False, images=True, sliding_window=True)
+_GEMMA3 = dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True, acts=("gelu_pytorch_tanh",))
 
 ModelRegistry = _ModelRegistry([
     # The Llama-family decoder (models/llama.py) and its switches.
@@ -137,9 +138,10 @@ ModelRegistry = _ModelRegistry([
                 notes="post-norm blocks, q/k norm over the whole projection"),
     ModelFamily("Olmo3ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 3",
                 dict(qkv_bias_default=False, qk_norm="full", norm="post"), sliding_window=True, notes="as OLMo 2; sliding layers with their own rope parameters"),
-    ModelFamily("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)",
-                dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True,
-                     acts=("gelu_pytorch_tanh",)), sliding_window=True,
+    ModelFamily("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)", _GEMMA3, sliding_window=True,
                 notes="local/global layers with their own rope; its (1 + w) norms and GeGLU run on torch ops; "
                       "final_logit_softcapping; attention soft-capping refused (not set by Gemma 3 configs)"),
+    ModelFamily("Gemma3ForConditionalGeneration", "gemma3", "Gemma3ForConditionalGeneration", "Gemma 3 (image-text)",
+                {**_GEMMA3, "text_config": True}, sliding_window=True,
+                notes="the text tower only: text requests served, image input refused"),
 ])
