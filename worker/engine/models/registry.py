@@ -128,7 +128,8 @@ ModelRegistry = _ModelRegistry([
     ModelFamily("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3 / Phi-4",
                 dict(qkv_bias_default=False, qk_norm=None, sliding="all"), sliding_window=True,
                 lora_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-                notes="fused qkv_proj / gate_up_proj; LongRoPE (per position, see models/rotary.py); partial rotary"),
+                notes="fused qkv_proj / gate_up_proj; LongRoPE (factors chosen per position: see Differences from "
+                      "vLLM); partial rotary"),
     ModelFamily("SmolLM3ForCausalLM", _LLAMA, "LlamaForCausalLM", "SmolLM3",
                 dict(qkv_bias_default=False, qk_norm=None, nope="smollm3", sliding="gated"), sliding_window=True,
                 notes="NoPE layers (no_rope_layers)"),
@@ -142,6 +143,7 @@ ModelRegistry = _ModelRegistry([
                 notes="local/global layers with their own rope; its (1 + w) norms and GeGLU run on torch ops; "
                       "final_logit_softcapping; attention soft-capping refused (not set by Gemma 3 configs)"),
     ModelFamily("Gemma3ForConditionalGeneration", "gemma3", "Gemma3ForConditionalGeneration", "Gemma 3 (image-text)",
-                {**_GEMMA3, "text_config": True}, sliding_window=True,
-                notes="the text tower only: text requests served, image input refused"),
+                {**_GEMMA3, "text_config": True}, sliding_window=True, lora_served=False,
+                notes="the text tower only: text requests served, image input refused; LoRA not served (its "
+                      "adapters also name the vision tower's q/k/v projections)"),
 ])

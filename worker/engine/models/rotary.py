@@ -69,10 +69,12 @@ def _longrope_table(dim: int, base: float, s: dict, max_position: int) -> torch.
     """LongRoPE: per-frequency rescaling by ``short_factor`` within the pretraining
     context and ``long_factor`` beyond it, both scaled by the attention factor.
 
-    transformers picks one factor list for the whole batch (long once the longest
-    sequence passes ``original_max_position_embeddings``, re-rotating the earlier
-    positions too); like vLLM we pick per position, which keeps cached K/V valid as a
-    sequence grows: equal to HF for every sequence within the pretraining context."""
+    transformers picks one factor list for the whole sequence (long once it passes
+    ``original_max_position_embeddings``, re-rotating the earlier positions too) and
+    vLLM one for the whole step (long when any of its positions is past it); we pick
+    per position, so a token's rotation never depends on its neighbours or on what else
+    is batched, and cached K/V stay valid as a sequence grows.  Equal to both for every
+    sequence within the pretraining context."""
     orig = int(s["original_max_position_embeddings"])
     factor = s.get("factor") or max_position / orig
     attention_factor = s.get("attention_factor")
