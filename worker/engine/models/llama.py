@@ -488,10 +488,10 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.lm_head)
         if lora is not None and self.lora is not None:
             lora.apply(hidden, logits, self.lora.lm_head)
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma: cap * tanh(logits / cap), in the model dtype as vLLM and transformers
+            logits = torch.tanh(logits / cap).mul_(cap)
         logits = logits.float()
         if self.tp.active:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
-        cap = self.config.final_logit_softcapping
-        if cap:  # Gemma: cap * tanh(logits / cap)
-            logits = torch.tanh(logits.div_(cap)).mul_(cap)
         return logits
