@@ -211,3 +211,28 @@ def test_bf16_logits_are_as_close_to_fp32_as_hf_bf16(tiny_model_root, kind):
         hf16 = load_hf_model_bf16(path)(torch.tensor([ids])).logits[0].float()
     (ours,) = PagedSeqs(model).step([("a", ids)])
     assert (ours - truth).abs().max() <= 1.25 * (hf16 - truth).abs().max()
+
+
+@pytest.mark.parametrize("kind, name, shape", [
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight", (128, 64)),  # q 64 + k 32 + v 32 rows
+    ("olmo2", "model.layers.0.self_attn.q_norm.weight", (64,)),  # the whole-projection norm
+    ("gemma3", "model.layers.2.post_feedforward_layernorm.weight", (64,)),
+])
+def test_weight_updates_by_checkpoint_name(tiny_model, kind, name, shape):
+    """RL weight updates name tensors as the family's checkpoints do (Phi-3's fused
+    qkv_proj, OLMo's full q_norm, Gemma's sandwich norms); written in place, the model
+    equals transformers given the same tensor."""
+    from worker.engine.loading.weights import ModelWeights
+
+    path = tiny_model(kind)
+    model, hf = load_model(path), load_hf_model(path)
+    weights = ModelWeights(model)
+    assert weights.spec[name].shape == shape
+    new = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.1 + (1.0 if len(shape) == 1 else 0.0)
+    weights.write({name: new})
+    with torch.no_grad():
+        hf.get_parameter(name).copy_(new)
+    ids = _tokens(30, seed=9)
+    (got,) = PagedSeqs(model).step([("a", ids)])
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+    assert dict(weights.read())[name].equal(new)
