@@ -1,5 +1,5 @@
 # tokserve, CPU image: `tokserve serve` on the demo model by default; every role by its
-# subcommand (`tokserve broker|worker|gateway ...`, see README "Container image").
+# subcommand (`tokserve broker|worker|gateway ...`, see docs/deployment.md, "Container image").
 #
 #   podman build -t tokserve:cpu .
 #   podman run --rm -p 8000:8000 tokserve:cpu            # serve --host 0.0.0.0 on the demo model

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateways serve /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan each engine step while the previous one runs (vLLM's flag; default: on for CUDA "
-                        "workers, off for CPU workers; see the README)")
+                        "workers, off for CPU workers; see docs/serving.md)")
     p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                    help="workers' speculative decoding (vLLM's JSON, method ngram)")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",

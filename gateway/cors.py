@@ -13,7 +13,7 @@ keyless 200 on every route, CORS configured or not.  Here
   key where one is needed (gateway/auth.py decides first), else 405 in vLLM's error shape.
 
 vLLM turns CORS on for every origin by default; tokserve leaves it off until the operator
-names origins (README, "Differences from vLLM").
+names origins (docs/differences.md, "Differences from vLLM").
 """
 from __future__ import annotations
 

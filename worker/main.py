@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep PATH fresh while the broker acknowledges this worker (env TOKSERVE_WORKER_READY_FILE); "
                         "`tokserve worker-ready PATH` is the matching readiness probe (common/readiness.py)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="the checkpoint's quantization method, as vLLM (awq, awq_marlin, gptq, gptq_marlin, fp8, "
+                        "fbgemm_fp8, compressed-tensors); default: what its config.json says. A method other than "
+                        "the checkpoint's is an error (docs/quantization.md)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
@@ -166,7 +170,8 @@ def engine_config_from_args(args):
         from worker.engine.loading.demo_model import build_demo_model
 
         model = str(build_demo_model())
-    return EngineConfig(model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+    return EngineConfig(model=model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                        block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,

@@ -9,7 +9,7 @@ the broker stops, the worker's probe fails.
 
     python deploy/container/pod_smoke.py --image localhost/tokserve:cpu [--podman 'podman --storage-driver vfs ...']
 
-Needs podman, kubectl (to render) and a built image; not part of CI (README "Container
+Needs podman, kubectl (to render) and a built image; not part of CI (docs/deployment.md, "Container
 image" says what it showed and where).
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ WORKLOADS = ("Deployment", "StatefulSet")
 def _kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
-        msg = "kubectl (with its built-in kustomize) is needed to render deploy/kubernetes (README 'Kubernetes')"
+        msg = "kubectl (with its built-in kustomize) is needed to render deploy/kubernetes (docs/deployment.md, 'Kubernetes')"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)

@@ -1,6 +1,6 @@
 """Beyond one machine (issue 34), without extra machines: every "host" is a Linux network
 namespace on a bridge (tests/support/netns.py), and the processes start as an operator
-starts them on separate hosts (README "Security model"): a runtime directory per host,
+starts them on separate hosts (docs/security.md): a runtime directory per host,
 TCP with CURVE and authorized keys, the broker's worker token copied to the worker hosts.
 
     broker    10.77.0.1   tokserve broker, frontend :7001, backend :7002 (CURVE, authorized keys)

@@ -403,7 +403,7 @@ def test_without_enable_rl_dev_routes_are_absent(stack):
 
 def test_kv_event_sources(stack):
     http, plain = stack
-    # vLLM's {dp_rank: KVEventsConfig} of ZeroMQ KV-event publishers: none here (README)
+    # vLLM's {dp_rank: KVEventsConfig} of ZeroMQ KV-event publishers: none here (docs/routing.md)
     assert plain.get("/kv_event_sources").json() == {}
     assert http.get("/kv_event_sources").json() == {}
     assert httpx.get(str(http.base_url) + "/kv_event_sources", timeout=10).status_code == 401

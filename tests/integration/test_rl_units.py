@@ -20,7 +20,7 @@ from tests.support.engine_helpers import make_engine, request
 from tests.support.procs import ProcGroup, cluster_info, wait_for, wait_for_workers
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.rl.control import VersionSpans
-from worker.engine.core.request import EngineSequence, Request
+from worker.engine.records import EngineSequence, Request
 
 
 # ------------------------------------------------------------------ tensor frames

@@ -331,3 +331,72 @@ def test_apply_bitmask_matches_torch(dtype, vocab):
     _ops().apply_bitmask_(got, bitmask, indices)
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 2]], logits[[1, 2]])
+
+
+# --- quantized GEMMs (kernels/triton/quant_gemm.py) ---------------------------------------
+def _qg():
+    from worker.engine.kernels.triton import quant_gemm
+
+    return quant_gemm
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_quantize_fp8_rows(group):
+    x = torch.randn(5, 96) * 3
+    q, s = _qg().quantize_fp8_rows(x, group)
+    g = group or 128
+    assert s.shape == (5, -(-96 // g))
+    for i in range(5):
+        for j in range(s.shape[1]):
+            chunk = x[i, j * g:(j + 1) * g]
+            assert s[i, j].item() == pytest.approx(chunk.abs().max().item() / 448.0, rel=1e-6)
+            want = (chunk / s[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert torch.equal(q[i, j * g:(j + 1) * g].float(), want.float())
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_fp8_linear_matches_dequantized_reference(kind, m):
+    torch.manual_seed(0)
+    n, k = 96, 256  # 96 = 3 weight blocks of 32 rows; the GEMM's 64-column tiles straddle them
+    w = torch.randn(n, k) * 0.05
+    if kind == "block":
+        block = (32, 128)
+        wb = w.reshape(n // 32, 32, k // 128, 128)
+        ws = wb.abs().amax((1, 3)) / 448.0
+        wq = (wb / ws[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+        w_deq = (wq.float().reshape(n // 32, 32, k // 128, 128) * ws[:, None, :, None]).reshape(n, k)
+    else:
+        block = None
+        ws = w.abs().amax(1) / 448.0 if kind == "channel" else w.abs().max().reshape(1) / 448.0
+        wq = (w / (ws[:, None] if kind == "channel" else ws)).to(torch.float8_e4m3fn)
+        w_deq = wq.float() * (ws[:, None] if kind == "channel" else ws)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    got = _qg().fp8_linear(x, wq, ws, block=block, bias=bias)
+    xq, xs = _qg().quantize_fp8_rows(x, block[1] if block else None)
+    x_deq = (xq.float().reshape(m, -1, block[1]) * xs[:, :, None]).reshape(m, k) if block else xq.float() * xs
+    want = x_deq @ w_deq.t() + bias
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # and close to the unquantized product (FP8's rounding only)
+    assert (got - (x @ w.t() + bias)).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("m", [1, 20])
+def test_int4_linear_matches_dequantized_matmul(zeros, m):
+    g = torch.Generator().manual_seed(1)
+    n, k, group = 72, 256, 64
+    q = torch.randint(0, 16, (n, k), generator=g)
+    words = torch.zeros(n, k // 8, dtype=torch.int64)
+    for i in range(8):
+        words |= q[:, i::8].to(torch.int64) << (4 * i)
+    qweight = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
+    scales = torch.rand(n, k // group, generator=g) * 0.02
+    z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.int32) if zeros else None
+    zf = z.float() if zeros else torch.full((n, k // group), 8.0)
+    w = (q.float() - zf.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    got = _qg().int4_linear(x, qweight, scales, z, group, bias)
+    torch.testing.assert_close(got, x @ w.t() + bias, atol=1e-4, rtol=1e-4)

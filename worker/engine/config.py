@@ -49,6 +49,7 @@ class EngineConfig:
     tokens_only: bool = False  # serve without a tokenizer
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     enforce_eager: bool = False  # False: CUDA graphs for decode batches
+    quantization: Optional[str] = None  # vLLM's --quantization: must name the checkpoint's method when given
     cpu_linear: str = "auto"  # CPU GEMMs: native (our bf16 GEMM), onednn (prepacked), torch (MKL); auto: see cpu_gemm
     cpu_attention: str = "auto"  # CPU attention + RMSNorm/SwiGLU/rotary: native (compiled), torch, auto: native if it builds
     # auto: triton on CUDA (flash_attn, then torch without it), cpu_attention's choice on CPU

@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass
 class ScheduledSeq:
-    seq: Any  # core.request.EngineSequence: its tokens, progress (num_computed_tokens) and blocks
+    seq: Any  # records.EngineSequence: its tokens, progress (num_computed_tokens) and blocks
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
     # Speculative decoding: draft tokens verified this step, after the sequence's last
     # token (counted in num_new_tokens; their KV counts only where they are accepted).

@@ -6,7 +6,7 @@ import pytest
 from common.prefix_hash import routing_key
 from common.protocol import GenerateRequest, KvEvents, SamplingParams
 from worker.engine.core.block_manager import BlockManager
-from worker.engine.core.request import Request, EngineSequence
+from worker.engine.records import Request, EngineSequence
 
 BS = 4
 PINNED_FIRST_BLOCK_HASH = "f172d3222a649038e091da9180916a0533b89eccaa005c45bf9131a3d25380ae"  # hash_block(None, [7, 8], 'salt')

@@ -131,7 +131,7 @@ def test_kv_cache_smaller_than_max_model_len_lowers_it(llama_dir):
 
 
 def test_runner_lays_out_mixed_batches(llama_dir):
-    from worker.engine.core.request import Request, EngineSequence
+    from worker.engine.records import Request, EngineSequence
     from worker.engine.core.scheduler import ScheduledSeq
 
     engine = make_engine(llama_dir, block_size=4)
@@ -173,8 +173,8 @@ def test_engine_core_steps_without_wire_types(llama_dir):
     from tests.support.engine_helpers import make_engine
     from worker.engine import EngineConfig
     from worker.engine.core.engine_core import EngineCore
-    from worker.engine.core.outputs import SequenceOutput
-    from worker.engine.core.wire_output import merge_delta, to_delta
+    from worker.engine.records import SequenceOutput
+    from worker.engine.wire_output import merge_delta, to_delta
 
     core = EngineCore(EngineConfig(model=str(llama_dir), max_model_len=256, max_num_seqs=16, num_threads=1, dtype="float32"))
     core.add_request(request("a", [5, 6, 7, 8], max_tokens=5, ignore_eos=True, logprobs=1))

@@ -1,5 +1,5 @@
 """The model registry: architecture -> implementation, the supported list users see
-(`tokserve models`, the README table) and the refusal of other architectures."""
+(`tokserve models`, the docs/models.md table) and the refusal of other architectures."""
 from __future__ import annotations
 
 import json
@@ -68,9 +68,9 @@ def test_tokserve_models_lists_the_registry():
     assert rows[0]["lora_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def test_readme_table_is_the_registry():
+def test_docs_table_is_the_registry():
     from worker.engine.models.catalog import markdown_table
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = readme.split("<!-- models-table:start")[1].split("-->", 1)[1].split("<!-- models-table:end -->")[0]
-    assert block.strip() == markdown_table(), "README model table is stale: tokserve models --format markdown"
+    page = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    block = page.split("<!-- models-table:start")[1].split("-->", 1)[1].split("<!-- models-table:end -->")[0]
+    assert block.strip() == markdown_table(), "docs/models.md's table is stale: tokserve models --format markdown"

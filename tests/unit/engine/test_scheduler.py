@@ -5,7 +5,7 @@ import itertools
 
 from common.protocol import GenerateRequest, SamplingParams
 from worker.engine.core.block_manager import BlockManager
-from worker.engine.core.request import Request, EngineSequence
+from worker.engine.records import Request, EngineSequence
 from worker.engine.core.scheduler import Scheduler
 
 BS = 4

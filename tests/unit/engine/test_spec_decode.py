@@ -205,7 +205,7 @@ def test_step_cap_and_backoff_limit_what_is_verified(llama_dir):
 
 
 def _request_obj(engine):
-    from worker.engine.core.request import Request
+    from worker.engine.records import Request
 
     req = request("x", [5, 6, 7, 5, 6], max_tokens=20)
     r = Request(req, arrival_seq=0, max_tokens=20, eos_token_ids=[257], now=0.0)

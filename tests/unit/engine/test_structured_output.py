@@ -466,23 +466,22 @@ def test_a_slow_compile_does_not_hold_other_requests(llama_dir):
         gate.set()
 
 
-def test_a_request_queued_by_another_component_waits_for_its_grammar(llama_dir):
-    """A KV / encoder pull may finish (and queue its request) before the request's grammar
-    compiled: the request is taken back out of the queue until the grammar is ready, so
-    no step waits for the compile and no token is sampled unconstrained."""
-    from worker.engine.components.base import READY, WAIT, EngineComponent, Hooks
+def test_a_request_whose_pull_is_done_waits_for_its_grammar(llama_dir):
+    """A KV / encoder pull may finish (open its gate) before the request's grammar
+    compiled: the request waits at its grammar gate, no step waits for the compile, and
+    no token is sampled unconstrained."""
+    from worker.engine.component import EngineComponent, Hooks
 
     engine = make_engine(llama_dir)
     so = engine.structured_output
 
-    class Pull(EngineComponent):  # holds the request, then queues it (as a finished pull does)
+    class Pull(EngineComponent):  # a pull's gate, opened by the test (as a finished pull does)
         held = None
 
-        def admit(self, request, seq, held):
-            if request.request_id != "held":
-                return READY
-            self.held = seq
-            return WAIT
+        def admit(self, request, seq):
+            if request.request_id == "held":
+                self.held = request
+                engine.context.close_gate(request, "pull")
 
     pull = Pull()
     engine.components.insert(0, pull)
@@ -494,13 +493,16 @@ def test_a_request_queued_by_another_component_waits_for_its_grammar(llama_dir):
         engine.add_request(request("held", [1, 2], max_tokens=50, structured_outputs=StructuredOutputs(
             json=JSON_AB, disable_any_whitespace=True)))
         engine.add_request(request("plain", [3, 4], max_tokens=6, ignore_eos=True))
-        engine.scheduler.add(pull.held)  # the pull is done; the grammar still compiles
+        assert engine.gates.closed("held") == {"pull", "grammar"}
+        engine.context.open_gate(pull.held, "pull")  # the pull is done; the grammar still compiles
         got: dict = {}
         while "plain" in engine.requests:
             for d in engine.step():
                 got.setdefault(d.request_id, []).extend(d.token_ids)
         assert "held" not in got and "held" in so.pending  # not run, and the steps did not wait
-        assert pull.held not in engine.scheduler.waiting() and pull.held not in engine.scheduler.running
+        seq = pull.held.sequences[0]
+        assert seq not in engine.scheduler.waiting() and seq not in engine.scheduler.running
+        assert engine.gates.closed("held") == {"grammar"}
         gate.set()
         while engine.has_unfinished() or "held" in engine.requests:
             for d in engine.step():

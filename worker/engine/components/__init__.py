@@ -1,4 +1,2 @@
-"""Engine components: the features that plug into ``EngineCore`` through hooks (base.py)."""
-from worker.engine.components.base import READY, WAIT, EngineComponent, Hooks
-
-__all__ = ["READY", "WAIT", "EngineComponent", "Hooks"]
+"""Engine components: features that plug into ``EngineCore`` through the hooks of
+``worker/engine/component.py`` (the interface, a leaf the core shares with them)."""

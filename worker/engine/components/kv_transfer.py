@@ -18,19 +18,21 @@ import torch
 
 from common.errors import BadRequest, Overloaded
 from common.transfer_peers import KV_PARAM, TRUST_KV, TRUST_PEERS, UNKNOWN_PEER, check_shape
-from worker.engine.components.base import READY, WAIT, EngineComponent
+from worker.engine.component import EngineComponent
 from worker.engine.disagg.kv_transfer import (ENABLE_HINT, DecodeLeg, KvTransfer, PrefillLeg, TransferError,
                                        blocks_from_reply, parse_params)
-from worker.engine.core.request import FinishReason
+from worker.engine.records import FinishReason
 
 log = logging.getLogger(__name__)
+
+GATE = "kv_pull"  # a decode leg's readiness gate: its prompt's KV blocks are here
 
 
 class KvTransferComponent(EngineComponent):
     name = "kv_transfer"
 
     def __init__(self, ctx, transport: KvTransfer):
-        self.ctx = ctx  # EngineContext: config, block_manager, kv_cache, schedule, fail_request
+        self.ctx = ctx  # EngineContext: config, block_manager, kv_cache, gates, fail_request
         self.transport = transport
         self.legs: dict[str, Any] = {}  # request id -> PrefillLeg / DecodeLeg, while the request lives
         self.answers: dict[str, dict] = {}  # request id -> a finished prefill leg's kv_transfer_params
@@ -81,21 +83,18 @@ class KvTransferComponent(EngineComponent):
         """The full prompt blocks a prefill leg keeps for its decode side."""
         return len(req.prompt_token_ids) // self.ctx.block_manager.block_size
 
-    def admit(self, request, seq, held: bool) -> str:
+    def admit(self, request, seq) -> None:
         leg = parse_params(request.req.kv_transfer_params)
         if leg is None:
-            return READY
+            return
         rid = request.request_id
         self.legs[rid] = leg
-        if isinstance(leg, PrefillLeg):
-            self.transport.reserved[rid] = self._prefill_leg_blocks(request.req)
-        if held:
-            return WAIT
-        if isinstance(leg, DecodeLeg):  # scheduled once its prompt blocks are pulled
+        if isinstance(leg, DecodeLeg):  # its first step waits for its prompt blocks
+            self.ctx.close_gate(request, GATE)
             self.transport.start_pull(request, seq, leg)
-            return WAIT
+            return
+        self.transport.reserved[rid] = self._prefill_leg_blocks(request.req)
         self.transport.server()  # bound before the answer names its host and port
-        return READY
 
     # --- every step ----------------------------------------------------------------------
     def tick(self) -> None:
@@ -156,10 +155,10 @@ class KvTransferComponent(EngineComponent):
                 self._import_pulled(seq, leg, *result)
             except TransferError as exc:
                 error = exc
-        if error is not None:
+        if error is not None:  # the gate never opens
             self.ctx.fail_request(request, error.status, error.message, "kv_transfer_params")
             return
-        self.ctx.schedule(seq)
+        self.ctx.open_gate(request, GATE)
 
     def _import_pulled(self, seq, leg: DecodeLeg, header: dict, raw) -> None:
         """The pulled prompt blocks become this engine's cached blocks (keyed by the
@@ -240,3 +239,11 @@ class KvTransferComponent(EngineComponent):
 
     def close(self) -> None:
         self.transport.close()
+
+
+def maybe_create(config, ctx, transport: KvTransfer) -> KvTransferComponent:
+    """Always on: its checks refuse transfer parameters this worker cannot serve."""
+    transport.max_held_blocks = int(config.kv_transfer_max_held * ctx.block_manager.num_blocks)
+    if config.kv_transfer_enabled:
+        transport.server()  # bound now: READY announces it (the broker admits only known peers)
+    return KvTransferComponent(ctx, transport)

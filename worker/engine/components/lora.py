@@ -8,7 +8,7 @@ adapters in the load, and owns the load/unload commands."""
 from __future__ import annotations
 
 from common.errors import BadRequest, NotFound
-from worker.engine.components.base import READY, EngineComponent
+from worker.engine.component import EngineComponent
 
 
 def _adapter_key(s) -> str:
@@ -37,12 +37,13 @@ class AdapterSlots:
 class LoRAComponent(EngineComponent):
     name = "lora"
 
-    def __init__(self, manager, scheduler, model_info):
+    def __init__(self, manager, ctx):
         self.manager = manager
-        self.scheduler = scheduler
-        self.model_info = model_info  # its lora_adapters follow load / unload
+        self.ctx = ctx  # EngineContext: running / waiting sequences, model_info, the scheduler's limits
+        self.model_info = ctx.model_info  # its lora_adapters follow load / unload
+        self.model_info.lora_adapters = self.adapters()
         self.pinned: dict[str, str] = {}  # request id -> the adapter registration it pinned
-        scheduler.limits.append(AdapterSlots(manager.max_loras))
+        ctx.add_admission_limit(AdapterSlots(manager.max_loras))
 
     # --- commands (worker/control.py) ------------------------------------------------
     def load(self, name: str, path: str, inplace: bool = False) -> None:
@@ -66,14 +67,13 @@ class LoRAComponent(EngineComponent):
         if req.lora_name is not None and req.lora_name not in self.manager.keys:
             raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
 
-    def admit(self, request, seq, held) -> str:
+    def admit(self, request, seq) -> None:
         name = request.req.lora_name
         if name is not None:  # a refusal here leaves nothing to undo
             key = self.manager.keys[name]
             self.manager.acquire(key)
             request.lora_key = key
             self.pinned[request.request_id] = key
-        return READY
 
     def can_overlap(self, request) -> bool:
         # An adapter is loaded into a device slot while the batch is planned: never while a
@@ -85,13 +85,40 @@ class LoRAComponent(EngineComponent):
         # gathering and scattering rows (stable: priority order within an adapter).
         scheduled.sort(key=_adapter_key)
 
+    def on_model_replaced(self, model) -> None:
+        if model is not None:  # wake-up reloaded the weights: the adapter slots go into the new model
+            self.manager.attach(model)
+
     def forget(self, request) -> None:
         key = self.pinned.pop(request.request_id, None)
         if key is not None:
             self.manager.release(key)
 
     def fill_load(self, load) -> None:
-        running = sorted({s.request.lora_key for s in self.scheduler.running} - {None})
-        waiting = sorted({s.request.lora_key for s in self.scheduler.waiting()} - {None})
+        running = sorted({s.request.lora_key for s in self.ctx.running()} - {None})
+        waiting = sorted({s.request.lora_key for s in self.ctx.waiting()} - {None})
         load.resident_loras, load.max_loras = self.manager.resident, self.manager.max_loras
         load.running_loras, load.waiting_loras = self.manager.names(running), self.manager.names(waiting)
+
+
+def install(config, ctx, runner):
+    """Model side (--enable-lora): the adapter slots in the model and the step's adapter
+    inputs (a runner hook); None when LoRA is off."""
+    if not config.enable_lora:
+        return None
+    from worker.engine.lora.manager import LoRAManager
+    from worker.engine.lora.step_inputs import LoRAStepInputs
+
+    device = ctx.device
+    manager = LoRAManager(runner.model, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                          max_cpu_loras=config.max_cpu_loras, device=device, dtype=config.torch_dtype,
+                          use_triton=device.type == "cuda" or runner.backend.name == "triton")
+    for name, path in (config.lora_modules or {}).items():
+        manager.register(name, path)
+    runner.install(LoRAStepInputs(manager))
+    return manager
+
+
+def maybe_create(config, ctx, manager) -> "LoRAComponent | None":
+    """The engine side: adapters by name, pins, slots, load / unload."""
+    return LoRAComponent(manager, ctx) if manager is not None else None

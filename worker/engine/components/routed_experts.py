@@ -6,10 +6,28 @@ this component reads the rows of every position the model ran and keeps them unt
 the choice's final delta carries them (``.npy`` bytes, as vLLM)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from worker.engine.components.base import EngineComponent
-from worker.engine.core.wire_output import npy_bytes
+from worker.engine.component import EngineComponent
+from worker.engine.components.routing_capture import RoutingCapture
+from worker.engine.wire_output import npy_bytes
+
+
+def check_config(config, model_config) -> None:
+    """Before the model is built: the capture needs expert layers."""
+    if config.enable_return_routed_experts and model_config.moe is None:
+        raise ValueError(f"--enable-return-routed-experts needs a mixture-of-experts model; "
+                         f"{model_config.architecture} ({config.model}) has no expert layers")
+
+
+def install(config, ctx, runner) -> None:
+    """Runner hook: the routing store beside the KV cache (sized with it)."""
+    if config.enable_return_routed_experts:
+        runner.install(RoutingCapture())
+
+
+def maybe_create(config, ctx, runner) -> "Optional[RoutedExpertsCapture]":
+    return RoutedExpertsCapture(runner) if config.enable_return_routed_experts else None
 
 
 class RoutedExpertsCapture(EngineComponent):

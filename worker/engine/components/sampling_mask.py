@@ -2,7 +2,7 @@
 that survived the sampling filters; each delta carries those of its tokens."""
 from __future__ import annotations
 
-from worker.engine.components.base import EngineComponent
+from worker.engine.component import EngineComponent
 
 
 class SamplingMaskCapture(EngineComponent):
@@ -35,3 +35,7 @@ class SamplingMaskCapture(EngineComponent):
     def _fill_delta(self, out, delta) -> None:
         if out.seq is not None:
             delta.sampling_mask = self.pending.pop(out.seq.seq_id, None)
+
+
+def maybe_create(config, ctx) -> "SamplingMaskCapture | None":
+    return SamplingMaskCapture() if config.return_sampling_mask else None

@@ -3,10 +3,12 @@ tag) with xgrammar, as an engine component -- vLLM's StructuredOutputManager.
 
 - ``check``: the spec is re-validated (direct ZeroMQ clients skip the gateway): exactly
   one constraint, bounded sizes (structured_output/spec.py).
-- ``admit``: a cached grammar -> READY; else the spec goes to the compile pool
-  (structured_output/grammar_cache.py) and the request WAITs -- other requests keep
-  decoding -- until ``tick`` sees it compiled and hands it to the scheduler, or fails
-  it with a 400 carrying the compiler's reason (or its timeout).
+- ``admit``: a cached grammar -> the request runs at once; else the spec goes to the
+  compile pool (structured_output/grammar_cache.py) and the request's ``grammar`` gate
+  closes -- other requests keep decoding -- until ``tick`` sees it compiled and opens
+  the gate, or fails the request with a 400 carrying the compiler's reason (or its
+  timeout).  A request that also pulls KV blocks or encodings starts when the last of
+  its gates opens, so no token is ever sampled before its grammar is ready.
 - ``process_logits``: right before the sampler, each constrained sequence's matcher
   (one per choice, created on its first sampling row) catches up with its output,
   fills a bitmask row per sampling row -- for a sequence verifying drafts one row per
@@ -35,8 +37,9 @@ from typing import Any, Optional
 import torch
 
 from common.errors import BadRequest
-from worker.engine.components.base import READY, WAIT, EngineComponent
+from worker.engine.component import EngineComponent
 from common.structured_outputs_config import StructuredOutputsConfig
+from worker.engine.config import structured_outputs_config
 from worker.engine.structured_output.bitmask import BitmaskBuffer
 from worker.engine.structured_output.reasoning import prompt_ended_reasoning
 from worker.engine.structured_output.sequence_matcher import DeadEnd, SequenceMatcher
@@ -44,6 +47,7 @@ from worker.engine.structured_output.spec import PARAM, GrammarKey, grammar_key
 
 log = logging.getLogger(__name__)
 
+GATE = "grammar"  # a request's readiness gate: its grammar compiled
 DEFAULT_COMPILE_TIMEOUT_S = 60.0  # past it the request fails (400); the compile thread finishes on its own
 
 
@@ -54,9 +58,6 @@ class _RequestGrammar:
     stop_token_ids: Optional[list[int]]
     compiled: Any = None  # xgr.CompiledGrammar once ready
     future: Optional[concurrent.futures.Future] = None
-    seq: Any = None  # choice 0, handed to the scheduler when compiled (when we hold it)
-    schedules: bool = False  # we returned WAIT first: the scheduler gets the sequence from us
-    withdrawn: bool = False  # another component queued it before the grammar was ready: we took it back
     deadline: float = 0.0
     error: Optional[str] = None  # a failure seen inside a step: the next tick fails the request
     status: int = 400
@@ -68,7 +69,7 @@ class StructuredOutputComponent(EngineComponent):
 
     def __init__(self, ctx, config: StructuredOutputsConfig, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  compile_workers: int = 2):
-        self.ctx = ctx  # EngineContext: running / waiting sequences, schedule, withdraw, tokenizer, failures
+        self.ctx = ctx  # EngineContext: running sequences, gates, tokenizer, failures
         self.config = config
         self.vocab_size = ctx.model_config.vocab_size  # the model's logits width (padded vocabulary)
         self.compile_timeout_s = compile_timeout_s
@@ -107,10 +108,10 @@ class StructuredOutputComponent(EngineComponent):
             raise BadRequest(f"{PARAM} needs the model's tokenizer; this worker serves tokens only", PARAM)
         self._key(req)
 
-    def admit(self, request, seq, held: bool) -> str:
+    def admit(self, request, seq) -> None:
         so = request.params.structured_outputs
         if so is None:
-            return READY
+            return
         stop_ids = set(request.stop_token_ids)
         if request.primary_eos is not None:
             stop_ids.add(request.primary_eos)
@@ -119,13 +120,11 @@ class StructuredOutputComponent(EngineComponent):
         self.grammars[request.request_id] = entry
         if compiled is not None:
             entry.compiled = compiled
-            return READY
+            return
         entry.future = self.cache.submit(entry.key)  # Overloaded when too many compile: the admission is undone
-        entry.seq = seq
-        entry.schedules = not held  # held: another component hands it to the scheduler
         entry.deadline = time.monotonic() + self.compile_timeout_s
         self.pending[request.request_id] = entry
-        return WAIT
+        self.ctx.close_gate(request, GATE)  # its first step waits for the grammar (opened by tick)
 
     def tick(self) -> None:
         if self.pending:
@@ -150,16 +149,13 @@ class StructuredOutputComponent(EngineComponent):
             self._fail(entry, f"{PARAM}: the {entry.key.kind} constraint does not compile: {exc}")
             return
         entry.compiled = future.result()
-        if entry.schedules:
-            self.ctx.schedule(entry.seq)
+        self.ctx.open_gate(entry.request, GATE)
 
     def _fail(self, entry: _RequestGrammar, message: str, status: int = 400) -> None:
+        """The grammar never compiles (or failed inside a step): the request fails, its
+        choices aborted whether it ran already or still waits at its gates."""
         log.info("request %s: %s", entry.request.request_id, message)
-        if entry.schedules and entry.compiled is None and not entry.withdrawn:
-            # never scheduled, holds no blocks: nothing to undo but the registration
-            self.ctx.fail_request(entry.request, status, message, PARAM)
-        else:  # scheduled (by us or another component): its sequences are aborted first
-            self.ctx.fail_admitted_request(entry.request, status, message, PARAM)
+        self.ctx.fail_request(entry.request, status, message, PARAM)
 
     def wait_idle(self) -> bool:
         """Only compiles in flight: wait for one a little instead of spinning."""
@@ -174,8 +170,6 @@ class StructuredOutputComponent(EngineComponent):
         """After speculative decoding proposed its drafts (it comes earlier in the hook
         order): cut each constrained choice's drafts at the first one its grammar rejects,
         as vLLM's scheduler does, so no verify row is spent on a draft that cannot be kept."""
-        if self.pending:
-            self._hold_back_until_compiled()
         if not self.matchers:
             return
         for seq in self.ctx.running():
@@ -188,21 +182,6 @@ class StructuredOutputComponent(EngineComponent):
                     if keep < len(drafts):
                         seq.spec_token_ids = drafts[:keep]
 
-    def _hold_back_until_compiled(self) -> None:
-        """A request another component holds (a KV or encoder pull) is queued by that
-        component when its pull is done, which may come before its grammar compiled: take
-        it back out of the queue (its pulled blocks stay with it) and queue it when the
-        grammar is ready -- whoever is ready last schedules it, so no step waits for a
-        compile and no token is sampled unconstrained."""
-        waiting = None
-        for entry in self.pending.values():
-            if entry.schedules or entry.seq is None:
-                continue
-            if waiting is None:
-                waiting = {id(seq) for seq in self.ctx.waiting()}
-            if id(entry.seq) in waiting and self.ctx.withdraw(entry.seq):
-                entry.schedules = entry.withdrawn = True
-
     def _matcher(self, seq) -> Optional[SequenceMatcher]:
         m = self.matchers.get(seq.seq_id)
         if m is not None:
@@ -210,19 +189,7 @@ class StructuredOutputComponent(EngineComponent):
         entry = self.grammars.get(seq.request.request_id)
         if entry is None or entry.error is not None:
             return None
-        if entry.compiled is None:
-            # Queued by another component and scheduled in the same step, before
-            # _hold_back_until_compiled could see it (a pull finishing inside this step):
-            # the grammar is needed now.  Rare; bounded by the compile timeout.
-            try:
-                entry.compiled = entry.future.result(timeout=max(entry.deadline - time.monotonic(), 0.0))
-            except Exception as exc:  # noqa: BLE001 - the compiler's reason goes to the client
-                self.pending.pop(seq.request.request_id, None)
-                # The choice samples unconstrained this once; the next tick fails the request.
-                entry.error = f"{PARAM}: the {entry.key.kind} constraint does not compile: {exc}"
-                self._failed.append(entry)
-                return None
-            self.pending.pop(seq.request.request_id, None)
+        # (compiled: the grammar gate kept the request from running before)
         so = seq.request.params.structured_outputs
         ended = (self.config.enable_in_reasoning
                  or prompt_ended_reasoning(seq.request.prompt_token_ids, so.reasoning_start, so.reasoning_end))
@@ -293,13 +260,13 @@ class StructuredOutputComponent(EngineComponent):
         rejects that token."""
         if not self._dead:
             return
-        dead, self._dead = self._dead, {}  # fail_admitted_request's abort runs this hook again
+        dead, self._dead = self._dead, {}
         for delta in deltas:
             if delta.request_id in dead:
                 delta.token_ids, delta.text, delta.logprobs, delta.sampling_mask = [], None, None, None
                 delta.finish_reason = delta.stop_reason = None
         for request, message in dead.values():
-            self.ctx.fail_admitted_request(request, 400, message, PARAM)
+            self.ctx.fail_request(request, 400, message, PARAM)
 
     def fill_load(self, load) -> None:
         load.grammar_matchers = len(self.matchers)
@@ -312,3 +279,8 @@ class StructuredOutputComponent(EngineComponent):
     @property
     def num_matchers(self) -> int:
         return len(self.matchers)
+
+
+def maybe_create(config, ctx) -> StructuredOutputComponent:
+    """Always on (as vLLM): its hooks return at once while no request has a grammar."""
+    return StructuredOutputComponent(ctx, structured_outputs_config(config.structured_outputs_config))

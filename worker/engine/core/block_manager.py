@@ -36,7 +36,7 @@ import numpy as np
 
 from common.prefix_hash import ROUTING_HASH_BYTES, BlockHash, fold_mm_hashes, hash_block
 from common.protocol import KvBlockTokens, KvEvents
-from worker.engine.core.request import EngineSequence
+from worker.engine.records import EngineSequence
 
 _MAX_BLOCKS = 2**31 - 1  # block ids and links are int32; one index is the list's sentinel
 KV_EVENTS_MAX_PENDING = 1 << 16  # undrained KV event keys kept at most (then: a snapshot)

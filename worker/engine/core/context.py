@@ -2,8 +2,8 @@
 
 Components used to receive the whole ``EngineCore`` and reached into its scheduler,
 runner and block manager as they pleased.  ``CoreContext`` is the narrow face the core
-hands them instead (``components.base.EngineContext`` is its protocol): queue or
-withdraw a sequence, fail or forget a request, read the running and waiting sequences,
+hands them instead (``component.EngineContext`` is its protocol): close and
+open a request's readiness gates, fail or forget a request, read the running and waiting sequences,
 the KV cache and the engine's fixed facts.  A component that needs something else of
 the core needs a new, named entry here -- not a reach into the core's members.
 """
@@ -45,9 +45,19 @@ class CoreContext:
         """KV blocks: a P/D leg reserves, holds and frees them; sizes are read from it."""
         return self._core.block_manager
 
+    @property
+    def model_info(self) -> Any:
+        """What the worker announces (LoRA keeps its adapter list there up to date)."""
+        return self._core.model_info
+
     def kv_cache(self) -> Optional["torch.Tensor"]:
         """The paged KV cache (None while sleep has released it)."""
         return self._core.runner.kv_cache
+
+    def add_admission_limit(self, limit: Any) -> None:
+        """A limit on which waiting sequences a step admits (core/scheduler.py
+        ``AdmissionLimit``: LoRA's adapter slots)."""
+        self._core.scheduler.limits.append(limit)
 
     # --- requests and sequences --------------------------------------------------------------
     def running(self) -> list:
@@ -60,19 +70,43 @@ class CoreContext:
         """The request is still in the engine (not finished, aborted or failed)."""
         return request_id in self._core.requests
 
-    def schedule(self, seq: Any) -> None:
-        """Queue a sequence the component held (``admit`` returned WAIT) for scheduling."""
-        self._core.scheduler.add(seq)
+    def close_gate(self, request: Any, name: str) -> None:
+        """The request waits for ``name`` (``kv_pull``, ``encoder_pull``, ``grammar``...)
+        before its first step; closed in ``admit`` (core/gates.py)."""
+        self._core.close_gate(request, name)
 
-    def withdraw(self, seq: Any) -> bool:
-        """Take a waiting sequence back out of the queue, keeping its blocks."""
-        return self._core.scheduler.withdraw(seq)
+    def open_gate(self, request: Any, name: str) -> None:
+        """``name`` is done; the request is scheduled once its last gate opens.  For a
+        request that is gone, nothing."""
+        self._core.open_gate(request, name)
 
     def fail_request(self, request: Any, status: int, message: str, param: str) -> None:
+        """Fail a request outside a step's outputs (a gate that can never open: a failed
+        pull, a grammar that does not compile): its choices are aborted and its blocks
+        freed; the error is its answer.  For a request that is gone, nothing."""
         self._core.fail_request(request, status, message, param)
-
-    def fail_admitted_request(self, request: Any, status: int, message: str, param: str) -> None:
-        self._core.fail_admitted_request(request, status, message, param)
 
     def forget_request(self, request: Any) -> None:
         self._core.forget_request(request)
+
+    # --- engine-wide commands (RL control: weight updates, sleep / wake) -------------------
+    def drain(self) -> None:
+        """Finish the step in flight now (async scheduling): before weights change or the
+        cache is released; its outputs go out with the next step."""
+        self._core.drain()
+
+    def preempt_all(self) -> None:
+        """Every running choice back to waiting, its blocks freed (recomputed later)."""
+        self._core.scheduler.preempt_all()
+
+    def release_kv_cache(self) -> None:
+        """Sleep: release the KV cache and what lives beside it (a draft model's)."""
+        self._core.release_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """Wake-up: allocate the KV cache (and what lives beside it) again."""
+        self._core.allocate_kv_cache()
+
+    def replace_model(self, model: Any) -> None:
+        """The runner's model is now ``model`` (None: sleep released the weights)."""
+        self._core.replace_model(model)

@@ -2,7 +2,7 @@
 
 ``step()`` = schedule -> forward -> logits of the rows that need them -> sample ->
 append tokens, check stops, detokenize.  Requests join and leave between steps
-(continuous batching).  What a step produced stays engine state (``outputs.py``);
+(continuous batching).  What a step produced stays engine state (``records.SequenceOutput``);
 packing it into the wire's CompletionDelta is ``Engine``'s job (engine.py).
 """
 from __future__ import annotations
@@ -15,51 +15,38 @@ from typing import Any, Optional
 
 import torch
 
+from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
 from common.errors import BadRequest, NotFound
-from common.transfer_peers import format_address
 from common.protocol import GenerateRequest, KvEvents, ModelInfo, WorkerLoad
+from common.tokenizer import load_tokenizer
 from common.validation import validate_request
+from worker.engine.component import EngineComponent, EngineWiring, Hooks
+from worker.engine.config import EngineConfig
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.context import CoreContext
+from worker.engine.core.gates import Gates
 from worker.engine.core.inflight import DeviceStep, StepExecutor, placeholder_fill
-from worker.engine.disagg.kv_transfer import KvTransfer
-from worker.engine.components.base import WAIT, EngineComponent, Hooks
-from worker.engine.components.kv_transfer import KvTransferComponent
-from worker.engine.components.lora import LoRAComponent
-from worker.engine.components.routed_experts import RoutedExpertsCapture
-from worker.engine.components.sampling_mask import SamplingMaskCapture
-from worker.engine.components.structured_output import StructuredOutputComponent
-from worker.engine.config import EngineConfig, structured_outputs_config
-from worker.engine.disagg.encoder_disaggregation import EncoderDisaggregation
-from common.detokenizer import IncrementalDetokenizer, attach_token_texts, needs_detokenizer
-from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
-                                    score_token_ids, to_token_logprobs)
-from worker.engine.models.config import ModelConfig, generation_defaults
-from worker.engine.runner.model_runner import ModelRunner
-from worker.engine.lora.step_inputs import LoRAStepInputs
-from worker.engine.multimodal.images import EncoderCache, MultimodalInputs, check_mm_items, image_config_for
-from worker.engine.loading.model_setup import build_model
-from worker.engine.core.outputs import SequenceOutput
-from worker.engine.parallel.follower import check_shardable, start_tensor_parallel
-from worker.engine.core.request import FinishReason, Request, EngineSequence
-from worker.engine.rl.control import RLControl
-from worker.engine.components.routing_capture import RoutingCapture
-from worker.engine.sample.sampler import Sampler
-from worker.engine.sample.sampling_metadata import (SamplingMetadata, SamplingRow, make_generator,
-                                                    reads_output_history, tokenize_bad_words)
 from worker.engine.core.scheduler import ScheduledSeq, Scheduler
-from worker.engine.spec_decode.config import SpeculativeConfig
-from worker.engine.spec_decode.draft_model import DraftModelSpeculator
-from worker.engine.spec_decode.component import SpecDecodeComponent
-from worker.engine.spec_decode.speculator import NgramSpeculator, draft_sampling_rows
-from worker.engine.spec_decode.verify import append_verified
-from common.tokenizer import load_tokenizer
+from worker.engine.loading.model_setup import build_model
+from worker.engine.quantization.config import check_quantization_arg
+from worker.engine.models.config import ModelConfig, generation_defaults
+from worker.engine.records import EngineSequence, FinishReason, Request, SequenceOutput
+from worker.engine.runner.model_runner import ModelRunner
+from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token_logprobs, prompt_token_logprobs,
+                                           score_token_ids, to_token_logprobs)
+from worker.engine.sample.sampler import Sampler
+from worker.engine.sample.sampling_metadata import (SamplingMetadata, SamplingRow, draft_sampling_rows, make_generator,
+                                                    reads_output_history, tokenize_bad_words)
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """The step loop.  ``features`` (component.EngineWiring; worker/engine/build.py's
+    ``EngineFeatures``, which ``Engine`` hands over) builds the features it runs with;
+    None: the bare loop, no feature."""
+
+    def __init__(self, config: EngineConfig, features: Optional[EngineWiring] = None):
         self.config = config
         device = config.torch_device
         if device.type == "cpu" and config.num_threads:
@@ -71,17 +58,19 @@ class EngineCore:
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
         self.model_config = ModelConfig.from_dir(config.model)
+        check_quantization_arg(config.quantization, self.model_config.quantization)
         mc = self.model_config
-        if config.enable_return_routed_experts and mc.moe is None:
-            raise ValueError(f"--enable-return-routed-experts needs a mixture-of-experts model; {mc.architecture} "
-                             f"({config.model}) has no expert layers")
+        self.device = device
+        self.features = features
+        self.context = CoreContext(self)  # what the components may do to the engine
+        if features is not None:
+            features.start(self.context)  # tensor parallelism's followers join before the model is built
         self._build_model_and_cache(config, mc, device)
         self.vocab_size = mc.vocab_size
         # vLLM's generate endpoint takes only max_tokens from these (when the client omits
         # it); the other sampling defaults are the OpenAI endpoints' (scale_out serving.py).
         self.generation_defaults = generation_defaults(config.generation_config, config.model)
         self.default_max_tokens = self.generation_defaults.get("max_tokens")
-        self.device = device
         self.model_info = ModelInfo(
             name=config.served_model_name or config.model,
             vocab_size=mc.vocab_size,
@@ -92,7 +81,7 @@ class EngineCore:
             eos_token_ids=list(mc.eos_token_ids),
             default_max_tokens=self.default_max_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
-            lora_adapters=dict(self.lora_manager.paths) if self.lora_manager is not None else None,
+            lora_adapters=None,  # LoRA's component lists its adapters here
             kv_block_size=config.block_size,
             dtype=str(config.torch_dtype),
             lora_config=({"max_loras": config.max_loras, "max_lora_rank": config.max_lora_rank,
@@ -101,21 +90,21 @@ class EngineCore:
             weight_transfer_backend="nccl" if device.type == "cuda" else "gloo",
         )
         self.requests: dict[str, Request] = {}
+        self.gates = Gates()  # per request, what it waits for before its first step
+        self._admitting: Optional[Request] = None  # the request whose admit hooks run
         self._arrivals = itertools.count()
-        self.kv_transfer = KvTransfer(config.kv_transfer_address, config.kv_transfer_timeout,
-                                      lambda: self.runner.kv_cache)
-        self.kv_transfer.max_held_blocks = int(config.kv_transfer_max_held * self.block_manager.num_blocks)
-        self.context = CoreContext(self)  # what the components may do to the engine
-        self.kv = KvTransferComponent(self.context, self.kv_transfer)
-        if config.kv_transfer_enabled:
-            self.kv_transfer.server()  # bound now: READY announces it (the broker admits only known peers)
-        self.ec = EncoderDisaggregation(self.context, config, self.runner, self.kv_transfer)
         # (request id, HTTP status, message, param)
         self._request_errors: list[tuple[str, int, str, str]] = []
-        self.components: list[EngineComponent] = self._build_components(config)
+        self.components: list[EngineComponent] = (features.components(self.context, self.runner)
+                                                  if features is not None else [])
         self.hooks = Hooks(self.components)
+        for allocated in self.hooks.on_kv_cache_allocated:  # a draft model's cache beside the target's
+            allocated()
+        self.runner.capture_cuda_graphs()
         self._sampler_masks = any(c.needs_sampler_masks for c in self.components)
-        self._run_step = self.ec.encode_step if self.ec.encoder_only else self._model_step
+        # An encoder-only engine runs its features' step (EncoderDisaggregation.encode_step).
+        self._run_step = (features.step if features is not None else None) or self._model_step
+        self._append_verified = features.append_verified if features is not None else None  # speculative decoding
         # Async scheduling (core/inflight.py): the step in flight, outputs finished outside
         # a step (drain), the requests whose steps run synchronously.
         self._async = self._resolve_async_scheduling(config)
@@ -130,6 +119,11 @@ class EngineCore:
                  self.block_manager.num_blocks, config.block_size, self.max_model_len,
                  "on" if self._async else "off")
 
+    @property
+    def model(self) -> Any:
+        """The model the runner runs (RL's sleep releases it, wake-up reloads it)."""
+        return self.runner.model
+
     def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
         """vLLM's --async-scheduling, where it can run: on by default on CUDA; on CPU only
         when asked for (as vLLM's CPU platform, which turns it off: there the forward runs
@@ -140,46 +134,24 @@ class EngineCore:
         if config.async_scheduling is None and self.device.type != "cuda":
             log.info("async scheduling off on CPU (as vLLM's CPU platform; --async-scheduling turns it on)")
             return False
-        why = None
-        if self.tp_leader is not None:
-            why = "tensor parallelism broadcasts each step's host inputs to the followers"
-        elif self.ec.encoder_only:
-            why = "an encoder-only worker runs no language-model step"
-        elif self.spec is not None:
-            why = "speculative decoding proposes each step's drafts from the last token, on the host"
-        elif config.enable_return_routed_experts:
-            why = "routed-experts capture reads a finished choice's rows while the next step writes the store"
+        why = self.features.overlap_blocker if self.features is not None else None  # build.py names the feature
         if why is not None:
             (log.warning if config.async_scheduling else log.info)("async scheduling off: %s", why)
             return False
         return True
 
     def _build_model_and_cache(self, config: EngineConfig, mc: ModelConfig, device: torch.device) -> None:
-        """Model (with its tensor-parallel followers), tokenizer, runner, KV cache,
-        block manager, scheduler and sampler; sets ``max_model_len`` (lowered when
-        the KV cache holds less)."""
+        """Model, tokenizer, runner (with the features' runner hooks), KV cache, block
+        manager, scheduler and sampler; sets ``max_model_len`` (lowered when the KV cache
+        holds less)."""
         max_model_len = config.resolve_max_model_len(mc.max_position_embeddings)
-        # Tensor parallelism: followers start (and join the process group) before the
-        # model is built, since every rank loads only its shard.
-        check_shardable(mc, config.tensor_parallel_size)
-        self.tp_leader = start_tensor_parallel(config, device)
-        self.model, self.attention_backend, self.cpu_linear = build_model(config, mc, device)
+        model, self.attention_backend, self.cpu_linear = build_model(config, mc, device)
         self.cpu_attention = "native" if self.attention_backend.name == "native" else "torch"
         self.tokenizer = None if config.tokens_only else load_tokenizer(config.model, mc.eos_token_ids)
 
-        self.runner = ModelRunner(config, mc, self.model, max_model_len, self.attention_backend)
-        # Features reach the runner through its hooks (runner.hooks).
-        if self.tp_leader is not None:
-            self.runner.set_parallel(self.tp_leader)
-        if config.enable_return_routed_experts:
-            self.runner.install(RoutingCapture())
-        if mc.is_multimodal:
-            cache = EncoderCache(self.model, device, image_config=image_config_for(config.model, mc.vision_config))
-            self.runner.install(MultimodalInputs(self.runner, cache))
-        self.lora_manager = self._start_lora(config, device)  # model side; the engine side: LoRAComponent
-        if self.lora_manager is not None:
-            self.runner.install(LoRAStepInputs(self.lora_manager))
-        self.spec = self._start_speculation(config, mc, device, max_model_len)
+        self.runner = ModelRunner(config, mc, model, max_model_len, self.attention_backend)
+        if self.features is not None:  # features reach the runner through its hooks (runner.hooks)
+            self.features.install(self.context, self.runner)
         num_blocks = self.runner.decide_num_blocks()
         if num_blocks * config.block_size < max_model_len:
             # One sequence must always fit, or recompute preemption could never finish it.
@@ -195,69 +167,32 @@ class EngineCore:
                                    max_model_len=max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler()
-        if self.spec is not None:
-            self.spec.allocate(num_blocks, max_model_len)
-        self.runner.capture_cuda_graphs()
 
-    def _build_components(self, config: EngineConfig) -> list[EngineComponent]:
-        """The features this engine runs with, in hook order."""
-        self.rl = RLControl(self)  # always on: weight versions, weight updates, sleep / wake
-        components: list[EngineComponent] = [self.rl]
-        if config.enable_return_routed_experts:
-            components.append(RoutedExpertsCapture(self.runner))
-        if config.return_sampling_mask:
-            components.append(SamplingMaskCapture())
-        # Encoder transfer before KV transfer: a request pulling encodings starts once they are
-        # here (never through a KV pull); KV transfer's refusal of LoRA requests before LoRA's.
-        components += [self.ec, self.kv]
-        self.lora: Optional[LoRAComponent] = None
-        if self.lora_manager is not None:
-            self.lora = LoRAComponent(self.lora_manager, self.scheduler, self.model_info)
-            components.append(self.lora)
-        self.spec_decode: Optional[SpecDecodeComponent] = None
-        if self.spec is not None:  # after LoRA: drafts fill the batch in its final order
-            self.spec_decode = SpecDecodeComponent(self.spec, self.context)
-            components.append(self.spec_decode)
-        # Last: a request whose KV / encoder outputs are pulled is scheduled by that pull
-        # (its grammar compiles meanwhile); WAIT here only for a request nothing else holds.
-        self.structured_output = StructuredOutputComponent(
-            self.context, structured_outputs_config(config.structured_outputs_config))
-        components.append(self.structured_output)
-        return components
+    # --- what RL control does to the engine (through the context) ---------------------
+    def release_kv_cache(self) -> None:
+        self.runner.release_kv_cache()
+        for hook in self.hooks.on_kv_cache_released:
+            hook()
 
-    def _start_speculation(self, config: EngineConfig, mc: ModelConfig, device: torch.device, max_model_len: int):
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        if spec is None:
-            return None
-        cap = config.spec_step_token_cap(device)
-        if spec.method == "ngram":
-            return NgramSpeculator(spec, cap)
-        draft = DraftModelSpeculator(spec, config, mc, device, max_model_len, cap)
-        self.runner.extra_bytes_per_block = draft.bytes_per_block  # the KV cache is sized for both
-        return draft
+    def allocate_kv_cache(self) -> None:
+        self.runner.allocate_kv_cache(self.block_manager.num_blocks)
+        for hook in self.hooks.on_kv_cache_allocated:
+            hook()
 
-    def _start_lora(self, config: EngineConfig, device: torch.device):
-        if not config.enable_lora:
-            return None
-        from worker.engine.lora.manager import LoRAManager
-
-        manager = LoRAManager(self.model, max_loras=config.max_loras, max_rank=config.max_lora_rank,
-                              max_cpu_loras=config.max_cpu_loras, device=device, dtype=config.torch_dtype,
-                              use_triton=device.type == "cuda" or self.attention_backend.name == "triton")
-        for name, path in (config.lora_modules or {}).items():
-            manager.register(name, path)
-        return manager
+    def replace_model(self, model: Any) -> None:
+        self.runner.model = model
+        for hook in self.hooks.on_model_replaced:
+            hook(model)
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
         if req.request_id in self.requests:
             raise BadRequest(f"Request id {req.request_id} is already running.", "request_id")
         validate_request(req, self.model_info, tokens_only=self.tokenizer is None)
-        cache = self.runner.encoder_cache
-        mm = check_mm_items(req, self.model_config, cache.max_image_patches if cache is not None else None)
+        mm = self._parse_images(req)
         for check in self.hooks.check:  # encoder and KV transfer, LoRA, ...: a refusal leaves nothing behind
             check(req, mm)
-        if req.lora_name is not None and self.lora is None:
+        if req.lora_name is not None and self.model_info.lora_adapters is None:  # LoRA is off
             raise NotFound(f"The model `{req.lora_name}` does not exist.", "model")
         p = req.params
         prompt_len = len(req.prompt_token_ids)
@@ -277,18 +212,48 @@ class EngineCore:
                 raise BadRequest(str(e), "bad_words") from None
         seq = self._new_sequence(request, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = request
-        held = False
+        self._admitting = request
         try:
-            for admit in self.hooks.admit:  # READY, or WAIT: the component schedules it later
-                held = admit(request, seq, held) == WAIT or held
+            for admit in self.hooks.admit:  # each may close gates the request then waits for
+                admit(request, seq)
         except BaseException:
             self.forget_request(request)
             raise
+        finally:
+            self._admitting = None
         if not (all(ok(request) for ok in self.hooks.can_overlap)
                 and not reads_output_history(seq.sampling_row)):
             self._sync_only.add(request.request_id)  # its steps run synchronously
-        if not held:
+        if request.request_id not in self.gates:
             self.scheduler.add(seq)
+
+    # --- readiness gates (core/gates.py) ---------------------------------------------
+    def close_gate(self, request: Request, name: str) -> None:
+        """The request waits for ``name`` (a pull, a compile) before its first step.
+        Gates are closed in ``admit``, before the request is queued (or while another
+        of its gates is still closed)."""
+        if self.requests.get(request.request_id) is not request:
+            return  # gone already
+        if request is not self._admitting and request.request_id not in self.gates:
+            raise RuntimeError(f"gate {name!r} of request {request.request_id}: gates are closed at admission, "
+                               "before the request is queued")
+        self.gates.close(request.request_id, name)
+
+    def open_gate(self, request: Request, name: str) -> None:
+        """``name`` is done: the request is queued when it was its last closed gate.  A
+        request that is gone (aborted, failed) or a gate that is not closed: nothing."""
+        if self.requests.get(request.request_id) is not request:
+            return
+        if self.gates.open(request.request_id, name) and request is not self._admitting:
+            self.scheduler.add(request.sequences[0])
+
+    def _parse_images(self, req: GenerateRequest) -> Any:
+        """The request's images (MultiModalState, checked against the model), None without."""
+        if self.features is not None:
+            return self.features.parse_images(req)
+        if req.mm_items:
+            raise BadRequest("this engine serves no image input", "mm_items")
+        return None
 
     def tick(self) -> None:
         """Housekeeping of the components (every step, and by the worker while idle):
@@ -297,14 +262,12 @@ class EngineCore:
             hook()
 
     def fail_request(self, request: Request, status: int, message: str, param: str) -> None:
-        """A request failed outside a step's outputs (a pull): it is gone; the worker
-        reports it (``take_request_errors``)."""
-        self.forget_request(request)
-        self._request_errors.append((request.request_id, status, message, param))
-
-    def fail_admitted_request(self, request: Request, status: int, message: str, param: str) -> None:
-        """``fail_request`` for a request whose choices may be scheduled already: they are
-        aborted (blocks freed, pulls cancelled) first; the error is its only answer."""
+        """A request failed outside a step's outputs (a pull, a grammar, a gate that never
+        opens): its choices are aborted (blocks freed, pulls cancelled, gates dropped) and
+        the error is its only answer -- the worker reports it (``take_request_errors``).
+        A request already gone: nothing."""
+        if self.requests.get(request.request_id) is not request:
+            return
         self.abort(request.request_id)
         self._request_errors.append((request.request_id, status, message, param))
 
@@ -317,7 +280,6 @@ class EngineCore:
         seq = self.scheduler.head_waiting()
         bm = self.block_manager
         if bm.blocks_needed(seq.num_tokens) > bm.num_blocks:
-            self.scheduler.remove(seq)
             self.fail_request(seq.request, 503, f"the request needs {bm.blocks_needed(seq.num_tokens)} KV blocks; "
                               f"this worker's KV cache holds {bm.num_blocks}", "prompt")
             return
@@ -325,11 +287,6 @@ class EngineCore:
             if stalled():
                 return
         raise RuntimeError("scheduler stalled: waiting requests but nothing can run")  # a bug: fail loudly
-
-    def transfer_address(self) -> Optional[str]:
-        """"host:port" of the transfer server (READY announces it), None when not bound."""
-        server = self.kv_transfer.bound()
-        return format_address(server.host, server.port) if server is not None else None
 
     def take_request_errors(self) -> list[tuple[str, int, str, str]]:
         """Requests that failed outside a step's outputs (a decode leg's KV pull, an
@@ -341,6 +298,7 @@ class EngineCore:
     def forget_request(self, request: Request) -> None:
         """The request is done (finished or aborted)."""
         self._sync_only.discard(request.request_id)
+        self.gates.drop(request.request_id)
         if self.requests.pop(request.request_id, None) is not None:
             for forget in self.hooks.forget:
                 forget(request)
@@ -389,11 +347,8 @@ class EngineCore:
         """Stop the step executor and the tensor-parallel followers (idempotent)."""
         self.drain()
         self.executor.shutdown()
-        for close in self.hooks.close:
+        for close in self.hooks.close:  # tensor parallelism's followers last
             close()
-        if self.tp_leader is not None:
-            self.tp_leader.shutdown()
-            self.tp_leader = None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._request_errors or self._drained) or self._inflight is not None
@@ -566,7 +521,7 @@ class EngineCore:
             if not seq.is_finished():
                 first_rows.append(r)
                 if sp:  # rows r..r+len(sp): verified by speculative decoding (spec_decode/verify.py)
-                    outs.append(append_verified(self, seq, sp, sampled, lp_lists, r, now))
+                    outs.append(self._append_verified(self, seq, sp, sampled, lp_lists, r, now))
                 else:
                     outs.append(self.append_token(seq, sampled[r], lp_lists, r, now))
             r += 1 + len(sp)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from worker.engine.core.block_manager import BlockManager
-from worker.engine.core.request import SeqStatus, EngineSequence
+from worker.engine.records import SeqStatus, EngineSequence
 from worker.engine.step_plan import ScheduledSeq  # noqa: F401 - the scheduler's output record, re-exported
 
 
@@ -86,16 +86,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
-
-    def withdraw(self, seq: EngineSequence) -> bool:
-        """Take a waiting sequence back out of the queue, keeping its blocks (a component
-        that is not ready for it yet re-adds it later); False: it was not waiting."""
-        kept = [item for item in self._waiting if item[3] is not seq]
-        if len(kept) == len(self._waiting):
-            return False
-        self._waiting = kept
-        heapq.heapify(self._waiting)
-        return True
 
     def remove(self, seq: EngineSequence) -> None:
         """Drop a sequence from whichever queue holds it (finish or abort) and free its blocks."""

@@ -16,16 +16,19 @@ from typing import Optional
 from common.errors import BadRequest
 from common.protocol import GenerateRequest
 from common.transfer_peers import TRUST_EC, TRUST_PEERS, UNKNOWN_PEER, check_shape, ec_peers
-from worker.engine.components.base import READY, WAIT, EngineComponent
+from worker.engine.component import EngineComponent
 from worker.engine.config import EngineConfig
 from worker.engine.disagg.ec_transfer import PARAM as EC_PARAM
 from worker.engine.disagg.ec_transfer import (PRODUCER_ROLES, EcPulls, EncoderExports, RemoteEncoding, announce,
                                        remote_sources)
 from worker.engine.multimodal.images import MAX_ENCODE_PATCHES, REMOTE
-from worker.engine.core.outputs import SequenceOutput
-from worker.engine.core.request import EngineSequence, FinishReason, Request
+from worker.engine.records import EngineSequence, FinishReason, Request, SequenceOutput
 
 log = logging.getLogger(__name__)
+
+GATE = "encoder_pull"  # a request's readiness gate: the encodings it pulls are here
+# An encoder-only worker's requests: its encode_step runs and finishes them, the scheduler never.
+ENCODE_ONLY_GATE = "encode_only"
 
 
 class EncoderDisaggregation(EngineComponent):
@@ -36,7 +39,7 @@ class EncoderDisaggregation(EngineComponent):
     name = "encoder_disaggregation"
 
     def __init__(self, ctx, config: EngineConfig, runner, kv_transfer):
-        self.ctx = ctx  # EngineContext: device, schedule, fail_request, forget_request, is_live
+        self.ctx = ctx  # EngineContext: device, gates, fail_request, forget_request, is_live
         self.config = config
         self.model_config = ctx.model_config
         self.runner = runner
@@ -63,17 +66,17 @@ class EncoderDisaggregation(EngineComponent):
         elif mm is not None:
             self._encoder_sources(req, mm)  # BadRequest when malformed
 
-    def admit(self, request: Request, seq: EngineSequence, held: bool) -> str:
-        if self.encoder_only:
+    def admit(self, request: Request, seq: EngineSequence) -> None:
+        if self.encoder_only:  # encode_step runs it (and finishes it): never scheduled
             self._to_encode.append(seq)
-            return WAIT
+            self.ctx.close_gate(request, ENCODE_ONLY_GATE)
+            return
         mm = request.mm
-        if held or mm is None:
-            return READY
+        if mm is None:
+            return
         sources = self._encoder_sources(request.req, mm)
         if sources and self._pull_encodings(request, seq, sources):
-            return WAIT  # scheduled once its encoder outputs are pulled
-        return READY
+            self.ctx.close_gate(request, GATE)  # opened once its encoder outputs are pulled
 
     def tick(self) -> None:
         while not self.ec_pulls.done.empty():
@@ -206,14 +209,14 @@ class EncoderDisaggregation(EngineComponent):
         del self.ec_pulls.pending[rid]
         request, seq, sources, _ = entry
         for key, error in failed.items():
-            if sources[key].required:
+            if sources[key].required:  # the gate never opens
                 self.ctx.fail_request(request, error.status, error.message, EC_PARAM)
                 return
             log.warning("request %s: %s; encoding its pixels here instead", rid, error.message)
         dtype = self.config.torch_dtype
         for key, emb in pulled.items():
             request.mm.embeds[key] = emb.to(device=self.ctx.device, dtype=dtype)
-        self.ctx.schedule(seq)
+        self.ctx.open_gate(request, GATE)
 
     def _announce_encodings(self, request: Request) -> None:
         """An encoder worker's request finished: where consumers read its items' outputs."""
@@ -221,3 +224,8 @@ class EncoderDisaggregation(EngineComponent):
         self.answers[request.request_id] = announce(request.mm.items, request.mm.wire_hashes, self.ec_exports,
                                            server.host, server.port)
 
+
+def maybe_create(config: EngineConfig, ctx, runner, transport) -> EncoderDisaggregation:
+    """Always on: it checks ec_transfer_params (and pulls what they announce); an
+    encoder-only engine's step is its ``encode_step``."""
+    return EncoderDisaggregation(ctx, config, runner, transport)

@@ -42,7 +42,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "bf16_gemm.cpp")
+_SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "bf16_gemm.cpp", "int4_gemm.cpp")
 _HEADERS = ("paged_cache.h", "vec_math.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the

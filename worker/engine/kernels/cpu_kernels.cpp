@@ -183,6 +183,10 @@ std::string native_bf16_gemm_isa();
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 torch::Tensor unpack_bf16_weight(const torch::Tensor& packed);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+// int4_gemm.cpp
+std::string int4_gemm_isa();
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          const torch::Tensor& zeros, int64_t group, int64_t n, const c10::optional<torch::Tensor>& bias);
 
 // The compute kernels run without the GIL (as torch's own ops do): the worker's other
 // threads -- the engine's host thread planning the next step under async scheduling, the
@@ -207,4 +211,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_bf16_weight", &unpack_bf16_weight, "the dense [out, in] weight of a packed one (exact)", nogil());
   m.def("bf16_linear", &bf16_linear, "x @ weight.T + bias over a packed bf16 weight, fp32 accumulation (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), nogil());
+  m.def("int4_gemm_isa", &int4_gemm_isa, "the ISA of this build's int4 GEMM (avx2 / scalar)");
+  m.def("int4_linear", &int4_linear,
+        "x @ dequant(W).T + bias over an int4 weight packed by pack_int4_weight (W4A16, fp32 accumulation, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("n"),
+        py::arg("bias") = py::none(), nogil());
 }

@@ -17,11 +17,14 @@ import torch
 from safetensors import safe_open
 
 from worker.engine.models.config import ModelConfig
+from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
+from worker.engine.quantization.reader import dequantize_stream
 
 log = logging.getLogger(__name__)
 
-# Tensors only quantized checkpoints carry (FP8 scales, GPTQ/AWQ packed weights): such
-# a checkpoint may lack quantization_config, and loading it as dense would be garbage.
+# Tensors only quantized checkpoints carry (FP8 scales, GPTQ/AWQ packed weights): left
+# over after dequantize_stream, they belong to a checkpoint whose config names no
+# quantization (FP8 exports often lack one), and loading them as dense would be garbage.
 _QUANTIZED_SUFFIXES = ("_scale", "_scale_inv", "_zero_point", ".qweight", ".qzeros", ".scales", ".g_idx", "absmax",
                        "quant_map", ".weight_packed", ".weight_shape", ".SCB", ".weight_format")
 _QUANTIZED_PARTS = ("qweight", ".quant_state.")  # GPTQ/AWQ packed weights, bitsandbytes 4-bit state
@@ -68,21 +71,42 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
                     next_report += total / 10
 
 
+def checkpoint_quantization(model_dir: str | Path) -> Optional[CheckpointQuantization]:
+    """The quantization named by ``model_dir``'s config.json (None: dense, or no config,
+    as in a trainer's bare weight directory)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return parse_quantization(cfg.get("quantization_config") or cfg.get("compression_config"))
+
+
+def iter_dense_checkpoint(model_dir: str | Path, quant: Optional[CheckpointQuantization] = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iter_checkpoint`` with quantized layers turned into dense weights
+    (quantization/reader.py); ``quant`` defaults to what the directory's config names."""
+    if quant is None:
+        quant = checkpoint_quantization(model_dir)
+    return dequantize_stream(iter_checkpoint(model_dir), quant)
+
+
 def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, refusing the first that belongs to a quantized checkpoint."""
+    """The checkpoint's (dequantized) tensors, refusing the first left quantized."""
     for name, tensor in weights:
         if name.endswith(_QUANTIZED_SUFFIXES) or any(p in name for p in _QUANTIZED_PARTS) or (
                 tensor.dtype in _QUANTIZED_DTYPES) or (name.endswith(".weight") and not tensor.is_floating_point()):
-            raise ValueError(f"checkpoint tensor {name} ({tensor.dtype}) belongs to a quantized checkpoint; "
-                             f"quantized checkpoints are not supported: serve an unquantized "
-                             f"bfloat16/float16/float32 checkpoint")
+            raise ValueError(f"checkpoint tensor {name} ({tensor.dtype}) belongs to a quantized checkpoint, but "
+                             f"config.json names no quantization_config this engine reads; quantized checkpoints "
+                             f"without one are not supported: add the quantization_config its quantizer wrote, or "
+                             f"serve an unquantized bfloat16/float16/float32 checkpoint")
         yield name, tensor
 
 
 def load_weights(model, model_dir: str | Path) -> None:
-    """Stream the checkpoint through the model's own ``load_weights`` (its name
-    mapping and sharding) and check that every weight it needs came."""
-    loaded = model.load_weights(_dense_only(iter_checkpoint(model_dir)))
+    """Stream the (dequantized) checkpoint through the model's own ``load_weights`` (its
+    name mapping and sharding) and check that every weight it needs came."""
+    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization)))
     missing = sorted(set(model.weight_targets()) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -95,6 +119,12 @@ def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
     ``dtype`` (default: the checkpoint's) and fill its weights."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = config.family.model_class()
+    if config.quantization is not None:
+        # No quantized kernels yet on either device: the layers hold the dequantized weights
+        # (docs/quantization.md says what that costs in memory and what it computes).
+        acts = config.quantization.activations
+        log.info("quantized checkpoint: %s; weights dequantized at load into %s%s", config.quantization.describe(),
+                 dtype or config.dtype, "" if acts == "none" else f" (its {acts} activation quantization is not applied)")
     with torch.device(device):
         model = cls(config, dtype=dtype, device=device)
     load_weights(model, model_dir)

@@ -184,8 +184,8 @@ def weight_spec(model) -> dict[str, WeightSpec]:
 
 
 def checkpoint_tensors(path: str, wanted: Optional[set[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    from worker.engine.loading.loader import iter_checkpoint
+    from worker.engine.loading.loader import iter_dense_checkpoint
 
-    for name, tensor in iter_checkpoint(path):
+    for name, tensor in iter_dense_checkpoint(path):
         if wanted is None or name in wanted:
             yield name, tensor

@@ -1,5 +1,5 @@
 """The user-facing list of supported architectures, read from the registry:
-``tokserve models`` prints it, and the README's model table is this module's
+``tokserve models`` prints it, and docs/models.md's table is this module's
 markdown output (a test keeps the two equal)."""
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from worker.engine.models.registry import ModelRegistry
+from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class ModelConfig:
     local_rope: Optional[tuple[float, Optional[dict]]] = None
     query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (Gemma 3); None: head_dim's
     final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap) (Gemma)
+    # How the checkpoint's linear layers are stored when quantized (None: dense).
+    quantization: Optional[CheckpointQuantization] = field(default=None, compare=False, hash=False)
 
     @property
     def is_multimodal(self) -> bool:
@@ -189,15 +192,9 @@ class ModelConfig:
             text = cfg.get("text_config")
             if isinstance(text, dict):
                 cfg = {**cfg, **{k: v for k, v in text.items() if v is not None and k != "architectures"}}
-        quant = cfg.get("quantization_config") or cfg.get("compression_config")
-        if quant:
-            if isinstance(quant, dict):  # old bitsandbytes configs name no method, only load_in_4bit/8bit
-                method = quant.get("quant_method") or quant.get("format") or (
-                    "bitsandbytes" if quant.get("load_in_4bit") or quant.get("load_in_8bit") else "unknown")
-            else:
-                method = quant
-            raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported; serve an "
-                             f"unquantized bfloat16/float16/float32 checkpoint")
+        # A quantized checkpoint loads when its format is one the loader can turn dense
+        # (quantization/config.py); any other is refused by name here, before a weight is read.
+        quantization = parse_quantization(cfg.get("quantization_config") or cfg.get("compression_config"))
         act = cfg.get("hidden_act", cfg.get("hidden_activation")) or "silu"
         acts = family.get("acts", ("silu", "swish"))
         if act not in acts:
@@ -332,6 +329,7 @@ class ModelConfig:
                                    cfg.get("query_pre_attn_scalar") is not None else None),
             final_logit_softcapping=(float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping")
                                      else None),
+            quantization=quantization,
         )
 
 

@@ -1,6 +1,6 @@
 """The model registry: which Hugging Face ``architectures`` name runs on which model
 implementation, what the config parser must know about the family, and what the
-family supports (the README's model table and ``tokserve models`` print it).
+family supports (docs/models.md's table and ``tokserve models`` print it).
 
 Like vLLM's ``ModelRegistry`` (vllm/model_executor/models/registry.py) an entry names
 its implementation by module and class and is imported only when a model of that

@@ -519,3 +519,11 @@ class MultimodalInputs:
         log.info("vision tower: %d patches (%d embeddings) in one call peak at %.2f GiB", patches, rows,
                  peak / _GIB)
         return max(peak, 0)
+
+
+def install(config: Any, ctx: Any, runner: Any) -> None:
+    """Runner hook of a vision-language model: its image inputs and encoder cache."""
+    mc = ctx.model_config
+    if mc.is_multimodal:
+        cache = EncoderCache(runner.model, ctx.device, image_config=image_config_for(config.model, mc.vision_config))
+        runner.install(MultimodalInputs(runner, cache))

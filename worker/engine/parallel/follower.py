@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from worker.engine.attention.metadata import StepLayout
+from worker.engine.component import EngineComponent
 from worker.engine.config import EngineConfig
 from worker.engine.models.config import ModelConfig
 from worker.engine.parallel.sharding import head_shard, split
@@ -258,3 +259,25 @@ def serve_follower(runner) -> None:
             agree_on_graphs(runner)
         else:
             raise RuntimeError(f"unknown tensor-parallel op {op}")
+
+
+def maybe_start(config: EngineConfig, ctx) -> Optional[TPLeader]:
+    """Before the model is built (every rank loads only its shard): the followers, and
+    this process as rank 0; None at tensor_parallel_size 1."""
+    check_shardable(ctx.model_config, config.tensor_parallel_size)
+    return start_tensor_parallel(config, ctx.device)
+
+
+class TensorParallelRanks(EngineComponent):
+    """The engine component of tensor parallelism: the followers stop with the engine
+    (last: after every other component closed)."""
+
+    name = "tensor_parallel"
+
+    def __init__(self, leader: TPLeader):
+        self.leader: Optional[TPLeader] = leader
+
+    def close(self) -> None:
+        if self.leader is not None:
+            self.leader.shutdown()
+            self.leader = None

@@ -15,7 +15,7 @@ import torch
 
 from common.errors import BadRequest
 from common.protocol import DEFAULT_WEIGHT_VERSION
-from worker.engine.components.base import EngineComponent
+from worker.engine.component import EngineComponent
 from worker.engine.loading.weights import ModelWeights, checkpoint_tensors
 
 log = logging.getLogger(__name__)
@@ -57,10 +57,11 @@ class RLControl(EngineComponent):
 
     name = "rl"
 
-    def __init__(self, core):
-        self.core = core  # EngineCore: model, runner, block_manager, scheduler, hooks, config
-        self.config = core.config
-        self.device = core.device
+    def __init__(self, ctx, runner):
+        self.ctx = ctx  # EngineContext: drain, preempt_all, the prefix cache, the KV cache's release
+        self.runner = runner  # the model it writes, reloads and releases; its encoder cache
+        self.config = ctx.config
+        self.device = ctx.device
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.version_spans: dict[int, VersionSpans] = {}  # seq_id -> the versions of its output tokens
         self._weights: Optional[ModelWeights] = None
@@ -102,23 +103,23 @@ class RLControl(EngineComponent):
 
     # --- commands ---------------------------------------------------------------------
     def require_single_rank(self, what: str) -> None:
-        if self.core.tp_leader is not None:
+        if self.config.tensor_parallel_size > 1:
             raise BadRequest(f"{what} is not supported on a worker with tensor_parallel_size > 1 yet", None)
 
     @property
     def weights(self) -> ModelWeights:
         self.require_single_rank("updating or reading weights")
-        self.core.drain()  # async scheduling: no step in flight reads weights being written
+        self.ctx.drain()  # async scheduling: no step in flight reads weights being written
         if "weights" in self.asleep:
             raise BadRequest("the weights are released (sleep level 2): POST /wake_up first", None)
         if self._weights is None:
-            self._weights = ModelWeights(self.core.model)
+            self._weights = ModelWeights(self.runner.model)
         return self._weights
 
     def set_weight_version(self, version: str) -> None:
         if not isinstance(version, str) or not version:
             raise BadRequest("the weight version must be a non-empty string", "weight_version")
-        self.core.drain()  # tokens sampled before the label changes carry the old one
+        self.ctx.drain()  # tokens sampled before the label changes carry the old one
         self.weight_version = version
 
     # --- weights -------------------------------------------------------------------
@@ -163,16 +164,16 @@ class RLControl(EngineComponent):
         preempted (their prompt and output so far are recomputed with the new weights,
         so every later token is exactly what the new weights sample for that prefix)
         and the prefix cache is forgotten."""
-        self.core.drain()
-        self.core.scheduler.preempt_all()
-        self.core.block_manager.reset_prefix_cache()
-        if self.core.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
-            self.core.runner.encoder_cache.clear()
+        self.ctx.drain()
+        self.ctx.preempt_all()
+        self.ctx.block_manager.reset_prefix_cache()
+        if self.runner.encoder_cache is not None:  # sleep level 2 / zeroing may touch the vision tower too
+            self.runner.encoder_cache.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; running sequences keep theirs (same weights: still valid)."""
-        self.core.drain()
-        self.core.block_manager.reset_prefix_cache()
+        self.ctx.drain()
+        self.ctx.block_manager.reset_prefix_cache()
         return True
 
     def weight_checksums(self, prefix: str) -> dict[str, str]:
@@ -191,20 +192,18 @@ class RLControl(EngineComponent):
         self.sleep_level = level  # vLLM's record_sleep_state(1, level), level 0 included
         if level < 1:
             return
-        self.core.drain()
-        self.core.scheduler.preempt_all()
-        self.core.block_manager.reset_prefix_cache()
+        self.ctx.drain()
+        self.ctx.preempt_all()
+        self.ctx.block_manager.reset_prefix_cache()
         if "kv_cache" not in self.asleep:
-            self.core.runner.release_kv_cache()
-            for hook in self.core.hooks.on_kv_cache_released:  # a draft model's cache goes with the target's
-                hook()
+            self.ctx.release_kv_cache()  # a draft model's cache goes with the target's
             self.asleep.add("kv_cache")
         if level >= 2 and "weights" not in self.asleep:
             self._weights = None
-            self.core.model = self.core.runner.model = None
-            if self.core.runner.encoder_cache is not None:  # it encodes with the model: let the weights go
-                self.core.runner.encoder_cache.clear()
-                self.core.runner.encoder_cache.model = None
+            self.ctx.replace_model(None)
+            if self.runner.encoder_cache is not None:  # it encodes with the model: let the weights go
+                self.runner.encoder_cache.clear()
+                self.runner.encoder_cache.model = None
             self.asleep.add("weights")
         gc.collect()
         if self.device.type == "cuda":
@@ -218,7 +217,7 @@ class RLControl(EngineComponent):
         last update came over the wire it cannot be reloaded: the weights fall back to
         the disk lineage and the version label to ``default``, so the broker sees the
         rank as stale and does not serve from it until it gets the weights again."""
-        self.core.drain()
+        self.ctx.drain()
         wanted = set(SLEEP_TAGS if tags is None else tags)
         unknown = wanted - set(SLEEP_TAGS) - {"scheduling"}
         if unknown:
@@ -226,12 +225,10 @@ class RLControl(EngineComponent):
         if "weights" in wanted and "weights" in self.asleep:
             self._reload_weights()
         if "kv_cache" in wanted and "kv_cache" in self.asleep:
-            self.core.runner.allocate_kv_cache(self.core.block_manager.num_blocks)
-            for hook in self.core.hooks.on_kv_cache_allocated:
-                hook()
+            self.ctx.allocate_kv_cache()
             self.asleep.discard("kv_cache")
         if not self.asleep and self.device.type == "cuda":
-            self.core.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses
+            self.runner.capture_cuda_graphs()  # graphs hold weight and KV addresses
         if not self.asleep:
             self.sleep_level = -1  # vLLM's record_sleep_state(0, 0) once fully awake
         return not self.asleep
@@ -247,13 +244,11 @@ class RLControl(EngineComponent):
             lineage = []
         # The model's own checkpoint first, then every update from disk on top (the lineage
         # may start at a whole checkpoint other than the model's).
-        self.core.model, _, _ = build_model(self.config, self.core.model_config, self.device)
-        self.core.model.use_attention_backend(self.core.attention_backend)
-        if self.core.lora_manager is not None:
-            self.core.lora_manager.attach(self.core.model)
-        self.core.runner.model = self.core.model
-        if self.core.runner.encoder_cache is not None:
-            self.core.runner.encoder_cache.model = self.core.model
+        model, _, _ = build_model(self.config, self.ctx.model_config, self.device)
+        model.use_attention_backend(self.runner.backend)
+        self.ctx.replace_model(model)  # LoRA's slots go into it (on_model_replaced)
+        if self.runner.encoder_cache is not None:
+            self.runner.encoder_cache.model = model
         self.asleep.discard("weights")
         self.disk_lineage = [self.config.model]
         for path in lineage:
@@ -263,3 +258,8 @@ class RLControl(EngineComponent):
     @property
     def is_asleep(self) -> bool:
         return bool(self.asleep)
+
+
+def maybe_create(config, ctx, runner) -> RLControl:
+    """Always on: weight versions, weight updates, prefix-cache reset, sleep / wake."""
+    return RLControl(ctx, runner)

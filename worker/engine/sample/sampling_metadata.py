@@ -351,3 +351,17 @@ def reads_output_history(row: SamplingRow) -> bool:
     p = row.params
     return (_row_needs_penalties(p) or (p.min_tokens > 0 and bool(row.stop_ids_for_min_tokens))
             or bool(row.bad_words_ids))
+
+
+def draft_sampling_rows(seq: Any, spec: tuple) -> list[SamplingRow]:
+    """The choice's sampling row (``seq``: an EngineSequence), then one per draft whose history ends with the drafts
+    before it (fresh rows: their penalty caches must not touch the live one)."""
+    row = seq.sampling_row
+    if not spec:
+        return [row]
+    out = [row]
+    for j in range(1, len(spec) + 1):
+        out.append(SamplingRow(params=row.params, prompt_token_ids=row.prompt_token_ids,
+                               output_token_ids=seq.output_ids + list(spec[:j]), generator=row.generator,
+                               stop_ids_for_min_tokens=row.stop_ids_for_min_tokens, bad_words_ids=row.bad_words_ids))
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.components.base import READY, EngineComponent
+from worker.engine.component import EngineComponent
 
 
 class SpecDecodeComponent(EngineComponent):
@@ -27,9 +27,8 @@ class SpecDecodeComponent(EngineComponent):
     def on_kv_cache_allocated(self) -> None:
         self.speculator.allocate(self.ctx.block_manager.num_blocks, self.ctx.max_model_len)
 
-    def admit(self, request, seq, held) -> str:
+    def admit(self, request, seq) -> None:
         self.stats[request.request_id] = self.speculator.new_stats()
-        return READY
 
     def tick(self) -> None:
         self._closing.clear()  # the last step's deltas are packed
@@ -69,3 +68,28 @@ class SpecDecodeComponent(EngineComponent):
             stats = self._closing.pop(request.request_id, None)
             if stats is not None:
                 delta.spec_decode = stats
+
+
+def install(config, ctx, runner):
+    """The proposer (--speculative-config): n-gram, or a draft model whose KV cache is
+    sized with the target's (its share per block is the runner's extra bytes); None
+    when speculative decoding is off."""
+    from worker.engine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None:
+        return None
+    cap = config.spec_step_token_cap(ctx.device)
+    if spec.method == "ngram":
+        from worker.engine.spec_decode.speculator import NgramSpeculator
+
+        return NgramSpeculator(spec, cap)
+    from worker.engine.spec_decode.draft_model import DraftModelSpeculator
+
+    draft = DraftModelSpeculator(spec, config, ctx.model_config, ctx.device, runner.max_model_len, cap)
+    runner.extra_bytes_per_block = draft.bytes_per_block  # the KV cache is sized for both
+    return draft
+
+
+def maybe_create(config, ctx, speculator) -> "SpecDecodeComponent | None":
+    return SpecDecodeComponent(speculator, ctx) if speculator is not None else None

@@ -21,7 +21,7 @@ import torch
 
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.llama import kv_bytes_per_block
-from worker.engine.core.request import EngineSequence
+from worker.engine.records import EngineSequence
 from worker.engine.step_plan import ScheduledSeq
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.speculator import Speculator

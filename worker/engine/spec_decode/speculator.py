@@ -15,8 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from common.protocol import SpecDecodeStats
-from worker.engine.core.request import EngineSequence
-from worker.engine.sample.sampling_metadata import SamplingRow
+from worker.engine.records import EngineSequence
 from worker.engine.spec_decode.config import SpeculativeConfig
 from worker.engine.spec_decode.ngram import propose_ngram
 
@@ -139,20 +138,6 @@ def _token_array(seq: EngineSequence, st: SeqDrafting) -> np.ndarray:
         buf[filled:n] = seq.token_ids[filled:n]
     st.token_buffer = (buf, n)
     return buf[:n]
-
-
-def draft_sampling_rows(seq: EngineSequence, spec: tuple) -> list[SamplingRow]:
-    """The choice's sampling row, then one per draft whose history ends with the drafts
-    before it (fresh rows: their penalty caches must not touch the live one)."""
-    row = seq.sampling_row
-    if not spec:
-        return [row]
-    out = [row]
-    for j in range(1, len(spec) + 1):
-        out.append(SamplingRow(params=row.params, prompt_token_ids=row.prompt_token_ids,
-                               output_token_ids=seq.output_ids + list(spec[:j]), generator=row.generator,
-                               stop_ids_for_min_tokens=row.stop_ids_for_min_tokens, bad_words_ids=row.bad_words_ids))
-    return out
 
 
 def accepted_prefix(sampled: list[int], r: int, spec: tuple) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.core.outputs import SequenceOutput
+from worker.engine.records import SequenceOutput
 from worker.engine.spec_decode.speculator import accepted_prefix
 
 

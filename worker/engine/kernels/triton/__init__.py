@@ -1,6 +1,6 @@
 """Triton kernels of the CUDA engine path: paged attention over the block table
 (prefill chunks with cached context and decode rows in one launch), the KV-cache
-write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM, the segmented LoRA matmuls,
+write, RMSNorm (+ residual), rotary, SwiGLU, the fused mixture-of-experts GEMM, the segmented LoRA matmuls, the quantized (FP8, int4) GEMMs,
 the vision towers' variable-length attention and the structured-output grammar bitmask.
 
 Importing this package does not import triton (CPU installs may lack it); ``ops()``
@@ -50,6 +50,7 @@ def compile_specs() -> list[tuple[str, Any, dict, dict]]:
     from worker.engine.kernels.triton.elementwise import compile_specs as elementwise_specs
     from worker.engine.kernels.triton.fused_moe import compile_specs as moe_specs
     from worker.engine.kernels.triton.lora import compile_specs as lora_specs
+    from worker.engine.kernels.triton.quant_gemm import compile_specs as quant_specs
     from worker.engine.kernels.triton.varlen_attention import compile_specs as varlen_specs
 
-    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs() + varlen_specs() + bitmask_specs()
+    return attention_specs() + cache_specs() + elementwise_specs() + moe_specs() + lora_specs() + varlen_specs() + bitmask_specs() + quant_specs()

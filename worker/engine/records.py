@@ -1,4 +1,9 @@
-"""Per-request and per-choice state.
+"""The engine's shared records: a request, its choices (sequences), and what one step
+produced for one choice.
+
+A leaf (it imports nothing of the engine): the core, the components, speculative
+decoding and the disaggregation legs all read these records, and none of them need
+import the core for it (tests/unit/common/test_import_layers.py).
 
 A ``Request`` is what the client sent (one prompt, n choices).  Each choice is a
 ``EngineSequence``: the unit the scheduler and block manager work on.  Choice 0 exists
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -160,3 +166,18 @@ class EngineSequence:
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"EngineSequence({self.request.request_id}#{self.index}, tokens={len(self.token_ids)}+{self.num_pending}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)}, {self.status.name})")
+
+
+@dataclass
+class SequenceOutput:
+    """What one engine-core step produced for one choice, before any wire format: the
+    core hands these out, ``Engine`` (engine.py) packs them into the wire's
+    CompletionDelta (wire_output.py).  The sequence carries the rest an output reports:
+    finish/stop reason and the logprobs gathered since the last output
+    (``pending_logprobs``)."""
+
+    request: Request
+    index: int  # choice index
+    seq: Optional[EngineSequence]  # None: a choice of an aborted request that was never forked
+    new_token_ids: list[int] = field(default_factory=list)
+    text: Optional[str] = None  # newly released text (text mode / stop strings)

@@ -1,4 +1,4 @@
-"""The engine component interface (issue 31).
+"""The engine component interface (issues 31, 41): a leaf the core and the features share.
 
 A feature that is not the core loop (schedule -> forward -> sample -> append) is an
 ``EngineComponent``: ``EngineCore`` holds a list of them and calls their hooks, in
@@ -8,15 +8,16 @@ default; ``Hooks`` collects, once, only the components that *override* a hook, s
 a step pays nothing for a feature that is off or does not care about that point.
 
 Per-request state belongs to the component (a dict keyed by request id or by
-sequence id inside it), not to ``Request`` / ``EngineSequence``.
+sequence id inside it), not to ``Request`` / ``EngineSequence``.  Components are built
+by worker/engine/build.py (each feature module's ``maybe_create``) and get the core's
+``EngineContext``, never the core.
 
 Hook order in a request's life::
 
     check(req, mm)                validate; raise a ClientError (400/404/429...) to refuse
-    admit(request, seq, held)     after the request is registered: READY (the core schedules
-                                  it) or WAIT (the component holds it and hands it to the
-                                  scheduler later itself); ``held``: an earlier component
-                                  already returned WAIT (register state, start nothing)
+    admit(request, seq)           after the request is registered: register state, start
+                                  async work; ``ctx.close_gate(request, name)`` when the
+                                  request must not run before that work is done
     can_overlap(request)          once, after admit: False when the request's steps need the
                                   previous step's outputs on the host before they are planned
                                   (a grammar's state, adapter or encoder inputs): its steps
@@ -37,9 +38,22 @@ Hook order in a request's life::
     forget(request)               the request is gone (finished, aborted or failed)
     fill_deltas(outs, deltas)     the step's outputs become wire CompletionDeltas (engine.py)
     fill_load(load)               the worker's load report
-    on_kv_cache_released()        sleep released the KV cache / wake-up allocated it again
+    on_kv_cache_released()        sleep released the KV cache / start and wake-up allocated it
     on_kv_cache_allocated()
+    on_model_replaced(model)      wake-up reloaded the weights into a new model (None: released)
     close()                       the engine shuts down
+
+Readiness gates (core/gates.py) instead of an order between components: a request
+whose KV blocks are pulled (``kv_pull``), whose encodings are pulled (``encoder_pull``)
+or whose grammar compiles (``grammar``) has that gate closed by the component that
+does the work, in ``admit``; the component opens it (``ctx.open_gate``) from ``tick`` /
+``wait_idle`` when the work is done, and the core queues the request for the scheduler
+once *every* gate is open -- several components may wait on one request at once, none
+knows of the others.  Work that can never finish (a failed transfer, a grammar that
+does not compile) fails the request instead (``ctx.fail_request``: its choices are
+aborted, its blocks freed, its other gates dropped); opening a gate of a request that is
+gone changes nothing.  Limits that depend on the running batch rather than on the
+request (LoRA's adapter slots) are the scheduler's ``limits``, not gates.
 """
 from __future__ import annotations
 
@@ -49,8 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from common.protocol import CompletionDelta, GenerateRequest, WorkerLoad
-    from worker.engine.core.outputs import SequenceOutput
-    from worker.engine.core.request import EngineSequence, Request
+    from worker.engine.records import EngineSequence, Request, SequenceOutput
     from worker.engine.sample.sampler import SamplerOutput
     from worker.engine.step_plan import ScheduledSeq
 
@@ -65,9 +78,12 @@ class EngineContext(Protocol):
     model_config: Any  # ModelConfig
     tokenizer: Any  # None when serving tokens only
     max_model_len: int
-    block_manager: Any  # KV blocks a P/D leg reserves, holds and frees
+    block_manager: Any  # KV blocks a P/D leg reserves, holds and frees; the prefix cache's reset
+    model_info: Any  # common.protocol.ModelInfo: what the worker announces (LoRA keeps its adapters there)
 
     def kv_cache(self) -> "Optional[torch.Tensor]": ...
+
+    def add_admission_limit(self, limit: Any) -> None: ...
 
     def running(self) -> "list[EngineSequence]": ...
 
@@ -75,24 +91,54 @@ class EngineContext(Protocol):
 
     def is_live(self, request_id: str) -> bool: ...
 
-    def schedule(self, seq: "EngineSequence") -> None: ...
+    def close_gate(self, request: "Request", name: str) -> None: ...
 
-    def withdraw(self, seq: "EngineSequence") -> bool: ...
+    def open_gate(self, request: "Request", name: str) -> None: ...
 
     def fail_request(self, request: "Request", status: int, message: str, param: str) -> None: ...
 
-    def fail_admitted_request(self, request: "Request", status: int, message: str, param: str) -> None: ...
-
     def forget_request(self, request: "Request") -> None: ...
 
+    # the engine-wide commands of RL control (rl/control.py), between two steps
+    def drain(self) -> None: ...
 
-READY = "ready"  # admit(): the core hands the sequence to the scheduler
-WAIT = "wait"  # admit(): the component holds it (and schedules it once ready)
+    def preempt_all(self) -> None: ...
+
+    def release_kv_cache(self) -> None: ...
+
+    def allocate_kv_cache(self) -> None: ...
+
+    def replace_model(self, model: Any) -> None: ...
+
+
+class EngineWiring(Protocol):
+    """What ``EngineCore`` asks of the features it runs with while it is built; it imports
+    none of them (worker/engine/build.py's ``EngineFeatures`` is the implementation,
+    ``Engine`` hands it over).  Without one the core runs the bare loop."""
+
+    def start(self, ctx: EngineContext) -> None:
+        """Before the model is built: configuration checks, tensor parallelism's followers."""
+
+    def install(self, ctx: EngineContext, runner: Any) -> None:
+        """The runner exists, its KV cache is not sized yet: the features' runner hooks."""
+
+    def components(self, ctx: EngineContext, runner: Any) -> "list[EngineComponent]":
+        """Scheduler, block manager and model info exist: the components, in hook order."""
+
+    def parse_images(self, req: "GenerateRequest") -> Any:
+        """The request's images checked against the model (MultiModalState, None: none)."""
+
+    # after components(): an engine that runs another step than the model's (encoder-only),
+    # why async scheduling cannot run, and speculative decoding's verification
+    step: "Optional[Callable[[], list[SequenceOutput]]]"
+    overlap_blocker: Optional[str]
+    append_verified: Optional[Callable[..., "SequenceOutput"]]
+
 
 HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
          "on_scheduled", "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
-         "on_kv_cache_allocated", "close")
+         "on_kv_cache_allocated", "on_model_replaced", "close")
 
 
 class EngineComponent:
@@ -105,11 +151,11 @@ class EngineComponent:
         """Refuse a request (raise a ClientError) before anything is registered; ``mm``:
         its MultiModalState (multimodal/images.py) or None."""
 
-    def admit(self, request: "Request", seq: "EngineSequence", held: bool) -> str:
-        """The request is registered; READY or WAIT (the component schedules it later).
-        ``held``: an earlier component returned WAIT.  Raising undoes the admission
-        (every component's ``forget`` runs)."""
-        return READY
+    def admit(self, request: "Request", seq: "EngineSequence") -> None:
+        """The request is registered (``seq``: its choice 0): keep what the feature needs
+        of it, start its async work and close the gate that work opens
+        (``ctx.close_gate``).  Raising undoes the admission (every component's
+        ``forget`` runs)."""
 
     def can_overlap(self, request: "Request") -> bool:
         """Whether the request's steps may be planned while its previous step is still in
@@ -167,7 +213,11 @@ class EngineComponent:
         """Sleep released the KV cache: release what lives beside it (a draft model's cache)."""
 
     def on_kv_cache_allocated(self) -> None:
-        """Wake-up allocated the KV cache again."""
+        """The KV cache was allocated: when the engine starts, and at wake-up."""
+
+    def on_model_replaced(self, model: Any) -> None:
+        """Wake-up reloaded the weights into a new model object (None: sleep released
+        it): re-attach what lives in the model (LoRA's slots)."""
 
     def close(self) -> None:
         """The engine shuts down."""
@@ -183,7 +233,7 @@ class Hooks:
 
     # typed views (the attributes are set above)
     check: list[Callable[..., Any]]
-    admit: list[Callable[..., str]]
+    admit: list[Callable[..., None]]
     can_overlap: list[Callable[..., bool]]
     holds_steps: list[Callable[[], bool]]
     tick: list[Callable[[], None]]
@@ -199,4 +249,5 @@ class Hooks:
     fill_load: list[Callable[..., None]]
     on_kv_cache_released: list[Callable[[], None]]
     on_kv_cache_allocated: list[Callable[[], None]]
+    on_model_replaced: list[Callable[..., None]]
     close: list[Callable[[], None]]

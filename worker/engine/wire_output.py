@@ -13,8 +13,7 @@ import numpy as np
 
 from common.protocol import CompletionDelta
 from worker.engine.sample.logprobs import extend_token_logprobs
-from worker.engine.core.outputs import SequenceOutput
-from worker.engine.core.request import FinishReason
+from worker.engine.records import FinishReason, SequenceOutput
 
 
 def to_delta(out: SequenceOutput) -> CompletionDelta:

@@ -1,0 +1,266 @@
+"""Quantized test checkpoints written from the tiny dense ones, in the formats users
+download.  Two kinds of reference:
+
+* compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8) and
+  transformers' FineGrainedFP8 (``quant_method: fp8`` with 128x128-style blocks) are written
+  and read back by their real libraries: ``compressed_tensors`` compresses the model, and
+  transformers loads it with ``dequantize=True`` as the reference model.
+* AWQ (AutoAWQ's GEMM layout) and GPTQ (AutoGPTQ / GPTQModel's v1 and v2 layouts): their
+  libraries need CUDA builds that do not install here (autoawq's kernels, gptqmodel's
+  extensions), so the writers below pack the integers the way those libraries' packers do
+  (loops over columns, AutoAWQ's 0 2 4 6 1 3 5 7 nibble order; GPTQ's row packing and
+  v1's zero - 1), independently of the engine's unpacking, and the reference is the HF
+  model with each linear set to the dequantized values ``(q - zero) * scale`` the
+  writer quantized to.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support.model_factory import _quiet_transformers
+
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "w1", "w2", "w3")  # Mixtral experts (the router, ``gate``, stays dense as the libraries leave it)
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+
+
+def _linears(state: dict) -> list[str]:
+    return [k[:-len(".weight")] for k in state if k.endswith(".weight") and k.split(".")[-2] in LINEAR_SUFFIXES]
+
+
+# --- compressed-tensors (the real library) ---------------------------------------------
+def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int = 32) -> Path:
+    """``scheme``: w4a16 (symmetric int4 groups), w4a16_asym, w8a16 (int8 packed, channel),
+    fp8 (FP8 weights per channel, dynamic per-token FP8 activations), fp8_block (32x32
+    blocks)."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    _quiet_transformers()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    if scheme.startswith("w4a16") or scheme == "w8a16":
+        bits = 8 if scheme == "w8a16" else 4
+        strategy = "channel" if scheme == "w8a16" else "group"
+        weights = QuantizationArgs(num_bits=bits, type="int", symmetric=not scheme.endswith("asym"),
+                                   group_size=group_size if strategy == "group" else None, strategy=strategy)
+        fmt, acts = "pack-quantized", None
+    else:
+        block = scheme == "fp8_block"
+        weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block" if block else "channel",
+                                   block_structure=[32, 32] if block else None)
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group" if block else "token",
+                                group_size=32 if block else None, dynamic=True)
+        fmt = "float-quantized"
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+        targets=["Linear"], weights=weights, input_activations=acts)}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    for _, module in model.named_modules():
+        qs = getattr(module, "quantization_scheme", None)
+        if qs is None:
+            continue
+        w, args = module.weight.detach().float(), qs.weights
+        if args.strategy == "group":
+            g = w.reshape(w.shape[0], -1, args.group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+        elif args.strategy == "block":
+            r, c = args.block_structure
+            b = w.reshape(w.shape[0] // r, r, w.shape[1] // c, c)
+            lo, hi = b.amin((1, 3)), b.amax((1, 3))
+        else:
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale, zero = calculate_qparams(lo, hi, args)
+        module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero.to(module.weight_zero_point.dtype))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    compressor.update_config(str(dst))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    return dst
+
+
+def load_dequantized_reference(path: Path):
+    """transformers' own dequantizing load of a compressed-tensors / FP8 checkpoint (fp32)."""
+    import transformers
+
+    _quiet_transformers()
+    cfg = json.loads((path / "config.json").read_text())
+    method = cfg["quantization_config"]["quant_method"]
+    if method == "compressed-tensors":
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+        qc = CompressedTensorsConfig(dequantize=True)
+    else:
+        from transformers.utils.quantization_config import FineGrainedFP8Config
+        qc = FineGrainedFP8Config(weight_block_size=tuple(cfg["quantization_config"]["weight_block_size"]),
+                                  dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=qc,
+                                                              attn_implementation="eager")
+    return model.float().eval()
+
+
+# --- FP8 blocks as DeepSeek-V3 / transformers' FineGrainedFP8 store them -----------------
+def write_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (32, 32)) -> Path:
+    """``quant_method: fp8`` with ``weight_block_size``: FP8 weights and float32
+    ``weight_scale_inv`` per block (dequant: ``w * scale_inv``)."""
+    _copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out = dict(state)
+    r, c = block
+    for layer in _linears(state):
+        w = state[layer + ".weight"].float()
+        blocks = w.reshape(w.shape[0] // r, r, w.shape[1] // c, c)
+        scale = blocks.abs().amax((1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+        q = (blocks / scale[:, None, :, None]).reshape(w.shape).to(torch.float8_e4m3fn)
+        out[layer + ".weight"] = q
+        out[layer + ".weight_scale_inv"] = scale.float()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+# --- AWQ / GPTQ (packers written after the libraries' own) ------------------------------
+def _int_quantize(w_t: torch.Tensor, group: int, sym: bool, bits: int = 4):
+    """Rows of ``w_t`` ([in, out]) in groups of ``group`` rows -> (q [in, out] ints,
+    zeros [groups, out] ints, scales [groups, out])."""
+    inp, out = w_t.shape
+    g = w_t.reshape(inp // group, group, out)
+    qmax = (1 << bits) - 1
+    if sym:
+        scale = g.abs().amax(1) / ((qmax - 1) / 2)
+        zero = torch.full_like(scale, (qmax + 1) // 2, dtype=torch.int32)
+    else:
+        lo, hi = g.amin(1), g.amax(1)
+        scale = (hi - lo).clamp_min(1e-8) / qmax
+        zero = torch.round(-lo / scale).clamp(0, qmax).to(torch.int32)
+    scale = scale.half().float()  # the checkpoints store fp16 scales
+    q = torch.round(g / scale[:, None] + zero[:, None]).clamp(0, qmax).to(torch.int32)
+    return q.reshape(inp, out), zero, scale
+
+
+def _pack_columns(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """[rows, cols] 4-bit ints -> [rows, cols / 8] int32, word j's nibble i = column 8j + order[i]."""
+    rows, cols = values.shape
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for j in range(cols // 8):
+        for i in range(8):
+            packed[:, j] |= values[:, 8 * j + order[i]].to(torch.int64) << (4 * i)
+    return _as_int32(packed)
+
+
+def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ: [rows, cols] ints -> [rows * bits / 32, cols] int32, row i in word i // (32/bits)."""
+    per = 32 // bits
+    rows, cols = values.shape
+    packed = torch.zeros(rows // per, cols, dtype=torch.int64)
+    for i in range(rows):
+        packed[i // per] |= values[i].to(torch.int64) << (bits * (i % per))
+    return _as_int32(packed)
+
+
+def _pack_columns_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 32 // bits
+    rows, cols = values.shape
+    packed = torch.zeros(rows, cols // per, dtype=torch.int64)
+    for j in range(cols):
+        packed[:, j // per] |= values[:, j].to(torch.int64) << (bits * (j % per))
+    return _as_int32(packed)
+
+
+def _as_int32(packed64: torch.Tensor) -> torch.Tensor:
+    return ((packed64 + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
+
+
+def write_awq(src: Path, dst: Path, group: int = 32) -> tuple[Path, dict]:
+    """AutoAWQ GEMM checkpoint (zero points, fp16 scales); returns it and the dequantized
+    weights {layer.weight: [out, in]} the reference model holds."""
+    _copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out, dense = dict(state), {}
+    for layer in _linears(state):
+        w_t = state.pop(layer + ".weight").float().t().contiguous()  # [in, out]
+        del out[layer + ".weight"]
+        q, zero, scale = _int_quantize(w_t, group, sym=False)
+        out[layer + ".qweight"] = _pack_columns(q, (0, 2, 4, 6, 1, 3, 5, 7))
+        out[layer + ".qzeros"] = _pack_columns(zero, (0, 2, 4, 6, 1, 3, 5, 7))
+        out[layer + ".scales"] = scale.half()
+        groups = torch.arange(w_t.shape[0]) // group
+        dense[layer + ".weight"] = ((q - zero[groups]).float() * scale[groups]).t().contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+                                  "zero_point": True, "modules_to_not_convert": None}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, dense
+
+
+def write_gptq(src: Path, dst: Path, group: int = 32, bits: int = 4, sym: bool = True, act_order: bool = False,
+               checkpoint_format: str = "gptq", seed: int = 0) -> tuple[Path, dict]:
+    """GPTQ checkpoint (AutoGPTQ v1: zeros stored minus one; ``gptq_v2``: as they are);
+    act-order permutes which group each input row belongs to (``g_idx``)."""
+    _copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out, dense = dict(state), {}
+    gen = torch.Generator().manual_seed(seed)
+    for layer in _linears(state):
+        w_t = state[layer + ".weight"].float().t().contiguous()  # [in, out]
+        del out[layer + ".weight"]
+        inp = w_t.shape[0]
+        perm = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
+        # quantize rows in the permuted order (act-order); row perm[k] is in group k // group
+        q_p, zero, scale = _int_quantize(w_t[perm], group, sym=sym, bits=bits)
+        q = torch.empty_like(q_p)
+        q[perm] = q_p
+        g_idx = torch.empty(inp, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(inp) // group).to(torch.int32)
+        stored_zero = zero - 1 if checkpoint_format == "gptq" else zero
+        out[layer + ".qweight"] = _pack_rows(q, bits)
+        out[layer + ".qzeros"] = _pack_columns_bits(stored_zero & ((1 << bits) - 1), bits)
+        out[layer + ".scales"] = scale.half()
+        out[layer + ".g_idx"] = g_idx
+        gl = g_idx.long()
+        dense[layer + ".weight"] = ((q - zero[gl]).float() * scale[gl]).t().contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+                                  "sym": sym, "checkpoint_format": checkpoint_format}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, dense
+
+
+def reference_with_weights(src: Path, dense: dict, root: Optional[Path] = None):
+    """The dense tiny model's HF reference with its linears replaced by ``dense``
+    (checkpoint names): written as a dense checkpoint and loaded by transformers, which
+    maps the names (fused MoE experts included) as it does for any checkpoint."""
+    import tempfile
+
+    from tests.support.model_factory import load_hf_model
+
+    state = load_file(str(src / "model.safetensors"))
+    for name, w in dense.items():
+        state[name] = w.to(state[name].dtype)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        _copy_side_files(src, Path(tmp))
+        save_file(state, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        return load_hf_model(Path(tmp))

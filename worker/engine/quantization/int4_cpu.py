@@ -1,0 +1,59 @@
+"""int4 weights kept packed in memory on CPU (W4A16), for ``int4_linear`` in
+worker/engine/kernels/int4_gemm.cpp.
+
+``pack_int4`` takes a layer's unsigned 4-bit values ``q [N, K]`` (0..15), its group
+scales and zero points ``[N, K / group]`` (zero in q units: 8 for a symmetric
+checkpoint) and lays them out as the kernel reads them: per block of 8 output columns one
+int32 word per k (nibble j = column j), scales and zeros as ``[N / 8, G, 8]`` fp32.  N is
+padded to a multiple of 8 with zero columns (scale 0), which the kernel never writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    packed: torch.Tensor  # [ceil(N/8), K] int32
+    scales: torch.Tensor  # [ceil(N/8), G, 8] fp32
+    zeros: torch.Tensor  # [ceil(N/8), G, 8] fp32
+    group: int
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> PackedInt4:
+    n, k = q.shape
+    if k % group or scales.shape != (n, k // group) or zeros.shape != scales.shape:
+        raise ValueError(f"int4 weight [{n}, {k}] with group {group} needs scales/zeros [{n}, {k // group}], "
+                         f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+    if int(q.min()) < 0 or int(q.max()) > 15:
+        raise ValueError("int4 values must be unsigned 0..15")
+    nb = -(-n // 8)
+    pad = nb * 8 - n
+    q = torch.nn.functional.pad(q.to(torch.int64), (0, 0, 0, pad)).reshape(nb, 8, k)
+    shifts = (torch.arange(8, dtype=torch.int64) * 4).reshape(1, 8, 1)
+    words = (q << shifts).sum(1)  # [nb, k], nibble j = column j (no carries: disjoint bits)
+    packed = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).contiguous()
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
+        return t.reshape(nb, 8, k // group).permute(0, 2, 1).contiguous()
+
+    return PackedInt4(packed, blocked(scales), blocked(zeros), group, n, k)
+
+
+def int4_linear(x: torch.Tensor, weight: PackedInt4, bias=None, kernels=None) -> torch.Tensor:
+    """``x @ ((q - zero) * scale).T + bias`` over the packed weight; ``x`` [..., K]."""
+    if kernels is None:
+        from worker.engine.kernels import load_cpu_kernels
+        kernels = load_cpu_kernels()
+    shape = x.shape
+    out = kernels.int4_linear(x.reshape(-1, shape[-1]), weight.packed, weight.scales, weight.zeros, weight.group,
+                              weight.out_features, bias)
+    return out.reshape(*shape[:-1], weight.out_features)

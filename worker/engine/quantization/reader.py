@@ -1,0 +1,146 @@
+"""The checkpoint's tensor stream with quantized layers turned dense.
+
+A quantized linear layer ``X`` arrives as several tensors (``X.weight`` in FP8 and
+``X.weight_scale``; ``X.qweight``, ``X.qzeros``, ``X.scales`` and ``X.g_idx``; ...), in
+any order and possibly in different shards.  ``dequantize_stream`` buffers each layer's
+parts until its scheme's set is complete, then yields ``(X.weight, dense)`` in their
+place; every other tensor passes through unchanged, so the loader and each model's name
+mapping, tensor-parallel slicing and expert stacking see a dense checkpoint.  Peak extra
+memory is the parts of the layers not yet complete (one layer, in the usual order).
+
+Activation and KV-cache scales (``input_scale``, ``k_scale`` ...) are dropped: the layers
+run their activations unquantized (stated in docs/quantization.md).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
+from worker.engine.quantization.dequant import dequant_awq, dequant_float, dequant_gptq, dequant_packed
+
+log = logging.getLogger(__name__)
+
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+           if hasattr(torch, n)}
+# Parts of a quantized layer, by the suffix after the layer's name.
+_PARTS = ("weight_packed", "weight_shape", "weight_scale_inv", "weight_scale", "weight_zero_point", "weight_g_idx",
+          "qweight", "qzeros", "scales", "g_idx")
+# Activation / KV-cache quantization parameters: not used by unquantized activations.
+_DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale", "v_scale",
+            "input_global_scale", "weight_global_scale")
+
+
+def _split(name: str) -> tuple[str, str]:
+    layer, _, part = name.rpartition(".")
+    return layer, part
+
+
+def _required(scheme: WeightScheme) -> tuple[str, ...]:
+    if scheme.kind == "fp8":
+        return ("weight", "scale")
+    if scheme.kind == "int":
+        return ("weight", "weight_scale") + (() if scheme.symmetric else ("weight_zero_point",))
+    if scheme.kind == "packed":
+        return ("weight_packed", "weight_scale", "weight_shape") + (() if scheme.symmetric else ("weight_zero_point",))
+    return ("qweight", "qzeros", "scales")  # awq, gptq
+
+
+class _Layer:
+    def __init__(self, scheme: WeightScheme):
+        self.scheme = scheme
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def add(self, part: str, tensor: torch.Tensor) -> None:
+        if part in ("weight_scale", "weight_scale_inv") and self.scheme.kind == "fp8":
+            self.parts["scale"] = tensor
+        self.parts[part] = tensor
+
+    def complete(self) -> bool:
+        return all(p in self.parts for p in _required(self.scheme))
+
+    def missing(self) -> list[str]:
+        return [p for p in _required(self.scheme) if p not in self.parts]
+
+    def dense(self, name: str) -> torch.Tensor:
+        s, p = self.scheme, self.parts
+        try:
+            if s.kind == "fp8":
+                return dequant_float(p["weight"], p["scale"], s)
+            if s.kind == "int":
+                return dequant_float(p["weight"], p["weight_scale"], s, p.get("weight_zero_point"))
+            if s.kind == "packed":
+                shape = tuple(int(v) for v in p["weight_shape"].tolist())
+                return dequant_packed(p["weight_packed"], p["weight_scale"], shape, s, p.get("weight_zero_point"),
+                                      p.get("weight_g_idx"))
+            if s.kind == "awq":
+                return dequant_awq(p["qweight"], p["qzeros"], p["scales"], s.group_size or 128)
+            return dequant_gptq(p["qweight"], p["qzeros"], p["scales"], s, p.get("g_idx"))
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise ValueError(f"quantized layer {name} ({s.kind}): its tensors do not fit the checkpoint's "
+                             f"quantization_config ({', '.join(f'{k} {tuple(v.shape)}' for k, v in p.items())}): "
+                             f"{e}") from None
+
+
+def _is_quantized_weight(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in _FLOAT8 or not tensor.is_floating_point()
+
+
+def _check_late_part(name: str, tensor: torch.Tensor, scheme: WeightScheme) -> None:
+    """A part arriving after its layer was built: only GPTQ's g_idx without act-order,
+    which then maps rows to groups in order (what the layer was built with)."""
+    if name.endswith("g_idx") and scheme.kind == "gptq" and scheme.group_size:
+        expected = torch.arange(tensor.numel()) // scheme.group_size
+        if torch.equal(tensor.long().cpu(), expected):
+            return
+        raise ValueError(f"checkpoint tensor {name} orders rows by activation (act-order) but the checkpoint's "
+                         f"quantization_config has desc_act false")
+    raise ValueError(f"checkpoint tensor {name} repeats a part of a quantized layer already loaded")
+
+
+def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Optional[CheckpointQuantization],
+                      dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with each quantized layer's parts replaced by its dense weight (in
+    ``dtype`` when given).  A dense checkpoint (``quant`` None) passes through."""
+    if quant is None:
+        yield from tensors
+        return
+    pending: dict[str, _Layer] = {}
+    done: dict[str, WeightScheme] = {}  # layers already yielded (a late g_idx must be the trivial one)
+    dropped = 0
+    for name, tensor in tensors:
+        layer, part = _split(name)
+        if part in _DROPPED:
+            dropped += 1
+            continue
+        quantized_part = part in _PARTS or (part == "weight" and _is_quantized_weight(tensor))
+        if not quantized_part:
+            yield name, tensor
+            continue
+        entry = pending.get(layer)
+        if entry is None:
+            scheme = quant.scheme_for(layer)
+            if scheme is None:
+                raise ValueError(f"checkpoint tensor {name} ({tensor.dtype}) is quantized, but the checkpoint's "
+                                 f"quantization_config keeps layer {layer} unquantized")
+            if layer in done:
+                _check_late_part(name, tensor, done[layer])
+                continue
+            entry = pending[layer] = _Layer(scheme)
+        entry.add(part, tensor)
+        # GPTQ's g_idx is optional (absent: groups in order), so a complete layer waits for
+        # it only when the config says act-order (desc_act) put it there.
+        if entry.complete() and not (entry.scheme.kind == "gptq" and quant.raw.get("desc_act")
+                                     and "g_idx" not in entry.parts):
+            dense = entry.dense(layer)
+            del pending[layer]
+            done[layer] = entry.scheme
+            yield layer + ".weight", dense if dtype is None else dense.to(dtype)
+    if pending:
+        layer, entry = next(iter(pending.items()))
+        raise ValueError(f"quantized layer {layer} lacks {', '.join(entry.missing()) or 'g_idx'} in the checkpoint "
+                         f"({len(pending)} incomplete layer(s))")
+    if dropped:
+        log.info("dropped %d activation/KV-cache quantization scale(s): activations run unquantized", dropped)
