@@ -74,3 +74,19 @@ def test_docs_table_is_the_registry():
     page = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     block = page.split("<!-- models-table:start")[1].split("-->", 1)[1].split("<!-- models-table:end -->")[0]
     assert block.strip() == markdown_table(), "docs/models.md's table is stale: tokserve models --format markdown"
+
+
+def test_tensor_parallelism_is_refused_for_a_family_that_does_not_shard(tiny_model):
+    from worker.engine.parallel.follower import check_shardable
+
+    cfg = json.loads((tiny_model("llama") / "config.json").read_text())
+    family = ModelFamily("NoTpLlamaForCausalLM", "llama", "LlamaForCausalLM", "no TP", tensor_parallel=False)
+    ModelRegistry.register(family)
+    try:
+        mc = ModelConfig.from_dicts(tiny_model("llama"), {**cfg, "architectures": [family.architecture]})
+        check_shardable(mc, 1)
+        with pytest.raises(ValueError, match="NoTpLlamaForCausalLM: tensor parallelism of this model family"):
+            check_shardable(mc, 2)
+    finally:
+        ModelRegistry.unregister(family.architecture)
+    assert family.architecture not in ModelRegistry

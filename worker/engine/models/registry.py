@@ -68,6 +68,9 @@ class _ModelRegistry:
         """Add (or replace) an architecture: out-of-tree implementations plug in here."""
         self._families[family.architecture] = family
 
+    def unregister(self, arch: str) -> None:
+        self._families.pop(arch, None)
+
     def get_supported_archs(self) -> tuple[str, ...]:
         return tuple(self._families)
 
