@@ -12,6 +12,7 @@ COMMANDS = {
     "gateway": ("gateway.main:main", "run the HTTP gateway (Falcon ASGI on uvicorn)"),
     "build-kernels": ("worker.engine.kernels.build:main",
                       "compile the native CPU kernels now (the install's last step) instead of at first start"),
+    "models": ("worker.engine.models.catalog:main", "list the supported model architectures and what each supports"),
     "demo-model": ("worker.engine.loading.demo_model:main", "build the seeded random-weight demo model"),
     "bench": ("benchmarks.bench_serve:main", "benchmark a deployment like `vllm bench serve` (tokserve bench serve)"),
     "worker-ready": ("common.readiness:main", "readiness probe: exit 0 while the broker acknowledges a worker (its --ready-file)"),

@@ -62,7 +62,11 @@ def _hf_step_logits(path: Path) -> np.ndarray:
     return torch.cat(rows).numpy()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa"])  # kv heads 2 -> split; 1 -> replicated
+# kv heads 2 -> split; 1 -> replicated; Phi-3's fused checkpoint tensors are cut per rank;
+# SmolLM3's NoPE and sliding layers; Gemma 3's local/global layers, tied head and soft-capping;
+# OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated.
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3",
+                                  "olmo2_mqa"])
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     """A prefill, a chunk after cached context beside a second prefill, and decodes
     over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""

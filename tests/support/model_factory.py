@@ -23,6 +23,21 @@ Kinds (``KINDS``):
   qwen2_moe      Qwen2MoeForCausalLM, 8 experts top-2 (not renormalised) + gated shared expert
   qwen3_moe      Qwen3MoeForCausalLM, 3 layers, layer 1 dense (mlp_only_layers), 8 experts top-2,
                  norm_topk_prob
+  phi3           Phi3ForCausalLM (fused qkv_proj / gate_up_proj tensors)
+  phi3_longrope  Phi3ForCausalLM with LongRoPE (original context 128 of 1024), partial rotary 0.5
+                 (Phi-4-mini's kind) and sliding_window=8 on every layer
+  smollm3        SmolLM3ForCausalLM, 4 layers: layer 3 is NoPE (no_rope_layer_interval 4)
+  smollm3_swa    the same with use_sliding_window: the NoPE layer attends within 8 positions
+  olmo2          Olmo2ForCausalLM: post-norm blocks, q/k RMSNorm over the whole projection
+  olmo2_mqa      the same with one KV head (replicated under tensor parallelism)
+  olmo3          Olmo3ForCausalLM, 4 layers: 3 sliding (window 8) + 1 full; YaRN on the full layer only
+  gemma3         Gemma3ForCausalLM, 4 layers: local (window 8, rope base 10000) and global (base 1e6,
+                 linear x8) layers, query_pre_attn_scalar 24, final_logit_softcapping 30, tied head
+  glm4_moe       Glm4MoeForCausalLM, 3 layers: layer 0 dense (first_k_dense_replace), 8 experts in 4
+                 groups (2 chosen) top-2 by sigmoid + correction bias, routed_scaling_factor 2.5, one
+                 shared expert, q/k norm, q/k/v bias, partial rotary 0.5
+  gemma3_mm      Gemma3ForConditionalGeneration: gemma3's text tower (2 layers, no soft-capping) + a
+                 tiny SigLIP tower
 Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
 """
 from __future__ import annotations
@@ -51,11 +66,13 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+         "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+         "glm4_moe": "Glm4MoeForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -102,6 +119,51 @@ def _hf_config(kind: str):
         return transformers.Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": 3}, head_dim=32, num_experts=8,
                                            num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                                            decoder_sparse_step=1, mlp_only_layers=[1], use_sliding_window=False)
+    if kind == "phi3":
+        return transformers.Phi3Config(**_COMMON, pad_token_id=0, sliding_window=None)
+    if kind == "phi3_longrope":
+        # rotary dim 8 (partial 0.5 of head_dim 16): 4 factors each
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [1.5, 4.0, 9.0, 17.0],
+                "original_max_position_embeddings": 128}
+        return transformers.Phi3Config(**_COMMON, pad_token_id=0, sliding_window=8, rope_parameters=rope,
+                                       original_max_position_embeddings=128, partial_rotary_factor=0.5)
+    if kind in ("smollm3", "smollm3_swa"):
+        swa = kind == "smollm3_swa"
+        return transformers.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0,
+                                          use_sliding_window=swa, sliding_window=8 if swa else None)
+    if kind in ("olmo2", "olmo2_mqa"):
+        return transformers.Olmo2Config(**{**_COMMON, "num_key_value_heads": 1 if kind == "olmo2_mqa" else 2},
+                                        pad_token_id=0)
+    if kind == "olmo3":
+        rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 256},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        return transformers.Olmo3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0, sliding_window=8,
+                                        rope_parameters=rope)
+    if kind == "gemma3":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        return transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True}, head_dim=16, pad_token_id=0,
+            query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=30.0, rope_parameters=rope,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    if kind == "gemma3_mm":
+        text = _hf_config("gemma3").to_dict()
+        # No final soft-capping: transformers' image-text class skips it (vLLM, and we, apply it
+        # when configured; released Gemma 3 configs leave it unset).
+        text.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                    final_logit_softcapping=None)
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=1,
+                                         image_token_index=300, boi_token_index=301, eoi_token_index=302)
+    if kind == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            **{**_COMMON, "num_hidden_layers": 3}, head_dim=32, pad_token_id=0, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=48, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+            attention_bias=True, partial_rotary_factor=0.5)
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}
@@ -134,6 +196,10 @@ def build_tiny_model(kind: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     _randomise(model, seed)
+    if kind == "glm4_moe":  # the router's correction bias is a buffer: steer the choice with it too
+        gen = torch.Generator().manual_seed(seed + 1)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="40KB" if kind == "llama_sharded" else "1GB")
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}

@@ -29,7 +29,11 @@ def _triton_model(path):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa", "qwen2_moe", "qwen3_moe"])
+# + the dense families: Phi-3's partial rotary (the Triton rotary on a head slice) and
+# windows, SmolLM3's NoPE layers, OLMo 3's post-norm blocks and local rope, Gemma 3's
+# attention scale (query_pre_attn_scalar) through the unified kernel.
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa", "qwen2_moe", "qwen3_moe", "phi3_longrope",
+                                  "smollm3_swa", "olmo3", "gemma3", "glm4_moe"])
 def test_mixed_steps_match_hf(tiny_model, kind):
     """Fresh prefill, a chunk after cached context beside decode rows, decode-only
     steps: one kernel launch per layer for every row kind, and the Triton RMSNorm,

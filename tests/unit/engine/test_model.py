@@ -301,10 +301,12 @@ def test_model_config_legacy_keys(tmp_path):
         ModelConfig.from_dicts(tmp_path, {**cfg, "torch_dtype": "int8"})
     with pytest.raises(ValueError, match="lacks required key 'vocab_size'"):
         ModelConfig.from_dicts(tmp_path, {k: v for k, v in cfg.items() if k != "vocab_size"})
-    with pytest.raises(ValueError, match="Unsupported rope_type 'longrope'"):
+    with pytest.raises(ValueError, match="Unsupported rope_type 'mrope_interleaved'"):
         from worker.engine.models.llama import LlamaForCausalLM
 
-        LlamaForCausalLM(ModelConfig.from_dicts(tmp_path, {**cfg, "rope_scaling": {"type": "longrope"}}))
+        LlamaForCausalLM(ModelConfig.from_dicts(tmp_path, {**cfg, "rope_scaling": {"type": "mrope_interleaved"}}))
+    with pytest.raises(ValueError, match="rope_type longrope needs short_factor, long_factor"):
+        ModelConfig.from_dicts(tmp_path, {**cfg, "rope_scaling": {"type": "longrope"}})
 
 
 def test_dynamic_ntk_rope_table():

@@ -20,12 +20,18 @@ def test_layer_windows_follow_transformers(tiny_model):
     assert ModelConfig.from_dir(tiny_model("qwen2_swa")).layer_sliding_windows == (None, 6)
     assert ModelConfig.from_dir(tiny_model("mistral")).layer_sliding_windows == (None, None)
     assert ModelConfig.from_dir(tiny_model("qwen2")).layer_sliding_windows == (None, None)
-    # Qwen2 checkpoints record a window they do not use unless use_sliding_window is set.
-    assert _layer_sliding_windows({"sliding_window": 4096}, "Qwen2ForCausalLM", 3) == (None,) * 3
+    # Each family's rule (registry switch "sliding"): Qwen2 checkpoints record a window they do
+    # not use unless use_sliding_window is set; SmolLM3 ("gated") likewise for its layer_types.
+    assert _layer_sliding_windows({"sliding_window": 4, "layer_types": ["sliding_attention"]}, "gated", 1) == (None,)
+    assert _layer_sliding_windows({"sliding_window": 4, "use_sliding_window": True,
+                                   "layer_types": ["sliding_attention"]}, "gated", 1) == (4,)
+    assert _layer_sliding_windows({"sliding_window": 4}, "all", 2) == (4, 4)
+    assert _layer_sliding_windows({"sliding_window": 4}, None, 2) == (None, None)
+    assert _layer_sliding_windows({"sliding_window": 4096}, "qwen", 3) == (None,) * 3
     assert _layer_sliding_windows({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
-                                  "LlamaForCausalLM", 2) == (4, None)
+                                  None, 2) == (4, None)
     with pytest.raises(ValueError, match="Unsupported layer_types"):
-        _layer_sliding_windows({"sliding_window": 4, "layer_types": ["chunked_attention"]}, "MistralForCausalLM", 1)
+        _layer_sliding_windows({"sliding_window": 4, "layer_types": ["chunked_attention"]}, "all", 1)
 
 
 def _backends():

@@ -13,8 +13,9 @@ from worker.engine.attention.metadata import AttentionMetadata
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int] = None):
-        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, sliding_window)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int] = None,
+                 scale: Optional[float] = None):
+        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, sliding_window, scale)
         self.backend: AttentionBackend = TorchSDPABackend()
         self.impl: AttentionImpl = self.backend.make_impl(self.spec)
 

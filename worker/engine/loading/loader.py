@@ -1,4 +1,5 @@
-"""Load an HF-format safetensors checkpoint into ``LlamaForCausalLM``.
+"""Load an HF-format safetensors checkpoint into the registered model of its
+architecture (models/registry.py).
 
 Memory-lean: the model is created with uninitialised weights directly on the
 target device/dtype, then each checkpoint tensor is read on its own
@@ -16,14 +17,11 @@ import torch
 from safetensors import safe_open
 
 from worker.engine.models.config import ModelConfig
-from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
 from worker.engine.quantization.reader import dequantize_stream
 
 log = logging.getLogger(__name__)
 
-# Checkpoint tensors that are derived, not learned: skipped silently.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # Tensors only quantized checkpoints carry (FP8 scales, GPTQ/AWQ packed weights): left
 # over after dequantize_stream, they belong to a checkpoint whose config names no
 # quantization (FP8 exports often lack one), and loading them as dense would be garbage.
@@ -93,52 +91,34 @@ def iter_dense_checkpoint(model_dir: str | Path, quant: Optional[CheckpointQuant
     return dequantize_stream(iter_checkpoint(model_dir), quant)
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    targets = model.weight_targets()
-    slices = model.weight_slices()  # tensor parallelism: this rank's part of sharded tensors
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    rename = getattr(model, "checkpoint_name", None)  # multimodal checkpoints: names in the loader's terms
-    for name, tensor in iter_dense_checkpoint(model_dir, model.config.quantization):
-        if rename is not None:
-            name = rename(name)
+def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (dequantized) tensors, refusing the first left quantized."""
+    for name, tensor in weights:
         if name.endswith(_QUANTIZED_SUFFIXES) or any(p in name for p in _QUANTIZED_PARTS) or (
                 tensor.dtype in _QUANTIZED_DTYPES) or (name.endswith(".weight") and not tensor.is_floating_point()):
             raise ValueError(f"checkpoint tensor {name} ({tensor.dtype}) belongs to a quantized checkpoint, but "
                              f"config.json names no quantization_config this engine reads; quantized checkpoints "
                              f"without one are not supported: add the quantization_config its quantizer wrote, or "
                              f"serve an unquantized bfloat16/float16/float32 checkpoint")
-        dst = targets.get(name)
-        if dst is None:
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue  # some tied checkpoints store the copy anyway
-            if not name.endswith(_IGNORED_SUFFIXES):
-                unexpected.append(name)
-            continue
-        if name in slices:
-            tensor = tensor.narrow(*slices[name])
-        if tensor.shape != dst.shape:
-            # q_norm/k_norm hold one [head_dim] vector broadcast over the heads.
-            if not (tensor.dim() == 1 and dst.dim() == 2 and dst.shape[1] == tensor.shape[0]):
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        loaded.add(name)
-    missing = sorted(set(targets) - loaded)
+        yield name, tensor
+
+
+def load_weights(model, model_dir: str | Path) -> None:
+    """Stream the (dequantized) checkpoint through the model's own ``load_weights`` (its
+    name mapping and sharding) and check that every weight it needs came."""
+    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization)))
+    missing = sorted(set(model.weight_targets()) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weight(s): {shown}")
-    if unexpected:
-        log.warning("ignored %d unexpected checkpoint tensor(s), e.g. %s", len(unexpected), unexpected[:4])
 
 
 def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
-               device: torch.device | str = "cpu", config: Optional[ModelConfig] = None) -> LlamaForCausalLM:
-    """Build the model for ``model_dir`` on ``device`` in ``dtype`` (default: the
-    checkpoint's) and fill its weights."""
+               device: torch.device | str = "cpu", config: Optional[ModelConfig] = None):
+    """Build the registered model for ``model_dir``'s architecture on ``device`` in
+    ``dtype`` (default: the checkpoint's) and fill its weights."""
     config = config or ModelConfig.from_dir(model_dir)
-    cls = LlamaForCausalLM
-    if config.is_multimodal:
-        from worker.engine.models.qwen2_vl import Qwen2VLForConditionalGeneration as cls
+    cls = config.family.model_class()
     if config.quantization is not None:
         # No quantized kernels yet on either device: the layers hold the dequantized weights
         # (docs/quantization.md says what that costs in memory and what it computes).

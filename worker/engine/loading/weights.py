@@ -56,7 +56,8 @@ class ModelWeights:
         for prefix, module in self._groups():
             with self._dense(module):
                 for name, t in self._targets(prefix, module).items():
-                    if module is not self.model and name.endswith(("q_norm.weight", "k_norm.weight")):
+                    if module is not self.model and name.endswith(("q_norm.weight", "k_norm.weight")) and (
+                            t.dim() == 2):  # OLMo's whole-projection norms are plain vectors
                         out[name] = WeightSpec((t.shape[1],), t.dtype)  # one [head_dim] row, broadcast per head
                     else:
                         out[name] = WeightSpec(tuple(t.shape), t.dtype)

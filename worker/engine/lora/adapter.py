@@ -28,8 +28,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-# Projections of the Llama-family decoder layers a LoRA may target, by their HF names.
-LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections of the decoder layers a LoRA may target, by their HF names: the Llama
+# family's, and Phi-3's fused qkv_proj / gate_up_proj (which model has which: the
+# layer's LoRA groups, lora/weights.py).
+LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                 "gate_up_proj")
 # Model-level modules, keyed with layer MODEL in LoRAAdapter.weights.
 MODEL_MODULES = ("embed_tokens", "lm_head")
 MODEL = -1

@@ -33,7 +33,7 @@ from worker.engine.lora.adapter import MODEL, LoRAAdapter, load_adapter
 from worker.engine.lora.batch import LoRABatch
 from worker.engine.lora.weights import LayerLoRA, ModelLoRA
 
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 class LoRAError(ServingError):
@@ -53,6 +53,11 @@ _INVALID = "InvalidUserInput"
 class LoRAManager:
     def __init__(self, model, *, max_loras: int, max_rank: int, max_cpu_loras: Optional[int],
                  device: torch.device, dtype: torch.dtype, use_triton: bool):
+        family = model.config.family
+        if not family.lora_served:  # the registry says whose adapters these slots can serve
+            raise ValueError(f"{family.architecture}: serving LoRA adapters is not implemented for this model "
+                             f"family (its adapters target {', '.join(family.lora_modules)}); serve it without "
+                             f"--enable-lora")
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -66,7 +71,7 @@ class LoRAManager:
         # Triton path keeps vLLM's model-dtype slots (its shrink is float32).
         lora_dtype = dtype if use_triton else torch.float32
         self.layer_loras = [LayerLoRA(layer, max_loras, max_rank, lora_dtype, device) for layer in model.layers]
-        self.model_lora = ModelLoRA(model.config.vocab_size, model.layers[0].input_layernorm.weight.shape[0],
+        self.model_lora = ModelLoRA(model.config.vocab_size, model.config.hidden_size,
                                     max_loras, max_rank, lora_dtype, device)
         self.attach(model)
         self._slot_targets: dict[int, frozenset] = {}  # slot -> modules its adapter targets
@@ -137,6 +142,9 @@ class LoRAManager:
                     raise LoRAError(f"LoRA adapter at {path}: layer {layer} is a mixture-of-experts layer; "
                                     f"LoRA on expert MLPs ({module}) is not supported")
                 shapes, where = self.layer_loras[layer].shapes(), f"layer {layer} {module}"
+            if module not in shapes:  # e.g. Phi-3's fused qkv_proj on a model with q/k/v_proj
+                raise LoRAError(f"LoRA adapter at {path}: this model has no {module} (its projections: "
+                                f"{', '.join(shapes)}; an adapter of another base model?)")
             fan_in, fan_out = shapes[module]
             if a.shape[1] != fan_in or b.shape[0] != fan_out:
                 raise LoRAError(f"LoRA adapter at {path}: {where} has A {tuple(a.shape)} / B {tuple(b.shape)}, "

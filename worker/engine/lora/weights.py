@@ -98,17 +98,22 @@ class LayerLoRA:
     """The LoRA groups of one decoder layer: qkv, o and, on dense layers, gate_up and down."""
 
     def __init__(self, layer, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device):
-        q, kv, hidden = layer.q_size, layer.kv_size, layer.input_layernorm.weight.shape[0]
+        q, kv, hidden = layer.q_size, layer.kv_size, layer.hidden_size
 
         def group(modules, out_sizes, in_features):
             return _group(modules, out_sizes, in_features, num_slots, rank, dtype, device)
 
-        self.qkv = group(("q_proj", "k_proj", "v_proj"), (q, kv, kv), hidden)
+        # The HF modules of each fused projection: q/k/v and gate/up, or one module each
+        # where the checkpoint fuses them too (Phi-3's qkv_proj / gate_up_proj).
+        qkv_modules = layer.LORA_QKV_MODULES
+        self.qkv = group(qkv_modules, (q, kv, kv) if len(qkv_modules) == 3 else (q + 2 * kv,), hidden)
         self.o = group(("o_proj",), (hidden,), q)
         self.gate_up = self.down = None
         if layer.moe is None:
             inter = layer.intermediate_size
-            self.gate_up = group(("gate_proj", "up_proj"), (inter, inter), hidden)
+            gate_up_modules = layer.LORA_GATE_UP_MODULES
+            self.gate_up = group(gate_up_modules, (inter, inter) if len(gate_up_modules) == 2 else (2 * inter,),
+                                 hidden)
             self.down = group(("down_proj",), (hidden,), inter)
 
     @property

@@ -14,27 +14,10 @@ from typing import Any, Optional
 
 import torch
 
+from worker.engine.models.registry import ModelRegistry
 from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
 
 log = logging.getLogger(__name__)
-
-# architecture -> per-family switches of the single Llama implementation.
-#   qkv_bias_default: Qwen2 always has q/k/v biases (and no o_proj bias), the others
-#   follow config.attention_bias;  qk_norm: Qwen3 RMS-normalises q and k per head.
-#   moe: the sparse-MLP family (see ``_moe_config``), absent for dense models.
-_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias_default=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias_default=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias_default=False, qk_norm=True),
-    "MixtralForCausalLM": dict(qkv_bias_default=False, qk_norm=False, moe="mixtral"),
-    "Qwen2MoeForCausalLM": dict(qkv_bias_default=True, qk_norm=False, moe="qwen2_moe"),
-    "Qwen3MoeForCausalLM": dict(qkv_bias_default=False, qk_norm=True, moe="qwen3_moe"),
-    # Vision-language: a Qwen2 LM with M-RoPE behind a Qwen2-VL / Qwen2.5-VL vision tower.
-    "Qwen2VLForConditionalGeneration": dict(qkv_bias_default=True, qk_norm=False, vision="qwen2_vl"),
-    "Qwen2_5_VLForConditionalGeneration": dict(qkv_bias_default=True, qk_norm=False, vision="qwen2_5_vl"),
-}
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -87,6 +70,15 @@ class MoEConfig:
     # Checkpoint names: the block's attribute and the experts' gate / up / down projections.
     block_name: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # GLM-4.5 (DeepSeek-V3's router): sigmoid scores, a per-expert correction bias that only
+    # steers the choice, top-k within the topk_group best of n_group expert groups (a
+    # group's score: its two best), weights times routed_scaling_factor; always-on shared
+    # experts without a gate (shared_experts_intermediate_size).
+    scoring: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts_intermediate_size: int = 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -122,7 +114,7 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    qk_norm: bool  # RMS-normalise q and k (per head, or over the whole projection: qk_norm_full)
     dtype: torch.dtype  # checkpoint's torch_dtype (float32 when unspecified)
     eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
     bos_token_id: Optional[int] = None
@@ -138,6 +130,17 @@ class ModelConfig:
     image_token_id: Optional[int] = None
     vision_start_token_id: Optional[int] = None
     mrope_section: Optional[tuple[int, ...]] = None
+    # Family variations of the decoder (defaults: Llama's).
+    qk_norm_full: bool = False  # OLMo 2/3: q_norm/k_norm over all heads' [heads * head_dim] at once
+    norm_scheme: str = "pre"  # pre: x + f(norm(x)); post (OLMo 2/3): x + norm(f(x)); sandwich (Gemma 3): both
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # rotate the first rotary_dim of each head only (Phi-4-mini)
+    layer_rope: tuple[bool, ...] = ()  # per layer: rotary applied; () = every layer (SmolLM3: NoPE layers)
+    # The sliding-window layers' own (rope_theta, rope_scaling) where they differ from the
+    # full-attention layers' (Gemma 3's local base, OLMo 3's per-layer-type parameters).
+    local_rope: Optional[tuple[float, Optional[dict]]] = None
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (Gemma 3); None: head_dim's
+    final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap) (Gemma)
     # How the checkpoint's linear layers are stored when quantized (None: dense).
     quantization: Optional[CheckpointQuantization] = field(default=None, compare=False, hash=False)
 
@@ -152,6 +155,15 @@ class ModelConfig:
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def family(self):
+        """This architecture's registry entry (models/registry.py)."""
+        return ModelRegistry.resolve([self.architecture])
 
     @property
     def kv_size(self) -> int:
@@ -170,27 +182,23 @@ class ModelConfig:
     @classmethod
     def from_dicts(cls, path: Path, cfg: dict, gen: Optional[dict] = None) -> "ModelConfig":
         gen = gen or {}
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in _ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"Unsupported architecture {'/'.join(archs) or '(none given)'}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = _ARCHITECTURES[arch]
+        entry = ModelRegistry.resolve(cfg.get("architectures"))
+        arch, family = entry.architecture, entry.switches
         vision = family.get("vision")
         top = cfg
-        if vision:
-            # transformers 5 nests the LM's settings under text_config; older configs
-            # keep them top-level.  The text config's values win.
+        if vision or family.get("text_config"):
+            # transformers 5 nests the LM's settings under text_config (Gemma 3's image-text
+            # checkpoints always); older configs keep them top-level.  The text config's values win.
             text = cfg.get("text_config")
             if isinstance(text, dict):
                 cfg = {**cfg, **{k: v for k, v in text.items() if v is not None and k != "architectures"}}
         # A quantized checkpoint loads when its format is one the loader can turn dense
         # (quantization/config.py); any other is refused by name here, before a weight is read.
         quantization = parse_quantization(cfg.get("quantization_config") or cfg.get("compression_config"))
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"Unsupported hidden_act {act!r}; only silu is implemented")
+        act = cfg.get("hidden_act", cfg.get("hidden_activation")) or "silu"
+        acts = family.get("acts", ("silu", "swish"))
+        if act not in acts:
+            raise ValueError(f"Unsupported hidden_act {act!r}; {arch} implements {', '.join(acts)}")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -199,21 +207,43 @@ class ModelConfig:
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
+        if cfg.get("attn_logit_softcapping"):
+            # No attention backend here caps the attention logits (Gemma 2's setting;
+            # Gemma 3's configs leave it unset).
+            raise ValueError(f"{arch}: attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
+                             f"(no attention backend implements soft-capped attention logits)")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
         rope = dict(cfg.get("rope_parameters") or {})
-        # transformers 5 may nest per-layer-type parameters; full attention is ours.
+        local_rope = None
+        # transformers 5 may nest per-layer-type parameters: full attention's are the
+        # model's, the sliding layers' are kept beside them when they differ.
         if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-            rope = dict(rope["full_attention"])
+            nested = rope
+            rope = dict(nested["full_attention"])
+            local = nested.get("sliding_attention")
+            if isinstance(local, dict) and local != nested["full_attention"]:
+                local_rope = _local_rope(local, cfg)
+        elif cfg.get("rope_local_base_freq") is not None:  # Gemma 3's legacy key
+            local_rope = (float(cfg["rope_local_base_freq"]), None)
         legacy = cfg.get("rope_scaling")
         if legacy:
             rope.update(legacy)
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope.pop("type", None)
+        if rope_type in ("su", "longrope"):  # Phi-3's LongRoPE (legacy name "su")
+            rope_type = rope["rope_type"] = "longrope"
+            if rope.get("original_max_position_embeddings") is None:
+                rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings")
+            lacking = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings")
+                       if rope.get(k) is None]
+            if lacking:
+                raise ValueError(f"rope_type longrope needs {', '.join(lacking)}")
         mrope_section = rope.pop("mrope_section", None)
         if rope_type == "mrope":  # Qwen2-VL's legacy name for default frequencies split by mrope_section
             rope_type = "default"
@@ -233,8 +263,12 @@ class ModelConfig:
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
 
         attention_bias = bool(cfg.get("attention_bias", False))
-        qkv_bias = family["qkv_bias_default"] or attention_bias
-        o_bias = attention_bias and not family["qkv_bias_default"]
+        qkv_bias = family.get("qkv_bias_default", False) or attention_bias
+        # GLM-4.5: attention_bias biases q/k/v only, o_proj never.
+        o_bias = attention_bias and not family.get("qkv_bias_default", False) and family.get("o_bias", True)
+        qk_norm = family.get("qk_norm")
+        if qk_norm == "config":  # GLM-4.5: per-head q/k norms when use_qk_norm
+            qk_norm = "head" if cfg.get("use_qk_norm") else None
 
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if dtype_name not in _DTYPES:
@@ -246,7 +280,7 @@ class ModelConfig:
                 if i not in eos:
                     eos.append(i)
 
-        layer_windows = _layer_sliding_windows(cfg, arch, layers)
+        layer_windows = _layer_sliding_windows(cfg, family.get("sliding"), layers)
         sliding = next((w for w in layer_windows if w), None)
 
         max_new = gen.get("max_new_tokens")
@@ -270,7 +304,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family["qk_norm"],
+            qk_norm=bool(qk_norm),
             dtype=_DTYPES[dtype_name],
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
@@ -285,6 +319,16 @@ class ModelConfig:
             vision_start_token_id=(int(top["vision_start_token_id"]) if vision and
                                    top.get("vision_start_token_id") is not None else None),
             mrope_section=mrope_section,
+            qk_norm_full=qk_norm == "full",
+            norm_scheme=family.get("norm", "pre"),
+            hidden_act=act,
+            partial_rotary_factor=partial,
+            layer_rope=_layer_rope(cfg, family.get("nope"), layers),
+            local_rope=local_rope if any(layer_windows) else None,
+            query_pre_attn_scalar=(float(cfg["query_pre_attn_scalar"]) if family.get("gemma") and
+                                   cfg.get("query_pre_attn_scalar") is not None else None),
+            final_logit_softcapping=(float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping")
+                                     else None),
             quantization=quantization,
         )
 
@@ -292,6 +336,23 @@ class ModelConfig:
 def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
     """The sparse-MLP settings of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json, with
     the variants this engine cannot serve refused by name."""
+    if family == "glm4_moe":
+        experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)) or 0)
+        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+        try:
+            inter = int(cfg["moe_intermediate_size"])
+        except KeyError:
+            raise ValueError("config.json lacks required key 'moe_intermediate_size'") from None
+        n_group = int(cfg.get("n_group", 1) or 1)
+        if experts % n_group:
+            raise ValueError(f"n_group={n_group} does not divide the {experts} routed experts")
+        return _checked_moe(MoEConfig(
+            family, experts, int(cfg.get("num_experts_per_tok", 0)), inter,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=tuple(i >= first_dense for i in range(num_layers)), scoring="sigmoid", n_group=n_group,
+            topk_group=int(cfg.get("topk_group", 1) or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            shared_experts_intermediate_size=inter * int(cfg.get("n_shared_experts", 0) or 0)))
     if family == "mixtral":
         experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
         inter = int(cfg["intermediate_size"])
@@ -328,13 +389,39 @@ def _checked_moe(moe: MoEConfig) -> MoEConfig:
     return moe
 
 
-def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optional[int], ...]:
+def _local_rope(params: dict, cfg: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling or None) of one layer type's rope parameters."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
+    rope_type = params.pop("type", None) or params.get("rope_type", "default")
+    return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _layer_rope(cfg: dict, rule: Optional[str], num_layers: int) -> tuple[bool, ...]:
+    """Per layer: whether it rotates q/k.  SmolLM3's ``no_rope_layers`` holds 1 for a
+    layer with rotary, 0 for a NoPE layer (transformers' reading); absent, every
+    ``no_rope_layer_interval``-th layer (1-based) is NoPE."""
+    if rule != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(bool(f) for f in flags)
+
+
+def _layer_sliding_windows(cfg: dict, rule: Optional[str], num_layers: int) -> tuple[Optional[int], ...]:
     """Which layers attend within ``sliding_window`` positions, as transformers decides:
-    an explicit ``layer_types`` list wins; Mistral windows every layer when
-    ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, and then
-    the layers from ``max_window_layers`` on."""
+    an explicit ``layer_types`` list wins; the family's ``sliding`` rule (registry)
+    otherwise: ``all`` (Mistral, Phi-3) windows every layer when ``sliding_window`` is
+    set; ``qwen`` (Qwen2/Qwen3) only with ``use_sliding_window``, and then the layers
+    from ``max_window_layers`` on; ``gated`` (SmolLM3): ``layer_types`` only with
+    ``use_sliding_window``; none: no layer."""
     window = cfg.get("sliding_window")
-    if not window:
+    if not window or (rule == "gated" and not cfg.get("use_sliding_window", False)):
         return (None,) * num_layers
     window = int(window)
     types = cfg.get("layer_types")
@@ -345,12 +432,12 @@ def _layer_sliding_windows(cfg: dict, arch: str, num_layers: int) -> tuple[Optio
         if unknown:
             raise ValueError(f"Unsupported layer_types {unknown}; supported: full_attention, sliding_attention")
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if arch.startswith("Qwen"):
+    if rule == "qwen":
         if not cfg.get("use_sliding_window", False):
             return (None,) * num_layers
         first = int(cfg.get("max_window_layers", 28))
         return tuple(window if i >= first else None for i in range(num_layers))
-    if arch.startswith(("Mistral", "Mixtral")):
+    if rule == "all":
         return (window,) * num_layers
     return (None,) * num_layers
 

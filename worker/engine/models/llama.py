@@ -1,7 +1,10 @@
-"""One Llama-family decoder serving Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
+"""The Llama-family decoder serving Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm), and their mixture-of-experts siblings Mixtral, Qwen2-MoE
 and Qwen3-MoE (a sparse MLP per layer, models/moe.py), reading HF checkpoints by
-their tensor names.
+their tensor names.  The other dense families compose it with the variations
+their ``ModelConfig`` names (models/registry.py): post-norm blocks and q/k norms
+over the whole projection (OLMo 2/3), NoPE layers (SmolLM3), partial rotary and
+fused checkpoint tensors (Phi-3), sandwich norms and local/global rope (Gemma 3).
 
 q/k/v and gate/up projections are fused into single matmuls: the loader writes
 each HF tensor into its row range of the fused weight (``weight_targets``).
@@ -24,6 +27,15 @@ from worker.engine.models.moe import SparseMoeBlock
 from worker.engine.parallel.sharding import head_shard, split, vocab_shard
 from worker.engine.parallel.state import get_tp
 from worker.engine.models.rotary import apply_rotary, build_cos_sin_table, rotary_factors, rotation_table
+from worker.engine.models.weight_loading import load_named_weights
+
+# Which norms a decoder block holds, by ModelConfig.norm_scheme.
+_BLOCK_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+}
 
 
 def local_kv_heads(config: ModelConfig) -> int:
@@ -55,8 +67,12 @@ class LlamaDecoderLayer(nn.Module):
         self.q_size, self.kv_size = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim
         self.inter_start, inter = split(c.intermediate_size, tp.rank, tp.world, "intermediate_size")
         self.intermediate_size = inter
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.hidden_size = c.hidden_size
+        self.norm_scheme = c.norm_scheme
+        self.norm_names = _BLOCK_NORMS[c.norm_scheme]
+        self.input_layernorm = self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        for name in self.norm_names:
+            setattr(self, name, self.make_norm(c, dtype, device))
         q_size, kv_size = self.q_size, self.kv_size
         self.qkv_weight = empty_param(q_size + 2 * kv_size, c.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = empty_param(q_size + 2 * kv_size, dtype=dtype, device=device) if c.qkv_bias else None
@@ -65,8 +81,20 @@ class LlamaDecoderLayer(nn.Module):
         # Qwen3: q_norm/k_norm weights broadcast per head into one [heads + kv_heads, D]
         # table so q and k are normalised by a single op.
         self.qk_norm_weight = (empty_param(self.num_heads + self.num_kv_heads, c.head_dim,
-                                           dtype=dtype, device=device) if c.qk_norm else None)
+                                           dtype=dtype, device=device) if c.qk_norm and not c.qk_norm_full else None)
+        # OLMo 2/3: one norm over the whole q (and k) projection, not per head.
+        self.q_norm_full = empty_param(q_size, dtype=dtype, device=device) if c.qk_norm_full else None
+        self.k_norm_full = empty_param(kv_size, dtype=dtype, device=device) if c.qk_norm_full else None
+        # Under tensor parallelism their mean square spans all ranks' heads (a KV head
+        # held by several ranks counts once).
+        self.full_q_size, self.full_kv_size = c.q_size, c.kv_size
+        self.kv_replicas = max(1, tp.world // c.num_key_value_heads)
         self.qk_norm_eps = c.rms_norm_eps
+        # Rotary: on this layer at all (SmolLM3's NoPE layers have none), over the first
+        # rotary_dim of each head (partial rotary), from which of the model's tables.
+        self.use_rope = c.layer_rope[layer_idx] if c.layer_rope else True
+        self.rotary_dim = c.rotary_dim
+        self.rope_key = "local" if sliding_window and c.local_rope is not None else "global"
         # A sparse layer's MLP is the expert block; its index among the sparse layers
         # is its column of the routed-experts record.
         sparse = c.moe is not None and c.moe.sparse_layers[layer_idx]
@@ -79,7 +107,8 @@ class LlamaDecoderLayer(nn.Module):
             self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
             self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
             self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window)
+        scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar is not None else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window, scale)
         self.linear: LinearFn = F.linear
         self.packing: Optional[PackedLinears] = None  # how the projections are packed (cpu_gemm), if they are
         self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
@@ -87,6 +116,16 @@ class LlamaDecoderLayer(nn.Module):
 
     _ATTENTION_WEIGHTS = ("qkv_weight", "o_weight")
     _MLP_WEIGHTS = ("gate_up_weight", "down_weight")
+    # The HF modules (PEFT target names) behind the fused q/k/v and gate/up projections.
+    LORA_QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+    LORA_GATE_UP_MODULES = ("gate_proj", "up_proj")
+
+    @staticmethod
+    def make_norm(c: ModelConfig, dtype: torch.dtype, device) -> RMSNorm:
+        return RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+
+    def norms(self) -> list[RMSNorm]:
+        return [getattr(self, name) for name in self.norm_names]
 
     def pack_linears(self, scheme: Optional[PackedLinears] = None) -> None:
         """Swap the projection weights for packed copies (``scheme``, default the one
@@ -132,20 +171,21 @@ class LlamaDecoderLayer(nn.Module):
             t.update({a + "q_proj.bias": q_rows, a + "k_proj.bias": kv_rows, a + "v_proj.bias": kv_rows})
         if self.gate_up_bias is not None:
             t.update({m + "gate_proj.bias": (0, self.inter_start, inter), m + "up_proj.bias": (0, self.inter_start, inter)})
+        if self.q_norm_full is not None:  # OLMo: the norms' weights follow the heads
+            t.update({a + "q_norm.weight": q_rows, a + "k_norm.weight": kv_rows})
         return t
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
         q, kv = self.q_size, self.kv_size
         a, m = prefix + "self_attn.", prefix + "mlp."
-        t = {
-            prefix + "input_layernorm.weight": self.input_layernorm.weight.data,
-            prefix + "post_attention_layernorm.weight": self.post_attention_layernorm.weight.data,
+        t = {prefix + name + ".weight": getattr(self, name).weight.data for name in self.norm_names}
+        t.update({
             a + "q_proj.weight": self.qkv_weight.data[:q],
             a + "k_proj.weight": self.qkv_weight.data[q:q + kv],
             a + "v_proj.weight": self.qkv_weight.data[q + kv:],
             a + "o_proj.weight": self.o_weight.data,
-        }
+        })
         if self.moe is not None:
             t.update(self.moe.weight_targets(prefix))
         else:
@@ -166,59 +206,114 @@ class LlamaDecoderLayer(nn.Module):
         if self.qk_norm_weight is not None:
             t[a + "q_norm.weight"] = self.qk_norm_weight.data[: self.num_heads]
             t[a + "k_norm.weight"] = self.qk_norm_weight.data[self.num_heads:]
+        if self.q_norm_full is not None:
+            t[a + "q_norm.weight"] = self.q_norm_full.data
+            t[a + "k_norm.weight"] = self.k_norm_full.data
         return t
 
     def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor],
                 rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
                 kv_layer: torch.Tensor, lora: Optional[Any] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block; the residual add is deferred: returns (block output, residual
+        stream before it), summed by the next block's (or the final) norm."""
         if lora is not None and self.lora is None:
             lora = None
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
+        if self.norm_scheme == "pre":
+            if residual is None:
+                residual = h
+                h = self.input_layernorm(h)
+            else:
+                h, residual = self.input_layernorm(h, residual)
+            h = self._attention(h, rope, attn, kv_layer, lora)
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self._feed_forward(h, attn, lora), residual
+        # post (OLMo 2/3) and sandwich (Gemma 3): the blocks' outputs are normed before
+        # they join the residual stream.
+        x = h if residual is None else residual.add_(h)
+        a = self._attention(x if self.input_layernorm is None else self.input_layernorm(x), rope, attn, kv_layer,
+                            lora)
+        x = x + self.post_attention_layernorm(a)
+        m = self._feed_forward(x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x),
+                               attn, lora)
+        return self.post_feedforward_layernorm(m), x
+
+    def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                   kv_layer: torch.Tensor, lora: Optional[Any]) -> torch.Tensor:
         t = h.shape[0]
-        linear = self.linear
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = self.linear(h, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(h, qkv, self.lora.qkv)
         n_qk = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
-        if self.qk_norm_weight is not None:
-            qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
-        if self.ops is not None:
-            self.ops.rotary_(qk, *rope)  # in place: rope = (rotation table, positions)
+        if self.q_norm_full is not None:
+            q_size, kv_size = self.q_size, self.kv_size
+            qk = torch.cat((self._full_norm(qkv[:, :q_size], self.q_norm_full, self.full_q_size, 1),
+                            self._full_norm(qkv[:, q_size:q_size + kv_size], self.k_norm_full, self.full_kv_size,
+                                            self.kv_replicas)),
+                           dim=-1).view(t, n_qk, self.head_dim)
         else:
-            qk = apply_rotary(qk, rope)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, n_qk, self.head_dim)
+            if self.qk_norm_weight is not None:
+                qk = self._qk_norm(qk)
+        if self.use_rope:
+            qk = self._rotate(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, kv_layer, attn)
-        h = self._row_parallel(o, self.o_weight, self.o_bias)
+        out = self._row_parallel(o, self.o_weight, self.o_bias)
         if lora is not None:
-            lora.apply(o.reshape(t, -1), h, self.lora.o)
-        h, residual = self.post_attention_layernorm(h, residual)
+            lora.apply(o.reshape(t, -1), out, self.lora.o)
+        return out
+
+    def _full_norm(self, x: torch.Tensor, weight: torch.Tensor, full_size: int, replicas: int) -> torch.Tensor:
+        """RMSNorm over the whole projection (OLMo), of which this rank holds ``x``."""
+        if not self.tp.active:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.qk_norm_eps)
+        sum_sq = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        if replicas > 1:
+            sum_sq.div_(replicas)
+        return (x.float() * torch.rsqrt(sum_sq / full_size + self.qk_norm_eps)).to(x.dtype) * weight
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of q and k (Qwen3; Gemma 3 overrides it)."""
+        return F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
+
+    def _rotate(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q and k rotated (partial rotary: the first rotary_dim of each head only)."""
+        partial = self.rotary_dim < self.head_dim
+        part = qk[..., : self.rotary_dim] if partial else qk
+        if self.ops is not None:
+            self.ops.rotary_(part, *rope)  # in place: rope = (rotation table, positions); a head slice is fine
+            return qk
+        if not partial:
+            return apply_rotary(qk, rope)
+        return torch.cat((apply_rotary(part, rope), qk[..., self.rotary_dim:]), dim=-1)
+
+    def _feed_forward(self, h: torch.Tensor, attn: AttentionMetadata, lora: Optional[Any]) -> torch.Tensor:
+        t = h.shape[0]
         if self.moe is not None:
             h, expert_ids = self.moe(h)
             if self.routing_store is not None:
                 # Beside the K/V of the same slots: cached prefix blocks keep their routing.
                 self.routing_store[attn.slot_mapping, self.moe_index] = expert_ids.to(self.routing_store.dtype)
-            return h, residual
+            return h
         if t <= self.MLP_ROWS or lora is not None:
-            return self._mlp(h, lora), residual
+            return self._mlp(h, lora)
         # Large (prefill) steps: the [rows, 2 * intermediate] activation of a whole
         # step falls out of cache between the two GEMMs; row blocks keep it in L2.
         # Each output row is computed exactly as in one call (tested bit-identical).
         out = torch.empty_like(h)
         for s in range(0, t, self.MLP_ROWS):
             out[s:s + self.MLP_ROWS] = self._mlp(h[s:s + self.MLP_ROWS])
-        return out, residual
+        return out
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up) if self.ops is None else self.ops.silu_and_mul(gate_up)
 
     def _mlp(self, h: torch.Tensor, lora: Optional[Any] = None) -> torch.Tensor:
         gate_up = self.linear(h, self.gate_up_weight, self.gate_up_bias)
         if lora is not None:
             lora.apply(h, gate_up, self.lora.gate_up)
-        act = silu_and_mul(gate_up) if self.ops is None else self.ops.silu_and_mul(gate_up)
+        act = self._activation(gate_up)
         out = self._row_parallel(act, self.down_weight, self.down_bias)
         if lora is not None:
             lora.apply(act, out, self.lora.down)
@@ -234,6 +329,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = LlamaDecoderLayer  # families with their own block subclass it
     def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None,
                  device: torch.device | str = "cpu"):
         super().__init__()
@@ -247,21 +343,27 @@ class LlamaForCausalLM(nn.Module):
         if shard_rows != self.vocab_held:
             self.embed_tokens.data[self.vocab_held:].zero_()
         windows = config.layer_sliding_windows or (None,) * config.num_hidden_layers
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, windows[i], i)
+        self.layers = nn.ModuleList(self.layer_class(config, dtype, device, windows[i], i)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = self.layer_class.make_norm(config, dtype, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else empty_param(shard_rows, config.hidden_size, dtype=dtype, device=device))
         if self.lm_head is not self.embed_tokens and shard_rows != self.vocab_held:
             self.lm_head.data[self.vocab_held:].zero_()
         self.lora: Optional[Any] = None  # ModelLoRA (embedding, head) slots when LoRA serving is enabled
         # Cast like HF: cos/sin computed in float32, then rounded to the model dtype.
-        table = build_cos_sin_table(config.head_dim, config.rope_theta, config.max_position_embeddings,
+        table = build_cos_sin_table(config.rotary_dim, config.rope_theta, config.max_position_embeddings,
                                     config.rope_scaling)
         self._lm_head_packed: Optional[torch.Tensor] = None
         self.packing: Optional[PackedLinears] = None  # the projections' and the head's packing, if any
         self.ops: Optional[Any] = None
         self.register_buffer("rope", rotation_table(table.to(device=device, dtype=dtype)), persistent=False)
+        local = None  # the sliding layers' own table (ModelConfig.local_rope), same length
+        if config.local_rope is not None:
+            theta, scaling = config.local_rope
+            local = build_cos_sin_table(config.rotary_dim, theta, config.max_position_embeddings, scaling)
+            local = rotation_table(local.to(device=device, dtype=dtype))[: len(self.rope)]
+        self.register_buffer("rope_local", local, persistent=False)
 
     def pack_linears(self, scheme: PackedLinears = ONEDNN) -> None:
         """Use packed weights (``scheme``, see cpu_gemm) for every projection and the LM
@@ -296,7 +398,8 @@ class LlamaForCausalLM(nn.Module):
             layer.ops = ops
             if layer.moe is not None:
                 layer.moe.ops = ops
-            layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
+            for norm in layer.norms():
+                norm.ops = ops
             layer.attn.set_backend(backend)
 
     def set_routing_store(self, store: Optional[torch.Tensor]) -> None:
@@ -330,6 +433,10 @@ class LlamaForCausalLM(nn.Module):
             t["lm_head.weight"] = self.lm_head.data[: self.vocab_held]
         return t
 
+    def load_weights(self, weights) -> set[str]:
+        """Fill the parameters from ``(HF name, tensor)`` pairs (models/weight_loading.py)."""
+        return load_named_weights(self, weights)
+
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Every HF tensor name this model needs -> where it goes."""
         t = self.own_weight_targets()
@@ -345,15 +452,20 @@ class LlamaForCausalLM(nn.Module):
         h = self._embed(input_ids)
         if lora is not None and self.lora is not None:
             lora.apply_embedding(input_ids, h, self.lora.embed)
-        if self.ops is not None:  # layers rotate in place from the table
-            rope = (self.rope, positions)
-        else:  # per-step factors, shared by all layers
-            rope = rotary_factors(self.rope, positions, self.layers[0].num_heads + self.layers[0].num_kv_heads)
+        ropes = {"global": self._rope_factors(self.rope, positions)}
+        if self.rope_local is not None:
+            ropes["local"] = self._rope_factors(self.rope_local, positions)
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, rope, attn, kv_cache[:, i], lora)
+            h, residual = layer(h, residual, ropes[layer.rope_key], attn, kv_cache[:, i], lora)
         h, _ = self.norm(h, residual)
         return h
+
+    def _rope_factors(self, table: torch.Tensor, positions: torch.Tensor):
+        if self.ops is not None:  # layers rotate in place from the table
+            return table, positions
+        # per-step factors, shared by all layers
+        return rotary_factors(table, positions, self.layers[0].num_heads + self.layers[0].num_kv_heads)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.active:
@@ -376,6 +488,9 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.lm_head)
         if lora is not None and self.lora is not None:
             lora.apply(hidden, logits, self.lora.lm_head)
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma: cap * tanh(logits / cap), in the model dtype as vLLM and transformers
+            logits = torch.tanh(logits / cap).mul_(cap)
         logits = logits.float()
         if self.tp.active:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]

@@ -1,4 +1,4 @@
-"""The sparse (mixture-of-experts) MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The sparse (mixture-of-experts) MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5.
 
 Experts are stacked at load time into ``w13 [E, 2I, H]`` (gate | up) and
 ``w2 [E, H, I]``; the loader writes each HF per-expert tensor into its slice.  A
@@ -8,7 +8,9 @@ and runs one grouped GEMM per projection: ``torch._grouped_mm`` over the contigu
 expert groups on CPU, the Triton fused-MoE kernel on CUDA (kernels/triton/fused_moe),
 or, with experts packed for a CPU GEMM scheme that packs them (cpu_gemm's native bf16),
 that GEMM once per expert group.
-Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``.
+Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``;
+GLM-4.5 routes by sigmoid scores within expert groups (``select_experts_grouped``) and
+adds ungated shared experts.
 """
 from __future__ import annotations
 
@@ -31,6 +33,28 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5 / DeepSeek-V3 routing (``noaux_tc``) as transformers computes it: sigmoid
+    scores; the correction bias added for the choice only; experts chosen within the
+    ``topk_group`` groups whose two best biased scores sum highest; the chosen unbiased
+    scores renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, e = choice.shape
+    if moe.n_group > 1:
+        group_scores = choice.view(t, moe.n_group, e // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(t, moe.n_group, e // moe.n_group).reshape(t, e).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
 
 
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -105,10 +129,17 @@ class SparseMoeBlock(nn.Module):
         self.shared_gate_up = empty_param(2 * s, h, dtype=dtype, device=device) if s else None
         self.shared_down = empty_param(h, s, dtype=dtype, device=device) if s else None
         self.shared_expert_gate = empty_param(1, h, dtype=dtype, device=device) if s else None
+        # GLM-4.5: the router's correction bias (float32, as its checkpoints store it) and
+        # ungated shared experts.
+        self.score_bias = (empty_param(e, dtype=torch.float32, device=device) if moe.scoring == "sigmoid"
+                           else None)
+        n = moe.shared_experts_intermediate_size
+        self.shared_experts_gate_up = empty_param(2 * n, h, dtype=dtype, device=device) if n else None
+        self.shared_experts_down = empty_param(h, n, dtype=dtype, device=device) if n else None
         self.ops: Optional[Any] = None  # the attention backend's fused kernels (fused_experts on CUDA)
         self.packing: Optional[Any] = None  # cpu_gemm.PackedLinears while the experts are packed (lists per expert)
 
-    _PACKED_DENSE = ("gate_weight", "shared_gate_up", "shared_down")  # 2-D weights packed as they are
+    _PACKED_DENSE = ("gate_weight", "shared_gate_up", "shared_down", "shared_experts_gate_up", "shared_experts_down")  # 2-D weights packed as they are
 
     def pack_experts(self, scheme) -> None:
         """The router, each expert and the shared expert as packed weights (``scheme``: a
@@ -120,6 +151,8 @@ class SparseMoeBlock(nn.Module):
             stacked = self._parameters.pop(name)
             setattr(self, name, [scheme.pack(stacked.data[e]) for e in range(stacked.shape[0])])
         for name in self._PACKED_DENSE:
+            if name == "gate_weight" and self.score_bias is not None:
+                continue  # GLM's router runs in float32 from the dense weight
             if self._parameters.get(name) is not None:
                 setattr(self, name, scheme.pack(self._parameters.pop(name).data))
         self.packing = scheme
@@ -155,14 +188,26 @@ class SparseMoeBlock(nn.Module):
             t[b + "shared_expert.up_proj.weight"] = self.shared_gate_up.data[s:]
             t[b + "shared_expert.down_proj.weight"] = self.shared_down.data
             t[b + "shared_expert_gate.weight"] = self.shared_expert_gate.data
+        if self.score_bias is not None:
+            t[b + "gate.e_score_correction_bias"] = self.score_bias.data
+        if self.shared_experts_gate_up is not None:
+            n = moe.shared_experts_intermediate_size
+            t[b + "shared_experts.gate_proj.weight"] = self.shared_experts_gate_up.data[:n]
+            t[b + "shared_experts.up_proj.weight"] = self.shared_experts_gate_up.data[n:]
+            t[b + "shared_experts.down_proj.weight"] = self.shared_experts_down.data
         return t
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output ``[T, H]``, routed expert ids ``[T, top_k]``)."""
         linear = F.linear if self.packing is None else self.packing.linear
-        weights, ids = select_experts(linear(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
-        # transformers rounds the routing weights to the model dtype (Mixtral keeps fp32).
-        if self.moe.family != "mixtral":
+        if self.score_bias is not None:
+            # transformers scores GLM's router in float32 (weights and hidden cast up).
+            weights, ids = select_experts_grouped(F.linear(h.float(), self.gate_weight.float()), self.score_bias,
+                                                  self.moe)
+        else:
+            weights, ids = select_experts(linear(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
+        # transformers rounds the routing weights to the model dtype (Mixtral and GLM keep fp32).
+        if self.moe.family not in ("mixtral", "glm4_moe"):
             weights = weights.to(h.dtype)
         ops = self.ops
         act = silu_and_mul if ops is None else ops.silu_and_mul
@@ -182,4 +227,6 @@ class SparseMoeBlock(nn.Module):
         if self.shared_gate_up is not None:
             shared = linear(act(linear(h, self.shared_gate_up, None)), self.shared_down, None)
             out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * shared
+        if self.shared_experts_gate_up is not None:
+            out = out + linear(act(linear(h, self.shared_experts_gate_up, None)), self.shared_experts_down, None)
         return out, ids

@@ -1,5 +1,6 @@
 """Rotary position embedding (NeoX / HF ``rotate_half`` layout) with the HF
-``rope_scaling`` variants: default, linear, dynamic (NTK), llama3 and yarn.
+``rope_scaling`` variants: default, linear, dynamic (NTK), llama3, yarn and longrope
+(Phi-3's LongRoPE / SuRoPE).
 
 cos/sin are precomputed once for every position into a ``[max_positions, head_dim]``
 table (cos half | sin half), kept by the model as a ``rotation_table``; a step expands
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -64,6 +65,29 @@ def _yarn_inv_freq(dim: int, base: float, s: dict, max_position: int) -> tuple[t
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
+def _longrope_table(dim: int, base: float, s: dict, max_position: int) -> torch.Tensor:
+    """LongRoPE: per-frequency rescaling by ``short_factor`` within the pretraining
+    context and ``long_factor`` beyond it, both scaled by the attention factor.
+
+    transformers picks one factor list for the whole sequence (long once it passes
+    ``original_max_position_embeddings``, re-rotating the earlier positions too) and
+    vLLM one for the whole step (long when any of its positions is past it); we pick
+    per position, so a token's rotation never depends on its neighbours or on what else
+    is batched, and cached K/V stay valid as a sequence grows.  Equal to both for every
+    sequence within the pretraining context."""
+    orig = int(s["original_max_position_embeddings"])
+    factor = s.get("factor") or max_position / orig
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    pos = torch.arange(max_position, dtype=torch.float32)[:, None]
+    short = pos * (1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base ** exponents))[None, :]
+    long = pos * (1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * base ** exponents))[None, :]
+    freqs = torch.where(pos < orig, short, long)
+    return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
+
+
 def rope_table_len(max_position: int, scaling: Optional[dict]) -> int:
     """Positions the table must cover: dynamic NTK extends the context by ``factor``."""
     if scaling and scaling["rope_type"] == "dynamic":
@@ -93,6 +117,8 @@ def build_cos_sin_table(head_dim: int, base: float, max_position: int, scaling: 
         inv_freq = _llama3_inv_freq(_base_inv_freq(head_dim, base), scaling)
     elif rope_type == "yarn":
         inv_freq, attention_factor = _yarn_inv_freq(head_dim, base, scaling, max_position)
+    elif rope_type == "longrope":
+        return _longrope_table(head_dim, base, scaling, max_position)
     else:
         raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     n = rope_table_len(max_position, scaling)

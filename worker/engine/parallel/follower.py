@@ -46,6 +46,9 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
             raise ValueError(f"{mc.architecture}: tensor parallelism of mixture-of-experts layers is not "
                              f"implemented; serve it with --tensor-parallel-size 1 (one worker per GPU, "
                              f"data-parallel through the broker)")
+        if not mc.family.tensor_parallel:  # the registry says which families shard
+            raise ValueError(f"{mc.architecture}: tensor parallelism of this model family is not implemented; "
+                             f"serve it with --tensor-parallel-size 1")
         head_shard(mc.num_attention_heads, mc.num_key_value_heads, 0, world)
         split(mc.intermediate_size, 0, world, "intermediate_size")
 

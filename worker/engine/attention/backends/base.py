@@ -27,10 +27,11 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     sliding_window: Optional[int] = None  # keys within the last w positions; None = full context
+    softmax_scale: Optional[float] = None  # None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar ** -0.5
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
 
 
 def to_kv_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Gemma 3 text (``Gemma3ForCausalLM``): the Llama-family decoder with Gemma's
+variations, the rest composed from models/llama.py:
+
+* RMSNorms scale by ``1 + weight`` in float32 (every block norm, the per-head q/k
+  norms and the final norm);
+* sandwich blocks: input and post-attention norms around attention, pre- and
+  post-feed-forward norms around the MLP (ModelConfig.norm_scheme ``sandwich``);
+* GeGLU (``gelu_pytorch_tanh(gate) * up``);
+* interleaved local (sliding-window) and global layers, each kind with its own rope
+  base/scaling (ModelConfig.local_rope);
+* attention scale ``query_pre_attn_scalar ** -0.5``; embeddings scaled by
+  ``sqrt(hidden_size)`` (rounded to the model dtype, as transformers does);
+  ``final_logit_softcapping`` when configured (llama.compute_logits).
+
+``Gemma3ForConditionalGeneration`` checkpoints are served as their text tower (no
+image input yet).
+
+The norms run on torch ops, not the backends' fused RMSNorm (which has no ``1 + w``),
+and GeGLU likewise; attention goes through the chosen backend as for every family.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.models.config import ModelConfig
+from worker.engine.models.layers import RMSNorm
+from worker.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+
+class GemmaRMSNorm(RMSNorm):
+    """``norm(x) * (1 + w)`` computed in float32, cast back (transformers' Gemma3RMSNorm)."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = residual.add_(x)
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU on the fused ``[gate | up]`` projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    @staticmethod
+    def make_norm(c: ModelConfig, dtype: torch.dtype, device) -> RMSNorm:
+        return GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(qk.float(), (self.head_dim,), eps=self.qk_norm_eps)
+        return (normed * (1.0 + self.qk_norm_weight.float())).to(qk.dtype)
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(gate_up)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    layer_class = Gemma3DecoderLayer
+
+    def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__(config, dtype=dtype, device=device)
+        self.embed_scale = float(config.hidden_size) ** 0.5
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super()._embed(input_ids)
+        return h.mul_(torch.tensor(self.embed_scale, dtype=h.dtype))
+
+
+# The vision tower and projector of a Gemma3ForConditionalGeneration checkpoint: not
+# served (image input is refused for this architecture), skipped at load.
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text tower of Gemma 3's image-text checkpoints (4B/12B/27B ship as
+    ``Gemma3ForConditionalGeneration``), served for text: its LM under the names of
+    the causal LM (``language_model.model.*`` as released, ``model.language_model.*`` as
+    transformers 5 names it).  ``final_logit_softcapping``, when a config sets it, is
+    applied as vLLM does (transformers' image-text class skips it; released Gemma 3
+    configs leave it unset)."""
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if not name.startswith(_VISION_PREFIXES):
+            yield name, tensor
