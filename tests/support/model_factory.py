@@ -66,13 +66,13 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe", "granite")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-         "glm4_moe": "Glm4MoeForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+         "glm4_moe": "Glm4MoeForCausalLM", "granite": "GraniteForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -119,6 +119,9 @@ def _hf_config(kind: str):
         return transformers.Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": 3}, head_dim=32, num_experts=8,
                                            num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                                            decoder_sparse_step=1, mlp_only_layers=[1], use_sliding_window=False)
+    if kind == "granite":  # multipliers far from 1, so each one shows in the logits
+        return transformers.GraniteConfig(**_COMMON, embedding_multiplier=6.0, residual_multiplier=0.3,
+                                          attention_multiplier=0.05, logits_scaling=4.0)
     if kind == "phi3":
         return transformers.Phi3Config(**_COMMON, pad_token_id=0, sliding_window=None)
     if kind == "phi3_longrope":

@@ -141,6 +141,10 @@ class ModelConfig:
     local_rope: Optional[tuple[float, Optional[dict]]] = None
     query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (Gemma 3); None: head_dim's
     final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap) (Gemma)
+    # Granite's scalars (models/granite.py): embeddings x embedding_multiplier, each block's
+    # attention and MLP outputs x residual_multiplier before they join the residual stream,
+    # attention scale attention_multiplier (not head_dim ** -0.5), logits / logits_scaling.
+    granite_multipliers: Optional[tuple[float, float, float, float]] = None
     # How the checkpoint's linear layers are stored when quantized (None: dense).
     quantization: Optional[CheckpointQuantization] = field(default=None, compare=False, hash=False)
 
@@ -329,6 +333,9 @@ class ModelConfig:
                                    cfg.get("query_pre_attn_scalar") is not None else None),
             final_logit_softcapping=(float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping")
                                      else None),
+            granite_multipliers=(tuple(float(cfg.get(k, d)) for k, d in (
+                ("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+                ("attention_multiplier", 1.0), ("logits_scaling", 1.0))) if family.get("granite") else None),
             quantization=quantization,
         )
 

@@ -142,6 +142,9 @@ ModelRegistry = _ModelRegistry([
                 notes="post-norm blocks, q/k norm over the whole projection"),
     ModelFamily("Olmo3ForCausalLM", _LLAMA, "LlamaForCausalLM", "OLMo 3",
                 dict(qkv_bias_default=False, qk_norm="full", norm="post"), sliding_window=True, notes="as OLMo 2; sliding layers with their own rope parameters"),
+    ModelFamily("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite 3.x",
+                dict(qkv_bias_default=False, qk_norm=None, granite=True),
+                notes="embedding, residual, attention and logits multipliers"),
     ModelFamily("Gemma3ForCausalLM", "gemma3", "Gemma3ForCausalLM", "Gemma 3 (text)", _GEMMA3, sliding_window=True,
                 notes="local/global layers with their own rope; its (1 + w) norms and GeGLU run on torch ops; "
                       "final_logit_softcapping; attention soft-capping refused (not set by Gemma 3 configs)"),
