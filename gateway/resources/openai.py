@@ -129,8 +129,8 @@ class TextRoutes:
         rendered = await self.offload_light(self.renderer.chat, request, max_len, base_id, images=images,
                                            hold=self.hold)
         if request_id is not None:
-            rendered.generate["request_id"] = request_id
-        mapped = await map_rendered(self.state, req, rendered.generate, arrival)
+            rendered.request.request_id = request_id
+        mapped = await map_rendered(self.state, req, rendered.request, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
         return rendered, generations(self.state, req, [mapped], detached=detached)[0]
 
@@ -157,7 +157,7 @@ class Completions(TextRoutes):
         self.check_completion_fits(request, max_len)
         rendered = await self.offload(req, self.renderer.completion, request, max_len,
                                       base_request_id(req.get_header("X-Request-Id"), request.request_id))
-        mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
+        mapped = [await map_rendered(self.state, req, r.request, arrival) for r in rendered]
         view = ResponseView.of(request, request.logprobs, self.state.settings)
         runs = generations(self.state, req, mapped)
         stream = bool(request.stream)
