@@ -251,10 +251,9 @@ class Renderer:
         if not ids:
             raise BadRequest("No token_ids rendered")
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        sampling.check_prompt_length(len(ids), max_model_len, requested, "max_completion_tokens"
-                                     if request.max_completion_tokens is not None else "max_tokens")
-        max_tokens = sampling.max_tokens_for(max_model_len, requested, len(ids), self.model.sampling_defaults,
-                                             request.truncate_prompt_tokens)
+        max_tokens = sampling.max_tokens_for(
+            max_model_len, requested, len(ids), self.model.sampling_defaults, request.truncate_prompt_tokens,
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens")
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:
             prompt_logprobs = request.top_logprobs
@@ -339,7 +338,6 @@ class Renderer:
                 offsets = _truncate(offsets, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
             if not ids:
                 raise BadRequest("No token_ids rendered", "prompt")
-            sampling.check_prompt_length(len(ids), max_model_len, request.max_tokens)
             max_tokens = sampling.max_tokens_for(max_model_len, request.max_tokens, len(ids),
                                                  self.model.sampling_defaults, request.truncate_prompt_tokens)
             prompt_logprobs = request.prompt_logprobs

@@ -130,9 +130,12 @@ def check_completion(request: CompletionRequest) -> None:
 
 
 def max_tokens_for(max_model_len: int, requested: Optional[int], input_length: int, defaults: dict,
-                   truncate_prompt_tokens: Optional[int] = None) -> int:
-    """vLLM's ``get_max_tokens``: the room left in the context, capped by the request or the
-    generation_config default."""
+                   truncate_prompt_tokens: Optional[int] = None, param: str = "max_tokens") -> int:
+    """The one place a chat / completion request's max_tokens is checked and decided
+    (``requested``: the request's, ``param`` naming it in the 400s): vLLM 0.33's
+    TokenizeParams checks (:func:`check_prompt_length`), then its ``get_max_tokens``: the
+    room left in the context, capped by the request or the generation_config default."""
+    check_prompt_length(input_length, max_model_len, requested, param)
     if truncate_prompt_tokens is not None:
         input_length = min(input_length, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens)
     if max_model_len < input_length:
