@@ -5,7 +5,8 @@ the chat request's tools, ``tool_choice``, ``parallel_tool_calls``, ``include_re
 the effective ``chat_template_kwargs`` (server defaults applied) and the count of tool calls
 already in the conversation.  ``/generate`` reads it only with ``output_mode="derender"``,
 to parse the output text into the assistant message with the same parsers as
-``/v1/chat/completions`` (gateway/openai_api/chat_output.py, gateway/parsers).
+``/v1/chat/completions`` (gateway/openai_api/chat_output.py, gateway/parsers; the parsing is set up by
+gateway/openai_api/generate_derender.py, which builds vLLM's ``to_chat_request`` from it).
 
 As vLLM's ``ParseContext`` (``extra="allow"``): its known fields are type-checked at every
 ``output_mode``; fields a newer ``/render`` added are kept, refused only in derender mode
@@ -103,17 +104,6 @@ def check_tool_choice(ctx: ParseContext) -> None:
         if not any(tool.function.name == choice.function.name for tool in ctx.tools or ()):
             raise BadRequest("The tool specified in `tool_choice` does not match any of the specified `tools`",
                              "tool_choice")
-
-
-def to_chat_request(ctx: ParseContext):
-    """The message-less chat request the chat parsing reads (vLLM's ``to_chat_request``)."""
-    from gateway.openai_api.protocol import ChatCompletionRequest
-
-    tools = msgspec.to_builtins(ctx.tools) if ctx.tools is not None else None
-    return ChatCompletionRequest(messages=[], tools=tools, tool_choice=ctx.tool_choice,
-                                 parallel_tool_calls=ctx.parallel_tool_calls,
-                                 include_reasoning=ctx.include_reasoning,
-                                 chat_template_kwargs=ctx.chat_template_kwargs)
 
 
 # ---------------------------------------------------------------- render side

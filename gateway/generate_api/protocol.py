@@ -247,7 +247,7 @@ class GenerateResponse(msgspec.Struct):
     kv_transfer_params: Optional[Any]
     ec_transfer_params: Optional[Any]
     output_mode: str
-    # TokensChoice, TextChoice or (derender) gateway/generate_api/derender_output.py's DerenderChoice
+    # TokensChoice, TextChoice or (derender) gateway/openai_api/generate_derender.py's DerenderChoice
     choices: list[Union[TokensChoice, TextChoice]]
 
 

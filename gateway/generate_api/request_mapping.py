@@ -68,10 +68,12 @@ def knows_model(requested: str, cluster: ClusterInfo, served_model_names: list[s
         requested in (cluster.lora_adapters or {})
 
 
-def check_model(requested: Optional[str], info: ModelInfo, served_model_names: list[str],
+def check_model(requested: Optional[str], names: list[str],
                 lora_adapters: Optional[dict[str, str]] = None) -> Optional[str]:
-    """The LoRA adapter ``requested`` names (None: the base model); 404 for an unknown name."""
-    names = base_model_names(info, served_model_names)
+    """The LoRA adapter ``requested`` names (None: the base model: no name, or one of
+    ``names``, the base model's served names); vLLM's 404 for an unknown name.  The one
+    model check of every API (/generate here; the OpenAI and agent routes through
+    gateway/resources/openai.py's ``TextRoutes.resolve_model``)."""
     if not requested or requested in names:
         return None
     if lora_adapters and requested in lora_adapters:
@@ -130,7 +132,7 @@ def map_request(http: HttpGenerateRequest, headers: Mapping[str, str], cluster: 
     if http.output_mode == "derender" and http.sampling_params.detokenize is False:
         raise BadRequest("output_mode='derender' requires sampling_params.detokenize to be true", "output_mode")
     context = parse_ctx.read(http.parse_context, http.output_mode)
-    lora_name = check_model(http.model, info, served_model_names, cluster.lora_adapters)
+    lora_name = check_model(http.model, base_model_names(info, served_model_names), cluster.lora_adapters)
     unserved_fields.refuse_unserved(http)
     params = to_sampling_params(http.sampling_params)
     params.structured_outputs = (structured_outputs or _DEFAULT_POLICY).wire(

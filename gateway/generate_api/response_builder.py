@@ -9,12 +9,12 @@ from __future__ import annotations
 import base64
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import msgspec
 
 from common.protocol import CompletionDelta, SpecDecodeStats
-from gateway.generate_api import derender_output, logprobs_format
+from gateway.generate_api import logprobs_format
 from gateway.generate_api.protocol import (
     GenerateResponse,
     Logprobs,
@@ -174,19 +174,29 @@ class _RequestFacts:
         return metrics
 
 
+class DerenderChoices(Protocol):
+    """output_mode "derender": builds a finished choice (the parsed assistant message) from
+    the mode-independent choice ``fields``, the choice's text and chat-form logprobs.  The
+    chat parsing lives with the OpenAI facades (gateway/openai_api/generate_derender.py's
+    ``DerenderSetup``); the route hands it in, so this package imports none of them."""
+
+    def choice(self, fields: dict, text: str, logprobs: Optional[list]) -> msgspec.Struct: ...
+
+
 class ResponseAccumulator:
     """Collects every delta of a non-stream request and renders the final JSON body
     (the relay's ``BodyFormatter`` for /generate)."""
 
     def __init__(self, mapped: MappedRequest, options: ResponseOptions = ResponseOptions(),
-                 derender: Optional[derender_output.DerenderSetup] = None):
+                 derender: Optional[DerenderChoices] = None):
         self.mapped = mapped
         self.facts = _RequestFacts(mapped, options.spec_decode_metrics, options.timing_metrics)
         self.details = options.prompt_tokens_details
         self.options = options
-        # output_mode "derender": the parsing of the choices' text (derender_output.setup)
-        self.derender = derender if derender is not None else (
-            derender_output.DerenderSetup(derender_output.ChatParsing()) if mapped.derender else None)
+        # output_mode "derender": the parsing of the choices' text (generate_derender.setup)
+        if mapped.derender and derender is None:
+            raise ValueError("output_mode 'derender' needs the choices' parsing (generate_derender.setup)")
+        self.derender = derender if mapped.derender else None
         n = mapped.wire.params.n
         self.masks: list[Optional[list[list[int]]]] = [None] * n
         self.routed: list[Optional[str]] = [None] * n
@@ -236,8 +246,8 @@ class ResponseAccumulator:
                 weight_versions=self.versions[i] if self.finish[i] else [],
             )
             if self.derender is not None:
-                choices.append(derender_output.choice(fields, "".join(self.texts[i]),
-                                                      self.logprobs[i] if want_lp else None, self.derender))
+                choices.append(self.derender.choice(fields, "".join(self.texts[i]),
+                                                    self.logprobs[i] if want_lp else None))
                 continue
             fields["logprobs"] = Logprobs(content=self.logprobs[i]) if want_lp else None
             choices.append(TextChoice(text="".join(self.texts[i]), **fields) if m.text_mode else TokensChoice(**fields))

@@ -24,6 +24,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
     prompt_tokens_details,
 )
+from gateway.openai_api.sampling import sent
 from gateway.openai_api.render import RenderedChat
 from gateway.generate_api.response_builder import routed_experts_b64, stream_metrics
 from gateway.relay import Generation, StreamFormatter, sse_event
@@ -57,7 +58,7 @@ class ChatCollector:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = logprobs_format.prompt_logprobs(
-                delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
+                delta.prompt_logprobs, sent(self.rendered.request.sampling_params.prompt_logprobs))
         self.ids[i].extend(delta.token_ids)
         if delta.text:
             self.texts[i].append(delta.text)
@@ -89,7 +90,7 @@ class ChatCollector:
                 routed_experts=self.routed[i]))
         completion = self.num_generated
         body = ChatCompletionResponse(
-            id=self.rendered.generate["request_id"], created=now(), model=self.model, choices=choices,
+            id=self.rendered.request.request_id, created=now(), model=self.model, choices=choices,
             usage=UsageInfo(prompt_tokens=self.num_prompt_tokens, total_tokens=self.num_prompt_tokens + completion,
                             completion_tokens=completion,
                             prompt_tokens_details=prompt_tokens_details(
@@ -106,7 +107,7 @@ class ChatStream(StreamFormatter):
 
     def __init__(self, run: Generation, view: ResponseView, rendered: RenderedChat, model: str):
         self.run, self.view, self.rendered, self.model = run, view, rendered, model
-        self.request_id = rendered.generate["request_id"]
+        self.request_id = rendered.request.request_id
         self.created = 0
         self.num_prompt = len(rendered.token_ids)
         self.num_cached_tokens: Optional[int] = None

@@ -23,6 +23,7 @@ from gateway.openai_api.protocol import (
     json_encoder,
     prompt_tokens_details,
 )
+from gateway.openai_api.sampling import sent
 from gateway.openai_api.render import RenderedPrompt
 from gateway.generate_api.response_builder import routed_experts_b64, stream_metrics
 from gateway.relay import Generation, StreamFormatter, sse_event
@@ -82,7 +83,7 @@ class _Prompt:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = logprobs_format.prompt_logprobs(
-                delta.prompt_logprobs, self.rendered.generate["sampling_params"].get("prompt_logprobs"))
+                delta.prompt_logprobs, sent(self.rendered.request.sampling_params.prompt_logprobs))
         if self.entries is None and self.view.echo and self.view.top_logprobs is not None:
             ids = self.rendered.token_ids[:1]
             if self.view.tokens_as_token_ids and ids:
@@ -147,7 +148,7 @@ class CompletionCollector:
         num_prompt = sum(p.num_tokens for p in prompts)
         completion = sum(len(x) for x in self.ids)
         body = CompletionResponse(
-            id=self.rendered[0].generate["request_id"], created=now(), model=self.model, choices=choices,
+            id=self.rendered[0].request.request_id, created=now(), model=self.model, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt + completion,
                             completion_tokens=completion,
                             # vLLM reads the last prompt's result
@@ -163,7 +164,7 @@ class CompletionStream(StreamFormatter):
     def __init__(self, runs: list[Generation], view: ResponseView, rendered: list[RenderedPrompt], tokenizer,
                  model: str):
         self.runs, self.view, self.model = runs, view, model
-        self.request_id, self.created = rendered[0].generate["request_id"], 0
+        self.request_id, self.created = rendered[0].request.request_id, 0
         self.prompts = [_Prompt(r, tokenizer, view) for r in rendered]
         total = len(runs) * view.n
         self.echoed = [False] * total

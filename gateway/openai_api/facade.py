@@ -1,5 +1,6 @@
-"""The OpenAI facade's middle step: a rendered ``GenerateRequest`` mapped and checked as
-``/inference/v1/generate`` maps one (model check, validation), with the workers
+"""The OpenAI facade's middle step: a rendered ``GenerateRequest`` (typed, as the renderer
+built it: no JSON round trip) mapped and checked as ``/inference/v1/generate`` maps one
+(model check, validation), with the workers
 detokenizing (text mode: stop strings are cut there, as vLLM's engine does for its
 OpenAI server).  Dispatch, disconnect aborts, metrics and the SSE relay are
 gateway/relay.py's; the chat / completion formatters (chat_facade, completion_facade)
@@ -11,9 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import msgspec
-
-from common.errors import BadRequest
 from common.validation import validate_request
 from gateway.generate_api.protocol import HttpGenerateRequest, PerRequestMetrics
 from gateway.generate_api.request_mapping import MappedRequest, check_encodable, cluster_for, map_request
@@ -22,18 +20,16 @@ from gateway.relay import Generation
 from gateway.state import GatewayState
 
 
-async def map_rendered(state: GatewayState, req, generate: dict, arrival: float) -> MappedRequest:
-    """A rendered GenerateRequest -> the wire request, checked as /generate checks one."""
+async def map_rendered(state: GatewayState, req, http: HttpGenerateRequest, arrival: float) -> MappedRequest:
+    """A rendered GenerateRequest (render.py's ``RenderedPrompt.request``) -> the wire
+    request, checked as /generate checks one.  Its max_tokens was decided by the renderer
+    (sampling.max_tokens_for) and travels as sent."""
     s = state.settings
-    try:
-        http = msgspec.convert(generate, HttpGenerateRequest)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(str(exc)) from None
     cluster = await cluster_for(state, http.model)
     policy = state.structured_outputs
     mapped = map_request(http, req.headers, cluster, cluster.model, served_model_names=s.served_model_names,
                          arrival_time=arrival, structured_outputs=policy)
-    mapped.wire.request_id = generate["request_id"]
+    mapped.wire.request_id = http.request_id
     mapped.wire.output_text = True
     validate_request(mapped.wire, cluster.model, tokens_only=False, stream=mapped.stream)
     if policy is not None:

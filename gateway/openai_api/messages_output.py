@@ -114,7 +114,7 @@ class MessagesCollector:
         blocks, called = content_blocks("".join(self.texts), self.rendered)
         reason, sequence = stop_reason(self.rendered, self.finish, self.stop, called, self.stop_sequences)
         return json_encoder.encode({
-            "id": self.rendered.generate["request_id"], "type": "message", "role": "assistant",
+            "id": self.rendered.request.request_id, "type": "message", "role": "assistant",
             "model": self.model, "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": self.num_prompt, "output_tokens": self.num_generated}})
 
@@ -142,7 +142,7 @@ class MessagesStream(StreamFormatter):
 
     def head(self) -> Iterator[bytes]:
         yield anthropic_event("message_start", {"type": "message_start", "message": {
-            "id": self.rendered.generate["request_id"], "type": "message", "role": "assistant", "model": self.model,
+            "id": self.rendered.request.request_id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self.num_prompt, "output_tokens": 0}}})
         yield anthropic_event("ping", {"type": "ping"})

@@ -16,6 +16,8 @@ from common.errors import BadRequest
 from gateway.chat.jinja_env import RenderLimits
 from gateway.chat.template import ChatTemplate, ChatTemplateError
 from gateway.generate_api import parse_context as parse_ctx
+from gateway.generate_api.protocol import (HttpGenerateRequest, HttpSamplingParams, ReasoningParserKwargs,
+                                           StreamOptions)
 from gateway.multimodal import expand_image_placeholders
 from gateway.openai_api import sampling
 from gateway.openai_api.chat_output import ChatParsing
@@ -47,9 +49,18 @@ class RenderOptions:
 
 @dataclass
 class RenderedPrompt:
-    generate: dict  # vLLM's GenerateRequest, as JSON
+    # The one typed request of a chat / completion (and of the Responses and Messages
+    # requests, mapped onto chat): built here once, with max_tokens decided
+    # (sampling.max_tokens_for), and consumed as is by the generate path
+    # (facade.map_rendered).  ``generate`` is its vLLM JSON, for the render routes.
+    request: HttpGenerateRequest
     prompt_text: Optional[str]
     token_ids: list[int]
+
+    @property
+    def generate(self) -> dict:
+        """vLLM's GenerateRequest, as JSON (what /render answers)."""
+        return generate_json(self.request)
 
 
 @dataclass
@@ -63,24 +74,39 @@ def base_request_id(header_id: Optional[str], body_id: Optional[str]) -> str:
     return header_id or body_id or uuid.uuid4().hex
 
 
-def _generate_request(request_id: str, token_ids: list[int], params: dict,
+def _generate_request(request_id: str, token_ids: list[int], params: HttpSamplingParams,
                       request: Union[ChatCompletionRequest, CompletionRequest], *,
                       reasoning_ended: Optional[bool] = None, reasoning_kwargs: Optional[dict] = None,
-                      parse_context: Optional[dict] = None) -> dict:
-    """vLLM GenerateRequest.model_dump(): every field, in its order."""
+                      parse_context: Optional[dict] = None) -> HttpGenerateRequest:
+    """vLLM's GenerateRequest of a rendered prompt, typed."""
     stream_options = None
     if request.stream and request.stream_options is not None:
-        stream_options = {"include_usage": request.stream_options.include_usage,
-                          "continuous_usage_stats": request.stream_options.continuous_usage_stats}
+        stream_options = StreamOptions(include_usage=request.stream_options.include_usage,
+                                       continuous_usage_stats=request.stream_options.continuous_usage_stats)
+    return HttpGenerateRequest(
+        request_id=request_id, token_ids=token_ids, sampling_params=params, model=request.model,
+        reasoning_ended=reasoning_ended,
+        reasoning_parser_kwargs=ReasoningParserKwargs(reasoning_kwargs) if reasoning_kwargs is not None else None,
+        return_token_ids=None, output_mode="tokens", parse_context=parse_context, stream=bool(request.stream),
+        stream_options=stream_options, cache_salt=request.cache_salt, priority=request.priority,
+        kv_transfer_params=request.kv_transfer_params, ec_transfer_params=request.ec_transfer_params)
+
+
+def generate_json(http: HttpGenerateRequest) -> dict:
+    """vLLM GenerateRequest.model_dump(): every field, in its order."""
+    opts, kwargs = http.stream_options, http.reasoning_parser_kwargs
     return {
-        "request_id": request_id, "token_ids": token_ids, "token_offsets": None, "features": None,
-        "content_parts": None, "sampling_params": params, "model": request.model,
-        "reasoning_ended": reasoning_ended,
-        "reasoning_parser_kwargs": {"chat_template_kwargs": reasoning_kwargs} if reasoning_kwargs is not None else None,
-        "return_token_ids": None, "output_mode": "tokens", "parse_context": parse_context,
-        "stream": bool(request.stream),
-        "stream_options": stream_options, "cache_salt": request.cache_salt, "priority": request.priority,
-        "kv_transfer_params": request.kv_transfer_params, "ec_transfer_params": request.ec_transfer_params,
+        "request_id": http.request_id, "token_ids": http.token_ids, "token_offsets": http.token_offsets,
+        "features": http.features, "content_parts": http.content_parts,
+        "sampling_params": sampling.sampling_params_json(http.sampling_params), "model": http.model,
+        "reasoning_ended": http.reasoning_ended,
+        "reasoning_parser_kwargs": {"chat_template_kwargs": kwargs.chat_template_kwargs} if kwargs else None,
+        "return_token_ids": http.return_token_ids, "output_mode": http.output_mode,
+        "parse_context": http.parse_context, "stream": http.stream,
+        "stream_options": {"include_usage": opts.include_usage, "continuous_usage_stats": opts.continuous_usage_stats}
+        if opts is not None else None,
+        "cache_salt": http.cache_salt, "priority": http.priority,
+        "kv_transfer_params": http.kv_transfer_params, "ec_transfer_params": http.ec_transfer_params,
     }
 
 
@@ -225,19 +251,18 @@ class Renderer:
         if not ids:
             raise BadRequest("No token_ids rendered")
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        sampling.check_prompt_length(len(ids), max_model_len, requested, "max_completion_tokens"
-                                     if request.max_completion_tokens is not None else "max_tokens")
-        max_tokens = sampling.max_tokens_for(max_model_len, requested, len(ids), self.model.sampling_defaults,
-                                             request.truncate_prompt_tokens)
+        max_tokens = sampling.max_tokens_for(
+            max_model_len, requested, len(ids), self.model.sampling_defaults, request.truncate_prompt_tokens,
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens")
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo:
             prompt_logprobs = request.top_logprobs
-        params = sampling.sampling_params_json(
+        params = sampling.sampling_params(
             request, max_tokens, self.model.sampling_defaults,
             logprobs=request.top_logprobs if request.logprobs else None, prompt_logprobs=prompt_logprobs,
             structured_outputs=structured)
         if self.parser is not None and self.parser.keeps_special_tokens(tools_enabled=tools_enabled):
-            params["skip_special_tokens"] = False  # the parser must see its markers (vLLM's adjust_request)
+            params.skip_special_tokens = False  # the parser must see its markers (vLLM's adjust_request)
         parsing = ChatParsing(forced_tool_choice=forced[0], named_tool=forced[1],
                               parallel_tool_calls=request.parallel_tool_calls is not False)
         reasoning_ended = None if request.include_reasoning else True
@@ -255,16 +280,16 @@ class Renderer:
         generate = _generate_request(f"chatcmpl-{base_id}", ids, params, request, reasoning_ended=reasoning_ended,
                                      reasoning_kwargs=reasoning_kwargs,
                                      parse_context=parse_ctx.from_chat(request, kwargs))
-        generate["token_offsets"] = offsets
+        generate.token_offsets = offsets
         if image_urls:
-            generate["content_parts"] = image_urls
+            generate.content_parts = image_urls
         last = request.messages[-1] if isinstance(request.messages[-1], dict) else {}
         last_text = ""
         if last.get("role") == "assistant":
             content = last.get("content") or ""
             last_text = content if isinstance(content, str) else "\n".join(
                 p.get("text", "") for p in content if isinstance(p, dict))
-        return RenderedChat(generate=generate, prompt_text=prompt, token_ids=ids, parsing=parsing,
+        return RenderedChat(request=generate, prompt_text=prompt, token_ids=ids, parsing=parsing,
                             last_message_text=last_text, images=images if image_urls else None)
 
     # ------------------------------------------------------------------ completions
@@ -313,17 +338,16 @@ class Renderer:
                 offsets = _truncate(offsets, request.truncate_prompt_tokens, request.truncation_side, max_model_len)
             if not ids:
                 raise BadRequest("No token_ids rendered", "prompt")
-            sampling.check_prompt_length(len(ids), max_model_len, request.max_tokens)
             max_tokens = sampling.max_tokens_for(max_model_len, request.max_tokens, len(ids),
                                                  self.model.sampling_defaults, request.truncate_prompt_tokens)
             prompt_logprobs = request.prompt_logprobs
             if prompt_logprobs is None and request.echo:
                 prompt_logprobs = request.logprobs
-            params = sampling.sampling_params_json(request, max_tokens, self.model.sampling_defaults,
-                                                   logprobs=request.logprobs, prompt_logprobs=prompt_logprobs,
-                                                   structured_outputs=structured)
+            params = sampling.sampling_params(request, max_tokens, self.model.sampling_defaults,
+                                              logprobs=request.logprobs, prompt_logprobs=prompt_logprobs,
+                                              structured_outputs=structured)
             request_id = f"cmpl-{base_id}" if len(prompts) == 1 else f"cmpl-{base_id}-{i}"
             generate = _generate_request(request_id, ids, params, request)
-            generate["token_offsets"] = offsets
-            rendered.append(RenderedPrompt(generate=generate, prompt_text=text, token_ids=ids))
+            generate.token_offsets = offsets
+            rendered.append(RenderedPrompt(request=generate, prompt_text=text, token_ids=ids))
         return rendered

@@ -29,6 +29,7 @@ from gateway.generate_api.logprobs_format import chat_logprobs
 from gateway.openai_api.chat_output import ChatChoiceStream, chat_message
 from gateway.openai_api.protocol import json_encoder
 from gateway.openai_api.render import RenderedChat
+from gateway.openai_api.sampling import sent
 from gateway.relay import Generation, StreamFormatter, sse_event
 
 OnDone = Callable[[dict], None]
@@ -76,19 +77,19 @@ class ResponseContext:
 
     def response(self, status: str, output: list, usage: Optional[dict]) -> dict:
         """vLLM's ``ResponsesResponse.from_request``."""
-        request, params = self.request, self.rendered.generate["sampling_params"]
+        request, params = self.request, self.rendered.request.sampling_params
         return {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
             "background": bool(request.background), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": request.instructions, "max_output_tokens": params.get("max_tokens"),
+            "instructions": request.instructions, "max_output_tokens": sent(params.max_tokens),
             "max_tool_calls": None, "metadata": request.metadata, "model": self.model, "output": output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id, "prompt": None,
             "reasoning": request.reasoning, "service_tier": "auto", "store": bool(request.store),
-            "temperature": params.get("temperature"), "text": request.text or {"format": {"type": "text"}},
+            "temperature": sent(params.temperature), "text": request.text or {"format": {"type": "text"}},
             "tool_choice": request.tool_choice, "tools": request.tools, "top_logprobs": request.top_logprobs,
-            "top_p": params.get("top_p"), "truncation": request.truncation or "disabled", "usage": usage,
+            "top_p": sent(params.top_p), "truncation": request.truncation or "disabled", "usage": usage,
             "user": request.user}
 
 

@@ -1,9 +1,13 @@
-"""OpenAI request -> vLLM ``SamplingParams`` JSON, as vLLM's ``to_sampling_params`` builds it.
+"""OpenAI request -> vLLM ``SamplingParams``, as vLLM's ``to_sampling_params`` builds it.
 
-The result is what vLLM's render endpoints put in ``GenerateRequest.sampling_params``:
-its SamplingParams serialised with ``omit_defaults`` (after ``__post_init__``, so
-``stop`` / ``stop_token_ids`` / ``bad_words`` appear as lists and greedy requests have
-their top-p/k/min-p reset).  The same dict feeds our own generate path for the facade.
+The result is typed: the generate API's ``HttpSamplingParams`` with the keys vLLM's
+render endpoints put in ``GenerateRequest.sampling_params`` set (its SamplingParams
+serialised with ``omit_defaults``, after ``__post_init__``, so ``stop`` /
+``stop_token_ids`` / ``bad_words`` are lists and greedy requests have their
+top-p/k/min-p reset) and the rest UNSET.  The facade's generate path consumes that
+struct as built (no JSON round trip); the render routes dump it with
+:func:`sampling_params_json`.  ``max_tokens`` is decided here once, by
+:func:`max_tokens_for` (the generation-config default and the room left).
 Request checks vLLM makes in its pydantic validators live here too (400 with vLLM's
 messages); value ranges are left to common.validation, shared with /generate.
 """
@@ -11,8 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+from msgspec import UNSET
+
 from common.errors import BadRequest
 from common.validation import summarize
+from gateway.generate_api.protocol import HttpSamplingParams
 from gateway.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 # vLLM's RequestOutputKind values.
@@ -123,9 +130,12 @@ def check_completion(request: CompletionRequest) -> None:
 
 
 def max_tokens_for(max_model_len: int, requested: Optional[int], input_length: int, defaults: dict,
-                   truncate_prompt_tokens: Optional[int] = None) -> int:
-    """vLLM's ``get_max_tokens``: the room left in the context, capped by the request or the
-    generation_config default."""
+                   truncate_prompt_tokens: Optional[int] = None, param: str = "max_tokens") -> int:
+    """The one place a chat / completion request's max_tokens is checked and decided
+    (``requested``: the request's, ``param`` naming it in the 400s): vLLM 0.33's
+    TokenizeParams checks (:func:`check_prompt_length`), then its ``get_max_tokens``: the
+    room left in the context, capped by the request or the generation_config default."""
+    check_prompt_length(input_length, max_model_len, requested, param)
     if truncate_prompt_tokens is not None:
         input_length = min(input_length, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens)
     if max_model_len < input_length:
@@ -164,10 +174,11 @@ def _logit_bias(raw: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
     return out
 
 
-def sampling_params_json(request: Union[ChatCompletionRequest, CompletionRequest], max_tokens: int,
-                         defaults: dict, *, logprobs: Optional[int], prompt_logprobs: Optional[int],
-                         structured_outputs: Optional[dict] = None) -> dict:
-    """vLLM ``SamplingParams.from_optional(...)`` dumped with omit_defaults;
+def sampling_params(request: Union[ChatCompletionRequest, CompletionRequest], max_tokens: int,
+                    defaults: dict, *, logprobs: Optional[int], prompt_logprobs: Optional[int],
+                    structured_outputs: Optional[dict] = None) -> HttpSamplingParams:
+    """vLLM ``SamplingParams.from_optional(...)``: the keys its omit_defaults dump keeps
+    set, the others UNSET; ``max_tokens``: :func:`max_tokens_for`'s, always set;
     ``structured_outputs``: gateway/structured_outputs/openai_mapping.py's render JSON."""
     values: dict[str, Any] = {}
     for name, openai_default in _OPENAI_DEFAULTS.items():
@@ -209,4 +220,20 @@ def sampling_params_json(request: Union[ChatCompletionRequest, CompletionRequest
             # given" and fill the context (vLLM's render drops it there, a round-trip bug).
             if name == "max_tokens" or not (value == default and isinstance(value, bool) == isinstance(default, bool)):
                 out[name] = value
+    return HttpSamplingParams(**out)
+
+
+def sampling_params_json(params: HttpSamplingParams) -> dict:
+    """The render routes' ``sampling_params``: the set keys, in vLLM's SamplingParams order."""
+    out = {}
+    for name, _ in _SAMPLING_DEFAULTS:
+        value = getattr(params, name)
+        if value is not UNSET:
+            out[name] = value
     return out
+
+
+def sent(value: Any) -> Any:
+    """A sampling field as the omit_defaults dump reads back: None where it was left at
+    vLLM's default (UNSET)."""
+    return None if value is UNSET else value

@@ -84,7 +84,7 @@ class Messages(AnthropicRoute):
     async def post(self, req, resp) -> None:
         arrival = time.time()
         request = await self.decode(req, messages_request_decoder)
-        model = await self.check_model(request.model)
+        model = await self.resolve_model(request.model)
         chat = await self.offload_light(self.messages.chat_request, request)
         rendered, run = await self.start_chat(req, chat, base_request_id(req.get_header("X-Request-Id"), None),
                                               arrival)
@@ -96,7 +96,7 @@ class Messages(AnthropicRoute):
 class CountTokens(AnthropicRoute):
     async def post(self, req, resp) -> None:
         request = await self.decode(req, _count_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         request.stream = False
         max_len, _, _ = await self.limits()
         chat = await self.offload_light(self.messages.chat_request, request)
@@ -217,7 +217,7 @@ class Responses(ResponsesRoutes):
     async def on_post(self, req, resp) -> None:
         arrival = time.time()
         request = await self.decode(req, responses_request_decoder)
-        model = await self.check_model(request.model)
+        model = await self.resolve_model(request.model)
         _refuse_unserved(request, self.store is not None)
         scope = key_scope(req)
         if request.store and self.store is None:

@@ -9,11 +9,11 @@ import falcon
 from common.errors import BadRequest, ServingError
 from common.validation import validate_request
 from gateway.body import decode_json, is_json, read_body
-from gateway.generate_api import derender_output
 from gateway.generate_api.protocol import generate_request_decoder
 from gateway.generate_api.request_mapping import check_encodable, cluster_for, map_request
 from gateway.generate_api.response_builder import ResponseAccumulator, ResponseOptions, StreamChunker
 from gateway.multimodal import attach_images
+from gateway.openai_api import generate_derender
 from gateway.relay import Generation, respond
 from gateway.state import GatewayState
 
@@ -44,7 +44,7 @@ class GenerateResource:
                 raise BadRequest("output_mode='derender' requires a tokenizer, but this server does not load one "
                                  "(--tokens-only or --skip-tokenizer-init). Send the request to a server that "
                                  "loads a tokenizer, or use output_mode='tokens'.", "output_mode")
-            derender_output.check(mapped.stream, mapped.parse_context, self.renderer)
+            generate_derender.check(mapped.stream, mapped.parse_context, self.renderer)
         validate_request(mapped.wire, cluster.model, tokens_only=s.tokens_only, stream=mapped.stream)
         if so_policy is not None:  # the constraint must convert to a grammar: before admission
             await so_policy.check(mapped.wire.params.structured_outputs, self.state.render_pool)
@@ -52,7 +52,7 @@ class GenerateResource:
             # Decodes the prompt (where generation starts inside reasoning): off the event loop.
             args = (mapped.parse_context, self.renderer, http.token_ids, cluster.model.max_model_len)
             pool = self.state.render_pool
-            derender = await pool.run(derender_output.setup, *args) if pool else derender_output.setup(*args)
+            derender = await pool.run(generate_derender.setup, *args) if pool else generate_derender.setup(*args)
         await attach_images(mapped, self.state.image, s)  # after the cheap checks
         if s.tokens_only:
             mapped.wire.params.detokenize = False  # after validation, as vLLM's --tokens-only does

@@ -37,7 +37,7 @@ from gateway.openai_api.protocol import (
 )
 from gateway.multimodal import attach_images, load_chat_images
 from gateway.openai_api.render import RenderedChat, Renderer, base_request_id
-from gateway.generate_api.request_mapping import base_model_names
+from gateway.generate_api.request_mapping import base_model_names, check_model
 from gateway.relay import Generation, respond
 from gateway.state import GatewayState
 
@@ -105,16 +105,16 @@ class TextRoutes:
         return (cluster.model.max_model_len, cluster.model.max_logprobs,
                 base_model_names(cluster.model, s.served_model_names))
 
-    async def check_model(self, requested: Optional[str]) -> str:
-        """The name answers use; 404 for a model this server does not serve."""
+    async def resolve_model(self, requested: Optional[str]) -> str:
+        """The name answers use (the requested one, else the first served name); vLLM's 404
+        for a model this server does not serve (request_mapping.check_model).  The pool's
+        LoRA adapters are read fresh, and only for a name that is not the base model's."""
         _, _, names = await self.limits()
-        if not requested or requested in names:
-            return requested or names[0]
-        if not self.render_only():
-            cluster = await self.state.cluster.fresh()
-            if requested in (cluster.lora_adapters or {}):
-                return requested
-        raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.", "model")
+        adapters = None
+        if requested and requested not in names and not self.render_only():
+            adapters = (await self.state.cluster.fresh()).lora_adapters
+        check_model(requested, names, adapters)
+        return requested or names[0]
 
 
     async def start_chat(self, req, request, base_id: str, arrival: float, request_id: Optional[str] = None,
@@ -129,8 +129,8 @@ class TextRoutes:
         rendered = await self.offload_light(self.renderer.chat, request, max_len, base_id, images=images,
                                            hold=self.hold)
         if request_id is not None:
-            rendered.generate["request_id"] = request_id
-        mapped = await map_rendered(self.state, req, rendered.generate, arrival)
+            rendered.request.request_id = request_id
+        mapped = await map_rendered(self.state, req, rendered.request, arrival)
         await attach_images(mapped, self.renderer.model.image, self.state.settings, processed=rendered.images)
         return rendered, generations(self.state, req, [mapped], detached=detached)[0]
 
@@ -139,7 +139,7 @@ class ChatCompletions(TextRoutes):
     async def on_post(self, req, resp) -> None:
         arrival = time.time()
         request = await self.decode(req, chat_request_decoder)
-        model = await self.check_model(request.model)
+        model = await self.resolve_model(request.model)
         rendered, run = await self.start_chat(
             req, request, base_request_id(req.get_header("X-Request-Id"), request.request_id), arrival)
         view = ResponseView.of(request, request.top_logprobs if request.logprobs else None, self.state.settings)
@@ -152,12 +152,12 @@ class Completions(TextRoutes):
     async def on_post(self, req, resp) -> None:
         arrival = time.time()
         request = await self.decode(req, completion_request_decoder)
-        model = await self.check_model(request.model)
+        model = await self.resolve_model(request.model)
         max_len, _, _ = await self.limits()
         self.check_completion_fits(request, max_len)
         rendered = await self.offload(req, self.renderer.completion, request, max_len,
                                       base_request_id(req.get_header("X-Request-Id"), request.request_id))
-        mapped = [await map_rendered(self.state, req, r.generate, arrival) for r in rendered]
+        mapped = [await map_rendered(self.state, req, r.request, arrival) for r in rendered]
         view = ResponseView.of(request, request.logprobs, self.state.settings)
         runs = generations(self.state, req, mapped)
         stream = bool(request.stream)
@@ -169,7 +169,7 @@ class Completions(TextRoutes):
 class ChatRender(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, chat_request_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         max_len, _, _ = await self.limits()
         images = await load_chat_images(request.messages, self.renderer.model.image, self.state.settings)
         base_id = base_request_id(req.get_header("X-Request-Id"), request.request_id)
@@ -185,7 +185,7 @@ class ChatRender(TextRoutes):
 class CompletionRender(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, completion_request_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         max_len, _, _ = await self.limits()
         self.check_completion_fits(request, max_len)
         base_id = base_request_id(req.get_header("X-Request-Id"), request.request_id)
@@ -200,7 +200,7 @@ class CompletionRender(TextRoutes):
 class ChatDerender(TextRoutes):
     async def on_post(self, req, resp) -> None:
         body = await self.decode(req, derender_request_decoder)
-        model = await self.check_model(body.model)
+        model = await self.resolve_model(body.model)
         max_len, max_logprobs, _ = await self.limits()
         derenderer = Derenderer(self.renderer, max_len, max_logprobs)
         resp.data = await self.offload(req, derenderer.chat_stream if body.stream else derenderer.chat, body, model)
@@ -210,7 +210,7 @@ class ChatDerender(TextRoutes):
 class CompletionDerender(TextRoutes):
     async def on_post(self, req, resp) -> None:
         body = await self.decode(req, derender_request_decoder)
-        model = await self.check_model(body.model)
+        model = await self.resolve_model(body.model)
         max_len, max_logprobs, _ = await self.limits()
         derenderer = Derenderer(self.renderer, max_len, max_logprobs)
         resp.data = await self.offload(req, derenderer.completion_stream if body.stream else derenderer.completion,
@@ -221,7 +221,7 @@ class CompletionDerender(TextRoutes):
 class Tokenize(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, tokenize_request_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         max_len, _, _ = await self.limits()
         images = None
         if request.messages is not None:
@@ -262,7 +262,7 @@ class Tokenize(TextRoutes):
 class Detokenize(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, detokenize_request_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         resp.data = await self.offload(req, self._detokenize, request.tokens)
         resp.content_type = falcon.MEDIA_JSON
 

@@ -21,7 +21,7 @@ from gateway.resources.openai import TextRoutes
 class ResponsesRender(TextRoutes):
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, responses_request_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         max_len, _, _ = await self.limits()
         options = self.renderer.options
         chat = await self.offload_light(responses_chat_request, request,
@@ -43,7 +43,7 @@ class MessagesRender(TextRoutes):
 
     async def on_post(self, req, resp) -> None:
         request = await self.decode(req, messages_request_decoder)
-        await self.check_model(request.model)
+        await self.resolve_model(request.model)
         max_len, _, _ = await self.limits()
         chat = await self.offload_light(self.messages.chat_request, request)
         images = await load_chat_images(chat.messages, self.renderer.model.image, self.state.settings)

@@ -12,7 +12,9 @@ included: a lazy ``import`` inside a function is still a dependency.
   ``records`` / ``step_plan``); the models never import the loader;
 * in ``gateway/``: the generation relay (``gateway.relay``) knows no API (its formatters
   plug in), and the API packages (``generate_api``, ``openai_api``, ``chat``,
-  ``parsers``, ``structured_outputs``) import no route module (``gateway.resources``) nor the app.
+  ``parsers``, ``structured_outputs``) import no route module (``gateway.resources``) nor the app;
+  ``generate_api`` (the core every API maps onto) imports nothing of ``openai_api``: the
+  dependency runs one way, openai_api -> generate_api.
 
 Edges: ``import a.b.c`` is an edge to the module ``a.b.c`` (or its deepest existing
 package); ``from a.b import c`` to ``a.b.c`` when that is a module, else to ``a.b``;
@@ -223,6 +225,14 @@ def test_gateway_relay_knows_no_api():
 
 def test_gateway_apis_import_no_route():
     hits = _hits(_our_graph(), lambda m: _under(m, *GATEWAY_APIS), lambda m, t: _under(t, *GATEWAY_ROUTES))
+    assert not hits, hits
+
+
+def test_generate_api_imports_no_openai_api():
+    """The OpenAI facades build on the generate API's shapes, mapping and formatting;
+    nothing runs back (output_mode "derender"'s chat parsing is handed in by the route)."""
+    hits = _hits(_our_graph(), lambda m: _under(m, f"{G}.generate_api"),
+                 lambda m, t: _under(t, f"{G}.openai_api"))
     assert not hits, hits
 
 

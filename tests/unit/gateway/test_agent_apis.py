@@ -8,6 +8,7 @@ import json
 
 from common.protocol import CompletionDelta
 from gateway.auth import key_scope
+from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
 from gateway.openai_api.chat_output import ChatParsing
 from gateway.openai_api.messages_output import MessagesCollector, MessagesStream, anthropic_error, stop_reason
 from gateway.openai_api.render import RenderedChat
@@ -27,9 +28,9 @@ PIECES = ["plan", " it</think>", "Sure.", CALL]
 
 
 def _rendered(parsing: ChatParsing = QWEN) -> RenderedChat:
-    return RenderedChat(generate={"request_id": "chatcmpl-1", "sampling_params": {"temperature": 0.0,
-                                                                                  "max_tokens": 9}},
-                        prompt_text=None, token_ids=[1, 2, 3], parsing=parsing)
+    request = HttpGenerateRequest(request_id="chatcmpl-1", token_ids=[1, 2, 3],
+                                  sampling_params=HttpSamplingParams(temperature=0.0, max_tokens=9))
+    return RenderedChat(request=request, prompt_text=None, token_ids=[1, 2, 3], parsing=parsing)
 
 
 def _deltas(pieces: list[str], finish: str = "stop", stop=None) -> list[CompletionDelta]:

@@ -10,7 +10,7 @@ from common.errors import BadRequest, NotFound
 from common.protocol import ClusterInfo, ModelInfo, TokenLogprobs, WorkerLoad, WorkerStatus
 from gateway.generate_api import logprobs_format
 from gateway.generate_api.protocol import generate_request_decoder
-from gateway.generate_api.request_mapping import map_request
+from gateway.generate_api.request_mapping import check_model, map_request
 
 MODEL = ModelInfo(name="m", vocab_size=100, max_model_len=64, max_num_seqs=4)
 CLUSTER = ClusterInfo(workers=[WorkerStatus(rank=0, load=WorkerLoad()), WorkerStatus(rank=1, load=WorkerLoad()),
@@ -56,6 +56,17 @@ def test_rank_pinning_and_model_names():
     with pytest.raises(NotFound, match="The model `m` does not exist."):
         mapped({"token_ids": [1], "sampling_params": {}, "model": "m"}, names=["alias"])
     assert mapped({"token_ids": [1], "sampling_params": {}, "model": "alias"}, names=["alias"]).model_name == "alias"
+
+
+def test_one_model_check_for_every_api():
+    """request_mapping.check_model is the only model check (/generate calls it, the OpenAI
+    and agent routes through TextRoutes.resolve_model): vLLM's 404 message, pinned."""
+    assert check_model(None, ["a", "b"]) is None and check_model("b", ["a", "b"]) is None
+    assert check_model("lora1", ["a"], {"lora1": "/p"}) == "lora1"
+    with pytest.raises(NotFound) as err:
+        check_model("x", ["a", "b"], {"lora1": "/p"})
+    assert err.value.message == "The model `x` does not exist. Valid aliases: a, b." and err.value.param == "model"
+    assert err.value.status == 404
 
 
 def _lp(sampled, lp, rank, tops):

@@ -9,7 +9,8 @@ import pytest
 
 from common.errors import BadRequest
 from common.protocol import ClusterInfo, CompletionDelta, ModelInfo, WorkerLoad, WorkerStatus
-from gateway.generate_api import derender_output, parse_context
+from gateway.generate_api import parse_context
+from gateway.openai_api import generate_derender
 from gateway.generate_api.protocol import generate_request_decoder
 from gateway.generate_api.request_mapping import map_request
 from gateway.generate_api.response_builder import ResponseAccumulator
@@ -56,13 +57,13 @@ def test_derender_checks():
         parser = object()
 
     with pytest.raises(BadRequest, match=r"^output_mode='derender' does not support stream=true\.$"):
-        derender_output.check(True, None, None)
+        generate_derender.check(True, None, None)
     with pytest.raises(BadRequest, match="requires parse_context"):
-        derender_output.check(False, None, _R())
-    derender_output.check(False, None, None)  # no parser: the text is the content
+        generate_derender.check(False, None, _R())
+    generate_derender.check(False, None, None)  # no parser: the text is the content
     named = parse_context.read({"tools": [TOOL], "tool_choice": {"function": {"name": "other"}}}, "derender")
     with pytest.raises(BadRequest, match="does not match any of the specified `tools`"):
-        derender_output.check(False, named, _R())
+        generate_derender.check(False, named, _R())
 
 
 def test_parse_context_from_chat_request():
@@ -94,7 +95,7 @@ def _body(setup, deltas, logprobs=None):
 @pytest.mark.parametrize("engine_reason, want", [("stop", "tool_calls"), ("length", "length")])
 def test_derender_choice_parses_reasoning_and_tool_calls(engine_reason, want):
     parser = OutputParser("qwen3", "hermes")
-    setup = derender_output.DerenderSetup(ChatParsing(parser, reasoning_open=True, tools_enabled=True))
+    setup = generate_derender.DerenderSetup(ChatParsing(parser, reasoning_open=True, tools_enabled=True))
     text = "Let me check.</think>\n\n" + CALL
     body = _body(setup, [CompletionDelta(request_id="r", token_ids=[5, 6], text=text[:9]),
                          CompletionDelta(request_id="r", token_ids=[7], text=text[9:], finish_reason=engine_reason)])
@@ -110,11 +111,12 @@ def test_derender_choice_parses_reasoning_and_tool_calls(engine_reason, want):
 
 def test_derender_hidden_reasoning_hides_metadata_and_no_parser_is_plain_text():
     parser = OutputParser("qwen3", None)
-    hidden = derender_output.DerenderSetup(ChatParsing(parser, reasoning_open=True, include_reasoning=False),
+    hidden = generate_derender.DerenderSetup(ChatParsing(parser, reasoning_open=True, include_reasoning=False),
                                            hide_metadata=True)
     choice = _body(hidden, [CompletionDelta(request_id="r", token_ids=[5], text="think</think>answer",
                                             finish_reason="stop")])["choices"][0]
     assert choice["message"]["reasoning"] is None and choice["message"]["content"] == "answer"
     assert choice["token_ids"] is None and choice["logprobs"] is None and choice["sampling_mask"] is None
-    plain = _body(None, [CompletionDelta(request_id="r", token_ids=[5], text="a</think>b", finish_reason="stop")])
+    no_parser = generate_derender.setup(None, None, [5], 64)
+    plain = _body(no_parser, [CompletionDelta(request_id="r", token_ids=[5], text="a</think>b", finish_reason="stop")])
     assert plain["choices"][0]["message"]["content"] == "a</think>b"

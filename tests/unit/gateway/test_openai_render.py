@@ -142,3 +142,34 @@ def test_completion_max_tokens_past_the_room_is_clamped(renderer):
     """vLLM 0.33: the prompt need not leave room for max_tokens; get_max_tokens clamps it."""
     (r,) = renderer.completion(_completion(prompt="x" * 20, max_tokens=50), 64, "c")
     assert r.generate["sampling_params"]["max_tokens"] == 64 - len(r.token_ids)
+
+
+def test_the_rendered_request_is_typed_and_mapped_as_built(renderer):
+    """One typed request from render to the wire: the renderer builds the generate API's
+    HttpGenerateRequest once (max_tokens decided by sampling.max_tokens_for), the render
+    routes answer its vLLM JSON, and map_request takes it as is: the wire's max_tokens is
+    the rendered one, explicit, not re-decided."""
+    from common.protocol import ClusterInfo, ModelInfo, WorkerLoad, WorkerStatus
+    from gateway.generate_api.protocol import HttpGenerateRequest, HttpSamplingParams
+    from gateway.generate_api.request_mapping import map_request
+
+    r = renderer.chat(_chat(messages=[{"role": "user", "content": "hi"}], temperature=0.5, stop="zz",
+                            stream=True, stream_options={"include_usage": True}), 64, "t")
+    http = r.request
+    assert isinstance(http, HttpGenerateRequest) and isinstance(http.sampling_params, HttpSamplingParams)
+    room = 64 - len(r.token_ids)
+    assert http.sampling_params.max_tokens == room and r.generate["sampling_params"]["max_tokens"] == room
+    assert list(r.generate) == ["request_id", "token_ids", "token_offsets", "features", "content_parts",
+                                "sampling_params", "model", "reasoning_ended", "reasoning_parser_kwargs",
+                                "return_token_ids", "output_mode", "parse_context", "stream", "stream_options",
+                                "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params"]
+    assert list(r.generate["sampling_params"]) == ["temperature", "top_p", "stop", "stop_token_ids", "max_tokens",
+                                                   "output_kind", "skip_clone", "output_text_buffer_length",
+                                                   "bad_words"]
+    assert r.generate["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    model = ModelInfo(name="m", vocab_size=300, max_model_len=64, max_num_seqs=4, default_max_tokens=5)
+    cluster = ClusterInfo(workers=[WorkerStatus(rank=0, load=WorkerLoad())], model=model)
+    mapped = map_request(http, {}, cluster, model, served_model_names=[], arrival_time=1.0)
+    p = mapped.wire.params
+    assert (p.max_tokens, p.max_tokens_is_default) == (room, False)
+    assert (p.temperature, p.stop, mapped.stream, mapped.include_usage) == (0.5, ["zz"], True, True)

@@ -343,16 +343,17 @@ def test_derender_parses_a_forced_tool_choice_from_the_parse_context():
     tool_choice "required" request: the calls as the chat facade parses them."""
     from types import SimpleNamespace
 
-    from gateway.generate_api import derender_output, parse_context
+    from gateway.generate_api import parse_context
+    from gateway.openai_api import generate_derender
 
     context = parse_context.read({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True,
                                   "include_reasoning": True, "chat_template_kwargs": {},
                                   "history_tool_call_cnt": 0}, "derender")
-    derender_output.check(False, context, SimpleNamespace(parser=None))
-    setup = derender_output.setup(context, SimpleNamespace(parser=None), [1, 2], 64)
+    generate_derender.check(False, context, SimpleNamespace(parser=None))
+    setup = generate_derender.setup(context, SimpleNamespace(parser=None), [1, 2], 64)
     fields = {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [3], "sampling_mask": None,
               "routed_experts": None}
-    got = derender_output.choice(fields, CALLS, None, setup)
+    got = generate_derender.choice(fields, CALLS, None, setup)
     assert [c.function.name for c in got.message.tool_calls] == ["get_weather", "now"]
     assert got.finish_reason == "tool_calls" and got.message.content == ""
 

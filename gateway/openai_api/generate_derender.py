@@ -9,6 +9,11 @@ chat request (gateway/openai_api/derender.py), so the message equals what
 tokens with ``bytes``, ``top_logprobs`` cut to the requested count).  When a parser hides
 the reasoning (``include_reasoning: false``) the per-token metadata that would leak it --
 logprobs, token_ids, sampling_mask -- is dropped, as vLLM does.  No streaming.
+
+It lives with the OpenAI facades, not in gateway/generate_api, because it is chat parsing:
+the generate API's answer builder (generate_api/response_builder.py) receives a
+:class:`DerenderSetup` from the route and calls its ``choice``, so imports run one way
+(openai_api -> generate_api, never back; tests/unit/common/test_import_layers.py).
 """
 from __future__ import annotations
 
@@ -17,10 +22,10 @@ from typing import Optional, Union
 import msgspec
 
 from common.errors import BadRequest
-from gateway.generate_api.parse_context import ParseContext, check_tool_choice, to_chat_request
+from gateway.generate_api.parse_context import ParseContext, check_tool_choice
 from gateway.generate_api.protocol import WeightVersionSpan
 from gateway.openai_api.chat_output import ChatParsing, chat_message, chat_parsing
-from gateway.openai_api.protocol import ChatLogprobs, ChatMessage
+from gateway.openai_api.protocol import ChatCompletionRequest, ChatLogprobs, ChatMessage
 
 
 class DerenderChoice(msgspec.Struct):
@@ -43,6 +48,10 @@ class DerenderSetup(msgspec.Struct):
     parsing: ChatParsing
     hide_metadata: bool = False
 
+    def choice(self, fields: dict, text: str, logprobs: Optional[list]) -> DerenderChoice:
+        """The response builder's hook (generate_api.response_builder.DerenderChoices)."""
+        return choice(fields, text, logprobs, self)
+
 
 STREAM_ERROR = "output_mode='derender' does not support stream=true."
 NEEDS_CONTEXT = ("output_mode='derender' requires parse_context on a server with a tool or reasoning parser. "
@@ -58,6 +67,15 @@ def check(stream: bool, context: Optional[ParseContext], renderer) -> None:
         if context is None:
             raise BadRequest(NEEDS_CONTEXT, "parse_context")
         check_tool_choice(context)
+
+
+def to_chat_request(ctx: ParseContext) -> ChatCompletionRequest:
+    """The message-less chat request the chat parsing reads (vLLM's ``to_chat_request``)."""
+    tools = msgspec.to_builtins(ctx.tools) if ctx.tools is not None else None
+    return ChatCompletionRequest(messages=[], tools=tools, tool_choice=ctx.tool_choice,
+                                 parallel_tool_calls=ctx.parallel_tool_calls,
+                                 include_reasoning=ctx.include_reasoning,
+                                 chat_template_kwargs=ctx.chat_template_kwargs)
 
 
 def setup(context: Optional[ParseContext], renderer, prompt_ids: list[int], max_model_len: int) -> DerenderSetup:
