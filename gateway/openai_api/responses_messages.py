@@ -76,6 +76,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     request_id: Optional[str] = None
     priority: Int64 = 0
     cache_salt: Optional[Annotated[str, Meta(min_length=1, max_length=1024)]] = None
+    # vLLM's: the Response also carries the exact prompt and output as text and token ids
+    # (``input_messages`` / ``output_messages``, raw_message_tokens), what RL trainers keep
+    enable_response_messages: bool = False
     repetition_penalty: Optional[float] = None
     seed: Optional[Int64] = None
     stop: StopParam = None

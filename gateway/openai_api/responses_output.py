@@ -75,8 +75,10 @@ class ResponseContext:
     tokens_as_token_ids: bool = False
     created: int = 0
 
-    def response(self, status: str, output: list, usage: Optional[dict]) -> dict:
-        """vLLM's ``ResponsesResponse.from_request``."""
+    def response(self, status: str, output: list, usage: Optional[dict],
+                 messages: Optional[tuple[list, list]] = None) -> dict:
+        """vLLM's ``ResponsesResponse.from_request``; ``messages``: the raw input and
+        output messages (``enable_response_messages``)."""
         request, params = self.request, self.rendered.request.sampling_params
         return {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
@@ -90,7 +92,22 @@ class ResponseContext:
             "temperature": sent(params.temperature), "text": request.text or {"format": {"type": "text"}},
             "tool_choice": request.tool_choice, "tools": request.tools, "top_logprobs": request.top_logprobs,
             "top_p": sent(params.top_p), "truncation": request.truncation or "disabled", "usage": usage,
-            "user": request.user}
+            "user": request.user, "input_messages": messages[0] if messages else None,
+            "output_messages": messages[1] if messages else None}
+
+    def raw_messages(self, output_text: str, output_ids: list[int]) -> Optional[tuple[list, list]]:
+        """vLLM's ``ResponseRawMessageAndToken`` pair for ``enable_response_messages``: the
+        prompt as rendered and tokenized, the output as generated (tokens are the source
+        of truth where text and tokens diverge)."""
+        if not self.request.enable_response_messages:
+            return None
+        rendered = self.rendered
+        return ([raw_message(rendered.prompt_text or "", list(rendered.token_ids))],
+                [raw_message(output_text, output_ids)] if output_text or output_ids else [])
+
+
+def raw_message(text: str, tokens: list[int]) -> dict:
+    return {"message": text, "tokens": tokens, "type": "raw_message_tokens"}
 
 
 def usage(num_prompt: int, num_generated: int, cached: int, reasoning: int) -> dict:
@@ -140,6 +157,8 @@ class _Counts:
         self.reasoning = ReasoningCounter(ctx.markers, ctx.rendered.parsing.reasoning_open)
         self.logprobs: list = []
         self.finish: Optional[str] = None
+        self.token_ids: list[int] = []  # the output's ids (enable_response_messages)
+        self.text: list[str] = []
 
     def add(self, delta: CompletionDelta) -> Optional[list]:
         """Counts one delta; its logprob entries (as dicts) when asked for."""
@@ -148,6 +167,10 @@ class _Counts:
         self.cached = delta.num_cached_tokens or self.cached
         self.num_generated += len(delta.token_ids)
         self.reasoning.add(delta.token_ids)
+        if self.ctx.request.enable_response_messages:
+            self.token_ids.extend(delta.token_ids)
+            if delta.text:
+                self.text.append(delta.text)
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason
         lp = chat_logprobs(delta, self.ctx.top_logprobs, self.ctx.tokens_as_token_ids)
@@ -177,8 +200,9 @@ class ResponsesCollector:
     def response(self) -> dict:
         counts = self.counts
         logprobs = counts.logprobs if self.ctx.top_logprobs is not None else None
-        response = self.ctx.response(_status(counts.finish), output_items("".join(self.texts), self.ctx.rendered,
-                                                                           logprobs), counts.usage())
+        text = "".join(self.texts)
+        response = self.ctx.response(_status(counts.finish), output_items(text, self.ctx.rendered, logprobs),
+                                     counts.usage(), self.ctx.raw_messages(text, counts.token_ids))
         if self.on_done is not None:
             self.on_done(response)
         return response
@@ -318,7 +342,8 @@ class ResponsesStream(StreamFormatter):
             # tokens after it included), as the non-streamed Response's does.
             output = [message_item(i["id"], i["content"][0]["text"], list(self.counts.logprobs))
                       if i["type"] == "message" else i for i in output]
-        response = self.ctx.response(_status(self.counts.finish), output, self.counts.usage())
+        response = self.ctx.response(_status(self.counts.finish), output, self.counts.usage(),
+                                     self.ctx.raw_messages("".join(self.counts.text), self.counts.token_ids))
         if self.on_done is not None:
             self.on_done(response)
         return self._event("response.completed", response=response)

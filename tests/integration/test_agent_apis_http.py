@@ -284,6 +284,29 @@ def test_responses_create_equals_render_and_generate(stack):
                                                                        for e in want]
 
 
+def test_responses_raw_messages_carry_the_exact_token_ids(stack):
+    """vLLM's ``enable_response_messages`` (what RL trainers keep): ``input_messages`` is
+    the rendered prompt with its token ids, ``output_messages`` the output with the ids
+    generated -- equal to /render and greedy /generate of that prompt, streamed or not;
+    absent (null) unless asked for."""
+    gw, _ = stack
+    client = _openai(gw)
+    body = dict(model=_model(gw), input="Count to three.", max_output_tokens=9, temperature=0, store=False,
+                reasoning={"effort": "none"})
+    gen = _post(gw, "/v1/responses/render", body)
+    text = _generate(gw, gen, "text")
+    plain = client.responses.create(**body)
+    assert plain.model_extra.get("input_messages") is None and plain.model_extra.get("output_messages") is None
+    out = client.responses.create(**body, extra_body={"enable_response_messages": True})
+    streamed = [e for e in client.responses.create(**body, stream=True, extra_body={"enable_response_messages": True})
+                if e.type == "response.completed"][0].response
+    for response in (out, streamed):
+        (inp,), (outp,) = response.model_extra["input_messages"], response.model_extra["output_messages"]
+        assert inp["type"] == outp["type"] == "raw_message_tokens"
+        assert inp["tokens"] == gen["token_ids"] and inp["message"]
+        assert outp["tokens"] == text["token_ids"] and outp["message"] == text["text"]
+
+
 def _think_markers(gw, ids: list[int]) -> int:
     tokens = _post(gw, "/tokenize", {"prompt": "<think></think>"})["tokens"]
     return sum(t in tokens for t in ids)
