@@ -89,7 +89,7 @@ class EngineFeatures:
             # KV transfer's refusal of LoRA requests comes before LoRA's (check order).
             self.ec, self.kv, self.lora,
             self.spec_decode,  # after LoRA: drafts fill the batch in its final order (on_scheduled)
-            self.structured_output,  # after speculative decoding: before_schedule cuts the drafts it proposed
+            self.structured_output,  # its draft filter cuts speculative decoding's drafts (no order needed)
             follower.TensorParallelRanks(self.tp_leader) if self.tp_leader is not None else None,  # closes last
         ]
         self.step = self.ec.encode_step if self.ec.encoder_only else None

@@ -112,7 +112,6 @@ class EngineSequence:
         self.generator: Optional[torch.Generator] = None
         self.detokenizer: Any = None
         self.pending_logprobs: Optional[TokenLogprobs] = None  # logprobs the next delta carries
-        self.spec_token_ids: list[int] = []  # drafts proposed for the next step (speculative decoding)
         # Async scheduling: tokens sampled by steps still in flight, not appended yet.  The
         # scheduler counts them (the next step computes their K/V, its input id filled on
         # the device from the step that samples it); stop checks see only known tokens.

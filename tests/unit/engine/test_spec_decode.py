@@ -194,14 +194,14 @@ def test_step_cap_and_backoff_limit_what_is_verified(llama_dir):
     seq = engine._new_sequence(_request_obj(engine), 0, [5, 6, 7, 5, 6])
     seq.num_computed_tokens = seq.num_tokens - 1
     spec.propose([seq], 256)
-    assert seq.spec_token_ids == [7, 5, 6]
+    assert spec.drafts(seq) == [7, 5, 6]
     for _ in range(3):
         spec.record(seq, 3, 0)
     spec.propose([seq], 256)
-    assert seq.spec_token_ids == []  # backed off after rejections; it retries later
+    assert spec.drafts(seq) == []  # backed off after rejections; it retries later
     for _ in range(40):
         spec.propose([seq], 256)
-    assert seq.spec_token_ids == [7, 5, 6]
+    assert spec.drafts(seq) == [7, 5, 6]
 
 
 def _request_obj(engine):

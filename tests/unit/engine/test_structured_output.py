@@ -330,12 +330,12 @@ def test_drafts_the_grammar_rejects_are_cut_before_scheduling(llama_dir):
     while not engine.requests["d"].sequences[0].output_ids:
         engine.step()
     seq = engine.requests["d"].sequences[0]
-    seq.spec_token_ids = [ord("1"), ord("x"), ord("2")]
-    engine.structured_output.before_schedule()
-    assert seq.spec_token_ids == [ord("1")]
-    seq.spec_token_ids = [ord("y")]
-    engine.structured_output.before_schedule()
-    assert seq.spec_token_ids == []
+    # the scheduler's drafts: the proposer's, cut by the grammar's filter
+    proposed = {seq.seq_id: [ord("1"), ord("x"), ord("2")]}
+    engine.scheduler.draft_source = lambda s: proposed.get(s.seq_id, [])
+    assert list(engine.scheduler._drafts(seq)) == [ord("1")]
+    proposed[seq.seq_id] = [ord("y")]
+    assert list(engine.scheduler._drafts(seq)) == []
 
 
 def test_reasoning_end_starts_the_grammar(compiler):

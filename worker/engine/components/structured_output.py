@@ -13,8 +13,8 @@ tag) with xgrammar, as an engine component -- vLLM's StructuredOutputManager.
   (one per choice, created on its first sampling row) catches up with its output,
   fills a bitmask row per sampling row -- for a sequence verifying drafts one row per
   draft position, advancing through the drafts and rolling back -- and the mask turns
-  the disallowed logits to -inf.  Drafts the grammar rejects are cut before scheduling
-  (``before_schedule``).  The sampler's logprobs are computed from these
+  the disallowed logits to -inf.  Drafts the grammar rejects are cut as the scheduler takes them
+  (``keep_drafts``, a draft filter registered through the context).  The sampler's logprobs are computed from these
   logits, as vLLM's (its raw logprobs come after the grammar bitmask too), and the
   sampling mask (--return-sampling-mask) includes the grammar.
 - A grammar that reaches its end allows only the stop tokens, so the choice ends with
@@ -70,6 +70,7 @@ class StructuredOutputComponent(EngineComponent):
     def __init__(self, ctx, config: StructuredOutputsConfig, compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  compile_workers: int = 2):
         self.ctx = ctx  # EngineContext: running sequences, gates, tokenizer, failures
+        ctx.add_draft_filter(self.keep_drafts)  # speculative decoding's drafts, cut by the grammar
         self.config = config
         self.vocab_size = ctx.model_config.vocab_size  # the model's logits width (padded vocabulary)
         self.compile_timeout_s = compile_timeout_s
@@ -166,21 +167,17 @@ class StructuredOutputComponent(EngineComponent):
         return True
 
     # --- the step -------------------------------------------------------------------------
-    def before_schedule(self) -> None:
-        """After speculative decoding proposed its drafts (it comes earlier in the hook
-        order): cut each constrained choice's drafts at the first one its grammar rejects,
-        as vLLM's scheduler does, so no verify row is spent on a draft that cannot be kept."""
-        if not self.matchers:
-            return
-        for seq in self.ctx.running():
-            drafts = seq.spec_token_ids
-            if drafts:
-                m = self.matchers.get(seq.seq_id)
-                if m is not None and m.reasoning_ended and not m.failed:
-                    m.catch_up(seq.token_ids, seq.num_prompt_tokens)
-                    keep = m.valid_prefix(drafts)
-                    if keep < len(drafts):
-                        seq.spec_token_ids = drafts[:keep]
+    def keep_drafts(self, seq, drafts):
+        """The scheduler's draft filter: a constrained choice's drafts cut at the first one
+        its grammar rejects, as vLLM's scheduler does, so no verify row is spent on a
+        draft that cannot be kept."""
+        m = self.matchers.get(seq.seq_id)
+        if m is not None and m.reasoning_ended and not m.failed:
+            m.catch_up(seq.token_ids, seq.num_prompt_tokens)
+            keep = m.valid_prefix(drafts)
+            if keep < len(drafts):
+                return drafts[:keep]
+        return drafts
 
     def _matcher(self, seq) -> Optional[SequenceMatcher]:
         m = self.matchers.get(seq.seq_id)

@@ -54,6 +54,18 @@ class CoreContext:
         """The paged KV cache (None while sleep has released it)."""
         return self._core.runner.kv_cache
 
+    def set_draft_source(self, source: Any) -> None:
+        """Where the scheduler gets the drafts a decode verifies: ``source(seq)`` -> token
+        ids (speculative decoding's proposer; one source per engine)."""
+        if self._core.scheduler.draft_source is not None:
+            raise RuntimeError("a draft source is set already")
+        self._core.scheduler.draft_source = source
+
+    def add_draft_filter(self, keep: Any) -> None:
+        """``keep(seq, drafts)`` -> the drafts to verify (a prefix): structured outputs
+        cuts drafts its grammar rejects, before a verify row is spent on them."""
+        self._core.scheduler.draft_filters.append(keep)
+
     def add_admission_limit(self, limit: Any) -> None:
         """A limit on which waiting sequences a step admits (core/scheduler.py
         ``AdmissionLimit``: LoRA's adapter slots)."""

@@ -16,7 +16,7 @@ import heapq
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.records import SeqStatus, EngineSequence
@@ -58,6 +58,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.limits: list[AdmissionLimit] = []  # components' admission limits (LoRA's adapter slots)
+        # Drafts a decode may verify this step (speculative decoding's source, through the
+        # context), each cut by the draft filters (structured outputs: no draft its grammar
+        # rejects); None: no drafts, the decode loop never asks.
+        self.draft_source: Optional[Callable[[EngineSequence], Sequence[int]]] = None
+        self.draft_filters: list[Callable[[EngineSequence, Sequence[int]], Sequence[int]]] = []
         self._waiting: list[tuple[int, int, int, EngineSequence]] = []  # heap of (priority, arrival, seq_id, seq)
         self.running: list[EngineSequence] = []
         self.num_preemptions = 0
@@ -125,8 +130,8 @@ class Scheduler:
                 i += 1
                 continue
             spec = ()
-            if num_new == 1 and seq.spec_token_ids:  # a decode with drafts: verify them too
-                spec = tuple(seq.spec_token_ids[:budget - 1])
+            if num_new == 1 and self.draft_source is not None:  # a decode with drafts: verify them too
+                spec = tuple(self._drafts(seq)[:budget - 1])
                 num_new += len(spec)
             elif computed + num_new <= len(seq.block_ids) * block_size:
                 # Its blocks have room already (a decode inside its last block, most steps):
@@ -183,6 +188,14 @@ class Scheduler:
         for item in skipped:
             heapq.heappush(self._waiting, item)
         return out
+
+    def _drafts(self, seq: EngineSequence) -> Sequence[int]:
+        drafts = self.draft_source(seq)
+        for keep in self.draft_filters:
+            if not drafts:
+                break
+            drafts = keep(seq, drafts)
+        return drafts
 
     def preempt_all(self) -> None:
         """Every running sequence back to the waiting queue, its blocks freed: it is

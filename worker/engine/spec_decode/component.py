@@ -20,6 +20,7 @@ class SpecDecodeComponent(EngineComponent):
     def __init__(self, speculator, ctx):
         self.speculator = speculator
         self.ctx = ctx  # EngineContext: running sequences, max_model_len, block_manager
+        ctx.set_draft_source(speculator.drafts)  # the proposer is the scheduler's DraftSource
         self.stats: dict[str, Any] = {}  # request id -> SpecDecodeStats
         self._closing: dict[str, Any] = {}  # forgotten since the last step: reported by its last delta
         self._verifying: dict[int, tuple] = {}  # seq id -> the drafts it verifies in this step

@@ -30,9 +30,10 @@ _RECOVERY = 0.05  # ...and each step without drafts moves the share back up by t
 class SeqDrafting:
     """What a proposer keeps per sequence (owned by the speculator, keyed by seq_id)."""
 
-    __slots__ = ("acceptance", "draft_lag", "draft_synced", "token_buffer")
+    __slots__ = ("acceptance", "draft_lag", "draft_synced", "token_buffer", "drafts")
 
     def __init__(self):
+        self.drafts: list[int] = []  # proposed for the next step (the scheduler asks: drafts())
         self.acceptance = 1.0  # recent share of its drafts accepted (drafting backs off when low)
         self.draft_lag = 0  # draft model: trailing computed positions its KV lacks
         self.draft_synced = -1  # draft model: num_preemptions when its KV last covered the context
@@ -65,12 +66,13 @@ class Speculator:
         self.seqs.pop(seq.seq_id, None)
 
     def propose(self, running: Sequence[EngineSequence], max_model_len: int) -> None:
-        """Set ``spec_token_ids`` of every running decode (empty: nothing to verify)."""
+        """Propose the drafts of every running decode (``drafts(seq)``; empty: nothing to verify)."""
         cfg = self.config
         off = cfg.disable_by_batch_size is not None and len(running) >= cfg.disable_by_batch_size
         decodes = []
+        for st in self.seqs.values():
+            st.drafts = []
         for seq in running:
-            seq.spec_token_ids = []
             if off or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             st = self.state(seq)
@@ -88,9 +90,15 @@ class Speculator:
             if budget is not None:
                 k = min(k, budget)
             if k > 0:
-                seq.spec_token_ids = self.draft_tokens(seq, k)
+                st = self.seqs[seq.seq_id]
+                st.drafts = self.draft_tokens(seq, k)
                 if budget is not None:
-                    budget -= len(seq.spec_token_ids)
+                    budget -= len(st.drafts)
+
+    def drafts(self, seq: EngineSequence) -> list[int]:
+        """The drafts proposed for ``seq``'s next step (the scheduler's draft source)."""
+        st = self.seqs.get(seq.seq_id)
+        return st.drafts if st is not None else []
 
     def draft_tokens(self, seq: EngineSequence, k: int) -> list[int]:
         """Up to ``k`` drafts for ``seq`` before the step is scheduled."""
