@@ -20,8 +20,11 @@ Hook order in a request's life::
                                   request must not run before that work is done
     can_overlap(request)          once, after admit: False when the request's steps need the
                                   previous step's outputs on the host before they are planned
-                                  (a grammar's state, adapter or encoder inputs): its steps
-                                  then run synchronously (async scheduling, core/inflight.py)
+                                  (adapter or encoder inputs): its steps then run
+                                  synchronously (async scheduling, core/inflight.py)
+    needs_outputs_first(seqs)     each launched step: True when process_logits for these
+                                  choices reads state the previous step's outputs advance
+                                  (a grammar): the forward overlaps, the masks wait for them
     tick()                        housekeeping: every step, and while the worker idles
     before_schedule()             every model step, before the scheduler runs
     wait_idle()                   nothing can be scheduled: wait briefly for your own async
@@ -138,7 +141,7 @@ class EngineWiring(Protocol):
     overlap_blocker: Optional[str]
 
 
-HOOKS = ("check", "admit", "can_overlap", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
+HOOKS = ("check", "admit", "can_overlap", "needs_outputs_first", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
          "on_scheduled", "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
          "on_kv_cache_allocated", "on_model_replaced", "close")
@@ -166,6 +169,13 @@ class EngineComponent:
         False when this feature needs that token on the host first -- the request's steps
         run synchronously, the others keep overlapping."""
         return True
+
+    def needs_outputs_first(self, seqs: list) -> bool:
+        """Async scheduling: whether this step's ``process_logits`` for ``seqs`` (its
+        sampling choices) reads state that the previous step's outputs advance on the host
+        (``on_sampled``): the step's forward still overlaps, its logits processors wait
+        until the host processed those outputs."""
+        return False
 
     def holds_steps(self) -> bool:
         """True while the engine must not step at all (sleep released its KV cache or
@@ -238,6 +248,7 @@ class Hooks:
     check: list[Callable[..., Any]]
     admit: list[Callable[..., None]]
     can_overlap: list[Callable[..., bool]]
+    needs_outputs_first: list[Callable[..., bool]]
     holds_steps: list[Callable[[], bool]]
     tick: list[Callable[[], None]]
     before_schedule: list[Callable[[], None]]

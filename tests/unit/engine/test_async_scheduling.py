@@ -227,3 +227,43 @@ def test_lora_requests_beside_base_requests(llama_dir, tmp_path):
     _, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=1, max_lora_rank=8,
                       lora_modules={"a": str(adapter)})
     assert counts["synchronous"] > 0
+
+
+def test_structured_outputs_overlap_and_match_the_synchronous_step(llama_dir):
+    """Grammar-constrained requests alone: their forwards overlap the previous step (the
+    masks wait for its outputs, as vLLM computes the bitmask while the step runs), and
+    every token is what the synchronous step gives -- the grammar always saw the token in
+    flight before masking the next row."""
+    def reqs():
+        return [request("so-digits", [1, 2, 3], max_tokens=16, structured_outputs=StructuredOutputs(regex="[0-9]{8}x")),
+                request("so-choice", [4, 5], max_tokens=12, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])),
+                request("so-json", [6, 7, 8], max_tokens=24, structured_outputs=StructuredOutputs(
+                    json='{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')),
+                request("so-sampled", [9], max_tokens=14, temperature=1.0, seed=3,
+                        structured_outputs=StructuredOutputs(regex="[a-c]{5}[0-9]{5}"))]
+
+    outs = {}
+    for mode in (False, True):
+        engine = make_engine(llama_dir, async_scheduling=mode, max_num_batched_tokens=64)
+        so = engine.structured_output
+        masked: dict[str, list[int]] = {}  # per choice: its output length at each mask
+        original = so.process_logits
+
+        def spy(seqs, specs, logits):
+            for seq in seqs:
+                masked.setdefault(seq.request.request_id, []).append(len(seq.output_ids))
+            return original(seqs, specs, logits)
+
+        so.process_logits = spy
+        engine.hooks.process_logits[engine.hooks.process_logits.index(original)] = spy
+        got = engine.generate(reqs())
+        # the grammar masks the row of output token i only once tokens 0..i-1 reached the
+        # host (a last row planned past a stop may follow: its sample is dropped)
+        for rid, ds in got.items():
+            n = sum(len(d.token_ids) for d in ds)
+            assert masked[rid][:n] == list(range(n)), (rid, masked[rid])
+        outs[mode] = {rid: [t for d in ds for t in d.token_ids] for rid, ds in got.items()}
+        if mode:
+            assert engine.step_counts.get("overlapped", 0) >= 8, engine.step_counts
+        engine.close()
+    assert outs[True] == outs[False]

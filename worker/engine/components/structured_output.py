@@ -198,10 +198,13 @@ class StructuredOutputComponent(EngineComponent):
         entry.sequences.add(seq.seq_id)
         return m
 
-    def can_overlap(self, request) -> bool:
-        # The next bitmask needs the matcher advanced by the token in flight.  (vLLM
-        # computes it while the step runs; here such a request's steps run synchronously.)
-        return request.request_id not in self.grammars
+    def needs_outputs_first(self, seqs) -> bool:
+        # A step is planned before the token in flight is known; its bitmask needs the
+        # matcher advanced by that token, so the grammar masks wait for the previous
+        # step's outputs (accepted in on_sampled) while the forward runs -- as vLLM
+        # computes the bitmask while the step runs.
+        grammars = self.grammars
+        return bool(grammars) and any(seq.request.request_id in grammars for seq in seqs)
 
     def process_logits(self, seqs, specs, logits: torch.Tensor) -> None:
         if not self.grammars:

@@ -447,6 +447,9 @@ class EngineCore:
             # The previous step's metadata when the same rows sample again (sampling_metadata.py).
             meta = self._sampling_metadata.build(sampling_rows, self.vocab_size, self.device)
         step = DeviceStep(run_plan, rows, num_prompt_rows, sample_index, prompt_jobs, sample_seqs, specs, meta)
+        if self._inflight is not None and sample_seqs and any(
+                needs(sample_seqs) for needs in self.hooks.needs_outputs_first):
+            step.wait_before_logits = self._inflight.outputs_done
         row_of = step.row_of
         r = 0
         for seq, sp in zip(sample_seqs, specs):
@@ -475,6 +478,8 @@ class EngineCore:
         else:
             sample_logits = logits.index_select(
                 0, torch.tensor(step.sample_index, dtype=torch.long, device=logits.device))
+        if step.wait_before_logits is not None:  # the previous step's outputs reach the grammars first
+            step.wait_before_logits.wait()
         for process in self.hooks.process_logits:  # grammar masks (structured outputs)
             process(step.sample_seqs, step.specs, sample_logits)
         # CPU: listed now; CUDA: the host copy starts, this thread goes on to queue the next step
@@ -486,13 +491,16 @@ class EngineCore:
 
     def _finish(self, step: DeviceStep) -> list[SequenceOutput]:
         """Wait for a launched step; score its prompt rows and process its samples."""
-        step.future.result()  # a device failure fails the step (the worker fails its requests)
-        step.collect()  # CUDA: wait for the sampled ids' host copy
-        if step.prompt_jobs:
-            self._score_prompts(step.prompt_jobs, step.prompt_logits)
-        if not step.sample_seqs:
-            return []
-        return self._process_outputs(step)
+        try:
+            step.future.result()  # a device failure fails the step (the worker fails its requests)
+            step.collect()  # CUDA: wait for the sampled ids' host copy
+            if step.prompt_jobs:
+                self._score_prompts(step.prompt_jobs, step.prompt_logits)
+            if not step.sample_seqs:
+                return []
+            return self._process_outputs(step)
+        finally:
+            step.outputs_done.set()  # (also on failure: a step waiting on it must not hang)
 
     def drain(self) -> None:
         """Finish the step in flight now (before weights change, the cache is released,

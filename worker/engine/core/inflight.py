@@ -47,6 +47,11 @@ class DeviceStep:
     sampled: Optional[list[int]] = None  # result.sampled copied to the host
     logprob_lists: Any = None
     host_copy: Optional["HostCopy"] = None  # CUDA: the sampled ids (and logprobs) on their way to the host
+    # Set once the host processed this step's outputs (tokens appended, on_sampled run): a
+    # later step whose logits processors read that state (a grammar matcher advanced by
+    # the token this step samples) waits for it before them -- its forward still overlaps.
+    outputs_done: threading.Event = field(default_factory=threading.Event)
+    wait_before_logits: Optional[threading.Event] = None  # the previous step's outputs_done, when needed
 
     def set_result(self, result: Any) -> None:
         """The sampler's output (``SamplerOutput``).  On the CPU its ids and logprobs are
