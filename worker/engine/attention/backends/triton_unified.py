@@ -45,4 +45,7 @@ class TritonBackend(AttentionBackend):
         self.ops = kernels  # Triton RMSNorm, rotary and SwiGLU beside the attention
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
+        if spec.sinks:
+            raise ValueError("Triton attention backend: attention sinks (GPT-OSS) are not supported yet; "
+                             "use --attention-backend torch")
         return TritonImpl(spec, self.kernels)

@@ -1,0 +1,116 @@
+"""GPT-OSS (GptOssForCausalLM) against transformers, beyond the shared family parity
+(tests/unit/engine/test_model_families.py runs its paged steps through every CPU backend
+and the engine's greedy ids / logprobs): the config, each variation mattering on the
+tiny model (so the parity could not pass by ignoring it), the SDPA sink identity, the
+expert re-cut, and routed_experts equal to HF's router choice."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+
+from tests.support.engine_helpers import hf_model, make_engine, random_prompts, request
+from tests.support.model_factory import load_hf_model
+from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
+from worker.engine.attention.backends.torch_sdpa import sdpa_with_sinks
+from worker.engine.loading.loader import load_model
+from worker.engine.models.config import ModelConfig
+from worker.engine.models.moe import clamped_swiglu, gpt_oss_expert_tensors
+
+
+def test_config(tiny_model):
+    c = ModelConfig.from_dir(tiny_model("gpt_oss"))
+    assert c.architecture == "GptOssForCausalLM" and c.attention_sinks
+    assert c.layer_sliding_windows == (8, None) and c.qkv_bias and c.o_bias
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["truncate"] is False
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.scoring) == (8, 4, 48, "topk_softmax")
+    assert moe.router_bias and moe.expert_bias and moe.swiglu_clamp == (1.702, 0.5)
+    assert moe.sparse_layers == (True, True)
+
+
+def test_sdpa_with_sinks_equals_eager_concatenation():
+    """transformers' eager formula: the sink column joins the softmax, then is dropped."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 5, 8, generator=g) for _ in range(3))
+    sinks = torch.randn(4, generator=g)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    logits = (q @ k.transpose(-1, -2)) * 0.3
+    logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(torch.cat((logits, sinks.view(1, 4, 1, 1).expand(1, 4, 5, 1)), dim=-1), dim=-1)
+    ref = probs[..., :-1] @ v
+    got = sdpa_with_sinks(q, k, v, mask, 0.3, sinks.view(1, 4, 1, 1))
+    torch.testing.assert_close(got, ref)
+
+
+def test_expert_tensors_are_deinterleaved():
+    gate_up = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # [E, H, 2I]: gate at even columns
+    (_, gate), (_, up) = gpt_oss_expert_tensors("m.layers.0.mlp.experts.gate_up_proj", gate_up)
+    torch.testing.assert_close(gate, gate_up[:, :, ::2].transpose(1, 2))
+    torch.testing.assert_close(up, gate_up[:, :, 1::2].transpose(1, 2))
+    torch.testing.assert_close(clamped_swiglu(torch.tensor([[9.0, -1.0, 9.0, -9.0]]), 1.702, 7.0),
+                               torch.tensor([[8.0 * 7.0 * torch.sigmoid(torch.tensor(7.0 * 1.702)),
+                                              -6.0 * -1.0 * torch.sigmoid(torch.tensor(-1.702))]]))
+
+
+def _variant_logits(path, ids, change):
+    model = load_model(path)
+    change(model)
+    (got,) = PagedSeqs(model).step([("a", ids)])
+    return got
+
+
+def test_each_variation_matters(tiny_model):
+    path = tiny_model("gpt_oss")
+    ids = _tokens(40, seed=7)
+    ref = hf_logits(load_hf_model(path), ids)
+    torch.testing.assert_close(_variant_logits(path, ids, lambda m: None), ref, atol=ATOL, rtol=0)
+
+    def no_sinks(m):
+        for layer in m.layers:
+            layer.sinks.data.fill_(float("-inf"))
+
+    def no_clamp(m):
+        for layer in m.layers:
+            layer.moe.moe = type(layer.moe.moe)(**{**layer.moe.moe.__dict__, "swiglu_clamp": (1.702, 1e9)})
+
+    def no_router_bias(m):
+        for layer in m.layers:
+            layer.moe.gate_bias.data.zero_()
+
+    def no_window(m):
+        for layer in m.layers:
+            layer.attn.spec = type(layer.attn.spec)(**{**layer.attn.spec.__dict__, "sliding_window": None})
+            layer.attn.set_backend(layer.attn.backend)
+
+    for change in (no_sinks, no_clamp, no_router_bias, no_window):
+        assert (_variant_logits(path, ids, change) - ref).abs().max() > 1e-3, change.__name__
+
+
+@torch.inference_mode()
+def _hf_choices(model_dir, ids: list[int]) -> np.ndarray:
+    """[len(ids), layers, 4]: the experts HF's routers chose, sorted per token."""
+    model = hf_model(model_dir)
+    seen = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out: seen.append(out[2]))
+             for layer in model.model.layers]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return np.stack([s.sort(-1).values.numpy() for s in seen], axis=1)
+
+
+def test_routed_experts_equal_hf_router_choice(tiny_model):
+    path = tiny_model("gpt_oss")
+    engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
+    prompts = random_prompts(3, 10, 40, seed=11)
+    res = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        (d,) = res[f"r{i}"]
+        got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
+        full = list(p) + list(d.token_ids)
+        assert got.shape == (len(full) - 1, 2, 4)
+        np.testing.assert_array_equal(np.sort(got, axis=-1), _hf_choices(path, full[:-1]))
