@@ -173,11 +173,12 @@ def _hf_config(kind: str):
             attention_bias=True, partial_rotary_factor=0.5)
     if kind == "gpt_oss":
         # Both layer types (window 8 for short prompts), YaRN with truncate off as the released
-        # configs, top-4 of 8 experts, and a SwiGLU limit these small activations reach.
+        # configs, top-4 of 8 experts (intermediate a multiple of MXFP4's 32-value groups), and
+        # a SwiGLU limit these small activations reach.
         rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 256}
         return transformers.GptOssConfig(
-            **{**_COMMON, "intermediate_size": 48}, head_dim=16, pad_token_id=0, num_local_experts=8,
+            **{**_COMMON, "intermediate_size": 64}, head_dim=16, pad_token_id=0, num_local_experts=8,
             num_experts_per_tok=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
             rope_parameters=rope, swiglu_limit=0.5, attention_bias=True)
     if kind == "qwen2_swa":

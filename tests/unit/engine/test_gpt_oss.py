@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 import torch
 
 from tests.support.engine_helpers import hf_model, make_engine, random_prompts, request
@@ -25,7 +26,7 @@ def test_config(tiny_model):
     assert c.layer_sliding_windows == (8, None) and c.qkv_bias and c.o_bias
     assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["truncate"] is False
     moe = c.moe
-    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.scoring) == (8, 4, 48, "topk_softmax")
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.scoring) == (8, 4, 64, "topk_softmax")
     assert moe.router_bias and moe.expert_bias and moe.swiglu_clamp == (1.702, 0.5)
     assert moe.sparse_layers == (True, True)
 
@@ -114,3 +115,51 @@ def test_routed_experts_equal_hf_router_choice(tiny_model):
         full = list(p) + list(d.token_ids)
         assert got.shape == (len(full) - 1, 2, 4)
         np.testing.assert_array_equal(np.sort(got, axis=-1), _hf_choices(path, full[:-1]))
+
+
+def test_mxfp4_dequant_equals_transformers():
+    """Every code, both nibbles, scales around the bias: transformers' reader as the reference."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from worker.engine.quantization.dequant import dequant_mxfp4
+
+    blocks = torch.arange(256, dtype=torch.uint8).view(2, 4, 2, 16)  # [E, rows, G, 16]
+    scales = torch.tensor([[[120, 127], [128, 130], [127, 1], [250, 127]]] * 2, dtype=torch.uint8)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, rows]
+    torch.testing.assert_close(dequant_mxfp4(blocks, scales).transpose(1, 2), ref, rtol=0, atol=0)
+
+
+def test_mxfp4_checkpoint_matches_hf(tiny_model, tmp_path):
+    """The released layout (``*_blocks`` / ``*_scales``, quant_method mxfp4) dequantized on
+    load: paged steps equal transformers holding the same experts, dequantized by
+    transformers' own MXFP4 reader."""
+    from tests.support import quantized_factory as qf
+    from worker.engine.loading.loader import checkpoint_quantization
+
+    src = tiny_model("gpt_oss")
+    path, dense = qf.write_mxfp4(src, tmp_path / "mxfp4")
+    assert checkpoint_quantization(path).method == "mxfp4" and len(dense) == 4
+    ref_model = qf.reference_with_weights(src, dense, tmp_path)
+    ids, other = _tokens(40, seed=5), _tokens(20, seed=6)
+    ref, ref_other = hf_logits(ref_model, ids), hf_logits(ref_model, other)
+    assert (ref - hf_logits(load_hf_model(src), ids)).abs().max() > 1e-2  # the experts did change
+    seqs = PagedSeqs(load_model(path))
+    a, b = seqs.step([("a", ids[:30]), ("b", other[:9])])
+    torch.testing.assert_close(a, ref[:30], atol=ATOL, rtol=0)
+    torch.testing.assert_close(b, ref_other[:9], atol=ATOL, rtol=0)
+    a, b = seqs.step([("a", ids[30:]), ("b", other[9:])])
+    torch.testing.assert_close(a, ref[30:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(b, ref_other[9:], atol=ATOL, rtol=0)
+
+
+def test_mxfp4_missing_scales_are_named(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tests.support import quantized_factory as qf
+
+    path, _ = qf.write_mxfp4(tiny_model("gpt_oss"), tmp_path / "broken")
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks model.layers.1.mlp.experts.down_proj_scales"):
+        load_model(path)

@@ -157,5 +157,6 @@ ModelRegistry = _ModelRegistry([
                 lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), lora_served=False, tensor_parallel=False,
                 routed_experts=True,
                 notes="attention sinks (CPU: torch SDPA), biased top-k-softmax router, expert biases, clamped "
-                      "SwiGLU (experts on the grouped torch path), YaRN; LoRA not served (untested)"),
+                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA not "
+                      "served (untested)"),
 ])
