@@ -5,12 +5,14 @@ gpt_oss.py):
 * attention sinks: a learned logit per query head (``self_attn.sinks``) that joins the
   softmax denominator of every query, handed to the attention backend with the layer
   (``PagedAttention(sinks=...)``; torch SDPA carries it as an extra masked key, the CPU
-  native backend routes these layers to SDPA);
+  native backend routes these layers to SDPA, the Triton kernel starts its running max
+  and sum from it; FlashAttention refuses it);
 * alternating sliding-window (128) and full layers from ``layer_types``, q/k/v/o
   biases, YaRN rope (models/rotary.py, ``truncate`` honoured);
 * every MLP a mixture of experts (models/moe.py): biased router, softmax over the
   top-k logits, per-expert biases, clamped SwiGLU; the checkpoint's fused
-  gate/up-interleaved expert tensors are re-cut on load (``gpt_oss_expert_tensors``).
+  gate/up-interleaved expert tensors are re-cut on load (``gpt_oss_expert_tensors``),
+  after the released MXFP4 blocks are dequantized (quantization/reader.py).
 """
 from __future__ import annotations
 
