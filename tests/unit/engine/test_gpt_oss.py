@@ -2,7 +2,8 @@
 (tests/unit/engine/test_model_families.py runs its paged steps through every CPU backend
 and the engine's greedy ids / logprobs): the config, each variation mattering on the
 tiny model (so the parity could not pass by ignoring it), the SDPA sink identity, the
-expert re-cut, and routed_experts equal to HF's router choice."""
+experts' stored layout, routed_experts equal to HF's router choice, and the released
+MXFP4 expert layout against transformers' reader."""
 from __future__ import annotations
 
 import io
@@ -17,7 +18,7 @@ from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.attention.backends.torch_sdpa import sdpa_with_sinks
 from worker.engine.loading.loader import load_model
 from worker.engine.models.config import ModelConfig
-from worker.engine.models.moe import clamped_swiglu, gpt_oss_expert_tensors
+from worker.engine.models.moe import clamped_swiglu
 
 
 def test_config(tiny_model):
@@ -45,14 +46,21 @@ def test_sdpa_with_sinks_equals_eager_concatenation():
     torch.testing.assert_close(got, ref)
 
 
-def test_expert_tensors_are_deinterleaved():
-    gate_up = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # [E, H, 2I]: gate at even columns
-    (_, gate), (_, up) = gpt_oss_expert_tensors("m.layers.0.mlp.experts.gate_up_proj", gate_up)
-    torch.testing.assert_close(gate, gate_up[:, :, ::2].transpose(1, 2))
-    torch.testing.assert_close(up, gate_up[:, :, 1::2].transpose(1, 2))
-    torch.testing.assert_close(clamped_swiglu(torch.tensor([[9.0, -1.0, 9.0, -9.0]]), 1.702, 7.0),
-                               torch.tensor([[8.0 * 7.0 * torch.sigmoid(torch.tensor(7.0 * 1.702)),
-                                              -6.0 * -1.0 * torch.sigmoid(torch.tensor(-1.702))]]))
+def test_experts_are_held_as_checkpoints_store_them(tiny_model):
+    """w13 / w2 hold the fused tensors as stored (gate/up interleaved): the checkpoint
+    names map to transposed views, so a load or update is one in-place copy."""
+    from safetensors.torch import load_file
+
+    layer = load_model(tiny_model("gpt_oss")).layers[1]
+    state = load_file(str(tiny_model("gpt_oss") / "model.safetensors"))
+    x = "model.layers.1.mlp.experts."
+    torch.testing.assert_close(layer.moe.w13.data, state[x + "gate_up_proj"].transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(layer.moe.w2.data, state[x + "down_proj"].transpose(1, 2), rtol=0, atol=0)
+    # interleaved [g0 u0 g1 u1]: gate 9 (clamped at 7) with up 9 (clamped), gate -1 with up -9 (-> -7)
+    got = clamped_swiglu(torch.tensor([[9.0, 9.0, -1.0, -9.0]]), 1.702, 7.0)
+    want = torch.tensor([[8.0 * 7.0 * torch.sigmoid(torch.tensor(7.0 * 1.702)),
+                          -6.0 * -1.0 * torch.sigmoid(torch.tensor(-1.702))]])
+    torch.testing.assert_close(got, want)
 
 
 def _variant_logits(path, ids, change):

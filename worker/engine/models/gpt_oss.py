@@ -10,9 +10,9 @@ gpt_oss.py):
 * alternating sliding-window (128) and full layers from ``layer_types``, q/k/v/o
   biases, YaRN rope (models/rotary.py, ``truncate`` honoured);
 * every MLP a mixture of experts (models/moe.py): biased router, softmax over the
-  top-k logits, per-expert biases, clamped SwiGLU; the checkpoint's fused
-  gate/up-interleaved expert tensors are re-cut on load (``gpt_oss_expert_tensors``),
-  after the released MXFP4 blocks are dequantized (quantization/reader.py).
+  top-k logits, per-expert biases, clamped SwiGLU over the checkpoint's gate/up-interleaved
+  fused expert tensors, held as they are stored (the released MXFP4 blocks are
+  dequantized on load first: quantization/reader.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch
 from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.layers import empty_param
 from worker.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from worker.engine.models.moe import gpt_oss_expert_tensors
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
@@ -40,7 +39,3 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     layer_class = GptOssDecoderLayer
-
-    def checkpoint_tensors(self, name: str, tensor: torch.Tensor):
-        """The fused expert tensors re-cut into what ``weight_targets`` names."""
-        return gpt_oss_expert_tensors(name, tensor)

@@ -12,8 +12,10 @@ Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gat
 GLM-4.5 routes by sigmoid scores within expert groups (``select_experts_grouped``) and
 adds ungated shared experts.  GPT-OSS routes by a softmax over the top-k raw logits
 of a biased router, adds a bias per expert to both projections and uses the clamped
-SwiGLU; its checkpoints store each layer's experts as one fused, gate/up-interleaved
-tensor (``gpt_oss_expert_tensors`` re-cuts them into ``w13`` / ``w2``).
+SwiGLU; its checkpoints store each layer's experts as one fused tensor per projection
+with gate and up interleaved, and ``w13`` / ``w2`` keep exactly that (interleaved rows,
+the activation reads them so): the checkpoint tensors are transposed views of them,
+so loading and RL weight updates by checkpoint name copy in place, no re-cut.
 """
 from __future__ import annotations
 
@@ -46,26 +48,12 @@ def select_experts_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tupl
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """GPT-OSS's SwiGLU on ``[gate | up]``: gate clamped above at ``limit``, up to
-    ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    """GPT-OSS's SwiGLU on its interleaved projection (gate at even, up at odd columns):
+    gate clamped above at ``limit``, up to ``[-limit, limit]``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
     gate = gate.clamp(max=limit)
     return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-def gpt_oss_expert_tensors(name: str, tensor: torch.Tensor):
-    """GPT-OSS's fused expert tensors as ``SparseMoeBlock.weight_targets`` names them:
-    ``gate_up_proj [E, H, 2I]`` (gate and up interleaved: columns 0, 2, 4... are the gate)
-    -> ``:gate`` / ``:up`` ``[E, I, H]``; ``down_proj [E, I, H]`` -> ``[E, H, I]``; the
-    biases likewise de-interleaved.  Other tensors pass through."""
-    if name.endswith(".experts.gate_up_proj"):
-        t = tensor.transpose(1, 2)
-        return ((name + ":gate", t[:, 0::2]), (name + ":up", t[:, 1::2]))
-    if name.endswith(".experts.gate_up_proj_bias"):
-        return ((name + ":gate", tensor[:, 0::2]), (name + ":up", tensor[:, 1::2]))
-    if name.endswith(".experts.down_proj"):
-        return ((name, tensor.transpose(1, 2)),)
-    return ((name, tensor),)
 
 
 def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig
@@ -221,13 +209,12 @@ class SparseMoeBlock(nn.Module):
         b = f"{prefix}{moe.block_name}."
         gate, up, down = moe.expert_names
         i = moe.intermediate_size
-        if moe.family == "gpt_oss":  # fused per-layer tensors, re-cut by gpt_oss_expert_tensors
+        if moe.family == "gpt_oss":
+            # transformers' layout ``[E, in, out]``, gate/up interleaved: views of w13 / w2.
             x = f"{b}experts."
             return {b + "router.weight": self.gate_weight.data, b + "router.bias": self.gate_bias.data,
-                    x + "gate_up_proj:gate": self.w13.data[:, :i], x + "gate_up_proj:up": self.w13.data[:, i:],
-                    x + "gate_up_proj_bias:gate": self.w13_bias.data[:, :i],
-                    x + "gate_up_proj_bias:up": self.w13_bias.data[:, i:],
-                    x + "down_proj": self.w2.data, x + "down_proj_bias": self.w2_bias.data}
+                    x + "gate_up_proj": self.w13.data.transpose(1, 2), x + "gate_up_proj_bias": self.w13_bias.data,
+                    x + "down_proj": self.w2.data.transpose(1, 2), x + "down_proj_bias": self.w2_bias.data}
         t = {b + "gate.weight": self.gate_weight.data}
         for e in range(moe.num_experts):
             x = f"{b}experts.{e}."

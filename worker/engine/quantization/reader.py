@@ -10,7 +10,8 @@ memory is the parts of the layers not yet complete (one layer, in the usual orde
 
 MXFP4 (GPT-OSS) stores a fused expert tensor ``X`` (``X [E, in, out]`` in transformers'
 parameter layout) as ``X_blocks`` + ``X_scales`` over ``[E, out, in]``: the pair becomes
-``(X, dense)`` in the dense checkpoint's layout, so the family's own re-cut applies.
+``(X, dense)`` in the dense checkpoint's layout, which the family loads as it loads a
+bf16 checkpoint.
 
 Activation and KV-cache scales (``input_scale``, ``k_scale`` ...) are dropped: the layers
 run their activations unquantized (stated in docs/quantization.md).
