@@ -7,6 +7,7 @@ MXFP4 expert layout against transformers' reader."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,50 @@ def test_mxfp4_missing_scales_are_named(tiny_model, tmp_path):
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks model.layers.1.mlp.experts.down_proj_scales"):
         load_model(path)
+
+
+# openai/gpt-oss-20b's config.json as released (data: the keys and values its loader must read).
+RELEASED_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088}
+
+
+def test_released_config_reads(tmp_path):
+    c = ModelConfig.from_dicts(tmp_path, RELEASED_20B)
+    assert c.layer_sliding_windows == (128, None) * 12 and c.attention_sinks and c.qkv_bias and c.o_bias
+    assert c.rope_theta == 150000 and c.rope_scaling["factor"] == 32.0 and c.rope_scaling["truncate"] is False
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size) == (32, 4, 2880)
+    assert c.moe.swiglu_clamp == (1.702, 7.0) and c.quantization.method == "mxfp4"
+    assert c.quantization.scheme_for("model.layers.3.mlp.router") is None
+    del RELEASED_20B["num_experts_per_tok"]  # older exports name only experts_per_token
+    try:
+        assert ModelConfig.from_dicts(tmp_path, RELEASED_20B).moe.top_k == 4
+    finally:
+        RELEASED_20B["num_experts_per_tok"] = 4
+
+
+def test_released_yarn_table_equals_transformers():
+    """GPT-OSS's YaRN (factor 32, truncate off) as transformers computes its inv_freq."""
+    import transformers
+
+    from worker.engine.models.rotary import build_cos_sin_table
+
+    cfg = transformers.GptOssConfig(**{k: v for k, v in RELEASED_20B.items() if k not in ("quantization_config",)})
+    rope = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(cfg)
+    pos = torch.tensor([[0, 1, 127, 4095, 4096, 50000]])
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
+    c = ModelConfig.from_dicts(Path("."), RELEASED_20B)
+    table = build_cos_sin_table(c.rotary_dim, c.rope_theta, 50001, c.rope_scaling)[pos[0]]
+    torch.testing.assert_close(table[:, :32], cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(table[:, 32:], sin[0], rtol=1e-5, atol=1e-5)

@@ -372,7 +372,8 @@ def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
     if family == "gpt_oss":
         # Every layer sparse; intermediate_size is the per-expert size (there is no dense MLP).
         return _checked_moe(MoEConfig(
-            family, int(cfg.get("num_local_experts", 0) or 0), int(cfg.get("num_experts_per_tok", 0)),
+            family, int(cfg.get("num_local_experts", 0) or 0),
+            int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
             int(cfg["intermediate_size"]), norm_topk_prob=False, sparse_layers=(True,) * num_layers,
             scoring="topk_softmax", router_bias=True, expert_bias=True,
             swiglu_clamp=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))))
