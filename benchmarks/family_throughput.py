@@ -6,7 +6,8 @@ Each family gets one tiny-but-not-trivial configuration (hidden 512, 8 layers, 8
 on: Phi-3 with LongRoPE and a 64-token window, SmolLM3 with NoPE every 4th layer and
 windows, OLMo 2 (post-norm, whole-projection q/k norm), OLMo 3 (3 sliding layers of 64
 per full one), Gemma 3 (local layers of 64 and global ones, 1 + w norms, GeGLU,
-soft-capped logits); Llama as the reference point.  Prints output tokens/s of each side,
+soft-capped logits), GPT-OSS (sinks, alternating 64-token windows and full layers, YaRN,
+8 experts of 512 top-4 with biases and the clamped SwiGLU); Llama as the reference point.  Prints output tokens/s of each side,
 the ratio and how many greedy outputs agree.
 
     python -m benchmarks.family_throughput --threads 1                # all families
@@ -51,6 +52,13 @@ def _config(family: str):
     if family == "gemma3":
         return transformers.Gemma3TextConfig(**_COMMON, sliding_window=64, query_pre_attn_scalar=64,
                                              final_logit_softcapping=30.0)
+    if family == "gpt_oss":
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+        return transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 512}, num_local_experts=8,
+                                         num_experts_per_tok=4, sliding_window=64, rope_parameters=rope,
+                                         layer_types=["sliding_attention", "full_attention"] * 4,
+                                         attention_bias=True)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -62,7 +70,8 @@ def build_model(out: Path, family: str, seed: int = 0) -> Path:
     config = _config(family)
     config.architectures = [{"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
                              "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                             "olmo3": "Olmo3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]]
+                             "olmo3": "Olmo3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                             "gpt_oss": "GptOssForCausalLM"}[family]]
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     with torch.no_grad():  # seeded noise on every weight, norms included (Gemma's norms are 1 + w)

@@ -1,4 +1,4 @@
-"""Each dense family beyond Llama served by a real worker behind the broker and a
+"""Each family beyond Llama (the dense ones and GPT-OSS) served by a real worker behind the broker and a
 gateway: greedy token ids and their logprobs from /inference/v1/generate equal
 transformers' (a prompt past the sliding windows, prefilled in chunks)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ WORKER_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--threads", "1",
                "--max-num-batched-tokens", "16", "--dtype", "float32")
 
 
-@pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo3", "gemma3"])
+@pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo3", "gemma3", "gpt_oss"])
 def test_generate_through_the_stack_equals_hf(tiny_model, tmp_path, kind):
     path = tiny_model(kind)
     prompt = random_prompts(1, 30, 31, seed=11)[0]

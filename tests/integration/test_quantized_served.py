@@ -1,5 +1,5 @@
 """Quantized checkpoints served by the real stack (broker, a `tokserve worker`, the
-gateway over HTTP): an AutoAWQ and a compressed-tensors int4 checkpoint stream the
+gateway over HTTP): an AutoAWQ, a compressed-tensors int4 and a GPT-OSS MXFP4 checkpoint stream the
 greedy tokens HF transformers computes with their dequantized weights, and the worker
 says what it loaded and how it runs it."""
 from __future__ import annotations
@@ -24,10 +24,14 @@ def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
+@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors", "mxfp4"])
 def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
-    src = tiny_model("llama")
-    if fmt == "awq":
+    src = tiny_model("gpt_oss" if fmt == "mxfp4" else "llama")
+    if fmt == "mxfp4":  # GPT-OSS's released expert layout, dequantized on load
+        path, dense = qf.write_mxfp4(src, tmp_path / "mxfp4")
+        ref = qf.reference_with_weights(src, dense)
+        described = "mxfp4 (mxfp4 4-bit, group 32)"
+    elif fmt == "awq":
         path, dense = qf.write_awq(src, tmp_path / "awq")
         ref = qf.reference_with_weights(src, dense)
         described = "awq (awq 4-bit, group 32)"
@@ -40,7 +44,7 @@ def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
     with ProcGroup(tmp_path) as procs:
         broker = procs.broker()
         # vLLM users pass the method (or its Marlin alias) explicitly: accepted when it is the checkpoint's
-        arg = ["--quantization", "awq_marlin"] if fmt == "awq" else []
+        arg = {"awq": ["--quantization", "awq_marlin"], "mxfp4": ["--quantization", "mxfp4"]}.get(fmt, [])
         procs.worker(broker, 0, "--model", str(path), "--log-level", "INFO", *arg)
         wait_for_workers(broker.frontend, 1, timeout=120)
         gw = start_gateway(procs, broker.frontend)

@@ -33,6 +33,8 @@ Kinds (``KINDS``):
   olmo3          Olmo3ForCausalLM, 4 layers: 3 sliding (window 8) + 1 full; YaRN on the full layer only
   gemma3         Gemma3ForCausalLM, 4 layers: local (window 8, rope base 10000) and global (base 1e6,
                  linear x8) layers, query_pre_attn_scalar 24, final_logit_softcapping 30, tied head
+  gpt_oss        GptOssForCausalLM, 2 layers (sliding 8, full), sinks, YaRN, 8 experts top-4 with
+                 router/expert biases, swiglu_limit 0.5 (the clamp bites)
   glm4_moe       Glm4MoeForCausalLM, 3 layers: layer 0 dense (first_k_dense_replace), 8 experts in 4
                  groups (2 chosen) top-2 by sigmoid + correction bias, routed_scaling_factor 2.5, one
                  shared expert, q/k norm, q/k/v bias, partial rotary 0.5
@@ -66,13 +68,15 @@ _ROPE = {
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
-         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe", "granite")
+         "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe", "granite",
+         "gpt_oss")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-         "glm4_moe": "Glm4MoeForCausalLM", "granite": "GraniteForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+         "glm4_moe": "Glm4MoeForCausalLM", "granite": "GraniteForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+         "gpt_oss": "GptOssForCausalLM"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -167,6 +171,16 @@ def _hf_config(kind: str):
             num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=48, n_shared_experts=1,
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
             attention_bias=True, partial_rotary_factor=0.5)
+    if kind == "gpt_oss":
+        # Both layer types (window 8 for short prompts), YaRN with truncate off as the released
+        # configs, top-4 of 8 experts (intermediate a multiple of MXFP4's 32-value groups), and
+        # a SwiGLU limit these small activations reach.
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 256}
+        return transformers.GptOssConfig(
+            **{**_COMMON, "intermediate_size": 64}, head_dim=16, pad_token_id=0, num_local_experts=8,
+            num_experts_per_tok=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=rope, swiglu_limit=0.5, attention_bias=True)
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}
@@ -203,6 +217,12 @@ def build_tiny_model(kind: str, out: Path, seed: int = 0) -> Path:
         gen = torch.Generator().manual_seed(seed + 1)
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
+    if kind == "gpt_oss":  # sinks and router biases large enough to change the outcome
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen))
+                layer.mlp.router.bias.copy_(0.5 * torch.randn(layer.mlp.router.bias.shape, generator=gen))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="40KB" if kind == "llama_sharded" else "1GB")
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}

@@ -264,3 +264,33 @@ def reference_with_weights(src: Path, dense: dict, root: Optional[Path] = None):
         _copy_side_files(src, Path(tmp))
         save_file(state, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         return load_hf_model(Path(tmp))
+
+
+# --- MXFP4 (GPT-OSS's released experts) ---------------------------------------------------
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def write_mxfp4(src: Path, dst: Path, seed: int = 0) -> tuple[Path, dict]:
+    """A GPT-OSS checkpoint whose experts' ``gate_up_proj`` / ``down_proj`` are MXFP4 as the
+    released ones: random FP4 codes (``X_blocks [E, out, in / 32, 16]``) and e8m0 exponents
+    (``X_scales [E, out, in / 32]``).  Returns it and the dense tensors the reference holds,
+    dequantized by transformers' own ``convert_moe_packed_tensors`` (its MXFP4 reader)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out, dense = dict(state), {}
+    gen = torch.Generator().manual_seed(seed)
+    for name in [k for k in state if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        e, inp, rows = state[name].shape  # transformers' layout [E, in, out]
+        blocks = torch.randint(0, 256, (e, rows, inp // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(121, 125, (e, rows, inp // 32), generator=gen, dtype=torch.uint8)  # 2^-6 .. 2^-3
+        del out[name]
+        out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = dict(MXFP4_CONFIG)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, dense

@@ -23,8 +23,11 @@ def _ops():
     return ops()
 
 
-def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window=None):
-    """Per sequence: gather its blocks, lower-right causal (and windowed) softmax in fp32."""
+def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, window=None,
+                        sinks=None):
+    """Per sequence: gather its blocks, lower-right causal (and windowed) softmax in fp32;
+    ``sinks [Hq]``: a sink logit column joins each head's softmax and is dropped after
+    (transformers' GPT-OSS eager attention)."""
     out = torch.zeros(q.shape, dtype=torch.float32)
     block_size, hkv, d = k_cache.shape[1:]
     g = q.shape[1] // hkv
@@ -39,7 +42,13 @@ def reference_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         visible = kpos <= qpos
         if window:
             visible &= qpos - kpos < window
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            column = sinks.float().view(-1, 1, 1).expand(-1, e - s, 1)
+            probs = torch.cat((scores, column), dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
 
@@ -93,6 +102,33 @@ def test_unified_attention_matches_reference(case):
     ref = reference_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, window)
     err = (out.float() - ref).abs().max().item()
     assert err < TOL[dtype], err
+
+
+SINK_CASES = [
+    ([1, 9, 1, 20], [11, 0, 40, 6], 4, 4, 64, 16, torch.float32, None),  # mixed, fresh prefill
+    ([6, 1, 12], [30, 44, 9], 16, 2, 64, 16, torch.float32, 8),  # GQA 8 (GPT-OSS's), sliding window
+    ([5, 1], [20, 3], 8, 2, 64, 16, torch.bfloat16, 6),  # bf16, window
+    ([1], [700], 8, 1, 64, 16, torch.float32, None),  # split-KV decode: the sink joins the combine once
+    ([1, 1, 1], [90, 40, 7], 8, 2, 64, 16, torch.float32, 20),  # split decode, early segments empty
+    ([1, 1], [3, 250], 16, 2, 64, 16, torch.bfloat16, None),  # split decode, bf16 sinks
+]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"q{c[0]}-hq{c[2]}-hkv{c[3]}-{c[6]}-w{c[7]}")
+def test_unified_attention_with_sinks_matches_reference(case):
+    """GPT-OSS's attention sinks: a per-head logit in every softmax denominator."""
+    q_lens, ctx, hq, hkv, d, bs, dtype, window = case
+    q, kc, vc, qsl, sl, bt = _paged_batch(q_lens, ctx, hq, hkv, d, bs, dtype, seed=len(q_lens) + d + 7)
+    # Around the rows' logits, so the sink takes a real share (some rows mostly sink).
+    sinks = (2.0 * torch.randn(hq, generator=torch.Generator().manual_seed(1)) + 1.0).to(dtype)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    _ops().unified_attention(q, kc, vc, out, query_start_loc=qsl, seq_lens=sl, block_tables=bt, scale=d ** -0.5,
+                             sliding_window=window, max_query_len=max(q_lens), sinks=sinks)
+    ref = reference_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, window, sinks)
+    err = (out.float() - ref).abs().max().item()
+    assert err < TOL[dtype], err
+    # ... and without them the rows would differ: the sinks are really applied.
+    assert (reference_attention(q, kc, vc, qsl, sl, bt, d ** -0.5, window) - ref).abs().max() > 10 * TOL[dtype]
 
 
 def test_decode_paths_agree():

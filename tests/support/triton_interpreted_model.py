@@ -31,9 +31,10 @@ def _triton_model(path):
 
 # + the dense families: Phi-3's partial rotary (the Triton rotary on a head slice) and
 # windows, SmolLM3's NoPE layers, OLMo 3's post-norm blocks and local rope, Gemma 3's
-# attention scale (query_pre_attn_scalar) through the unified kernel.
+# attention scale (query_pre_attn_scalar) through the unified kernel; GPT-OSS's attention
+# sinks in the unified kernel (its experts on the grouped torch path).
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa", "qwen2_moe", "qwen3_moe", "phi3_longrope",
-                                  "smollm3_swa", "olmo3", "gemma3", "glm4_moe"])
+                                  "smollm3_swa", "olmo3", "gemma3", "glm4_moe", "gpt_oss"])
 def test_mixed_steps_match_hf(tiny_model, kind):
     """Fresh prefill, a chunk after cached context beside decode rows, decode-only
     steps: one kernel launch per layer for every row kind, and the Triton RMSNorm,

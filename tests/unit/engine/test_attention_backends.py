@@ -120,3 +120,21 @@ def test_kv_blocks_for_memory_reserves_vision_peak_and_encoder_cache():
         (44 * GIB - cache) // per_block
     with pytest.raises(RuntimeError, match="vision tower 50.00 GiB .* encoder cache 0.11 GiB"):
         kv_blocks_for_memory(activations=4 * GIB, vision=50 * GIB, encoder_cache=cache, **kw)
+
+
+def test_flash_attn_refuses_attention_sinks_by_name(monkeypatch):
+    """GPT-OSS's sinks: an explicit flash_attn is an error naming them; auto on CUDA takes
+    Triton (which has them) or SDPA, never FlashAttention."""
+    import worker.engine.attention.backends.flash_attn as flash
+    import worker.engine.attention.selector as selector
+    from worker.engine.attention.backends.base import AttentionSpec
+
+    monkeypatch.setattr(flash, "load_flash_varlen", lambda: (object(), 16, True))
+    assert resolve_attention_backend("flash_attn", "auto", CUDA, torch.bfloat16, 16).name == "flash_attn"
+    with pytest.raises(ValueError, match="no attention sinks"):
+        resolve_attention_backend("flash_attn", "auto", CUDA, torch.bfloat16, 16, sinks=True)
+    monkeypatch.setattr(selector, "_triton_kernels", lambda: None)
+    assert resolve_attention_backend("auto", "auto", CUDA, torch.bfloat16, 16, sinks=True).name == "torch"
+    backend = flash.FlashAttnBackend((object(), 16, True))
+    with pytest.raises(ValueError, match="attention sinks"):
+        backend.make_impl(AttentionSpec(4, 2, 16, sinks=True))

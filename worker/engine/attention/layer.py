@@ -14,15 +14,23 @@ from worker.engine.attention.metadata import AttentionMetadata
 
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int] = None,
-                 scale: Optional[float] = None):
-        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, sliding_window, scale)
+                 scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+        """``sinks``: the layer's per-head sink logits ``[num_heads]`` (GPT-OSS), filled
+        in place by the weight loader; every impl made for this layer reads them."""
+        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, sliding_window, scale, sinks is not None)
+        self.sinks = sinks
         self.backend: AttentionBackend = TorchSDPABackend()
-        self.impl: AttentionImpl = self.backend.make_impl(self.spec)
+        self.impl: AttentionImpl = self._make_impl()
+
+    def _make_impl(self) -> AttentionImpl:
+        impl = self.backend.make_impl(self.spec)
+        impl.sinks = self.sinks
+        return impl
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.impl.reset()
         self.backend = backend
-        self.impl = backend.make_impl(self.spec)
+        self.impl = self._make_impl()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                  attn: AttentionMetadata) -> torch.Tensor:

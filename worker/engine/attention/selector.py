@@ -28,8 +28,11 @@ def _triton_kernels():
 
 
 def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.device, dtype: torch.dtype,
-                              block_size: int, kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
-    """``kv_dtype``: an FP8 KV cache (``--kv-cache-dtype``), None when it holds ``dtype``."""
+                              block_size: int, kv_dtype: Optional[torch.dtype] = None,
+                              sinks: bool = False) -> AttentionBackend:
+    """``kv_dtype``: an FP8 KV cache (``--kv-cache-dtype``), None when it holds ``dtype``;
+    ``sinks``: the model's attention has sink logits (GPT-OSS), which FlashAttention's
+    kernel here does not take."""
     from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 
     if choice not in ATTENTION_BACKEND_CHOICES:
@@ -68,6 +71,8 @@ def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.dev
         problem = "FlashAttention needs float16 or bfloat16"
     elif kv_dtype is not None:
         problem = "this engine's FlashAttention path reads model-dtype KV caches, not FP8 (--kv-cache-dtype)"
+    elif sinks:
+        problem = "this engine's FlashAttention path has no attention sinks (GPT-OSS); the Triton backend has them"
     if problem is None:
         return FlashAttnBackend(loaded)
     if choice == "flash_attn":

@@ -22,11 +22,12 @@ from worker.engine.quantization.reader import dequantize_stream
 
 log = logging.getLogger(__name__)
 
-# Tensors only quantized checkpoints carry (FP8 scales, GPTQ/AWQ packed weights): left
+# Tensors only quantized checkpoints carry (FP8 scales, GPTQ/AWQ packed weights, MXFP4 blocks): left
 # over after dequantize_stream, they belong to a checkpoint whose config names no
 # quantization (FP8 exports often lack one), and loading them as dense would be garbage.
 _QUANTIZED_SUFFIXES = ("_scale", "_scale_inv", "_zero_point", ".qweight", ".qzeros", ".scales", ".g_idx", "absmax",
-                       "quant_map", ".weight_packed", ".weight_shape", ".SCB", ".weight_format")
+                       "quant_map", ".weight_packed", ".weight_shape", ".SCB", ".weight_format", "_proj_blocks",
+                       "_proj_scales")
 _QUANTIZED_PARTS = ("qweight", ".quant_state.")  # GPTQ/AWQ packed weights, bitsandbytes 4-bit state
 _QUANTIZED_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                      if hasattr(torch, n)}

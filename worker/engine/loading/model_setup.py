@@ -58,6 +58,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
         log.warning("bf16 linears run on torch's emulated path on this CPU (the native bf16 GEMM is not "
                     "available: run `tokserve build-kernels`); --dtype float32 would be faster")
     backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
-                                        config.torch_dtype, config.block_size, config.kv_dtype)
+                                        config.torch_dtype, config.block_size, config.kv_dtype,
+                                        sinks=model.config.attention_sinks)
     model.use_attention_backend(backend)
     return model, backend, cpu_linear

@@ -79,6 +79,12 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_experts_intermediate_size: int = 0
+    # GPT-OSS: scoring "topk_softmax" (top-k of the raw logits, softmax over those k), a
+    # router bias, per-expert biases on both projections, gate/up stored interleaved in
+    # one fused tensor, and the clamped SwiGLU (alpha, limit) instead of plain SwiGLU.
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_clamp: Optional[tuple[float, float]] = None
 
     @property
     def num_moe_layers(self) -> int:
@@ -147,6 +153,8 @@ class ModelConfig:
     granite_multipliers: Optional[tuple[float, float, float, float]] = None
     # How the checkpoint's linear layers are stored when quantized (None: dense).
     quantization: Optional[CheckpointQuantization] = field(default=None, compare=False, hash=False)
+    # GPT-OSS: a learned per-head logit (``self_attn.sinks``) joins every softmax denominator.
+    attention_sinks: bool = False
 
     @property
     def is_multimodal(self) -> bool:
@@ -337,6 +345,7 @@ class ModelConfig:
                 ("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
                 ("attention_multiplier", 1.0), ("logits_scaling", 1.0))) if family.get("granite") else None),
             quantization=quantization,
+            attention_sinks=bool(family.get("sinks")),
         )
 
 
@@ -360,6 +369,14 @@ def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
             topk_group=int(cfg.get("topk_group", 1) or 1),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             shared_experts_intermediate_size=inter * int(cfg.get("n_shared_experts", 0) or 0)))
+    if family == "gpt_oss":
+        # Every layer sparse; intermediate_size is the per-expert size (there is no dense MLP).
+        return _checked_moe(MoEConfig(
+            family, int(cfg.get("num_local_experts", 0) or 0),
+            int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
+            int(cfg["intermediate_size"]), norm_topk_prob=False, sparse_layers=(True,) * num_layers,
+            scoring="topk_softmax", router_bias=True, expert_bias=True,
+            swiglu_clamp=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))))
     if family == "mixtral":
         experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
         inter = int(cfg["intermediate_size"])

@@ -10,7 +10,12 @@ or, with experts packed for a CPU GEMM scheme that packs them (cpu_gemm's native
 that GEMM once per expert group.
 Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``;
 GLM-4.5 routes by sigmoid scores within expert groups (``select_experts_grouped``) and
-adds ungated shared experts.
+adds ungated shared experts.  GPT-OSS routes by a softmax over the top-k raw logits
+of a biased router, adds a bias per expert to both projections and uses the clamped
+SwiGLU; its checkpoints store each layer's experts as one fused tensor per projection
+with gate and up interleaved, and ``w13`` / ``w2`` keep exactly that (interleaved rows,
+the activation reads them so): the checkpoint tensors are transposed views of them,
+so loading and RL weight updates by checkpoint name copy in place, no re-cut.
 """
 from __future__ import annotations
 
@@ -33,6 +38,22 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS: the top-k raw logits, then a softmax over those k only (in the logits' dtype,
+    as transformers' GptOssTopKRouter)."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on its interleaved projection (gate at even, up at odd columns):
+    gate clamped above at ``limit``, up to ``[-limit, limit]``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig
@@ -89,13 +110,21 @@ def _weighted_sum(x: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor, 
 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
+                        topk_ids: torch.Tensor, act=silu_and_mul, b13: Optional[torch.Tensor] = None,
+                        b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, H]``: pairs sorted by expert, one
-    grouped GEMM per projection, one scatter-add back to the tokens."""
+    grouped GEMM per projection, one scatter-add back to the tokens.  ``b13`` ``[E, 2I]``
+    / ``b2`` ``[E, H]``: per-expert biases (GPT-OSS), added to each pair's rows."""
     order, counts, token_of, xs = _by_expert(x, topk_ids, w13.shape[0])
     offsets = counts.cumsum(0).to(torch.int32)
-    h = act(_grouped_linear(xs, w13, counts, offsets))
-    return _weighted_sum(x, _grouped_linear(h, w2, counts, offsets), topk_weights, order, token_of)
+    expert_of = topk_ids.reshape(-1)[order] if b13 is not None or b2 is not None else None
+    h = _grouped_linear(xs, w13, counts, offsets)
+    if b13 is not None:
+        h += b13.index_select(0, expert_of)
+    y = _grouped_linear(act(h), w2, counts, offsets)
+    if b2 is not None:
+        y += b2.index_select(0, expert_of)
+    return _weighted_sum(x, y, topk_weights, order, token_of)
 
 
 def fused_experts_packed(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
@@ -123,8 +152,12 @@ class SparseMoeBlock(nn.Module):
         e, i, h = moe.num_experts, moe.intermediate_size, c.hidden_size
         self.top_k = moe.top_k
         self.gate_weight = empty_param(e, h, dtype=dtype, device=device)
+        self.gate_bias = empty_param(e, dtype=dtype, device=device) if moe.router_bias else None
         self.w13 = empty_param(e, 2 * i, h, dtype=dtype, device=device)
         self.w2 = empty_param(e, h, i, dtype=dtype, device=device)
+        # GPT-OSS: a bias per expert on both projections.
+        self.w13_bias = empty_param(e, 2 * i, dtype=dtype, device=device) if moe.expert_bias else None
+        self.w2_bias = empty_param(e, h, dtype=dtype, device=device) if moe.expert_bias else None
         s = moe.shared_expert_intermediate_size
         self.shared_gate_up = empty_param(2 * s, h, dtype=dtype, device=device) if s else None
         self.shared_down = empty_param(h, s, dtype=dtype, device=device) if s else None
@@ -145,8 +178,8 @@ class SparseMoeBlock(nn.Module):
         """The router, each expert and the shared expert as packed weights (``scheme``: a
         cpu_gemm.PackedLinears; experts become one packed weight each); the dense
         tensors are dropped, so weight_targets() needs ``unpack_experts`` first."""
-        if self.packing is not None:
-            return
+        if self.packing is not None or self.w13_bias is not None:
+            return  # experts with biases (GPT-OSS) stay dense: the packed path adds no bias
         for name in ("w13", "w2"):
             stacked = self._parameters.pop(name)
             setattr(self, name, [scheme.pack(stacked.data[e]) for e in range(stacked.shape[0])])
@@ -176,6 +209,12 @@ class SparseMoeBlock(nn.Module):
         b = f"{prefix}{moe.block_name}."
         gate, up, down = moe.expert_names
         i = moe.intermediate_size
+        if moe.family == "gpt_oss":
+            # transformers' layout ``[E, in, out]``, gate/up interleaved: views of w13 / w2.
+            x = f"{b}experts."
+            return {b + "router.weight": self.gate_weight.data, b + "router.bias": self.gate_bias.data,
+                    x + "gate_up_proj": self.w13.data.transpose(1, 2), x + "gate_up_proj_bias": self.w13_bias.data,
+                    x + "down_proj": self.w2.data.transpose(1, 2), x + "down_proj_bias": self.w2_bias.data}
         t = {b + "gate.weight": self.gate_weight.data}
         for e in range(moe.num_experts):
             x = f"{b}experts.{e}."
@@ -204,6 +243,8 @@ class SparseMoeBlock(nn.Module):
             # transformers scores GLM's router in float32 (weights and hidden cast up).
             weights, ids = select_experts_grouped(F.linear(h.float(), self.gate_weight.float()), self.score_bias,
                                                   self.moe)
+        elif self.moe.scoring == "topk_softmax":
+            weights, ids = select_experts_topk_softmax(linear(h, self.gate_weight, self.gate_bias), self.top_k)
         else:
             weights, ids = select_experts(linear(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
         # transformers rounds the routing weights to the model dtype (Mixtral and GLM keep fp32).
@@ -211,6 +252,13 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(h.dtype)
         ops = self.ops
         act = silu_and_mul if ops is None else ops.silu_and_mul
+        if self.moe.swiglu_clamp is not None:
+            alpha, limit = self.moe.swiglu_clamp
+            act = lambda gate_up: clamped_swiglu(gate_up, alpha, limit)  # noqa: E731
+        if self.w13_bias is not None:
+            # The fused Triton kernel has no expert biases: GPT-OSS's experts run the grouped
+            # torch path on every device.
+            return fused_experts_torch(h, self.w13, self.w2, weights, ids, act, self.w13_bias, self.w2_bias), ids
         # The Triton kernel: on CUDA whatever the attention backend, on CPU tensors only
         # when the Triton backend is chosen (under its interpreter, in tests).
         fused = getattr(ops, "fused_experts", None)

@@ -152,4 +152,11 @@ ModelRegistry = _ModelRegistry([
                 {**_GEMMA3, "text_config": True}, sliding_window=True, lora_served=False,
                 notes="the text tower only: text requests served, image input refused; LoRA not served (its "
                       "adapters also name the vision tower's q/k/v projections)"),
+    ModelFamily("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "GPT-OSS",
+                dict(qkv_bias_default=False, qk_norm=None, moe="gpt_oss", sinks=True), sliding_window=True,
+                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), lora_served=False, tensor_parallel=False,
+                routed_experts=True,
+                notes="attention sinks (CPU: torch SDPA; CUDA: Triton), biased top-k-softmax router, expert biases, clamped "
+                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA not "
+                      "served (untested)"),
 ])

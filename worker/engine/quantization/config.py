@@ -5,7 +5,8 @@ native and transformers' FineGrainedFP8: per-tensor scales, or DeepSeek-style bl
 ``weight_scale_inv``), ``fbgemm_fp8`` (per-channel), ``compressed-tensors``
 (``float-quantized`` FP8, ``int-quantized`` int8, ``pack-quantized`` int4/int8 with
 groups, zero points and activation order), ``awq`` (the GEMM layout) and ``gptq``
-(v1 and v2 zero points, act-order through ``g_idx``).  Every other method is refused by
+(v1 and v2 zero points, act-order through ``g_idx``) and ``mxfp4`` (GPT-OSS's released
+experts: ``*_blocks`` FP4 e2m1 pairs per byte, ``*_scales`` e8m0 per 32 values).  Every other method is refused by
 name before a weight is read: a dense load of it would serve garbage.
 """
 from __future__ import annotations
@@ -15,14 +16,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SUPPORTED_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "awq", "gptq")
+SUPPORTED_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 
 
 @dataclass(frozen=True)
 class WeightScheme:
     """How one linear layer's weight is stored.
 
-    kind: ``fp8`` (float8 weight + scale), ``int`` (integer weight + scale [+ zero point],
+    kind: ``fp8`` (float8 weight + scale), ``mxfp4`` (``X_blocks`` + ``X_scales`` of a fused
+    expert tensor ``X``, 32-value groups), ``int`` (integer weight + scale [+ zero point],
     compressed-tensors int-quantized), ``packed`` (compressed-tensors pack-quantized),
     ``awq``, ``gptq``.  ``strategy``: tensor | channel | group | block (fp8/int/packed);
     ``group_size`` for groups (awq/gptq/packed), ``block`` (rows, cols) for blocks.
@@ -111,6 +113,11 @@ def parse_quantization(quant: Any) -> Optional[CheckpointQuantization]:
         act = f"fp8 {quant.get('activation_scheme', 'dynamic')}"
         ignore = tuple(quant.get("ignored_layers") or quant.get("modules_to_not_convert") or ())
         return CheckpointQuantization(method, scheme, ignore=ignore, activations=act, raw=quant)
+    if method == "mxfp4":
+        # GPT-OSS's layout: the experts' fused projections stored as blocks + scales (the
+        # reader turns each pair dense); everything the config leaves out stays dense.
+        return CheckpointQuantization(method, WeightScheme("mxfp4", 4, "group", group_size=32),
+                                      ignore=tuple(quant.get("modules_to_not_convert") or ()), raw=quant)
     if method == "fbgemm_fp8":
         return CheckpointQuantization(method, WeightScheme("fp8", 8, "channel"),
                                       ignore=tuple(quant.get("modules_to_not_convert") or ()),

@@ -7,7 +7,10 @@ bit ``i * num_bits``, stored with an offset of ``2**(num_bits - 1)``; zero point
 along the output dim), AutoAWQ's GEMM layout (``[in, out / 8]`` words whose nibbles hold
 columns in the order 0 2 4 6 1 3 5 7), GPTQ (``[in / 8, out]`` words packed along the
 input dim, zero points ``[groups, out / 8]``, stored minus one in the v1 format, rows
-mapped to groups by ``g_idx`` under act-order).
+mapped to groups by ``g_idx`` under act-order), MXFP4 (OCP microscaling as GPT-OSS
+stores its experts: ``blocks [..., rows, G, 16]`` bytes each holding two FP4 e2m1 codes,
+the low nibble first, ``scales [..., rows, G]`` e8m0 exponents biased by 127, one per 32
+values; transformers' ``convert_moe_packed_tensors`` reads them the same way).
 """
 from __future__ import annotations
 
@@ -114,3 +117,21 @@ def dequant_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     g = g_idx.long()
     w = (q - z[g]).float() * scales.float()[g]
     return w.t().contiguous()
+
+
+# The 16 FP4 e2m1 codes: sign bit 3, then exponent (2 bits) and mantissa (1 bit).
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``blocks [..., rows, G, B]`` (uint8, two codes a byte, low nibble = the even
+    value) with ``scales [..., rows, G]`` (uint8 e8m0: 2 ** (s - 127)) -> float32
+    ``[..., rows, G * 2B]``: each row's values in order, each group of 2B times its scale."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32).sub_(127).unsqueeze(-1))
+    return values.flatten(-2)

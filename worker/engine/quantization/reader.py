@@ -8,6 +8,11 @@ place; every other tensor passes through unchanged, so the loader and each model
 mapping, tensor-parallel slicing and expert stacking see a dense checkpoint.  Peak extra
 memory is the parts of the layers not yet complete (one layer, in the usual order).
 
+MXFP4 (GPT-OSS) stores a fused expert tensor ``X`` (``X [E, in, out]`` in transformers'
+parameter layout) as ``X_blocks`` + ``X_scales`` over ``[E, out, in]``: the pair becomes
+``(X, dense)`` in the dense checkpoint's layout, which the family loads as it loads a
+bf16 checkpoint.
+
 Activation and KV-cache scales (``input_scale``, ``k_scale`` ...) are dropped: the layers
 run their activations unquantized (stated in docs/quantization.md).
 """
@@ -19,7 +24,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
-from worker.engine.quantization.dequant import dequant_awq, dequant_float, dequant_gptq, dequant_packed
+from worker.engine.quantization.dequant import dequant_awq, dequant_float, dequant_gptq, dequant_mxfp4, dequant_packed
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,9 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Option
     if quant is None:
         yield from tensors
         return
+    if quant.method == "mxfp4":
+        yield from _mxfp4_stream(tensors, dtype)
+        return
     pending: dict[str, _Layer] = {}
     done: dict[str, WeightScheme] = {}  # layers already yielded (a late g_idx must be the trivial one)
     dropped = 0
@@ -144,3 +152,33 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Option
                          f"({len(pending)} incomplete layer(s))")
     if dropped:
         log.info("dropped %d activation/KV-cache quantization scale(s): activations run unquantized", dropped)
+
+
+_MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def _mxfp4_stream(tensors: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``X_blocks`` + ``X_scales`` -> ``(X, dense [E, in, out])``; other tensors pass."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        suffix = next((s for s in _MXFP4_PARTS if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        base = name[: -len(suffix)]
+        parts = pending.setdefault(base, {})
+        if suffix in parts:
+            raise ValueError(f"checkpoint tensor {name} appears twice")
+        parts[suffix] = tensor
+        if len(parts) == 2:
+            del pending[base]
+            try:
+                dense = dequant_mxfp4(parts["_blocks"], parts["_scales"]).transpose(-1, -2)
+            except ValueError as e:
+                raise ValueError(f"MXFP4 tensor {base}: {e}") from None
+            yield base, dense if dtype is None else dense.to(dtype)
+    if pending:
+        base, parts = next(iter(pending.items()))
+        missing = [base + s for s in _MXFP4_PARTS if s not in parts]
+        raise ValueError(f"MXFP4 checkpoint lacks {', '.join(missing)} ({len(pending)} incomplete tensor(s))")

@@ -28,6 +28,9 @@ class AttentionSpec:
     head_dim: int
     sliding_window: Optional[int] = None  # keys within the last w positions; None = full context
     softmax_scale: Optional[float] = None  # None: 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar ** -0.5
+    # GPT-OSS: a learned logit per query head joins each softmax denominator (with no value);
+    # the tensor itself is the layer's parameter, handed to the impl as ``AttentionImpl.sinks``.
+    sinks: bool = False
 
     @property
     def scale(self) -> float:
@@ -59,6 +62,7 @@ class AttentionImpl:
         self.group = spec.num_heads // spec.num_kv_heads
         self.scale = spec.scale
         self.sliding_window = spec.sliding_window
+        self.sinks: Optional[torch.Tensor] = None  # [num_heads] float when spec.sinks (PagedAttention sets it)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
         """Store the step's K/V ``[T, kv_heads, D]`` at ``attn.slot_mapping``."""

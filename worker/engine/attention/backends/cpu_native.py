@@ -3,8 +3,8 @@ its blocks in place (no gather, no copy, mixed steps included) and all prefill
 chunks of a step, with or without cached context, run in one call of a blocked
 causal kernel that packs each sequence's keys and values straight from their blocks.
 
-The kernels attend over the full context, so sliding-window layers are served by
-torch SDPA inside the same backend (its plan then also carries SDPA's per-chunk
+The kernels attend over the full context without sinks, so sliding-window layers and
+layers with attention sinks (GPT-OSS) are served by torch SDPA inside the same backend (its plan then also carries SDPA's per-chunk
 index tensors).
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class CpuNativeBackend(AttentionBackend):
         return TorchPlan(attn, block_size, native=True, torch_prefills=self._sdpa_layers)
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
-        if spec.sliding_window or self.kv_fp8:
+        if spec.sliding_window or spec.sinks or self.kv_fp8:
             self._sdpa_layers = True
             return TorchSDPAImpl(spec)
         return CpuNativeImpl(spec, self.module)

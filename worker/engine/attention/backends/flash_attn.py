@@ -62,4 +62,6 @@ class FlashAttnBackend(AttentionBackend):
         self.fn, self.block_multiple, self.uses_seqused_k = loaded
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
+        if spec.sinks:  # the selector refuses such models first (resolve_attention_backend's ``sinks``)
+            raise ValueError("FlashAttention backend: attention sinks (GPT-OSS) are not supported; use triton")
         return FlashAttnImpl(spec, self.fn, self.uses_seqused_k)

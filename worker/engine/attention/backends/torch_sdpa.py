@@ -223,6 +223,23 @@ class DecodeKVMirror:
 
 
 
+def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    sinks: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA whose softmax denominators also hold a sink logit per query head (GPT-OSS).
+
+    SDPA takes no sinks, but an additive float mask can carry one: an extra key of
+    zeros (its q.k logit is 0) with a zero value, whose mask entry is the head's sink.
+    It joins every row's softmax exactly as transformers' eager concatenation does and
+    adds nothing to the output.  ``mask``: boolean, broadcastable to the logits
+    ``[*q.shape[:-1], keys]``; ``sinks``: broadcastable to ``[*q.shape[:-1], 1]``."""
+    zero = k.new_zeros((*k.shape[:-2], 1, k.shape[-1]))
+    k, v = torch.cat((k, zero), dim=-2), torch.cat((v, zero), dim=-2)
+    shape = (*q.shape[:-1], mask.shape[-1])
+    bias = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~mask.expand(shape), float("-inf"))
+    bias = torch.cat((bias, sinks.to(q.dtype).expand(*q.shape[:-1], 1)), dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)
+
+
 class TorchSDPAImpl(AttentionImpl):
     def __init__(self, spec: AttentionSpec):
         super().__init__(spec)
@@ -259,6 +276,10 @@ class TorchSDPAImpl(AttentionImpl):
         keys, values = kv
         qd = q if g.rows is None else q.index_select(0, g.rows)
         qd = qd.reshape(g.num, kvh, self.group, d)  # group heads as the query-length axis
+        if self.sinks is not None:
+            o = sdpa_with_sinks(qd, keys, values, g.mask_for(self.sliding_window), self.scale,
+                                self.sinks.view(1, kvh, self.group, 1))
+            return o.reshape(g.num, self.num_heads, d)
         o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=g.mask_for(self.sliding_window),
                                            scale=self.scale)
         return o.reshape(g.num, self.num_heads, d)
@@ -276,7 +297,12 @@ class TorchSDPAImpl(AttentionImpl):
             ks = _gather_blocks(kv_layer[0], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
             vs = _gather_blocks(kv_layer[1], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        if mask is None:
+        if self.sinks is not None:
+            if mask is None:  # fresh chunk, plain causal
+                pos = torch.arange(s.seq_len, device=q.device)
+                mask = pos[None, :] <= pos[:, None]
+            o = sdpa_with_sinks(qs, ks, vs, mask, self.scale, self.sinks.view(1, -1, 1, 1), enable_gqa=True)
+        elif mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)

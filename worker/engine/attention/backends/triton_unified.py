@@ -1,6 +1,6 @@
 """Triton paged attention, the CUDA default: one launch per layer serves every row
 of a step (prefill chunks with or without cached context, decode rows) straight
-from the block table, GQA, sliding windows, any power-of-two block size (the design
+from the block table, GQA, sliding windows, attention sinks, any power-of-two block size (the design
 of vLLM's Triton "unified attention").  K/V are written by a Triton
 reshape-and-cache kernel.
 
@@ -32,7 +32,8 @@ class TritonImpl(AttentionImpl):
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         self.kernels.unified_attention(q, kv_layer[0], kv_layer[1], out, query_start_loc=attn.query_start_loc,
                                        seq_lens=attn.seq_lens, block_tables=attn.block_tables, scale=self.scale,
-                                       sliding_window=self.sliding_window, max_query_len=attn.max_query_len)
+                                       sliding_window=self.sliding_window, max_query_len=attn.max_query_len,
+                                       sinks=self.sinks)
         return out.view(q.shape[0], -1)
 
 
@@ -45,4 +46,4 @@ class TritonBackend(AttentionBackend):
         self.ops = kernels  # Triton RMSNorm, rotary and SwiGLU beside the attention
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
-        return TritonImpl(spec, self.kernels)
+        return TritonImpl(spec, self.kernels)  # sinks (GPT-OSS) included: the kernel takes them

@@ -11,7 +11,10 @@ CUDA graphs and replays with each row's real length.  Keys are walked in tiles o
 TILE_N positions, each key's page looked up in the block table, so any block size
 works.  Causal (lower-right: a chunk after ``context`` cached tokens) and sliding
 windows are masks on positions; tiles wholly outside them are skipped.  Online
-softmax in fp32.
+softmax in fp32.  Attention sinks (GPT-OSS: a learned logit per query head in every
+softmax denominator, with no value) start each row's running max at the sink and its
+running sum at 1 (= exp(sink - max)); the split decode path adds them once, when its
+segments are combined.
 """
 from __future__ import annotations
 
@@ -89,13 +92,14 @@ def _attend_tile(q, m_i, l_i, acc, tile, table, k_cache, v_cache, seq_len, q_pos
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq_lens, block_tables,
+    q_ptr, k_cache, v_cache, out_ptr, query_start_loc, seq_lens, block_tables, sinks_ptr,
     scale, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,  # IEEE: fp32 dots (no TF32 rounding)
+    USE_SINKS: tl.constexpr,  # sinks_ptr: [Hq] sink logits (any float dtype); unused otherwise
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +125,9 @@ def _unified_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the sink is the softmax's first term: max = sink, sum = exp(0)
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
 
     last_pos = context + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -193,8 +200,9 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _combine_kernel(m_buf, l_buf, acc_buf, out_ptr, query_start_loc, stride_ot, stride_oh, num_heads,
-                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+def _combine_kernel(m_buf, l_buf, acc_buf, out_ptr, query_start_loc, sinks_ptr, stride_ot, stride_oh, num_heads,
+                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                    USE_SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SEGMENTS)
@@ -204,8 +212,13 @@ def _combine_kernel(m_buf, l_buf, acc_buf, out_ptr, query_start_loc, stride_ot, 
     l = tl.load(l_buf + base + offs_s)
     acc = tl.load(acc_buf + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
     m_max = tl.max(m, 0)
+    denominator_extra = 0.0
+    if USE_SINKS:  # the head's sink joins the merged denominator once
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+        denominator_extra = tl.exp(sink - m_max)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # empty segments weigh nothing
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / (tl.sum(l * w, 0) + denominator_extra)
     token = tl.load(query_start_loc + seq)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -235,12 +248,13 @@ def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, sliding_window: Optional[int] = None,
-                      max_query_len: Optional[int] = None) -> torch.Tensor:
+                      max_query_len: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of every query row of a step over its sequence's paged K/V.
 
     q ``[T, Hq, D]`` (last dim contiguous; a strided view of a fused projection is
     fine), k/v_cache ``[num_blocks, block_size, Hkv, D]``, out ``[T, Hq, D]``;
-    query_start_loc ``[B+1]``, seq_lens ``[B]`` and block_tables ``[B, W]`` int32.
+    query_start_loc ``[B+1]``, seq_lens ``[B]`` and block_tables ``[B, W]`` int32;
+    sinks ``[Hq]``: per-head sink logits joining every softmax denominator (GPT-OSS).
     """
     t, hq, d = q.shape
     num_blocks, block_size, hkv, _ = k_cache.shape
@@ -252,16 +266,17 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     window = int(sliding_window or 0)
     ieee = q.dtype == torch.float32 or _INTERPRETING
     if max_query_len == 1 and t == num_seqs and num_seqs * hkv < SPLIT_KV_BELOW:
-        return _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, ieee)
+        return _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, ieee,
+                             sinks)
     cfg = launch_config(hq, hkv, d, block_size, max_query_len)
     grid = (t // cfg["BLOCK_Q"] + num_seqs, hkv)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, q if sinks is None else sinks,
         float(scale), num_seqs, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        USE_WINDOW=window > 0, IEEE=ieee, **cfg)
+        USE_WINDOW=window > 0, IEEE=ieee, USE_SINKS=sinks is not None, **cfg)
     return out
 
 
@@ -271,7 +286,7 @@ def _split_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
                 BLOCK_M=max(16, triton.next_power_of_2(g)), TILE_N=16, NUM_SEGMENTS=NUM_SEGMENTS)
 
 
-def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, ieee):
+def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, window, ieee, sinks=None):
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     cfg = _split_config(hq, hkv, d, k_cache.shape[1])
@@ -285,30 +300,36 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         USE_WINDOW=window > 0, IEEE=ieee, **cfg)
-    _combine_kernel[(b, hq)](m_buf, l_buf, acc_buf, out, query_start_loc, out.stride(0), out.stride(1), hq,
-                             HEAD_DIM=d, HEAD_PAD=cfg["HEAD_PAD"], NUM_SEGMENTS=NUM_SEGMENTS)
+    _combine_kernel[(b, hq)](m_buf, l_buf, acc_buf, out, query_start_loc, m_buf if sinks is None else sinks,
+                             out.stride(0), out.stride(1), hq, HEAD_DIM=d, HEAD_PAD=cfg["HEAD_PAD"],
+                             NUM_SEGMENTS=NUM_SEGMENTS, USE_SINKS=sinks is not None)
     return out
 
 
 def compile_specs() -> list:
     specs = []
-    for dtype, head_dim, block_size, g, window, kv in (
-            ("bf16", 128, 16, 4, False, "bf16"), ("fp16", 64, 32, 8, True, "fp16"), ("fp32", 80, 16, 1, False, "fp32"),
-            ("bf16", 64, 1, 2, True, "bf16"), ("bf16", 128, 16, 4, True, "fp8e4nv"), ("fp16", 64, 16, 8, False, "fp8e5")):
+    # The last entries: GPT-OSS's shape (head_dim 64, GQA 8) with sinks, sliding and full layers.
+    for dtype, head_dim, block_size, g, window, kv, sinks in (
+            ("bf16", 128, 16, 4, False, "bf16", False), ("fp16", 64, 32, 8, True, "fp16", False),
+            ("fp32", 80, 16, 1, False, "fp32", False), ("bf16", 64, 1, 2, True, "bf16", False),
+            ("bf16", 128, 16, 4, True, "fp8e4nv", False), ("fp16", 64, 16, 8, False, "fp8e5", False),
+            ("bf16", 64, 16, 8, True, "bf16", True), ("bf16", 64, 16, 8, False, "bf16", True)):
         cfg = launch_config(g * 2, 2, head_dim, block_size, None)
         sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{kv}", "v_cache": f"*{kv}", "out_ptr": f"*{dtype}",
-               "query_start_loc": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
+               "query_start_loc": "*i32", "seq_lens": "*i32", "block_tables": "*i32", "sinks_ptr": f"*{dtype}",
                "scale": "fp32", "num_seqs": "i32", "window": "i32"}
         for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh",
                      "stride_vb", "stride_vs", "stride_vh", "stride_bt"):
             sig[name] = "i64"
-        const = dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")
+        const = dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32", USE_SINKS=sinks)
         kv_name = "" if kv == dtype else f",kv={kv}"
-        specs.append((f"unified_attention[{dtype},D={head_dim},bs={block_size},G={g},window={window}{kv_name}]",
-                      _unified_attention_kernel, sig, const))
-    for dtype, head_dim, block_size, g, window, kv in (("bf16", 128, 16, 4, False, "bf16"),
-                                                       ("fp32", 80, 1, 8, True, "fp32"),
-                                                       ("bf16", 128, 16, 4, False, "fp8e4nv")):
+        sink_name = ",sinks" if sinks else ""
+        specs.append((f"unified_attention[{dtype},D={head_dim},bs={block_size},G={g},window={window}{kv_name}"
+                      f"{sink_name}]", _unified_attention_kernel, sig, const))
+    for dtype, head_dim, block_size, g, window, kv, sinks in (("bf16", 128, 16, 4, False, "bf16", False),
+                                                              ("fp32", 80, 1, 8, True, "fp32", False),
+                                                              ("bf16", 128, 16, 4, False, "fp8e4nv", False),
+                                                              ("bf16", 64, 16, 8, True, "bf16", True)):
         cfg = _split_config(g * 2, 2, head_dim, block_size)
         sig = {"q_ptr": f"*{dtype}", "k_cache": f"*{kv}", "v_cache": f"*{kv}", "m_buf": "*fp32",
                "l_buf": "*fp32", "acc_buf": "*fp32", "query_start_loc": "*i32", "seq_lens": "*i32",
@@ -321,8 +342,9 @@ def compile_specs() -> list:
                       _decode_split_kernel, sig, dict(cfg, USE_WINDOW=window, IEEE=dtype == "fp32")))
         if kv != dtype:
             continue  # the combine kernel reads fp32 partials only: the variant above has it already
-        specs.append((f"decode_combine[{dtype},D={head_dim}]", _combine_kernel,
+        specs.append((f"decode_combine[{dtype},D={head_dim}{',sinks' if sinks else ''}]", _combine_kernel,
                       {"m_buf": "*fp32", "l_buf": "*fp32", "acc_buf": "*fp32", "out_ptr": f"*{dtype}",
-                       "query_start_loc": "*i32", "stride_ot": "i64", "stride_oh": "i64", "num_heads": "i32"},
-                      dict(HEAD_DIM=head_dim, HEAD_PAD=cfg["HEAD_PAD"], NUM_SEGMENTS=NUM_SEGMENTS)))
+                       "query_start_loc": "*i32", "sinks_ptr": f"*{dtype}", "stride_ot": "i64", "stride_oh": "i64",
+                       "num_heads": "i32"},
+                      dict(HEAD_DIM=head_dim, HEAD_PAD=cfg["HEAD_PAD"], NUM_SEGMENTS=NUM_SEGMENTS, USE_SINKS=sinks)))
     return specs
