@@ -317,7 +317,7 @@ def test_curve_encrypted_links(tmp_path):
         broker = procs.broker("--curve-secret-file", secret_file, wait=False)
         procs.fake_worker(broker, 0, "--curve-server-key", public.decode())
         with Client(broker.frontend, curve_server_key=public) as client:
-            wait_for(lambda: _info_workers(client) == [0], 10, "worker over CURVE")
+            wait_for(lambda: _info_workers(client) == [0], 60, "worker over CURVE")  # two process starts
             assert len(list(client.generate(req("secret")))) == 4
         assert cluster_info(broker.frontend, 0.5) is None  # plaintext peers get nothing
 
