@@ -57,6 +57,24 @@ def hf_greedy(model_dir, prompt: list[int], num_tokens: int) -> tuple[list[int],
 
 
 @torch.inference_mode()
+def hf_router_choices(model_dir, ids: list[int], router_name: str) -> "np.ndarray":
+    """``[len(ids), moe layers, top_k]``: the experts HF's routers (``layer.mlp.<router_name>``,
+    whose output's third item holds the chosen experts) chose for each token, sorted."""
+    import numpy as np
+
+    model = hf_model(model_dir)
+    seen = []
+    hooks = [getattr(layer.mlp, router_name).register_forward_hook(lambda m, i, out: seen.append(out[2]))
+             for layer in model.model.layers if hasattr(layer.mlp, router_name)]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return np.stack([s.sort(-1).values.numpy() for s in seen], axis=1)
+
+
+@torch.inference_mode()
 def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
     """[L-1, V]: row i is the distribution that scores prompt token i+1."""
     logits = hf_model(model_dir)(torch.tensor([prompt])).logits[0, :-1].float()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.engine_helpers import hf_model, make_engine, random_prompts, request
+from tests.support.engine_helpers import hf_router_choices, hf_model, make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.loading.loader import load_model
@@ -67,21 +67,6 @@ def test_paged_steps_match_hf(tiny_model, packed):
         torch.testing.assert_close(b[0], ref_other[pos - 27], atol=ATOL, rtol=0)
 
 
-@torch.inference_mode()
-def _hf_choices(model_dir, ids: list[int]) -> np.ndarray:
-    """[len(ids), moe layers, 2]: the experts HF's routers chose, sorted per token."""
-    model = hf_model(model_dir)
-    seen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: seen.append(out[2]))
-             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    try:
-        model(torch.tensor([ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return np.stack([s.sort(-1).values.numpy() for s in seen], axis=1)
-
-
 def test_routed_experts_equal_hf_router_choice(tiny_model):
     path = tiny_model("glm4_moe")
     engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
@@ -91,6 +76,6 @@ def test_routed_experts_equal_hf_router_choice(tiny_model):
         (d,) = res[f"r{i}"]
         got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
         full = list(p) + list(d.token_ids)
-        ref = _hf_choices(path, full[:-1])
+        ref = hf_router_choices(path, full[:-1], "gate")
         assert got.shape == (len(full) - 1, 2, 2)
         np.testing.assert_array_equal(np.sort(got, axis=-1), ref)

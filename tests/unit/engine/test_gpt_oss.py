@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.engine_helpers import hf_model, make_engine, random_prompts, request
+from tests.support.engine_helpers import hf_router_choices, hf_model, make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.attention.backends.torch_sdpa import sdpa_with_sinks
@@ -98,21 +98,6 @@ def test_each_variation_matters(tiny_model):
         assert (_variant_logits(path, ids, change) - ref).abs().max() > 1e-3, change.__name__
 
 
-@torch.inference_mode()
-def _hf_choices(model_dir, ids: list[int]) -> np.ndarray:
-    """[len(ids), layers, 4]: the experts HF's routers chose, sorted per token."""
-    model = hf_model(model_dir)
-    seen = []
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out: seen.append(out[2]))
-             for layer in model.model.layers]
-    try:
-        model(torch.tensor([ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return np.stack([s.sort(-1).values.numpy() for s in seen], axis=1)
-
-
 def test_routed_experts_equal_hf_router_choice(tiny_model):
     path = tiny_model("gpt_oss")
     engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
@@ -123,7 +108,7 @@ def test_routed_experts_equal_hf_router_choice(tiny_model):
         got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
         full = list(p) + list(d.token_ids)
         assert got.shape == (len(full) - 1, 2, 4)
-        np.testing.assert_array_equal(np.sort(got, axis=-1), _hf_choices(path, full[:-1]))
+        np.testing.assert_array_equal(np.sort(got, axis=-1), hf_router_choices(path, full[:-1], "router"))
 
 
 def test_mxfp4_dequant_equals_transformers():
