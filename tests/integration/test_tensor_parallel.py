@@ -64,9 +64,12 @@ def _hf_step_logits(path: Path) -> np.ndarray:
 
 # kv heads 2 -> split; 1 -> replicated; Phi-3's fused checkpoint tensors are cut per rank;
 # SmolLM3's NoPE and sliding layers; Gemma 3's local/global layers, tied head and soft-capping;
-# OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated.
+# OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated;
+# the mixture-of-experts families with their experts split along the intermediate dimension
+# (Qwen2-MoE's gated shared expert, GLM-4.5's grouped routing, dense first layer and shared
+# experts, GPT-OSS's interleaved fused experts with biases and its per-head attention sinks).
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3",
-                                  "olmo2_mqa"])
+                                  "olmo2_mqa", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     """A prefill, a chunk after cached context beside a second prefill, and decodes
     over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""
