@@ -102,6 +102,37 @@ def test_engine_with_two_ranks_matches_one(tiny_model):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_moe_engine_with_two_ranks_matches_one(tiny_model):
+    """A mixture-of-experts engine over two ranks (experts split, GLM-4.5's grouped
+    routing and shared experts): the same greedy tokens and the same routed experts
+    (recorded by rank 0, whose router is the replicated one) as one rank."""
+    import io
+
+    path = tiny_model("glm4_moe")
+    prompts = random_prompts(4, 6, 30, seed=5)
+
+    def run(engine):
+        res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
+        outs = [res[str(i)][0] for i in range(len(prompts))]
+        return ([o.token_ids for o in outs],
+                [np.load(io.BytesIO(o.routed_experts), allow_pickle=False) for o in outs])
+
+    one = make_engine(path, enable_return_routed_experts=True)
+    try:
+        ids_one, routes_one = run(one)
+    finally:
+        one.close()
+    two = make_engine(path, enable_return_routed_experts=True, tensor_parallel_size=2)
+    try:
+        assert two.model.layers[1].moe.w13.shape[1] == one.model.layers[1].moe.w13.shape[1] // 2
+        ids_two, routes_two = run(two)
+    finally:
+        two.close()
+    assert ids_two == ids_one
+    for a, b in zip(routes_two, routes_one):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
     """Between steps followers wait on the control group, not under the step collectives'
     timeout: an idle server longer than that timeout still serves."""
