@@ -154,9 +154,9 @@ ModelRegistry = _ModelRegistry([
                       "adapters also name the vision tower's q/k/v projections)"),
     ModelFamily("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "GPT-OSS",
                 dict(qkv_bias_default=False, qk_norm=None, moe="gpt_oss", sinks=True), sliding_window=True,
-                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), lora_served=False, tensor_parallel=True,
+                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True,
                 routed_experts=True,
                 notes="attention sinks (CPU: torch SDPA; CUDA: Triton), biased top-k-softmax router, expert biases, clamped "
-                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA not "
-                      "served (untested)"),
+                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA on the "
+                      "attention projections"),
 ])
