@@ -53,6 +53,12 @@ class Gemma3ImageConfig:
         return self.image_size * self.image_size
 
     @property
+    def fixed_grid(self) -> tuple[int, int, int]:
+        """The one grid every image gets (what the KV sizing reserves the tower's memory for)."""
+        side = self.image_size // self.patch_size
+        return 1, side, side
+
+    @property
     def max_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 

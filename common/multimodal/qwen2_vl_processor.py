@@ -107,6 +107,8 @@ class Qwen2VLImageConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    fixed_grid = None  # grids follow each image's size (smart_resize); Gemma3ImageConfig has one
+
     @property
     def max_patches(self) -> int:
         """Patches of the largest image ``smart_resize`` may produce within ``max_pixels``

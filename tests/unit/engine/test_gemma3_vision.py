@@ -83,3 +83,54 @@ def test_image_features_equal_transformers(gemma3_mm):
     assert got.shape == (8, 64)
     torch.testing.assert_close(got, ref.reshape(8, 64), atol=2e-5, rtol=1e-5)
     assert ref.abs().max() > 0.1  # not a degenerate all-zero tower
+
+
+def test_released_checkpoint_names_load(gemma3_mm, tmp_path):
+    """The released checkpoints' names (``vision_tower.vision_model.*``, SigLIP's unused
+    pooling head included) load to the same encoder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from worker.engine.loading.loader import load_model
+
+    old = tmp_path / "released"
+    old.mkdir()
+    tensors = {}
+    for name, t in load_file(str(gemma3_mm / "model.safetensors")).items():
+        if name.startswith("vision_tower."):
+            name = "vision_tower.vision_model." + name[len("vision_tower."):]
+        tensors[name] = t
+    tensors["vision_tower.vision_model.head.probe"] = torch.zeros(1, 1, 32)
+    save_file(tensors, str(old / "model.safetensors"))
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(gemma3_mm / f, old / f)
+    a, b = load_model(gemma3_mm), load_model(old)
+    patches = torch.randn(16, 3 * 14 * 14)
+    grid = torch.tensor([[1, 4, 4]])
+    torch.testing.assert_close(a.encode_image(patches, grid), b.encode_image(patches, grid), atol=0, rtol=0)
+
+
+def test_memory_profile_batch(gemma3_mm):
+    """The KV sizing's dummy batch (CUDA) has the one fixed grid; it runs through the tower here."""
+    from common.multimodal import Gemma3ImageConfig
+    from worker.engine.multimodal.images import dummy_vision_batch, max_image_grid
+
+    mc = ModelConfig.from_dir(gemma3_mm)
+    cfg = Gemma3ImageConfig.for_model(mc.vision_config, mc.mm_tokens_per_image)
+    assert max_image_grid(mc.vision_config, cfg) == (1, 4, 4)
+    pixels, grids = dummy_vision_batch(mc.vision_config, cfg, token_budget=3)
+    assert pixels.shape == (48, 588) and grids.tolist() == [[1, 4, 4]] * 3
+    from worker.engine.loading.loader import load_model
+
+    assert load_model(gemma3_mm).encode_image(pixels, grids).shape == (12, 64)
+
+
+def test_pan_and_scan_preprocessor_is_refused():
+    from common.multimodal import Gemma3ImageConfig
+
+    vc = {"image_size": 56, "patch_size": 14}
+    with pytest.raises(ValueError, match="pan-and-scan"):
+        Gemma3ImageConfig.for_model(vc, 4, {"do_pan_and_scan": True})
+    with pytest.raises(ValueError, match="does not pool"):
+        Gemma3ImageConfig.for_model(vc, 3)

@@ -1,4 +1,11 @@
-"""Image input of vision-language models (Qwen2-VL / Qwen2.5-VL) in the engine.
+"""Image input of vision-language models (Qwen2-VL / Qwen2.5-VL, Gemma 3) in the engine.
+
+Per-family parts come through the model's image config (common/multimodal: patch
+geometry, the uint8 image's patches) and the model (``encode_image``;
+``image_attention == "bidirectional"``: Gemma 3's image tokens attend to each other, so
+``prepare_step`` marks their spans on the step layout for the attention backend and
+``whole_image_chunks`` keeps each image in one prefill chunk); M-RoPE positions only
+where the model config has ``mrope_section``.
 
 * ``check_mm_items`` validates a request's ``mm_items`` at admission (BadRequest,
   400) and ``MultiModalState`` keeps what its steps need: the decoded items and the
@@ -247,8 +254,8 @@ def max_image_grid(vision_config: dict, image_config: Qwen2VLImageConfig) -> tup
     Sides are multiples of the merge size; for Qwen2.5-VL they tile its attention
     windows when that costs no patches (clipped edge windows are valid either way)."""
     merge, patch = _geometry(vision_config, image_config)
-    if isinstance(image_config, Gemma3ImageConfig):  # one fixed square, whatever the input
-        return image_config.grid_for_size(image_config.image_size, image_config.image_size)
+    if image_config.fixed_grid is not None:  # every image resized to one size (Gemma 3)
+        return image_config.fixed_grid
     factor = patch * merge
     cells = max(1, image_config.max_pixels // (factor * factor))
     window = max(1, int(vision_config.get("window_size", 0)) // factor)  # merged cells per window side
