@@ -138,30 +138,35 @@ def test_bidirectional_image_attention_is_what_hf_does(gemma):
 
 
 def test_chunked_prefill_keeps_each_image_whole(gemma):
-    """5-token steps: a chunk that would end inside an image ends before it, so the
-    image's tokens see each other (HF's outputs); images and text interleave over steps."""
+    """5-token steps shared by two image requests: a chunk that would end inside an image
+    (one token of budget left included) ends before it, so the image's tokens see each
+    other (HF's outputs); images and text interleave over steps."""
     path, hf, cfg = gemma
-    ids, items = _prompt(cfg, [1, 2], seed=7, before=3, between=2, after=9)
-    ref = _hf_generate(hf, cfg, ids, [1, 2])
+    prompts = {"c": _prompt(cfg, [1, 2], seed=7, before=3, between=2, after=9),
+               "d": _prompt(cfg, [3], seed=9, before=2, after=5)}
+    refs = {"c": _hf_generate(hf, cfg, prompts["c"][0], [1, 2]), "d": _hf_generate(hf, cfg, prompts["d"][0], [3])}
     engine = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=5)
     seen = []
     sched = engine.scheduler.schedule
 
     def spy():
         out = sched()
-        seen.extend((s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if s.num_new_tokens > 1)
+        seen.extend((s.seq.request.request_id, s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled
+                    if s.seq.num_computed_tokens < s.seq.num_prompt_tokens)
         return out
 
     engine.scheduler.schedule = spy
-    _check(engine.generate([_req("c", ids, items)])["c"], ref)
-    for start, n in seen:  # no chunk boundary fell inside an image
-        for it in items:
-            assert not it.offset < start + n < it.offset + it.length, (start, n, it.offset)
-    assert len(seen) > 3
+    out = engine.generate([_req(k, ids, items) for k, (ids, items) in prompts.items()])
+    for k in prompts:
+        _check(out[k], refs[k])
+    for rid, start, n in seen:  # no chunk boundary fell inside an image
+        for it in prompts[rid][1]:
+            assert not it.offset < start + n < it.offset + it.length, (rid, start, n, it.offset)
+    assert len(seen) > 6 and any(n < 5 for _, _, n in seen)
     # an image longer than a step's budget could never be whole: refused at admission
     tight = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=3)
     with pytest.raises(BadRequest, match="never split"):
-        tight.add_request(_req("x", ids, items))
+        tight.add_request(_req("x", *prompts["c"]))
 
 
 def test_prefix_cache_keys_the_image(gemma):

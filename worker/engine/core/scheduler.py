@@ -127,7 +127,7 @@ class Scheduler:
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids) + seq.num_pending
             num_new = min(num_tokens - computed, budget)
-            if self.chunk_limit is not None and num_new > 1 and computed < seq.num_prompt_tokens:
+            if self.chunk_limit is not None and computed < seq.num_prompt_tokens:  # a prompt chunk
                 num_new = self.chunk_limit(seq, computed, num_new)
             # A token in flight that is the choice's last by length (max_tokens or the context):
             # no step after it is planned (vLLM's async scheduler makes the same check).
