@@ -111,13 +111,16 @@ def _engine(path, **kw):
     return make_engine(path, **kw)
 
 
-def test_one_and_two_images_match_hf_generate(gemma):
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_one_and_two_images_match_hf_generate(gemma, backend):
+    """Both CPU backends: torch SDPA builds the opened mask; the compiled kernels' backend
+    runs steps with image spans on SDPA (text and decode steps on its kernels)."""
     path, hf, cfg = gemma
     cases = {"text": ([], 1), "one": ([1], 2), "two": ([1, 2], 3)}
     prompts = {k: _prompt(cfg, seeds, seed=s) for k, (seeds, s) in cases.items()}
     refs = {k: _hf_generate(hf, cfg, prompts[k][0], seeds) for k, (seeds, _) in cases.items()}
-    engine = _engine(path, enable_prefix_caching=False)
-    assert engine.runner.backend.name == "torch"  # the only backend that opens the mask in an image
+    engine = _engine(path, enable_prefix_caching=False, attention_backend=backend)
+    assert engine.runner.backend.name == backend
     out = engine.generate([_req(k, ids, items) for k, (ids, items) in prompts.items()])
     for k in cases:
         _check(out[k], refs[k])
@@ -205,7 +208,8 @@ def test_preemption(gemma):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_other_attention_backends_are_refused(gemma):
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_causal_only_backends_are_refused(gemma, backend):
     path, _, _ = gemma
     with pytest.raises(ValueError, match="both ways"):
-        _engine(path, attention_backend="native")
+        _engine(path, attention_backend=backend)

@@ -38,11 +38,13 @@ def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.dev
 
     if choice not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, got {choice!r}")
-    if bidirectional_spans:
+    if bidirectional_spans and (device.type != "cpu" or choice not in ("auto", "torch", "native")):
+        # The CPU backends serve such steps on SDPA (cpu_native.py); the CUDA kernels here
+        # (Triton, FlashAttention) have causal masks only: refused, never a silent causal mask.
         if choice not in ("auto", "torch"):
             raise ValueError(f"attention_backend={choice}: this model's image tokens attend to each other both "
-                             "ways, which only the torch backend implements here (use --attention-backend torch "
-                             "or auto)")
+                             "ways, which only the torch and native (CPU) backends implement here (use "
+                             "--attention-backend torch or auto)")
         return TorchSDPABackend()
     if choice == "torch":
         return TorchSDPABackend()
