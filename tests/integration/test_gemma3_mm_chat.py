@@ -138,3 +138,37 @@ def test_pan_and_scan_is_refused(gateway):
     resp = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     assert "pan" in resp.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def epd(tmp_path_factory, model_dir):
+    """Broker-run encoder disaggregation (``--epd auto``): a plain worker (rank 0) and an
+    encoder-only worker (rank 1) serving the same Gemma 3."""
+    producer = json.dumps({"ec_connector": "ECCPUConnector", "ec_role": "ec_producer"})
+    with ProcGroup(tmp_path_factory.mktemp("gemma3-epd")) as procs:
+        broker = procs.broker("--epd", "auto")
+        procs.worker(broker, 0, "--model", str(model_dir), *WORKER_ARGS)
+        procs.worker(broker, 1, "--model", str(model_dir), *WORKER_ARGS, "--ec-transfer-config", producer,
+                     "--mm-encoder-only")
+        wait_for_workers(broker.frontend, 2, timeout=120)
+        yield start_gateway(procs, broker.frontend, "--tokenizer", str(model_dir))
+
+
+def test_encoder_disaggregation_gives_hf_greedy_tokens(epd, model_dir):
+    """The image is encoded on the encoder-only worker, its embeddings pulled by rank 0,
+    and the reply is still transformers' greedy tokens."""
+    from tests.support.gateway_helpers import metric_value, wait_metric
+
+    queries = "vllm:mm_cache_queries_total"
+    png = _png(5, 64, 48)
+    texts = ["what is ", "?"]
+    want_prompt, want = _hf_greedy(model_dir, [png], texts)
+    before = metric_value(httpx.get(epd.url + "/metrics").text, queries, engine="1")
+    client = openai.OpenAI(base_url=epd.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = client.chat.completions.create(
+        model=client.models.list().data[0].id, temperature=0, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": _content([_data_url(png)], texts)}],
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert resp.model_extra["prompt_token_ids"] == want_prompt
+    assert resp.choices[0].model_extra["token_ids"] == want
+    assert wait_metric(epd.url, queries, before + 1, engine="1") >= before + 1  # rank 1 ran the tower
