@@ -37,8 +37,9 @@ class AttentionMetadata:
     # by every layer; None for backends that plan nothing.
     plan: Any = field(default=None, repr=False, compare=False)
     # Bidirectional spans (Gemma 3's images): sequence index -> token ranges [lo, hi) within
-    # which every query sees every key (the causal mask opened there).  Only the torch
-    # SDPA backend reads them; the selector gives such models no other backend.
+    # which every query sees every key (the causal mask opened there).  torch SDPA builds
+    # that mask (the native CPU backend hands such steps to it); the selector refuses the
+    # CUDA kernels' backends for such models.
     attn_spans: Optional[dict[int, list[tuple[int, int]]]] = None
 
     @property
