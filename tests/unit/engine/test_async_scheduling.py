@@ -1,9 +1,10 @@
 """Async scheduling (issue 41): the engine plans step N+1 while step N runs, with the
 token N samples still in flight.  Whatever the feature, the outputs are those of the
 synchronous step: same tokens, logprobs (bitwise on CPU), texts, finish reasons,
-prompt logprobs.  Steps of a request that cannot be planned ahead (penalties,
-min_tokens, bad words, grammars, adapters, images, KV transfer) run synchronously,
-the others keep overlapping."""
+prompt logprobs.  Requests whose sampling reads the tokens generated so far
+(penalties, min_tokens, bad words, grammars) overlap their forwards and wait for the
+token in flight before sampling; steps of a request that cannot be planned ahead
+(adapters, images, KV transfer) run synchronously, the others keep overlapping."""
 from __future__ import annotations
 
 import pytest
@@ -95,7 +96,7 @@ CASES = {
         request(f"t{i}", [72, 101, 108, 108, 111, i + 3], max_tokens=16, ignore_eos=True, output_text=True,
                 stop=["ab", "e", "zz"], allowed_token_ids=list(range(97, 123)), temperature=1.0, seed=i)
         for i in range(4)], {}, False),
-    # Synchronous per request (they read the tokens generated so far), mixed with plain ones.
+    # Reading the tokens generated so far (their metadata waits for the token in flight), mixed with plain ones.
     "penalties_min_tokens_bad_words_beside_plain": ("qwen2_dir", lambda: [
         request("p", [5, 9, 33, 71], max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5),
         request("m", [5, 9, 33, 71, 2], logit_bias={EOS_ID: 100.0}, min_tokens=3),
@@ -124,17 +125,40 @@ def request_fixture(request):
     return request.getfixturevalue
 
 
-def test_requests_reading_their_history_run_synchronously(qwen2_dir):
-    """A penalty request alone: every step synchronous (its sampling reads the last token)."""
-    engine = make_engine(qwen2_dir, async_scheduling=True)
-    engine.generate([request("p", [5, 9, 33, 71], max_tokens=6, ignore_eos=True, presence_penalty=1.0)])
-    assert engine.step_counts.get("overlapped", 0) == 0 and engine.step_counts["synchronous"] >= 6
-    engine.generate([request("g", [5, 9, 33, 71], max_tokens=6, ignore_eos=True)])
-    assert engine.step_counts["overlapped"] >= 5
-    # min_tokens with ignore_eos masks no stop id (benchmarks send min_tokens = max_tokens): it overlaps.
-    before = engine.step_counts["overlapped"]
-    engine.generate([request("m", [5, 9, 33, 71], max_tokens=6, min_tokens=6, ignore_eos=True)])
-    assert engine.step_counts["overlapped"] >= before + 5
+@pytest.mark.parametrize("params", [dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.4),
+                                    dict(min_tokens=5, logit_bias={EOS_ID: 100.0}),
+                                    dict(bad_words=["ab", "c"], output_text=True, temperature=1.0, seed=4)])
+def test_requests_reading_their_history_overlap(qwen2_dir, params):
+    """Penalties, min_tokens' stop masks and bad words read the tokens generated so far:
+    their forwards overlap the previous step and their sampling metadata waits for its
+    token -- the sampler always saw every earlier token (spied), the outputs equal the
+    synchronous step's."""
+    from worker.engine.sample.sampling_metadata import SamplingMetadata
+
+    outs, seen = {}, {}
+    original = SamplingMetadata.build
+
+    def spy(rows, vocab_size, device):
+        for r in rows:
+            seen.setdefault(mode, []).append(len(r.output_token_ids))
+        return original(rows, vocab_size, device)
+
+    for mode in (False, True):
+        engine = make_engine(qwen2_dir, async_scheduling=mode)
+        SamplingMetadata.build = staticmethod(spy)
+        try:
+            got = engine.generate([request("h", [5, 9, 33, 71, 2], max_tokens=10, **params)])["h"]
+        finally:
+            SamplingMetadata.build = original
+        outs[mode] = ([t for d in got for t in d.token_ids], got[-1].finish_reason)
+        if mode:  # every step overlapped
+            assert engine.step_counts.get("overlapped", 0) >= 5 and not engine.step_counts.get("synchronous"), \
+                engine.step_counts
+        engine.close()
+    assert outs[True] == outs[False]
+    n = len(outs[True][0])
+    # each sampled token's metadata was built over exactly the tokens before it
+    assert seen[True][:n] == seen[False][:n] == list(range(n))
 
 
 def test_abort_while_a_step_is_in_flight(llama_dir):
