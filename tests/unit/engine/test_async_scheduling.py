@@ -31,7 +31,8 @@ def _outputs(engine, reqs, *, staggered: bool = False):
             break
         for d in engine.step():
             entry = got.setdefault((d.request_id, d.index), {"tokens": [], "logprobs": [], "text": "",
-                                                               "finish": None, "stop": None, "prompt": None})
+                                                               "finish": None, "stop": None, "prompt": None,
+                                                               "routed_experts": None})
             entry["tokens"] += d.token_ids
             if d.logprobs is not None:
                 lp = d.logprobs
@@ -40,6 +41,8 @@ def _outputs(engine, reqs, *, staggered: bool = False):
             entry["text"] += d.text or ""
             if d.prompt_logprobs is not None:
                 entry["prompt"] = (d.prompt_logprobs.token_ids, d.prompt_logprobs.logprobs)
+            if d.routed_experts is not None:  # .npy bytes of every position the model ran
+                entry["routed_experts"] = d.routed_experts
             if d.finish_reason is not None:
                 entry["finish"], entry["stop"] = d.finish_reason, d.stop_reason
     else:
@@ -103,6 +106,12 @@ CASES = {
         request("b", [5, 9, 33, 71, 2, 3], max_tokens=8, ignore_eos=True, bad_words=["ab", "c"]),
         *[request(f"g{i}", p, max_tokens=8, ignore_eos=True) for i, p in
           enumerate(random_prompts(4, 4, 20, seed=8))]], {}, True),
+    # Routed-experts capture: each finished choice's rows read while the next step runs.
+    "routed_experts_moe": ("qwen3_moe_dir", lambda: [
+        request(f"r{i}", p, max_tokens=5 + 2 * i, ignore_eos=True, n=1 + i % 2, temperature=0.8 * (i % 2), seed=i,
+                routed_experts_prompt_start=i % 3)
+        for i, p in enumerate(random_prompts(5, 6, 30, seed=14))],
+        dict(enable_return_routed_experts=True, max_num_batched_tokens=24), True),
     "structured_outputs_beside_plain": ("llama_dir", lambda: [
         request("so-digits", [1, 2, 3], max_tokens=12, structured_outputs=StructuredOutputs(regex="[0-9]{6}x")),
         request("so-choice", [4, 5], max_tokens=12, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])),
@@ -117,12 +126,19 @@ def test_async_scheduling_gives_the_synchronous_outputs(case, request_fixture):
     model_dir = request_fixture(fixture)
     out, counts = _both(model_dir, make_reqs, staggered=staggered, **overrides)
     assert all(e["finish"] is not None for e in out.values())
+    if overrides.get("enable_return_routed_experts"):  # captured, and equal to the synchronous step's
+        assert all(e["routed_experts"] for e in out.values())
     assert counts.get("overlapped", 0) > 0, f"no step overlapped: {counts}"
 
 
 @pytest.fixture
 def request_fixture(request):
     return request.getfixturevalue
+
+
+@pytest.fixture
+def qwen3_moe_dir(tiny_model):
+    return tiny_model("qwen3_moe")
 
 
 @pytest.mark.parametrize("params", [dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.4),
