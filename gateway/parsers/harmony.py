@@ -65,7 +65,7 @@ RETURN = "<|return|>"
 CALL = "<|call|>"
 # What ends a message: harmony's stop formatting tokens.
 MESSAGE_ENDS = (END, RETURN, CALL)
-# vLLM's GptOssReasoningParser.reasoning_end_token_ids, as text: a prompt holding it has ended reasoning.
+# vLLM's GptOssReasoningParser.reasoning_end_token_ids, as text: the final channel's header.
 REASONING_END = "<|start|>assistant<|channel|>final<|message|>"
 FUNCTIONS_PREFIX = "functions."
 # openai_harmony's Role values; a header naming another role is a tool's message.
@@ -232,7 +232,10 @@ def parse(text: str, *, final: bool, reasoning: bool,
 
 
 def reasoning_open(prompt_text: str) -> bool:
-    """``not GptOssReasoningParser.is_reasoning_end(prompt_ids)``: a prompt holding an
-    assistant's final-channel header anywhere has ended reasoning (vLLM searches the whole
-    prompt, earlier turns included)."""
-    return REASONING_END not in prompt_text
+    """Whether generation starts before the final channel: unless the prompt's last assistant
+    message already opened its final channel (``continue_final_message``).  vLLM's
+    ``GptOssReasoningParser.is_reasoning_end`` finds the final-channel header anywhere in the
+    prompt, so an earlier turn's answer would end reasoning before the model wrote a token
+    (and constrain structured outputs from the first one); only the last turn counts here."""
+    last = prompt_text.rfind(START + "assistant")
+    return last < 0 or not prompt_text.startswith(REASONING_END, last)

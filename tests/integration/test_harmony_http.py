@@ -37,17 +37,18 @@ CALLED = (f"<|channel|>analysis<|message|>{REASONING}<|end|>"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("harmony-stack")
-    reply = root / "reply.json"
+    reply, records = root / "reply.json", root / "records"
     reply.write_text(json.dumps({"text": ANSWERED, "chunk": 3}))
+    records.mkdir()
     folder = write_model(GPT_OSS, root / "gpt-oss")
     with ProcGroup(root / "logs") as procs:
         broker = procs.broker()
-        procs.fake_worker(broker, 0, "--has-tokenizer", "--reply-file", str(reply))
+        procs.fake_worker(broker, 0, "--has-tokenizer", "--reply-file", str(reply), "--record-dir", str(records))
         wait_for_workers(broker.frontend, 1, timeout=60)
         with inprocess_gateway.serve(tokenizer=str(folder), broker=broker.frontend, served_model_names=["gpt-oss"],
                                      reasoning_parser="openai_gptoss", tool_call_parser="openai",
                                      enable_auto_tool_choice=True, info_ttl_s=0.2) as gw:
-            yield {"gw": gw, "reply": reply, "folder": folder}
+            yield {"gw": gw, "reply": reply, "folder": folder, "records": records}
 
 
 def _reply(stack, text: str, chunk: int = 3) -> None:
@@ -203,3 +204,26 @@ def test_derender_decodes_harmony_token_ids(stack, text, stop):
         assert "<|" not in (delta.get("reasoning") or "") + (delta.get("content") or "")
     assert reasoning == REASONING and content == (msg["content"] or "")
     assert [c["function"]["name"] for c in calls] == [c["function"]["name"] for c in msg["tool_calls"] or []]
+
+
+def test_structured_outputs_start_after_the_final_channel_header(stack):
+    """response_format with the harmony parser: the worker is told to constrain only the text
+    after "<|channel|>final<|message|>" (an assistant message start opens reasoning again, so a
+    multi-turn prompt does not count as already past reasoning)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(stack["folder"]))
+    _reply(stack, f"<|channel|>analysis<|message|>{REASONING}<|end|>"
+                  '<|start|>assistant<|channel|>final<|message|>{"city": "Paris"}')
+    client = _client(stack)
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    for i, messages in enumerate((MESSAGES, earlier + MESSAGES[1:])):
+        rid = f"harmony-so-{i}"
+        out = client.chat.completions.create(model="gpt-oss", messages=messages, max_tokens=200,
+                                             extra_headers={"X-Request-Id": rid},
+                                             response_format={"type": "json_object"})
+        assert json.loads(out.choices[0].message.content) == {"city": "Paris"}
+        assert out.choices[0].message.reasoning == REASONING
+        got = json.loads((stack["records"] / f"chatcmpl-{rid}.json").read_text())["structured_outputs"]
+        assert got["reasoning_end"] == tok.encode("<|channel|>final<|message|>", add_special_tokens=False)
+        assert got["reasoning_start"] == tok.encode("<|start|>assistant", add_special_tokens=False)

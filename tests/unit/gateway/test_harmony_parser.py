@@ -174,9 +174,12 @@ def test_reasoning_open_and_special_tokens():
     assert p.keeps_special_tokens(tools_enabled=False) and P(None, "openai").keeps_special_tokens(tools_enabled=False)
     prompt = "<|start|>user<|message|>hi<|end|><|start|>assistant"
     assert p.reasoning_open_at_start(prompt, None) is True
-    # vLLM's is_reasoning_end searches the whole prompt: an earlier final answer counts
-    assert p.reasoning_open_at_start(prompt.replace("<|start|>assistant", harmony.REASONING_END + "x<|end|>"
-                                                    "<|start|>assistant"), None) is False
+    # an earlier turn's final answer does not end this turn's reasoning (vLLM's search of the
+    # whole prompt would: documented difference)
+    earlier = "<|start|>assistant<|channel|>final<|message|>Hi!<|end|><|start|>user<|message|>more<|end|>"
+    assert p.reasoning_open_at_start(earlier + "<|start|>assistant", None) is True
+    # continue_final_message of a final answer: generation starts inside the final channel
+    assert p.reasoning_open_at_start(prompt + "<|channel|>final<|message|>The answer is", None) is False
 
 
 @pytest.mark.parametrize("r, t", [("openai_gptoss", "hermes"), ("qwen3", "openai"), ("deepseek_r1", "openai")])
