@@ -227,3 +227,28 @@ def test_structured_outputs_start_after_the_final_channel_header(stack):
         got = json.loads((stack["records"] / f"chatcmpl-{rid}.json").read_text())["structured_outputs"]
         assert got["reasoning_end"] == tok.encode("<|channel|>final<|message|>", add_special_tokens=False)
         assert got["reasoning_start"] == tok.encode("<|start|>assistant", add_special_tokens=False)
+
+
+def test_responses_and_messages_apis_read_the_channels(stack):
+    """/v1/responses and /v1/messages generate through the same chat parsing: the analysis
+    channel is their reasoning item / thinking block, the final channel the text, a
+    functions.* call their function call / tool_use block."""
+    gw = stack["gw"].url
+    _reply(stack, ANSWERED)
+    r = httpx.post(gw + "/v1/responses", timeout=60, json={"model": "gpt-oss", "input": "Weather in Paris?"})
+    assert r.status_code == 200, r.text
+    items = r.json()["output"]
+    assert [i["type"] for i in items] == ["reasoning", "message"]
+    assert items[0]["content"][0]["text"] == REASONING and items[1]["content"][0]["text"] == ANSWER
+    _reply(stack, CALLED)
+    r = httpx.post(gw + "/v1/messages", timeout=60, json={
+        "model": "gpt-oss", "max_tokens": 200, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        # GPT-OSS's template prints every tool's description (one without fails, as in transformers)
+        "tools": [{"name": "get_weather", "description": "Weather of a city",
+                   "input_schema": TOOLS[0]["function"]["parameters"]}]})
+    assert r.status_code == 200, r.text
+    blocks = r.json()["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"]
+    assert blocks[0]["thinking"] == REASONING
+    assert blocks[1]["name"] == "get_weather" and blocks[1]["input"] == {"city": "Paris"}
+    assert r.json()["stop_reason"] == "tool_use"
