@@ -87,6 +87,12 @@ def test_prompt_renders_through_gpt_oss_template(stack):
     # the parser reads harmony's control tokens: the worker is told to keep them in the text
     assert gen["sampling_params"]["skip_special_tokens"] is False
     assert gen["reasoning_ended"] is False  # vLLM's is_reasoning_end: no final-channel header in the prompt
+    # the request's reasoning_effort reaches the template (over chat_template_kwargs), as vLLM passes it
+    body = {"messages": MESSAGES, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    r = httpx.post(stack["gw"].url + "/v1/chat/completions/render", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["token_ids"] == list(hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False, reasoning_effort="high"))
 
 
 def test_reasoning_and_content(stack):
