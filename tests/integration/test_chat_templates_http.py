@@ -127,7 +127,7 @@ def test_every_registry_family_has_a_template_here():
     """The families of worker/engine/models' registry that release a chat template."""
     ids = " ".join(spec.hf_id for spec in TEMPLATE_MODELS)
     for family in ("Llama-3", "Mistral", "Qwen2.5", "Qwen3", "gpt-oss", "SmolLM3", "GLM-4", "DeepSeek-V3",
-                   "granite", "Phi-3", "Phi-4", "gemma-3"):
+                   "granite", "Phi-3", "Phi-4", "phi-4", "gemma-3", "OLMo-2"):
         assert family in ids, family
 
 

@@ -87,7 +87,25 @@ TEMPLATE_MODELS: tuple[TemplateModel, ...] = (
     TemplateModel("microsoft/Phi-3.5-mini-instruct", "microsoft-Phi-3.5-mini-instruct.jinja",
                   ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
                   bos="<s>", eos="<|endoftext|>", tools=False),
-    # vLLM's example templates for the families whose released template llama.cpp does not carry
+    # Released templates as GGUF conversions carry them (huggingface.js's ollama-utils automap)
+    TemplateModel("google/gemma-3-1b-it", "google-gemma-3-1b-it.jinja",
+                  ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"),
+                  bos="<bos>", eos="<eos>", tools=False, openai_content=True),
+    TemplateModel("deepseek-ai/DeepSeek-V3", "deepseek-ai-DeepSeek-V3.jinja",
+                  ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                   "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                   "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                   "<｜tool▁output▁end｜>"),
+                  bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>"),
+    # OLMo 2 writes its role tags as plain text; only <|endoftext|> is a control token
+    TemplateModel("allenai/OLMo-2-1124-7B-Instruct", "allenai-OLMo-2-1124-7B-Instruct.jinja", ("<|endoftext|>",),
+                  bos="<|endoftext|>", eos="<|endoftext|>", tools=False),
+    TemplateModel("microsoft/phi-4", "microsoft-phi-4.jinja",
+                  ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"), eos="<|im_end|>", tools=False),
+    TemplateModel("microsoft/Phi-4-mini-instruct", "microsoft-Phi-4-mini-instruct.jinja",
+                  ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"),
+                  eos="<|endoftext|>"),
+    # vLLM's example templates (tool-calling variants of the same families)
     TemplateModel("google/gemma-3-27b-it (vLLM examples/tool_chat_template_gemma3_pythonic.jinja)",
                   "vllm-tool_chat_template_gemma3_pythonic.jinja",
                   ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"),
