@@ -258,3 +258,25 @@ def test_responses_and_messages_apis_read_the_channels(stack):
     assert blocks[0]["thinking"] == REASONING
     assert blocks[1]["name"] == "get_weather" and blocks[1]["input"] == {"city": "Paris"}
     assert r.json()["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("tool_choice, final", [
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Paris"}'),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'),
+])
+def test_forced_tool_choice_reads_the_final_channel(stack, tool_choice, final):
+    """A named / required tool choice: the grammar shapes the final channel's text (it starts
+    after the final header, as for any structured output of this parser) as vLLM's tool-call
+    JSON, which becomes the call; the analysis channel stays reasoning."""
+    _reply(stack, f"<|channel|>analysis<|message|>{REASONING}<|end|>"
+                  f"<|start|>assistant<|channel|>final<|message|>{final}")
+    client = _client(stack)
+    kw = dict(model="gpt-oss", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=200)
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.reasoning == REASONING
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    reasoning, content, calls, _ = _stream(client, **kw)
+    assert reasoning == REASONING and content == ""
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"}

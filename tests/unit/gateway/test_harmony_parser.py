@@ -191,3 +191,16 @@ def test_harmony_parsers_do_not_mix(r, t):
 def test_tool_call_arguments_keep_unicode_escaped_as_vllm():
     text = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city": "Zürich"}<|call|>'
     assert check_stream(P(), text).tool_calls[0].arguments == json.dumps({"city": "Zürich"})
+
+
+def test_gateway_flags_take_the_harmony_parsers_and_refuse_mixing(tmp_path):
+    from gateway.main import build_parser, settings_from_args
+
+    folder = str(tmp_path)
+    s = settings_from_args(build_parser().parse_args(
+        ["--tokenizer", folder, "--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai",
+         "--enable-auto-tool-choice"]))
+    assert (s.reasoning_parser, s.tool_call_parser) == ("openai_gptoss", "openai")
+    with pytest.raises(SystemExit, match="Harmony requires the openai tool call parser"):
+        settings_from_args(build_parser().parse_args(
+            ["--tokenizer", folder, "--reasoning-parser", "openai_gptoss", "--tool-call-parser", "hermes"]))
