@@ -239,3 +239,52 @@ def reasoning_open(prompt_text: str) -> bool:
     (and constrain structured outputs from the first one); only the last turn counts here."""
     last = prompt_text.rfind(START + "assistant")
     return last < 0 or not prompt_text.startswith(REASONING_END, last)
+
+
+class ReasoningTokenCounter:
+    """Output tokens vLLM's ``HarmonyParser`` counts as reasoning for usage
+    (``count_reasoning_tokens``): every token read while the current message is on the
+    ``analysis`` channel, or on ``commentary`` with a recipient (tool calls) -- its
+    ``<|message|>`` token and its content, not its header or end token.  Counted on token ids
+    as they arrive: ``control_ids`` maps harmony's control tokens to the tokenizer's ids,
+    ``decode`` turns a header's ids into its text."""
+
+    def __init__(self, control_ids: dict[str, int], decode):
+        self._start, self._message = control_ids[START], control_ids[MESSAGE]
+        self._ends = {control_ids[t] for t in MESSAGE_ENDS}
+        self._decode = decode
+        self._state = "header"  # the first message's header follows the prompt's <|start|>assistant
+        self._role: Optional[str] = "assistant"
+        self._header: list[int] = []
+        self._counting = False
+        self.count = 0
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> Optional["ReasoningTokenCounter"]:
+        """None when the tokenizer lacks one of harmony's control tokens."""
+        ids = {t: tokenizer.token_to_id(t) for t in (START, MESSAGE) + MESSAGE_ENDS}
+        if None in ids.values():
+            return None
+        return cls(ids, lambda header: tokenizer.decode(header, skip_special_tokens=False))
+
+    def add(self, token_ids) -> None:
+        for token in token_ids:
+            if self._state == "content":
+                if token in self._ends:
+                    self._state, self._counting = "between", False
+                elif self._counting:
+                    self.count += 1
+            elif self._state == "header":
+                if token != self._message:
+                    self._header.append(token)
+                    continue
+                try:
+                    header = parse_header(self._decode(self._header), self._role)
+                except HeaderError:
+                    header = None
+                self._counting = header is not None and (
+                    header.channel == "analysis" or (header.channel == "commentary" and header.recipient is not None))
+                self.count += self._counting
+                self._state, self._header = "content", []
+            elif token == self._start:
+                self._state, self._role = "header", None

@@ -128,3 +128,14 @@ def test_tool_call_from_a_real_worker(stack):
     assert reasoning == REASONING and content == "" and finish == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 
+
+
+def test_responses_api_counts_reasoning_tokens_on_harmony_channels(stack):
+    """/v1/responses on the same output: a reasoning item and the message, and
+    usage.output_tokens_details.reasoning_tokens counted as vLLM counts harmony's (the
+    analysis message's <|message|> token and its text, one byte-token per character here)."""
+    r = stack.responses.create(model="gpt-oss", input="Weather in Paris?", max_output_tokens=300, temperature=0,
+                               extra_body=_driven(ANSWERED))
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == REASONING and r.output[1].content[0].text == ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens == 1 + len(REASONING)

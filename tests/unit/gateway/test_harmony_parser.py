@@ -204,3 +204,21 @@ def test_gateway_flags_take_the_harmony_parsers_and_refuse_mixing(tmp_path):
     with pytest.raises(SystemExit, match="Harmony requires the openai tool call parser"):
         settings_from_args(build_parser().parse_args(
             ["--tokenizer", folder, "--reasoning-parser", "openai_gptoss", "--tool-call-parser", "hermes"]))
+
+
+def test_reasoning_token_counter_counts_analysis_and_addressed_commentary():
+    """vLLM's usage count: a message's <|message|> token and content on the analysis channel
+    or on commentary with a recipient; headers, end tokens and final / preamble text not."""
+    from tests.support.chat_models import HARMONY
+    from worker.engine.loading.demo_model import build_byte_tokenizer
+
+    tok = build_byte_tokenizer(HARMONY)  # one id per byte: the count is the text's length
+    counter = harmony.ReasoningTokenCounter.for_tokenizer(tok)
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    ids = tok.encode(ANALYSIS + preamble + CALL + FINAL).ids
+    for i in range(0, len(ids), 5):  # as the deltas arrive
+        counter.add(ids[i:i + 5])
+    reasoning = "The user wants the weather. Call the tool."
+    arguments = '{"city":"Paris","unit":"celsius"}'
+    assert counter.count == (1 + len(reasoning)) + (1 + len(arguments))
+    assert harmony.ReasoningTokenCounter.for_tokenizer(build_byte_tokenizer(("<|im_start|>",))) is None
