@@ -6,6 +6,9 @@ replays from the token list.  vLLM composes a ``--reasoning-parser`` and a ``--t
 in ``parser/abstract_parser.py`` (``DelegatingParser``): the reasoning parser splits the output
 into ``(reasoning, content)``, then -- only when the request has tools and ``tool_choice`` is not
 ``"none"`` -- the tool parser extracts tool calls from that content.
+GPT-OSS's harmony format (``openai_gptoss`` / ``openai``, vLLM's ``HarmonyParser``) is one grammar
+of channel messages instead: :mod:`gateway.parsers.harmony` reads reasoning, content and tool calls
+in one pass, under the same streaming contract.
 
 Streaming contract of :meth:`OutputParser.parse`: for prefixes ``p1 <= p2`` of a text ``t``,
 ``parse(p1, final=False)`` is field-wise a prefix of ``parse(p2, final=False)`` and of

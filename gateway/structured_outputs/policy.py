@@ -6,9 +6,9 @@
   starts the grammar once the parser sees reasoning end (``StructuredOutputManager``:
   ``enable_in_reasoning`` off, ``reasoning_ended`` not true).  The workers are not told the
   parser, so the gateway sends its markers as token ids (``reasoning_start`` / ``reasoning_end``
-  on the wire: ``<think>`` / ``</think>`` for deepseek_r1 and qwen3, the final channel's header for
-  openai_gptoss); the engine checks the
-  prompt for an already closed block, as vLLM's ``is_reasoning_end(prompt_token_ids)``.
+  on the wire: ``<think>`` / ``</think>`` for deepseek_r1 and qwen3, ``<|start|>assistant`` /
+  the final channel's header for openai_gptoss); the engine checks the prompt for an already
+  closed block, as vLLM's ``is_reasoning_end(prompt_token_ids)``.
   ``reasoning_ended: true`` (vLLM's render sets it when ``include_reasoning`` is off or the
   prompt closed reasoning) constrains from the first token: no markers.
 """
