@@ -140,15 +140,17 @@ def test_bidirectional_image_attention_is_what_hf_does(gemma):
     _check(_engine(path, enable_prefix_caching=False).generate([_req("b", ids, items)])["b"], bidir)
 
 
-def test_chunked_prefill_keeps_each_image_whole(gemma):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_keeps_each_image_whole(gemma, async_scheduling):
     """5-token steps shared by two image requests: a chunk that would end inside an image
     (one token of budget left included) ends before it, so the image's tokens see each
-    other (HF's outputs); images and text interleave over steps."""
+    other (HF's outputs); images and text interleave over steps; the same with the next
+    step planned while one is in flight (async scheduling)."""
     path, hf, cfg = gemma
     prompts = {"c": _prompt(cfg, [1, 2], seed=7, before=3, between=2, after=9),
                "d": _prompt(cfg, [3], seed=9, before=2, after=5)}
     refs = {"c": _hf_generate(hf, cfg, prompts["c"][0], [1, 2]), "d": _hf_generate(hf, cfg, prompts["d"][0], [3])}
-    engine = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=5)
+    engine = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=5, async_scheduling=async_scheduling)
     seen = []
     sched = engine.scheduler.schedule
 
