@@ -1,4 +1,4 @@
-"""Model-free multimodal front half (image loading + Qwen2-VL preprocessing).
+"""Model-free multimodal front half (image loading; Qwen2-VL and Gemma 3 preprocessing).
 
 Lives in ``common/`` so the gateway (placeholder expansion) and the workers
 (pixel tensors) share one implementation; it must not import from gateway/,
