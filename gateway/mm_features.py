@@ -218,7 +218,7 @@ def _to_wire(i, item, h, offset, length, token_ids, spec, remote: bool = False) 
     where = f"features.{'mm_metadata' if remote else 'kwargs_data'}.image[{i}]"
     missing = [k for k in (("image_grid_thw",) if remote else _KEYS) if k not in item]
     if missing:
-        raise _bad(f"{where}: missing {', '.join(missing)} (a Qwen2-VL image item needs "
+        raise _bad(f"{where}: missing {', '.join(missing)} (an image item here needs "
                    f"{'image_grid_thw' if remote else 'pixel_values and image_grid_thw'}).")
     grid = item["image_grid_thw"].reshape(-1)
     if grid.size != 3 or grid.dtype.kind not in "iu" or (grid <= 0).any() or (grid > 1 << 16).any():

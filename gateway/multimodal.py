@@ -27,9 +27,8 @@ from typing import Any, Optional
 import numpy as np
 
 from common.errors import BadRequest
-from common.multimodal import (MediaError, cache_key, check_patchable, decode_image_bytes, features_hash,
-                               grid_thw_for_size, image_size, mm_hash, num_placeholder_tokens, read_image_bytes,
-                               resize_image)
+from common.multimodal import (MediaError, cache_key, decode_image_bytes, features_hash, image_size, mm_hash,
+                               num_placeholder_tokens, read_image_bytes)
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import MultiModalItem
 from gateway.media_pools import media_pools
@@ -37,7 +36,8 @@ from gateway.mm_features import feature_items
 
 PARAM = "content_parts"
 NO_IMAGE_MODEL = ("`content_parts` is not supported by this server. Reason: this model does not take image input "
-                  "(image input needs a Qwen2-VL family model folder given to the gateway with --tokenizer).")
+                  "(image input needs a Qwen2-VL family or Gemma 3 model folder given to the gateway with "
+                  "--tokenizer).")
 
 
 DEFAULT_MM_LIMIT = 999  # vLLM's per-modality default
@@ -155,7 +155,7 @@ def _header_checks(i: int, data: bytes, spec, settings, run: Optional[tuple[int,
     proc = spec.processor
     # smart_resize's aspect-ratio refusal included; a processor that does not resize takes
     # only sides that are multiples of the patch cell, as after decoding
-    grid = grid_thw_for_size(height, width, proc) if proc.do_resize else check_patchable(height, width, proc)
+    grid = proc.grid_for_size(height, width)
     # EXIF orientation may swap the sides; smart_resize is symmetric in them, so the patch
     # and placeholder counts below hold either way.
     _check_size(grid[1] * proc.patch_size, grid[2] * proc.patch_size, grid, proc)
@@ -205,9 +205,9 @@ def _prepare(urls: list[str], fetched: dict, spec, settings, runs: Optional[list
         try:
             image = decode_image_bytes(data, max_pixels=settings.max_image_decoded_pixels)
             del data
-            resized = resize_image(image, spec.processor)
+            resized = spec.processor.resize(image)
             del image  # the full-size decode, before the next one is made
-            grid = check_patchable(resized.shape[0], resized.shape[1], spec.processor)
+            grid = spec.processor.check_patchable(resized.shape[0], resized.shape[1])
             _check_size(resized.shape[0], resized.shape[1], grid, spec.processor)
         except (MediaError, ValueError) as exc:
             raise BadRequest(f"{where}[{i}]: {exc}", f"{where}[{i}]") from None

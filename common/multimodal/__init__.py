@@ -1,10 +1,11 @@
-"""Model-free multimodal front half (image loading + Qwen2-VL preprocessing).
+"""Model-free multimodal front half (image loading; Qwen2-VL and Gemma 3 preprocessing).
 
 Lives in ``common/`` so the gateway (placeholder expansion) and the workers
 (pixel tensors) share one implementation; it must not import from gateway/,
 broker/ or worker/, and never from transformers (a test-only reference).
 """
 
+from common.multimodal.gemma3_processor import Gemma3ImageConfig
 from common.multimodal.hashing import FEATURES_HASH_PREFIX, cache_key, client_hash, features_hash, mm_hash
 from common.multimodal.qwen2_vl_processor import (
     Qwen2VLImageConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
     "FEATURES_HASH_PREFIX",
     "MediaError",
+    "Gemma3ImageConfig",
     "Qwen2VLImageConfig",
     "decode_image_bytes",
     "grid_thw_for_size",

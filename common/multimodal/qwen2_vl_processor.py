@@ -107,12 +107,50 @@ class Qwen2VLImageConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    fixed_grid = None  # grids follow each image's size (smart_resize); Gemma3ImageConfig has one
+
     @property
     def max_patches(self) -> int:
         """Patches of the largest image ``smart_resize`` may produce within ``max_pixels``
         (whole merged cells; HF's clamp of a very thin side to one cell can exceed it,
         and the gateway refuses such images)."""
         return max(1, self.max_pixels // (self.factor * self.factor)) * self.merge_size ** 2
+
+    # --- the pipeline's per-family operations (Gemma3ImageConfig has the same) -------
+    def grid_for_size(self, height: int, width: int) -> tuple[int, int, int]:
+        return grid_thw_for_size(height, width, self) if self.do_resize else check_patchable(height, width, self)
+
+    def check_patchable(self, height: int, width: int) -> tuple[int, int, int]:
+        return check_patchable(height, width, self)
+
+    def num_tokens(self, grid: tuple[int, int, int]) -> int:
+        return num_placeholder_tokens(grid, self.merge_size)
+
+    def resize(self, image: "Image.Image") -> np.ndarray:
+        return resize_image(image, self)
+
+    def patchify(self, image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        return patchify(image, self)
+
+    def torch_patches(self, image):
+        """``patchify`` on a resized ``[H, W, C]`` uint8 torch tensor, on its device (the
+        same operations in the same order): the worker's path."""
+        import torch
+
+        x = image.permute(2, 0, 1)
+        if self.do_rescale:
+            x = (x.double() * self.rescale_factor).float()  # HF's float64 rescale, then float32
+        x = x.float()
+        if self.do_normalize:
+            mean = torch.tensor(self.image_mean, dtype=torch.float32, device=x.device)[:, None, None]
+            std = torch.tensor(self.image_std, dtype=torch.float32, device=x.device)[:, None, None]
+            x = (x - mean) / std
+        c, height, width = x.shape
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = height // p, width // p
+        x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        x = x[:, :, :, :, :, None].expand(*x.shape[:5], tp, p, p)
+        return x.reshape(gh * gw, c * tp * p * p)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Qwen2VLImageConfig":

@@ -243,6 +243,8 @@ class Renderer:
                                       continue_final_message=request.continue_final_message,
                                       chat_template_kwargs=kwargs, chat_template=request.chat_template,
                                       image_urls=image_urls)
+        if image_urls:
+            prompt = spec.expand_text(prompt)  # Gemma 3: its processor's image sequence, as HF's
         self.check_text_fits(prompt, max_model_len, request.truncate_prompt_tokens)
         # Offsets only for a text prompt: vLLM gives none where the prompt holds images.
         with hold(len(prompt)):

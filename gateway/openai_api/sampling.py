@@ -50,6 +50,12 @@ _UNSERVED = ("watermarking", "logprob_token_ids", "vllm_xargs", "repetition_dete
 def refuse_unserved(request: Union[ChatCompletionRequest, CompletionRequest]) -> None:
     if request.use_beam_search:
         raise BadRequest("Beam search is not supported by this server.", "use_beam_search")
+    kwargs = request.mm_processor_kwargs
+    if isinstance(kwargs, dict) and kwargs.get("do_pan_and_scan"):
+        # Gemma 3's crops: vLLM serves them (off by default); here an image is always encoded whole
+        raise BadRequest("`mm_processor_kwargs.do_pan_and_scan` is not supported by this server: pan-and-scan crops "
+                         "are not served, each image is encoded whole at the model's image size.",
+                         "mm_processor_kwargs")
     for name in _UNSERVED:
         value = getattr(request, name)
         if value not in (None, False, {}):

@@ -249,6 +249,8 @@ class Tokenize(TextRoutes):
                 chat_template_kwargs=dict(self.renderer.options.default_chat_template_kwargs,
                                           **(request.chat_template_kwargs or {})),
                 chat_template=request.chat_template, image_urls=image_urls)
+            if image_urls:
+                prompt = self.renderer.model.image.expand_text(prompt)
             ids = self.renderer.expand_images(tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens)),
                                               image_urls, images)
         else:

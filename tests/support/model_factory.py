@@ -39,7 +39,8 @@ Kinds (``KINDS``):
                  groups (2 chosen) top-2 by sigmoid + correction bias, routed_scaling_factor 2.5, one
                  shared expert, q/k norm, q/k/v bias, partial rotary 0.5
   gemma3_mm      Gemma3ForConditionalGeneration: gemma3's text tower (2 layers, no soft-capping) + a
-                 tiny SigLIP tower
+                 tiny SigLIP tower (56x56 images, 14-pixel patches, 4 tokens per image; image token 300,
+                 start/end of image 301/302)
 Use ``tiny_model_dir(kind, root)``; tests get them through the conftest fixtures.
 """
 from __future__ import annotations
@@ -161,9 +162,12 @@ def _hf_config(kind: str):
         # when configured; released Gemma 3 configs leave it unset).
         text.update(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                     final_logit_softcapping=None)
-        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=28, patch_size=14)
-        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=1,
+        # 4x4 patches pooled 2x2 to 4 tokens per image: enough tokens for the bidirectional
+        # attention within an image to change the outputs.
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=2, image_size=56, patch_size=14,
+                                                 vision_use_head=False)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
                                          image_token_index=300, boi_token_index=301, eoi_token_index=302)
     if kind == "glm4_moe":
         return transformers.Glm4MoeConfig(

@@ -82,6 +82,7 @@ class EngineFeatures:
         self.lora = lora.maybe_create(config, ctx, self.lora_manager)
         self.spec_decode = spec_decode.maybe_create(config, ctx, self.spec)
         self.structured_output = structured_output.maybe_create(config, ctx)
+        images.install_chunking(ctx, runner)
         built = [
             self.rl,
             routed_experts.maybe_create(config, ctx, runner),
@@ -107,4 +108,7 @@ class EngineFeatures:
     def parse_images(self, req) -> Any:
         """The request's images checked against the model (BadRequest), None without any."""
         cache = self._runner.encoder_cache
-        return images.check_mm_items(req, self._ctx.model_config, cache.max_image_patches if cache is not None else None)
+        state = images.check_mm_items(req, self._ctx.model_config, cache.max_image_patches if cache is not None else None,
+                                      cache.image_config if cache is not None else None)
+        images.check_image_fits(state, self._runner)
+        return state

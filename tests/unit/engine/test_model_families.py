@@ -161,11 +161,11 @@ def test_engine_greedy_and_logprobs_match_hf(tiny_model, kind):
 
 def test_gemma3_image_text_checkpoint_serves_its_text_tower(tiny_model):
     """Gemma 3's released image-text checkpoints (Gemma3ForConditionalGeneration): the
-    LM under language_model.* loads, the vision tower is skipped, text logits equal
-    transformers' (image input stays refused: not a multimodal model here)."""
+    LM under language_model.* loads beside the vision tower, and text logits equal
+    transformers' (images: tests/unit/engine/test_gemma3_mm_engine.py)."""
     path = tiny_model("gemma3_mm")
     config = ModelConfig.from_dir(path)
-    assert config.architecture == "Gemma3ForConditionalGeneration" and not config.is_multimodal
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.is_multimodal
     assert config.layer_sliding_windows == (8, None) and config.hidden_size == 64
     hf, model = load_hf_model(path), load_model(path)
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"

@@ -36,6 +36,11 @@ class AttentionMetadata:
     # The backend's per-step plan (``AttentionBackend.plan``), computed once and read
     # by every layer; None for backends that plan nothing.
     plan: Any = field(default=None, repr=False, compare=False)
+    # Bidirectional spans (Gemma 3's images): sequence index -> token ranges [lo, hi) within
+    # which every query sees every key (the causal mask opened there).  torch SDPA builds
+    # that mask (the native CPU backend hands such steps to it); the selector refuses the
+    # CUDA kernels' backends for such models.
+    attn_spans: Optional[dict[int, list[tuple[int, int]]]] = None
 
     @property
     def num_seqs(self) -> int:
@@ -65,6 +70,7 @@ class StepLayout:
     positions: np.ndarray  # [T] int64
     slot_mapping: np.ndarray  # [T] int64
     block_size: int
+    attn_spans: Optional[dict[int, list[tuple[int, int]]]] = None  # AttentionMetadata.attn_spans
 
     @classmethod
     def build(cls, query_lens: Sequence[int] | np.ndarray, context_lens: Sequence[int] | np.ndarray,
@@ -154,6 +160,7 @@ class StepLayout:
             max_seq_len=int(seq_lens.max()),
             context_lens_cpu=self.context_lens.tolist(),
             positions=positions,
+            attn_spans=self.attn_spans,
         )
         return to_device(self.input_ids, "input_ids"), positions, attn
 

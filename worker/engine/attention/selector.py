@@ -29,14 +29,23 @@ def _triton_kernels():
 
 def resolve_attention_backend(choice: str, cpu_attention: str, device: torch.device, dtype: torch.dtype,
                               block_size: int, kv_dtype: Optional[torch.dtype] = None,
-                              sinks: bool = False) -> AttentionBackend:
+                              sinks: bool = False, bidirectional_spans: bool = False) -> AttentionBackend:
     """``kv_dtype``: an FP8 KV cache (``--kv-cache-dtype``), None when it holds ``dtype``;
     ``sinks``: the model's attention has sink logits (GPT-OSS), which FlashAttention's
-    kernel here does not take."""
+    kernel here does not take; ``bidirectional_spans``: the model opens the causal mask
+    within spans of a prompt (Gemma 3's images), which only torch SDPA serves."""
     from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 
     if choice not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, got {choice!r}")
+    if bidirectional_spans and (device.type != "cpu" or choice not in ("auto", "torch", "native")):
+        # The CPU backends serve such steps on SDPA (cpu_native.py); the CUDA kernels here
+        # (Triton, FlashAttention) have causal masks only: refused, never a silent causal mask.
+        if choice not in ("auto", "torch"):
+            raise ValueError(f"attention_backend={choice}: this model's image tokens attend to each other both "
+                             "ways, which only the torch and native (CPU) backends implement here (use "
+                             "--attention-backend torch or auto)")
+        return TorchSDPABackend()
     if choice == "torch":
         return TorchSDPABackend()
     if choice == "native" or (choice == "auto" and device.type == "cpu"):

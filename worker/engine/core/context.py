@@ -66,6 +66,11 @@ class CoreContext:
         cuts drafts its grammar rejects, before a verify row is spent on them."""
         self._core.scheduler.draft_filters.append(keep)
 
+    def set_chunk_limit(self, limit: Any) -> None:
+        """``limit(seq, start, num_new)`` -> how much of a prompt chunk may run (core/scheduler.py
+        ``chunk_limit``: images of bidirectional-attention models kept whole)."""
+        self._core.scheduler.chunk_limit = limit
+
     def add_admission_limit(self, limit: Any) -> None:
         """A limit on which waiting sequences a step admits (core/scheduler.py
         ``AdmissionLimit``: LoRA's adapter slots)."""

@@ -63,6 +63,10 @@ class Scheduler:
         # rejects); None: no drafts, the decode loop never asks.
         self.draft_source: Optional[Callable[[EngineSequence], Sequence[int]]] = None
         self.draft_filters: list[Callable[[EngineSequence, Sequence[int]], Sequence[int]]] = []
+        # Where a prompt chunk may end: ``limit(seq, start, num_new)`` -> the tokens to run
+        # (0: none this step); None: anywhere (images of bidirectional-attention models
+        # stay whole: multimodal/images.py ``whole_image_chunks``).
+        self.chunk_limit: Optional[Callable[[EngineSequence, int, int], int]] = None
         self._waiting: list[tuple[int, int, int, EngineSequence]] = []  # heap of (priority, arrival, seq_id, seq)
         self.running: list[EngineSequence] = []
         self.num_preemptions = 0
@@ -123,6 +127,8 @@ class Scheduler:
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids) + seq.num_pending
             num_new = min(num_tokens - computed, budget)
+            if self.chunk_limit is not None and computed < seq.num_prompt_tokens:  # a prompt chunk
+                num_new = self.chunk_limit(seq, computed, num_new)
             # A token in flight that is the choice's last by length (max_tokens or the context):
             # no step after it is planned (vLLM's async scheduler makes the same check).
             if num_new <= 0 or (seq.num_pending and (num_tokens - seq.num_prompt_tokens >= seq.request.max_tokens
@@ -171,6 +177,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
+            if self.chunk_limit is not None:
+                num_new = self.chunk_limit(seq, seq.num_computed_tokens + num_cached_tokens, num_new)
+                if num_new <= 0:
+                    break
             if not self.bm.allocate_slots(seq, num_new, cached):
                 break
             heapq.heappop(self._waiting)

@@ -59,6 +59,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
                     "available: run `tokserve build-kernels`); --dtype float32 would be faster")
     backend = resolve_attention_backend(config.attention_backend, config.cpu_attention, device,
                                         config.torch_dtype, config.block_size, config.kv_dtype,
-                                        sinks=model.config.attention_sinks)
+                                        sinks=model.config.attention_sinks,
+                                        bidirectional_spans=getattr(model, "image_attention", "") == "bidirectional")
     model.use_attention_backend(backend)
     return model, backend, cpu_linear

@@ -136,6 +136,8 @@ class ModelConfig:
     image_token_id: Optional[int] = None
     vision_start_token_id: Optional[int] = None
     mrope_section: Optional[tuple[int, ...]] = None
+    # Gemma 3 (vision "siglip"): the image tokens each image becomes (the projector's pooled grid).
+    mm_tokens_per_image: Optional[int] = None
     # Family variations of the decoder (defaults: Llama's).
     qk_norm_full: bool = False  # OLMo 2/3: q_norm/k_norm over all heads' [heads * head_dim] at once
     norm_scheme: str = "pre"  # pre: x + f(norm(x)); post (OLMo 2/3): x + norm(f(x)); sandwich (Gemma 3): both
@@ -260,18 +262,23 @@ class ModelConfig:
         if rope_type == "mrope":  # Qwen2-VL's legacy name for default frequencies split by mrope_section
             rope_type = "default"
             rope["rope_type"] = "default"
-        if vision:
+        if vision and vision != "siglip":  # Qwen2-VL / 2.5-VL: M-RoPE (Gemma 3 keeps plain RoPE)
             if not mrope_section:
                 raise ValueError(f"{arch} config has no rope_scaling.mrope_section")
             mrope_section = tuple(int(v) for v in mrope_section)
             if sum(mrope_section) != head_dim // 2:
                 raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim // 2 = {head_dim // 2}")
-            if not isinstance(top.get("vision_config"), dict):
-                raise ValueError(f"{arch} config has no vision_config")
-            if top.get("image_token_id") is None:
-                raise ValueError(f"{arch} config has no image_token_id")
         else:
             mrope_section = None
+        # transformers names Gemma 3's image token ``image_token_index`` (older configs) or ``image_token_id``
+        image_token = top.get("image_token_id", top.get("image_token_index"))
+        if vision:
+            if not isinstance(top.get("vision_config"), dict):
+                raise ValueError(f"{arch} config has no vision_config")
+            if image_token is None:
+                raise ValueError(f"{arch} config has no image_token_id")
+            if vision == "siglip" and not top.get("mm_tokens_per_image"):
+                raise ValueError(f"{arch} config has no mm_tokens_per_image")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
 
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -327,10 +334,11 @@ class ModelConfig:
             moe=moe,
             vision_config=dict(top["vision_config"]) if vision else None,
             vision_variant=vision,
-            image_token_id=int(top["image_token_id"]) if vision else None,
+            image_token_id=int(image_token) if vision else None,
             vision_start_token_id=(int(top["vision_start_token_id"]) if vision and
                                    top.get("vision_start_token_id") is not None else None),
             mrope_section=mrope_section,
+            mm_tokens_per_image=int(top["mm_tokens_per_image"]) if vision == "siglip" else None,
             qk_norm_full=qk_norm == "full",
             norm_scheme=family.get("norm", "pre"),
             hidden_act=act,

@@ -12,20 +12,21 @@ variations, the rest composed from models/llama.py:
   ``sqrt(hidden_size)`` (rounded to the model dtype, as transformers does);
   ``final_logit_softcapping`` when configured (llama.compute_logits).
 
-``Gemma3ForConditionalGeneration`` checkpoints are served as their text tower (no
-image input yet).
+``Gemma3ForConditionalGeneration`` adds the SigLIP image encoder (models/gemma3_vision.py).
 
 The norms run on torch ops, not the backends' fused RMSNorm (which has no ``1 + w``),
 and GeGLU likewise; attention goes through the chosen backend as for every family.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
+from worker.engine.attention.metadata import AttentionMetadata
 from worker.engine.models.config import ModelConfig
+from worker.engine.models.gemma3_vision import Gemma3ImageEncoder
 from worker.engine.models.layers import RMSNorm
 from worker.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -75,18 +76,28 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return h.mul_(torch.tensor(self.embed_scale, dtype=h.dtype))
 
 
-# The vision tower and projector of a Gemma3ForConditionalGeneration checkpoint: not
-# served (image input is refused for this architecture), skipped at load.
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text tower of Gemma 3's image-text checkpoints (4B/12B/27B ship as
-    ``Gemma3ForConditionalGeneration``), served for text: its LM under the names of
-    the causal LM (``language_model.model.*`` as released, ``model.language_model.*`` as
-    transformers 5 names it).  ``final_logit_softcapping``, when a config sets it, is
-    applied as vLLM does (transformers' image-text class skips it; released Gemma 3
-    configs leave it unset)."""
+    """Gemma 3's image-text checkpoints (4B/12B/27B ship as
+    ``Gemma3ForConditionalGeneration``): the LM under the names of the causal LM
+    (``language_model.model.*`` as released, ``model.language_model.*`` as transformers 5
+    names it) and the SigLIP tower + projector (models/gemma3_vision.py) that encode
+    images.  ``final_logit_softcapping``, when a config sets it, is applied as vLLM does
+    (transformers' image-text class skips it; released Gemma 3 configs leave it unset).
+
+    As for Qwen2-VL the runner encodes images through its encoder cache and hands the
+    LM the rows whose input embeddings are image embeddings (``mm_embeds``); positions
+    stay plain (no M-RoPE).  The tokens of one image attend to each other both ways
+    (``image_attention``: the image runner hook marks their spans on the step layout,
+    the attention backend opens the causal mask within each; multimodal/images.py)."""
+
+    is_multimodal = True
+    image_attention = "bidirectional"
+
+    def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__(config, dtype=dtype, device=device)
+        self.vision = Gemma3ImageEncoder(config.vision_config, config.hidden_size, config.mm_tokens_per_image
+                                         ).to(device=device, dtype=self.dtype)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
@@ -94,8 +105,48 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                          ("language_model.lm_head.", "lm_head.")):
             if name.startswith(old):
                 return new + name[len(old):]
+        local = Gemma3ImageEncoder.local_name(name)
+        if local is not None:
+            return "vision." + local if local else ""
         return name
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        if not name.startswith(_VISION_PREFIXES):
+        if name:  # "": a tower tensor Gemma 3 does not use (SigLIP's pooling head)
             yield name, tensor
+
+    def own_weight_targets(self) -> dict[str, torch.Tensor]:
+        t = super().own_weight_targets()
+        t.update({"vision." + k: v for k, v in self.vision.weight_targets().items()})
+        return t
+
+    # --- images --------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_image(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``[images * mm_tokens_per_image, hidden]`` embeddings, in the model dtype, of
+        images given as row-major patches ``[images * P*P, C*p*p]`` (every Gemma 3 image
+        has the tower's fixed ``[1, P, P]`` grid)."""
+        return self.vision(pixel_values.to(self.dtype), int(grid_thw.shape[0])).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor, lora: Optional[Any] = None,
+                mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """As the text model; ``mm_embeds``: (rows, embeddings) that replace those rows'
+        (scaled) token embeddings, as transformers' ``masked_scatter`` does."""
+        if mm_embeds is None:
+            return super().forward(input_ids, positions, attn, kv_cache, lora)
+        # The shared decoder's forward embeds through ``_embed``: the rows are swapped
+        # there, for this call only, so the layer loop stays the one of the base model.
+        self._mm_rows = mm_embeds
+        try:
+            return super().forward(input_ids, positions, attn, kv_cache, lora)
+        finally:
+            self._mm_rows = None
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super()._embed(input_ids)
+        mm = getattr(self, "_mm_rows", None)
+        if mm is not None:
+            rows, embeds = mm
+            h = h.index_copy(0, rows, embeds.to(h.dtype))
+        return h

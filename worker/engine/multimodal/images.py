@@ -1,4 +1,11 @@
-"""Image input of vision-language models (Qwen2-VL / Qwen2.5-VL) in the engine.
+"""Image input of vision-language models (Qwen2-VL / Qwen2.5-VL, Gemma 3) in the engine.
+
+Per-family parts come through the model's image config (common/multimodal: patch
+geometry, the uint8 image's patches) and the model (``encode_image``;
+``image_attention == "bidirectional"``: Gemma 3's image tokens attend to each other, so
+``prepare_step`` marks their spans on the step layout for the attention backend and
+``whole_image_chunks`` keeps each image in one prefill chunk); M-RoPE positions only
+where the model config has ``mrope_section``.
 
 * ``check_mm_items`` validates a request's ``mm_items`` at admission (BadRequest,
   400) and ``MultiModalState`` keeps what its steps need: the decoded items and the
@@ -34,7 +41,7 @@ import numpy as np
 import torch
 
 from common.errors import BadRequest
-from common.multimodal import Qwen2VLImageConfig, cache_key
+from common.multimodal import Gemma3ImageConfig, Qwen2VLImageConfig, cache_key
 from common.protocol import GenerateRequest, MultiModalItem
 from worker.engine.models.mrope import mrope_positions
 
@@ -55,8 +62,9 @@ class MultiModalState:
     """Per request: its items (sorted by offset) and the prompt's M-RoPE positions."""
 
     items: list[MultiModalItem]  # mm_hash keyed with the grid (``_keyed``)
-    positions: np.ndarray  # [3, prompt_len] int64
+    positions: Optional[np.ndarray]  # [3, prompt_len] int64 (M-RoPE); None: plain positions (Gemma 3)
     delta: int  # positions of tokens past the prompt: index + delta
+    prompt_len: int = 0
     wire_hashes: list[str] = dataclasses.field(default_factory=list)  # items' hashes as the request named them
     # Encoder outputs pulled from an encoder worker (disagg/ec_transfer.py), by keyed mm_hash:
     # the request's own, so a full encoder cache cannot evict them before its prefill.
@@ -79,7 +87,8 @@ class MultiModalState:
         return self._block_keys[1]
 
 
-def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = None) -> Optional[MultiModalState]:
+def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = None,
+                   image_config: Any = None) -> Optional[MultiModalState]:
     """Validate ``req.mm_items`` against the prompt and the model (BadRequest on any
     inconsistency); None for a request without items.  ``max_patches``: the patches of
     the largest image the model's preprocessor makes (what the KV sizing reserved the
@@ -97,10 +106,11 @@ def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = N
         raise BadRequest("kv_transfer_params: KV transfer is not supported for requests with images",
                          "kv_transfer_params")
     vc = mc.vision_config
-    merge = int(vc.get("spatial_merge_size", 2))
-    patch = int(vc.get("patch_size", vc.get("spatial_patch_size", 14)))
-    channels = int(vc.get("in_channels", vc.get("in_chans", 3)))
-    temporal = int(vc.get("temporal_patch_size", 2))
+    # The family's geometry (image_config_for): its processor's patch, merge (Gemma 3: the
+    # projector's pooling kernel) and temporal patch sizes.
+    geo = image_config if image_config is not None else image_config_for(None, vc, mc)
+    merge, patch, temporal = geo.merge_size, geo.patch_size, geo.temporal_patch_size
+    channels = int(vc.get("in_channels", vc.get("in_chans", vc.get("num_channels", 3))))
     patch_dim = channels * temporal * patch * patch
     prompt = req.prompt_token_ids
     n = len(prompt)
@@ -161,12 +171,15 @@ def check_mm_items(req: GenerateRequest, mc: Any, max_patches: Optional[int] = N
     if len(stray):
         raise BadRequest(f"mm_items: prompt position {int(stray[0])} holds the image token "
                          f"{mc.image_token_id} but no item covers it", "mm_items")
-    try:
-        positions, delta = mrope_positions(prompt, [list(it.grid_thw) for it in ordered],
-                                           image_token_id=mc.image_token_id, spatial_merge_size=merge)
-    except ValueError as e:
-        raise BadRequest(f"mm_items: {e}", "mm_items") from None
-    return MultiModalState([_keyed(it) for it in ordered], positions.numpy(), delta,
+    positions, delta = None, 0
+    if mc.mrope_section is not None:  # Qwen2-VL: M-RoPE positions; Gemma 3: plain ones
+        try:
+            mpos, delta = mrope_positions(prompt, [list(it.grid_thw) for it in ordered],
+                                          image_token_id=mc.image_token_id, spatial_merge_size=merge)
+        except ValueError as e:
+            raise BadRequest(f"mm_items: {e}", "mm_items") from None
+        positions = mpos.numpy()
+    return MultiModalState([_keyed(it) for it in ordered], positions, delta, prompt_len=n,
                            wire_hashes=[it.mm_hash for it in ordered])
 
 
@@ -185,8 +198,15 @@ def block_mm_hashes(state: Optional[MultiModalState], start: int, end: int) -> t
     return tuple(it.mm_hash for it in state.items if it.offset < end and it.offset + it.length > start)
 
 
-def image_config_for(model_dir: Optional[str], vision_config: dict) -> Qwen2VLImageConfig:
-    """The model's preprocessor config (rescale, mean/std) with the tower's patch geometry."""
+def image_config_for(model_dir: Optional[str], vision_config: dict, mc: Any = None) -> Any:
+    """The model's preprocessor config (rescale, mean/std) with the tower's patch geometry:
+    a ``Qwen2VLImageConfig``, or for SigLIP towers (Gemma 3) a ``Gemma3ImageConfig``;
+    both offer the operations the pipeline uses (common/multimodal).  ``mc``: the
+    ModelConfig (its vision variant and Gemma 3's ``mm_tokens_per_image``)."""
+    if mc is not None and mc.vision_variant == "siglip":
+        if model_dir:
+            return Gemma3ImageConfig.from_model_dir(model_dir, vision_config, mc.mm_tokens_per_image)
+        return Gemma3ImageConfig.for_model(vision_config, mc.mm_tokens_per_image)
     cfg = Qwen2VLImageConfig.from_model_dir(model_dir) if model_dir else Qwen2VLImageConfig()
     return dataclasses.replace(
         cfg, patch_size=int(vision_config.get("patch_size", vision_config.get("spatial_patch_size", cfg.patch_size))),
@@ -194,23 +214,10 @@ def image_config_for(model_dir: Optional[str], vision_config: dict) -> Qwen2VLIm
         temporal_patch_size=int(vision_config.get("temporal_patch_size", cfg.temporal_patch_size)))
 
 
-def patches_from_image(image: torch.Tensor, cfg: Qwen2VLImageConfig) -> torch.Tensor:
-    """``[H, W, C]`` uint8 (resized) -> ``[h*w, C*T*P*P]`` float32 patches, on the image's
-    device, equal to ``common.multimodal.patchify`` (same operations in the same order)."""
-    x = image.permute(2, 0, 1)
-    if cfg.do_rescale:
-        x = (x.double() * cfg.rescale_factor).float()  # HF's float64 rescale, then float32
-    x = x.float()
-    if cfg.do_normalize:
-        mean = torch.tensor(cfg.image_mean, dtype=torch.float32, device=x.device)[:, None, None]
-        std = torch.tensor(cfg.image_std, dtype=torch.float32, device=x.device)[:, None, None]
-        x = (x - mean) / std
-    c, height, width = x.shape
-    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    gh, gw = height // p, width // p
-    x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    x = x[:, :, :, :, :, None].expand(*x.shape[:5], tp, p, p)
-    return x.reshape(gh * gw, c * tp * p * p)
+def patches_from_image(image: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """``[H, W, C]`` uint8 (resized) -> the tower's float32 patches, on the image's device,
+    equal to the processor's numpy ``patchify`` (same operations in the same order)."""
+    return cfg.torch_patches(image)
 
 
 # --- memory profiling (KV-cache sizing on CUDA) ------------------------------------
@@ -247,6 +254,8 @@ def max_image_grid(vision_config: dict, image_config: Qwen2VLImageConfig) -> tup
     Sides are multiples of the merge size; for Qwen2.5-VL they tile its attention
     windows when that costs no patches (clipped edge windows are valid either way)."""
     merge, patch = _geometry(vision_config, image_config)
+    if image_config.fixed_grid is not None:  # every image resized to one size (Gemma 3)
+        return image_config.fixed_grid
     factor = patch * merge
     cells = max(1, image_config.max_pixels // (factor * factor))
     window = max(1, int(vision_config.get("window_size", 0)) // factor)  # merged cells per window side
@@ -377,7 +386,7 @@ class EncoderCache:
     def _pixels(self, item: MultiModalItem) -> torch.Tensor:
         if item.encoding == UINT8_HWC:
             image = torch.frombuffer(bytearray(item.pixel_values), dtype=torch.uint8).view(*item.shape)
-            return patches_from_image(image.to(self.device), self.image_config)
+            return self.image_config.torch_patches(image.to(self.device))
         array = np.frombuffer(item.pixel_values, dtype="<f4").reshape(list(item.shape))
         return torch.from_numpy(array.astype(np.float32)).to(self.device)
 
@@ -416,18 +425,22 @@ class EncoderCache:
             self.exports.clear()
 
 
-def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: EncoderCache
+def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: EncoderCache,
+                 spans: Optional[dict[int, list[tuple[int, int]]]] = None
                  ) -> tuple[Optional[np.ndarray], Optional[tuple[np.ndarray, list[torch.Tensor]]]]:
     """For a step's ``scheduled`` sequences (rows in order) and its ``[T]``
     positions: shifts, in place, the positions of image requests' tokens past their
     prompt by the M-RoPE delta; returns (``[3, T]`` positions or None when every
-    token's three rows are equal, (rows, embedding slices) or None)."""
+    token's three rows are equal or the model has no M-RoPE, (rows, embedding slices)
+    or None).  ``spans``, when given, receives by sequence index the token ranges
+    ``[offset, offset + length)`` of the images its chunk holds queries of (what
+    bidirectional image attention opens)."""
     patches: list[tuple[int, np.ndarray]] = []  # (first row, [3, k] prompt positions)
     rows: list[np.ndarray] = []
     slices: list[tuple[MultiModalItem, int, int]] = []  # (item, first, end) embedding rows
     provided: dict[str, torch.Tensor] = {}  # pulled from an encoder worker
     t = 0
-    for s in scheduled:
+    for b, s in enumerate(scheduled):
         seq, n = s.seq, s.num_new_tokens
         state: Optional[MultiModalState] = seq.request.mm
         if state is None:
@@ -435,15 +448,18 @@ def prepare_step(scheduled: Sequence[Any], positions: np.ndarray, cache: Encoder
             continue
         start = seq.num_computed_tokens
         end = start + n
-        prompt_len = state.positions.shape[1]
+        prompt_len = state.prompt_len
         if start < prompt_len:
             stop = min(end, prompt_len)
-            patches.append((t, state.positions[:, start:stop]))
+            if state.positions is not None:
+                patches.append((t, state.positions[:, start:stop]))
             provided.update(state.embeds)
             for it in state.items:
                 lo, hi = max(start, it.offset), min(end, it.offset + it.length)
                 if lo >= hi:
                     continue
+                if spans is not None:
+                    spans.setdefault(b, []).append((it.offset, it.offset + it.length))
                 slices.append((it, lo - it.offset, hi - it.offset))
                 rows.append(np.arange(t + lo - start, t + hi - start, dtype=np.int64))
         if end > prompt_len and state.delta:
@@ -474,12 +490,19 @@ class MultimodalInputs:
     def __init__(self, runner: Any, cache: EncoderCache):
         self.runner = runner
         self.cache = cache
+        # The model's image tokens attend to each other both ways (Gemma 3, vLLM's mm-prefix LMs).
+        self.bidirectional = getattr(runner.model, "image_attention", "causal") == "bidirectional"
         runner.encoder_cache = cache  # what the engine's features reach the cache through
 
     def contribute(self, scheduled: Sequence[Any], layout: Any, extras: Any) -> None:
-        pos3, mm = prepare_step(scheduled, layout.positions, self.cache)
+        spans: Optional[dict[int, list[tuple[int, int]]]] = {} if self.bidirectional else None
+        pos3, mm = prepare_step(scheduled, layout.positions, self.cache, spans)
         if pos3 is None and mm is None:
             return
+        if spans:
+            # The attention backend opens the causal mask within each image (Gemma 3):
+            # the scheduler keeps every image whole in one chunk (``whole_image_chunks``).
+            layout.attn_spans = spans
         extras.eager = True
         extras.positions = pos3
         mm_embeds = None
@@ -521,9 +544,49 @@ class MultimodalInputs:
         return max(peak, 0)
 
 
+def whole_image_chunks(seq: Any, start: int, num_new: int) -> int:
+    """The scheduler's chunk limit for models whose image tokens attend both ways
+    (vLLM's ``disable_chunked_mm_input``, which it forces for its mm-prefix LMs): a
+    prefill chunk ``[start, start + num_new)`` that would end inside an image ends
+    before it instead, or is not run this step (0) when it starts inside the image (a
+    prefix-cache hit ending there).  Admission refuses images longer than the step's
+    token budget (``check_mm_items``), so every image fits a chunk of its own."""
+    state: Optional[MultiModalState] = seq.request.mm
+    if state is None:
+        return num_new
+    end = start + num_new
+    for it in state.items:
+        if it.offset < end < it.offset + it.length:
+            return max(it.offset - start, 0)
+    return num_new
+
+
+def keeps_images_whole(runner: Any) -> bool:
+    """Whether the runner's model attends both ways within an image (its chunks must not split one)."""
+    return getattr(runner.model, "image_attention", "causal") == "bidirectional"
+
+
+def install_chunking(ctx: Any, runner: Any) -> None:
+    """The scheduler's chunk limit, for a model whose images must stay whole in a chunk."""
+    if keeps_images_whole(runner):
+        ctx.set_chunk_limit(whole_image_chunks)
+
+
+def check_image_fits(state: Optional[MultiModalState], runner: Any) -> None:
+    """An image longer than a step's token budget could never run whole: refused (400)."""
+    if state is None or not keeps_images_whole(runner):
+        return
+    for it in state.items:
+        if it.length > runner.token_budget:
+            raise BadRequest(f"mm_items: the image at offset {it.offset} is {it.length} tokens, more than the "
+                             f"{runner.token_budget} tokens of a step (--max-num-batched-tokens): this model's "
+                             "image tokens attend to each other, so an image is never split across steps",
+                             "mm_items")
+
+
 def install(config: Any, ctx: Any, runner: Any) -> None:
     """Runner hook of a vision-language model: its image inputs and encoder cache."""
     mc = ctx.model_config
     if mc.is_multimodal:
-        cache = EncoderCache(runner.model, ctx.device, image_config=image_config_for(config.model, mc.vision_config))
+        cache = EncoderCache(runner.model, ctx.device, image_config=image_config_for(config.model, mc.vision_config, mc))
         runner.install(MultimodalInputs(runner, cache))

@@ -5,7 +5,9 @@ causal kernel that packs each sequence's keys and values straight from their blo
 
 The kernels attend over the full context without sinks, so sliding-window layers and
 layers with attention sinks (GPT-OSS) are served by torch SDPA inside the same backend (its plan then also carries SDPA's per-chunk
-index tensors).
+index tensors).  Likewise a step with bidirectional spans (Gemma 3's images: the causal
+mask opened within each image, ``AttentionMetadata.attn_spans``) runs every layer on
+SDPA, which builds that mask; the kernels' masks are causal.
 """
 from __future__ import annotations
 
@@ -22,9 +24,12 @@ class CpuNativeImpl(AttentionImpl):
     def __init__(self, spec: AttentionSpec, module: Any):
         super().__init__(spec)
         self.module = module
+        self._spans = TorchSDPAImpl(spec)  # steps with bidirectional spans
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
+        if attn.attn_spans:
+            return self._spans.forward(q, k, v, kv_layer, attn)
         t = q.shape[0]
         plan: TorchPlan = attn.plan
         if plan.decode is not None and plan.decode.rows is None:  # decode-only step
@@ -58,7 +63,7 @@ class CpuNativeBackend(AttentionBackend):
         return "native (torch SDPA attention over the FP8 KV cache)" if self.kv_fp8 else self.name
 
     def plan(self, attn: AttentionMetadata, block_size: int) -> TorchPlan:
-        return TorchPlan(attn, block_size, native=True, torch_prefills=self._sdpa_layers)
+        return TorchPlan(attn, block_size, native=True, torch_prefills=self._sdpa_layers or bool(attn.attn_spans))
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
         if spec.sliding_window or spec.sinks or self.kv_fp8:

@@ -91,7 +91,7 @@ class _DecodeGroup:
 
 
 class _PrefillSeq:
-    __slots__ = ("start", "end", "context", "seq_len", "blocks", "mask", "_window_masks")
+    __slots__ = ("start", "end", "context", "seq_len", "blocks", "mask", "_window_masks", "_open")
 
     def __init__(self, attn: AttentionMetadata, i: int, start: int, block_size: int):
         q_len = attn.query_lens_cpu[i]
@@ -100,12 +100,18 @@ class _PrefillSeq:
         self.context = self.seq_len - q_len
         self.blocks = self.mask = None
         self._window_masks: dict[int, torch.Tensor] = {}
+        device = attn.block_tables.device
+        spans = attn.attn_spans.get(i) if attn.attn_spans else None
+        # [q_len, seq_len]: query and key in one bidirectional span (Gemma 3's image), or None
+        self._open = _span_mask(spans, self.context, self.seq_len, device) if spans else None
         if self.context:
-            device = attn.block_tables.device
             self.blocks = attn.block_tables[i, : -(-self.seq_len // block_size)].long()
+        if self.context or self._open is not None:
             keys = torch.arange(self.seq_len, device=device)
             queries = torch.arange(self.context, self.seq_len, device=device)
             self.mask = keys[None, :] <= queries[:, None]  # lower-right causal
+            if self._open is not None:
+                self.mask = self.mask | self._open
 
     def mask_for(self, window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
         """Boolean ``[q_len, seq_len]`` mask, or None for plain causal (no context, no window)."""
@@ -116,8 +122,23 @@ class _PrefillSeq:
             keys = torch.arange(self.seq_len, device=device)
             queries = torch.arange(self.context, self.seq_len, device=device)
             diff = queries[:, None] - keys[None, :]
-            m = self._window_masks[window] = (diff >= 0) & (diff < window)
+            if self._open is None:
+                m = (diff >= 0) & (diff < window)
+            else:  # transformers' AND(window, OR(causal, span)): later keys of the span count too
+                m = (diff < window) & ((diff >= 0) | self._open)
+            self._window_masks[window] = m
         return m
+
+
+def _span_mask(spans: list[tuple[int, int]], context: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """``[seq_len - context, seq_len]``: True where the query (positions ``context..``) and
+    the key lie in the same span."""
+    pos = torch.arange(seq_len, device=device)
+    m = torch.zeros(seq_len - context, seq_len, dtype=torch.bool, device=device)
+    for lo, hi in spans:
+        inside = (pos >= lo) & (pos < hi)
+        m |= inside[context:, None] & inside[None, :]
+    return m
 
 
 class TorchPlan:
