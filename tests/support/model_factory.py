@@ -44,7 +44,7 @@ Kinds (``KINDS``):
                  routed_scaling_factor 2.5, one shared expert
   deepseek_v3_plain  the same without q_lora_rank (plain q_proj), default rope, rope_interleave false
   deepseek_v2    DeepseekV2ForCausalLM (MLA), 3 layers, layer 0 dense, no q_lora_rank, YaRN x4 with
-                 mscale_all_dim, 8 experts group_limited_greedy (4 groups, 2 chosen) top-2 softmax,
+                 mscale_all_dim, 8 experts group_limited_greedy (4 groups, 1 chosen) top-2 softmax,
                  routed_scaling_factor 2.0, two shared experts
   gemma3_mm      Gemma3ForConditionalGeneration: gemma3's text tower (2 layers, no soft-capping) + a
                  tiny SigLIP tower
@@ -197,7 +197,9 @@ def _hf_config(kind: str):
                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
                    n_group=4, topk_group=2, moe_intermediate_size=48, first_k_dense_replace=1)
         if kind == "deepseek_v2":
-            return transformers.DeepseekV2Config(**mla, q_lora_rank=None, topk_method="group_limited_greedy",
+            # one group of four chosen: with two, top-2 of the best groups' maxima is plain top-2
+            return transformers.DeepseekV2Config(**{**mla, "topk_group": 1}, q_lora_rank=None,
+                                                 topk_method="group_limited_greedy",
                                                  n_shared_experts=2, routed_scaling_factor=2.0, rope_parameters=yarn)
         plain = kind == "deepseek_v3_plain"
         return transformers.DeepseekV3Config(

@@ -21,7 +21,8 @@ from worker.engine.kernels import load_cpu_kernels
 from worker.engine.loading.loader import load_model
 from worker.engine.models.config import ModelConfig
 
-FAMILIES = ["phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3", "gemma3", "granite", "gpt_oss"]
+FAMILIES = ["phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo3", "gemma3", "granite", "gpt_oss",
+            "deepseek_v3", "deepseek_v3_plain", "deepseek_v2"]
 
 
 def _backends():
@@ -132,7 +133,7 @@ def test_longrope_table_switches_to_long_factors_past_the_original_context():
 
 
 @pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo2", "olmo3", "gemma3", "glm4_moe", "granite",
-                                  "gpt_oss"])
+                                  "gpt_oss", "deepseek_v3", "deepseek_v3_plain", "deepseek_v2"])
 def test_engine_greedy_and_logprobs_match_hf(tiny_model, kind):
     """Through the engine: chunked prefill (16-token steps) across the window and
     block boundaries, prefix caching (the prompts share a 32-token prefix), and

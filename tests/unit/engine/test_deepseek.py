@@ -1,0 +1,187 @@
+"""DeepSeek-V2/V3 (multi-head latent attention) beyond the shared family parity
+(tests/unit/engine/test_model_families.py runs the tiny V3 / V3-without-q_lora / V2 models'
+paged steps through every CPU backend and the engine's greedy ids and top-3 logprobs with
+chunked prefill, prefix caching and preemption): the config, the latent cache layout and
+its bytes per token, absorbed decode == expanded attention, the routers against
+transformers', each variation mattering, routed_experts equal to HF's router choice, and
+what the latent cache refuses at start."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.engine_helpers import hf_router_choices, make_engine, random_prompts, request
+from tests.support.model_factory import load_hf_model
+from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
+from worker.engine.loading.loader import load_model
+from worker.engine.models.config import ModelConfig
+from worker.engine.models.kv_layout import kv_cache_layout
+from worker.engine.models.mla import absorbed_attention, expanded_attention
+from worker.engine.models.moe import select_experts_group_limited, select_experts_grouped
+
+
+def test_config(tiny_model):
+    v3 = ModelConfig.from_dir(tiny_model("deepseek_v3"))
+    m = v3.mla
+    assert v3.architecture == "DeepseekV3ForCausalLM" and v3.head_dim == v3.rotary_dim == 8
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (32, 32, 16, 8, 12)
+    assert m.rope_interleave and m.latent_dim == 40 and v3.rope_scaling["rope_type"] == "yarn"
+    # transformers' yarn_apply_mscale: (0.1 * 0.9 * ln 4 + 1) ** 2 on qk_head_dim ** -0.5
+    assert math.isclose(m.softmax_scale, 24 ** -0.5 * (0.09 * math.log(4) + 1) ** 2)
+    assert v3.moe.sparse_layers == (False, True, True) and v3.moe.scoring == "sigmoid"
+    assert (v3.moe.n_group, v3.moe.topk_group, v3.moe.routed_scaling_factor) == (4, 2, 2.5)
+    plain = ModelConfig.from_dir(tiny_model("deepseek_v3_plain")).mla
+    assert plain.q_lora_rank is None and not plain.rope_interleave and plain.softmax_scale == 24 ** -0.5
+    v2 = ModelConfig.from_dir(tiny_model("deepseek_v2"))
+    assert v2.architecture == "DeepseekV2ForCausalLM" and v2.mla.q_lora_rank is None
+    assert v2.moe.scoring == "softmax_grouped" and not v2.moe.norm_topk_prob and v2.moe.n_group == 4
+    assert v2.moe.shared_experts_intermediate_size == 96 and v2.moe.routed_scaling_factor == 2.0
+
+
+def test_unsupported_settings_are_refused_by_name(tiny_model, tmp_path):
+    cfg = json.loads((tiny_model("deepseek_v2") / "config.json").read_text())
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not supported"):
+        ModelConfig.from_dicts(tmp_path, {**cfg, "topk_method": "noaux_tc"})
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        ModelConfig.from_dicts(tmp_path, {**cfg, "attention_bias": True})
+    greedy = ModelConfig.from_dicts(tmp_path, {**cfg, "topk_method": "greedy"})
+    assert greedy.moe.n_group == 1
+
+
+def test_latent_cache_layout_and_bytes_per_token(tiny_model):
+    """The cache stores kv_lora_rank + qk_rope_head_dim values per token and layer (one
+    latent), not per-head K/V; blocks stay on axis 2 (what block transfers index)."""
+    c = ModelConfig.from_dir(tiny_model("deepseek_v3"))
+    layout = kv_cache_layout(c)
+    assert layout.shape(10, 4) == (1, 3, 10, 4, 1, 40)
+    for dtype, elem in ((torch.float32, 4), (torch.bfloat16, 2)):
+        assert layout.bytes_per_token(dtype) == 3 * (32 + 8) * elem
+        assert layout.bytes_per_block(16, dtype) == 16 * 3 * (32 + 8) * elem
+        # per-head K (nope + rope) and V of 4 heads: 4 * (24 + 12) values per layer
+        assert layout.expanded_bytes_per_token(dtype) == 3 * 4 * 36 * elem
+    line = layout.describe(torch.bfloat16)
+    assert "c_kv (32) + k_pe (8)" in line and "240 bytes per token over 3 layers" in line and "(3.6x)" in line
+    # DeepSeek-V3's released dims: 61 layers of 512 + 64 in bf16 = 576 * 2 bytes per layer
+    real = json.loads(json.dumps({**json.loads((tiny_model("deepseek_v3") / "config.json").read_text()),
+                                  "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                  "qk_nope_head_dim": 128, "v_head_dim": 128, "num_attention_heads": 128,
+                                  "num_key_value_heads": 128, "first_k_dense_replace": 3}))
+    big = kv_cache_layout(ModelConfig.from_dicts(tiny_model("deepseek_v3"), real))
+    assert big.bytes_per_token(torch.bfloat16) == 61 * 576 * 2
+    assert big.expanded_bytes_per_token(torch.bfloat16) == 61 * 128 * (192 + 128) * 2
+    # the Llama-family layout is unchanged: K and V per KV head
+    llama = kv_cache_layout(ModelConfig.from_dir(tiny_model("llama")))
+    assert llama.shape(10, 4) == (2, 2, 10, 4, 2, 16) and llama.bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4
+
+
+def test_absorbed_decode_equals_expanded_attention():
+    """The absorbed form ((q_nope W_UK) . c_kv + q_pe . k_pe, probabilities over the
+    latents, then W_UV) is the expanded attention of the last query, per sequence of a
+    padded batch."""
+    g = torch.Generator().manual_seed(0)
+    heads, nope, rope, v, rank = 4, 16, 8, 12, 32
+    w = torch.randn(heads, nope + v, rank, generator=g) * 0.2
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    lengths = [9, 23, 1]
+    latents = [torch.randn(n, rank + rope, generator=g) for n in lengths]
+    q_nope = torch.randn(3, heads, nope, generator=g)
+    q_pe = torch.randn(3, heads, rope, generator=g)
+    padded = torch.zeros(3, max(lengths), rank + rope)
+    padded[:, :, :] = float("nan")  # padding must never reach the result
+    for b, lat in enumerate(latents):
+        padded[b, :len(lat)] = lat
+    padded = torch.nan_to_num(padded, nan=1e4)
+    got = absorbed_attention(q_nope, q_pe, padded, torch.tensor(lengths), w_uk, w_uv, rank, 0.2)
+    for b, lat in enumerate(latents):
+        ref = expanded_attention(q_nope[b:b + 1], q_pe[b:b + 1], lat, w_uk, w_uv, rank, 0.2, len(lat) - 1)
+        torch.testing.assert_close(got[b], ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_routers_equal_transformers(tiny_model):
+    h = torch.randn(60, 64, generator=torch.Generator().manual_seed(0))
+    for kind, select in (("deepseek_v3", lambda logits, gate, moe: select_experts_grouped(
+            logits, gate.e_score_correction_bias, moe)),
+                         ("deepseek_v2", lambda logits, gate, moe: select_experts_group_limited(logits, moe))):
+        hf = load_hf_model(tiny_model(kind))
+        moe = ModelConfig.from_dir(tiny_model(kind)).moe
+        gate = hf.model.layers[1].mlp.gate
+        with torch.no_grad():
+            logits, ref_w, ref_ids = gate(h)
+        w, ids = select(logits, gate, moe)
+        order, ref_order = ids.sort(-1).indices, ref_ids.sort(-1).indices
+        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order)), kind
+        torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), msg=kind)
+        # V2's group limit matters (one group of four): greedy picks otherwise for some tokens
+        if kind == "deepseek_v2":
+            greedy = select_experts_group_limited(logits, moe.__class__(**{**moe.__dict__, "n_group": 1}))[1]
+            assert not torch.equal(greedy.sort(-1).values, ids.sort(-1).values)
+            gate.topk_method, gate.num_group = "greedy", 1
+            with torch.no_grad():
+                ref_greedy = gate(h)[2]
+            assert torch.equal(greedy.sort(-1).values, ref_greedy.sort(-1).values)
+
+
+@pytest.mark.parametrize("feature", ["mscale", "interleave", "q_a_layernorm"])
+def test_each_variation_matters(tiny_model, feature):
+    """The parity tests could not pass by ignoring these: dropping each moves the logits."""
+    path = tiny_model("deepseek_v3")
+    ids = _tokens(30, seed=7)
+    ref = hf_logits(load_hf_model(path), ids)
+    model = load_model(path)
+    (same,) = PagedSeqs(model).step([("a", ids)])
+    torch.testing.assert_close(same, ref, atol=ATOL, rtol=0)
+    for layer in model.layers:
+        if feature == "mscale":
+            layer.latent_attn.scale = 24 ** -0.5
+        elif feature == "interleave":
+            layer.mla = layer.mla.__class__(**{**layer.mla.__dict__, "rope_interleave": False})
+        else:
+            layer.q_a_layernorm.weight.data.fill_(1.0)
+    (got,) = PagedSeqs(model).step([("a", ids)])
+    assert (got - ref).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_routed_experts_equal_hf_router_choice(tiny_model, kind):
+    path = tiny_model(kind)
+    engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
+    prompts = random_prompts(3, 10, 40, seed=11)
+    res = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        (d,) = res[f"r{i}"]
+        got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
+        full = list(p) + list(d.token_ids)
+        ref = hf_router_choices(path, full[:-1], "gate")
+        assert got.shape == (len(full) - 1, 2, 2)
+        np.testing.assert_array_equal(np.sort(got, axis=-1), ref)
+
+
+def test_engine_logs_the_latent_bytes_per_token(tiny_model, caplog):
+    caplog.set_level(logging.INFO)
+    engine = make_engine(tiny_model("deepseek_v3"), num_kv_blocks=8, block_size=8)
+    assert engine.runner.kv_cache.shape == (1, 3, 8, 8, 1, 40)
+    lines = [r.getMessage() for r in caplog.records if "KV cache layout" in r.getMessage()]
+    assert lines and "latent" in lines[0] and "480 bytes per token over 3 layers" in lines[0], lines
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 is not supported with multi-head latent attention"),
+    (dict(kv_transfer_enabled=True), "P/D KV transfer of the latent cache is not implemented"),
+    (dict(enable_lora=True), "serving LoRA adapters is not implemented for this model family"),
+])
+def test_what_the_latent_cache_cannot_serve_is_refused_at_start(tiny_model, option, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine(tiny_model("deepseek_v3"), **option)
+
+
+def test_tensor_parallelism_is_refused(tiny_model):
+    from worker.engine.parallel.follower import check_shardable
+
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        check_shardable(ModelConfig.from_dir(tiny_model("deepseek_v2")), 2)
