@@ -19,7 +19,8 @@ modeling_deepseek_v2.py / modeling_deepseek_v3.py and vLLM's deepseek_v2.py:
 
 Not served: tensor parallelism (the registry says so), LoRA, an FP8 KV cache and P/D KV
 transfer (refused at start by the cache layout), CUDA graphs (the latent attention
-plans each step on the host: decode runs eager).
+plans each step on the host: decode runs eager).  Decode rows run the Triton backend's
+latent decode kernel (kernels/triton/mla_decode.py) where that backend is chosen.
 """
 from __future__ import annotations
 
@@ -121,6 +122,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # The latent attention plans every step from host-side lengths: decode steps run
     # eager (the runner asks this before capturing).
     supports_cuda_graphs = False
+
+    def use_attention_backend(self, backend) -> None:
+        """The backend's fused element-wise kernels, and its latent decode kernel where it
+        has one (Triton's ``mla_decode``); the expanded prefill stays on torch ops."""
+        super().use_attention_backend(backend)
+        kernel = getattr(backend.ops, "mla_decode", None) if backend.ops is not None else None
+        for layer in self.layers:
+            layer.latent_attn.decode_kernel = kernel
 
     @classmethod
     def kv_cache_layout(cls, config: ModelConfig) -> KVCacheLayout:

@@ -18,8 +18,9 @@ Two ways to attend over the same cache, as vLLM's MLA backends do
   memory-bound on the small latent.
 
 Both are exact rewrites of the same product; tests check them against each other and
-against transformers.  Attention runs on torch ops on every device (no attention
-backend here implements a latent cache); the CUDA path has no fused MLA kernel yet.
+against transformers.  The expanded path runs on torch ops on every device; the absorbed
+decode runs the attention backend's ``mla_decode`` kernel where it has one (Triton:
+kernels/triton/mla_decode.py), torch ops otherwise.
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ class LatentAttention:
 
     def __init__(self, rank: int, nope: int, v_dim: int, scale: float):
         self.rank, self.nope, self.v_dim, self.scale = rank, nope, v_dim, scale
+        # The attention backend's fused decode over the latent cache (the Triton
+        # ``mla_decode``: kernels/triton/mla_decode.py), or None for torch's.
+        self.decode_kernel = None
 
     def __call__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor,
                  cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -113,11 +117,17 @@ class LatentAttention:
         lengths_cpu = [attn.seq_lens_cpu[i] for i in seqs]
         width = -(-max(lengths_cpu) // block_size)
         index = torch.tensor(seqs, dtype=torch.long, device=attn.block_tables.device)
+        r = torch.tensor(rows, dtype=torch.long, device=q_nope.device)
+        if self.decode_kernel is not None:
+            q_lat = torch.einsum("bhd,hdc->bhc", q_nope.index_select(0, r), w_uk).contiguous()
+            o_lat = self.decode_kernel(q_lat, q_pe.index_select(0, r).contiguous(), cache[0, :, :, 0],
+                                       attn.block_tables.index_select(0, index).contiguous(),
+                                       attn.seq_lens.index_select(0, index).contiguous(), self.scale)
+            return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         tables = attn.block_tables.index_select(0, index)[:, :width].long()  # padding entries are block 0: masked
         layer = cache[0, :, :, 0]
         latents = layer[tables].reshape(len(seqs), width * block_size, layer.shape[-1])
         lengths = torch.tensor(lengths_cpu, device=latents.device)
-        r = torch.tensor(rows, dtype=torch.long, device=q_nope.device)
         return absorbed_attention(q_nope.index_select(0, r), q_pe.index_select(0, r), latents, lengths, w_uk, w_uv,
                                   self.rank, self.scale)
 
