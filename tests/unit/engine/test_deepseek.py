@@ -172,7 +172,6 @@ def test_engine_logs_the_latent_bytes_per_token(tiny_model, caplog):
 
 @pytest.mark.parametrize("option, message", [
     (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 is not supported with multi-head latent attention"),
-    (dict(kv_transfer_enabled=True), "P/D KV transfer of the latent cache is not implemented"),
     (dict(enable_lora=True), "serving LoRA adapters is not implemented for this model family"),
 ])
 def test_what_the_latent_cache_cannot_serve_is_refused_at_start(tiny_model, option, message):

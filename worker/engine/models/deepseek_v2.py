@@ -17,8 +17,8 @@ modeling_deepseek_v2.py / modeling_deepseek_v3.py and vLLM's deepseek_v2.py:
   shared experts: V3 routes by ``noaux_tc`` (sigmoid, correction bias, grouped top-k,
   ``routed_scaling_factor``), V2 by ``greedy`` / ``group_limited_greedy`` softmax.
 
-Not served: tensor parallelism (the registry says so), LoRA, an FP8 KV cache and P/D KV
-transfer (refused at start by the cache layout), CUDA graphs (the latent attention
+Not served: tensor parallelism (the registry says so), LoRA, an FP8 KV cache (refused at
+start by the cache layout), CUDA graphs (the latent attention
 plans each step on the host: decode runs eager).  Decode rows run the Triton backend's
 latent decode kernel (kernels/triton/mla_decode.py) where that backend is chosen.
 """
@@ -133,7 +133,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def kv_cache_layout(cls, config: ModelConfig) -> KVCacheLayout:
-        """One latent ``[c_kv | k_pe]`` per token and layer, not per-head K/V."""
+        """One latent ``[c_kv | k_pe]`` per token and layer, not per-head K/V.  Blocks stay
+        on axis 2, so P/D KV transfer moves latent blocks between two such workers as it
+        moves K/V ones (a Llama-layout peer is refused by the shape check)."""
         m = config.mla
         return KVCacheLayout(
             "latent", config.num_hidden_layers, 1, 1, m.latent_dim,
@@ -143,7 +145,4 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 (lambda c: c.kv_dtype is not None,
                  f"{config.architecture}: --kv-cache-dtype fp8 is not supported with multi-head latent attention "
                  f"(its latent cache holds the model dtype); serve it with --kv-cache-dtype auto"),
-                (lambda c: c.kv_transfer_enabled,
-                 f"{config.architecture}: P/D KV transfer of the latent cache is not implemented; serve it without "
-                 f"--kv-transfer-config / --role"),
             ))

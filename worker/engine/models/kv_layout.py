@@ -12,8 +12,9 @@ family with another cache content plugs in without the runner knowing:
 
 Both keep blocks on axis 2 and layers on axis 1, so what moves whole blocks (P/D KV
 transfer's export, ``index_select(2, blocks)``) or hands a layer's slice to the model
-(``kv_cache[:, i]``) is the same for either.  What a layout cannot serve is refused at
-start (``check_engine_config``) by name.
+(``kv_cache[:, i]``) is the same for either: P/D KV transfer moves latent blocks
+unchanged.  What a layout cannot serve is refused at start (``check_engine_config``) by
+name.
 """
 from __future__ import annotations
 
