@@ -211,3 +211,19 @@ def test_bf16_logits_are_as_close_to_fp32_as_hf_bf16(tiny_model_root, kind):
     got = (ours - truth).abs().max(-1).values.quantile(q)
     want = (hf16 - truth).abs().max(-1).values.quantile(q)
     assert (got <= 1.3 * want).all(), (got.tolist(), want.tolist())
+
+
+def test_ngram_speculative_decoding_equals_plain(tiny_model):
+    """Verification rows (several queries per sequence after cached context) run the
+    expanded path over the latent cache; rejected drafts' latents are overwritten: greedy
+    outputs equal plain decoding, with drafts accepted."""
+    path = tiny_model("deepseek_v3")
+    prompts = [(p * 4)[:8 + 5 * i] for i, p in enumerate(random_prompts(4, 4, 12, seed=2))]
+    reqs = lambda: [request(str(i), p, max_tokens=16, ignore_eos=True) for i, p in enumerate(prompts)]  # noqa: E731
+    plain = make_engine(path).generate(reqs())
+    spec = make_engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                       spec_max_step_tokens=0).generate(reqs())
+    for i in range(len(prompts)):
+        assert spec[str(i)][0].token_ids == plain[str(i)][0].token_ids, i
+    assert sum(sum(d[0].spec_decode.histogram[1:]) for d in spec.values()) > 0, "no draft accepted"
