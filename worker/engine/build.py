@@ -27,7 +27,6 @@ from worker.engine.components import kv_transfer, lora, routed_experts, sampling
 from worker.engine.config import EngineConfig
 from worker.engine.disagg import encoder_disaggregation
 from worker.engine.disagg.kv_transfer import KvTransfer
-from worker.engine.models.kv_layout import kv_cache_layout
 from worker.engine.multimodal import images
 from worker.engine.parallel import follower
 from worker.engine.rl import control
@@ -60,8 +59,6 @@ class EngineFeatures:
     def start(self, ctx) -> None:
         config = self.config
         routed_experts.check_config(config, ctx.model_config)
-        # What the family's KV cache layout cannot serve (DeepSeek's latent: FP8, P/D transfer).
-        kv_cache_layout(ctx.model_config).check_engine_config(config)
         self.tp_leader = follower.maybe_start(config, ctx)
 
     # 2. the runner's hooks, before its KV cache is sized

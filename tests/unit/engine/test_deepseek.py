@@ -170,13 +170,53 @@ def test_engine_logs_the_latent_bytes_per_token(tiny_model, caplog):
     assert lines and "latent" in lines[0] and "480 bytes per token over 3 layers" in lines[0], lines
 
 
-@pytest.mark.parametrize("option, message", [
-    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 is not supported with multi-head latent attention"),
-    (dict(enable_lora=True), "serving LoRA adapters is not implemented for this model family"),
-])
-def test_what_the_latent_cache_cannot_serve_is_refused_at_start(tiny_model, option, message):
-    with pytest.raises(ValueError, match=message):
-        make_engine(tiny_model("deepseek_v3"), **option)
+def test_lora_is_refused_at_start(tiny_model):
+    with pytest.raises(ValueError, match="serving LoRA adapters is not implemented for this model family"):
+        make_engine(tiny_model("deepseek_v3"), enable_lora=True)
+
+
+@pytest.mark.parametrize("fp8, name", [(torch.float8_e4m3fn, "fp8_e4m3"), (torch.float8_e5m2, "fp8_e5m2")])
+def test_fp8_latent_cache_equals_hf_with_fp8_rounded_latents(tiny_model, monkeypatch, fp8, name):
+    """--kv-cache-dtype fp8: the latent is stored in FP8 (a quarter of fp32's bytes per
+    token); greedy ids and logprobs equal transformers' with c_kv and the roped k_pe
+    rounded through the same FP8 format (scale 1.0, saturated) -- what every step, the
+    current one included, reads back from the cache."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_mod
+
+    from worker.engine.attention.backends.base import as_stored
+
+    path = tiny_model("deepseek_v3")
+    engine = make_engine(path, kv_cache_dtype=name, max_num_batched_tokens=16, block_size=8)
+    assert engine.runner.kv_cache.dtype == fp8 and engine.runner.kv_layout.bytes_per_token(fp8) == 3 * 40
+    prompts = random_prompts(3, 20, 40, seed=4)
+    res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True, logprobs=2)
+                           for i, p in enumerate(prompts)])
+    hf = load_hf_model(path)
+    rope = hf_mod.apply_rotary_pos_emb_interleave
+    monkeypatch.setattr(hf_mod, "apply_rotary_pos_emb_interleave",
+                        lambda q, k, cos, sin: (lambda qk: (qk[0], as_stored(qk[1], fp8)))(rope(q, k, cos, sin)))
+    hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, i, out: as_stored(out, fp8))
+             for layer in hf.model.layers]
+    try:
+        for i, p in enumerate(prompts):
+            (d,) = res[str(i)]
+            ids = list(p)
+            with torch.no_grad():
+                for t, tok in enumerate(d.token_ids):
+                    lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+                    assert tok == int(lp.argmax()), (i, t)
+                    assert d.logprobs.logprobs[t] == pytest.approx(float(lp[tok]), abs=1e-4)
+                    ids.append(tok)
+        with torch.no_grad():
+            rounded = hf(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+        monkeypatch.undo()
+    # the rounding matters: transformers without it differs by more than the tolerance
+    with torch.no_grad():
+        plain = hf(torch.tensor([ids])).logits[0].float()
+    assert (plain - rounded).abs().max() > 1e-3
 
 
 def test_tensor_parallelism_is_refused(tiny_model):

@@ -17,8 +17,8 @@ modeling_deepseek_v2.py / modeling_deepseek_v3.py and vLLM's deepseek_v2.py:
   shared experts: V3 routes by ``noaux_tc`` (sigmoid, correction bias, grouped top-k,
   ``routed_scaling_factor``), V2 by ``greedy`` / ``group_limited_greedy`` softmax.
 
-Not served: tensor parallelism (the registry says so), LoRA, an FP8 KV cache (refused at
-start by the cache layout), CUDA graphs (the latent attention
+An FP8 KV cache (``--kv-cache-dtype fp8``) stores the latent in FP8 (scale 1.0, saturated,
+as the K/V caches).  Not served: tensor parallelism (the registry says so), LoRA, CUDA graphs (the latent attention
 plans each step on the host: decode runs eager).  Decode rows run the Triton backend's
 latent decode kernel (kernels/triton/mla_decode.py) where that backend is chosen.
 """
@@ -140,9 +140,4 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return KVCacheLayout(
             "latent", config.num_hidden_layers, 1, 1, m.latent_dim,
             expanded_values=config.num_attention_heads * (m.qk_head_dim + m.v_head_dim),
-            what=f"c_kv ({m.kv_lora_rank}) + k_pe ({m.qk_rope_head_dim})",
-            refusals=(
-                (lambda c: c.kv_dtype is not None,
-                 f"{config.architecture}: --kv-cache-dtype fp8 is not supported with multi-head latent attention "
-                 f"(its latent cache holds the model dtype); serve it with --kv-cache-dtype auto"),
-            ))
+            what=f"c_kv ({m.kv_lora_rank}) + k_pe ({m.qk_rope_head_dim})")

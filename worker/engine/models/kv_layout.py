@@ -13,8 +13,7 @@ family with another cache content plugs in without the runner knowing:
 Both keep blocks on axis 2 and layers on axis 1, so what moves whole blocks (P/D KV
 transfer's export, ``index_select(2, blocks)``) or hands a layer's slice to the model
 (``kv_cache[:, i]``) is the same for either: P/D KV transfer moves latent blocks
-unchanged.  What a layout cannot serve is refused at start (``check_engine_config``) by
-name.
+unchanged, and an FP8 cache (``--kv-cache-dtype``) stores either content in FP8.
 """
 from __future__ import annotations
 
@@ -39,8 +38,6 @@ class KVCacheLayout:
     # (the latent layout's comparison; equal to entries * heads * dim for "mha").
     expanded_values: Optional[int] = None
     what: str = ""  # the stored content, in words (the startup log)
-    # Engine options the layout cannot serve: (EngineConfig predicate, refusal message).
-    refusals: tuple[tuple[Any, str], ...] = ()
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.entries, self.num_layers, num_blocks, block_size, self.heads, self.dim)
@@ -68,12 +65,6 @@ class KVCacheLayout:
             line += (f"; the equivalent MHA layout (expanded per-head K/V) would take {expanded} bytes per token "
                      f"({expanded / self.bytes_per_token(dtype):.1f}x)")
         return line
-
-    def check_engine_config(self, config: Any) -> None:
-        """Refuse, by name, an engine option this cache layout cannot serve."""
-        for applies, message in self.refusals:
-            if applies(config):
-                raise ValueError(message)
 
 
 def mha_layout(num_layers: int, kv_heads: int, head_dim: int) -> KVCacheLayout:

@@ -26,19 +26,33 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine.attention.backends.base import to_kv_storage
 from worker.engine.attention.metadata import AttentionMetadata
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each token's ``[c_kv | k_pe]`` row at its slot (``cache``: one layer,
-    ``[1, blocks, block_size, 1, latent_dim]``)."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(cache.dtype))
+    ``[1, blocks, block_size, 1, latent_dim]``; an FP8 cache saturates, scale 1.0, as the
+    K/V caches do: attention/backends/base.to_kv_storage)."""
+    rows = to_kv_storage(latent, cache.dtype)
+    _raw(cache).view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, _raw(rows))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes: torch's CPU gather/scatter kernels have no FP8 types;
+    indexing moves the bytes unchanged."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
+
+
+def _select_rows(layer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``layer[index]`` (any index shape) for every cache dtype, FP8 included."""
+    return _raw(layer)[index].view(layer.dtype)
 
 
 def gather_latent(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` latents of a sequence with these cache blocks: ``[length, latent_dim]``."""
     layer = cache[0, :, :, 0]  # [blocks, block_size, latent_dim]
-    return layer.index_select(0, blocks).reshape(-1, layer.shape[-1])[:length]
+    return _select_rows(layer, blocks).reshape(-1, layer.shape[-1])[:length]
 
 
 def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
@@ -102,7 +116,7 @@ class LatentAttention:
             elif n:
                 length = attn.seq_lens_cpu[i]
                 blocks = attn.block_tables[i, :-(-length // block_size)].long()
-                lat = gather_latent(cache, blocks, length)
+                lat = gather_latent(cache, blocks, length).to(q_nope.dtype)  # an FP8 cache read back
                 out[start:start + n] = expanded_attention(q_nope[start:start + n], q_pe[start:start + n], lat, w_uk,
                                                           w_uv, self.rank, self.scale, length - n)
             start += n
@@ -126,7 +140,7 @@ class LatentAttention:
             return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         tables = attn.block_tables.index_select(0, index)[:, :width].long()  # padding entries are block 0: masked
         layer = cache[0, :, :, 0]
-        latents = layer[tables].reshape(len(seqs), width * block_size, layer.shape[-1])
+        latents = _select_rows(layer, tables).reshape(len(seqs), width * block_size, layer.shape[-1]).to(q_nope.dtype)
         lengths = torch.tensor(lengths_cpu, device=latents.device)
         return absorbed_attention(q_nope.index_select(0, r), q_pe.index_select(0, r), latents, lengths, w_uk, w_uv,
                                   self.rank, self.scale)

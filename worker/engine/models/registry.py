@@ -103,7 +103,7 @@ _DEEPSEEK = dict(lora_modules=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with
 _MLA_NOTES = ("multi-head latent attention: the paged cache stores the latent (kv_lora_rank + qk_rope_head_dim per "
               "token and layer), prefill expands it (torch ops), decode absorbs q/o into kv_b_proj (Triton kernel on "
               "the Triton backend, torch ops otherwise), no CUDA graphs; YaRN with mscale; dense first layers, shared "
-              "experts; P/D KV transfer moves latent blocks; FP8 KV cache refused; LoRA not served")
+              "experts; FP8 KV cache and P/D KV transfer of the latent; LoRA not served")
 _GEMMA3 = dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True, acts=("gelu_pytorch_tanh",))
 
 ModelRegistry = _ModelRegistry([

@@ -51,10 +51,14 @@ def _mla_decode_kernel(
         n_ok = pos < seq_len
         page = tl.load(table + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = cache + page * stride_cb + (pos % BLOCK_SIZE) * stride_cs  # [TILE_N] row starts
-        c_kv = tl.load(row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        # An FP8 cache (--kv-cache-dtype, scale 1.0) is converted to q's dtype as it is loaded.
+        c_kv = tl.load(row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                       other=0.0).to(q_lat.dtype)
         # The same rows loaded transposed for the scores (as the unified kernel loads K).
-        c_kv_t = tl.load(row[None, :] + offs_r[:, None], mask=n_ok[None, :] & r_ok[:, None], other=0.0)
-        k_pe_t = tl.load(row[None, :] + RANK + offs_p[:, None], mask=n_ok[None, :] & p_ok[:, None], other=0.0)
+        c_kv_t = tl.load(row[None, :] + offs_r[:, None], mask=n_ok[None, :] & r_ok[:, None],
+                         other=0.0).to(q_lat.dtype)
+        k_pe_t = tl.load(row[None, :] + RANK + offs_p[:, None], mask=n_ok[None, :] & p_ok[:, None],
+                         other=0.0).to(q_lat.dtype)
         if IEEE:
             s = tl.dot(q_lat.to(tl.float32), c_kv_t.to(tl.float32), input_precision="ieee")
             s += tl.dot(q_pe.to(tl.float32), k_pe_t.to(tl.float32), input_precision="ieee")
@@ -86,7 +90,7 @@ def _config(rank: int, rope: int, num_heads: int) -> dict:
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """``q_lat [B, H, rank]``, ``q_pe [B, H, rope]`` (last dims contiguous), ``cache`` one
-    layer's latents ``[blocks, block_size, rank + rope]``, ``block_tables [B, W]`` int32,
+    layer's latents ``[blocks, block_size, rank + rope]`` (q's dtype or FP8), ``block_tables [B, W]`` int32,
     ``seq_lens [B]`` int32 -> ``o_lat [B, H, rank]`` in q's dtype (softmax in float32)."""
     b, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
@@ -106,15 +110,18 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, blo
 
 
 def compile_specs() -> list:
-    """DeepSeek-V3's dims (rank 512, rope 64, 128 heads) in bf16 and a small fp32 case."""
+    """DeepSeek-V3's dims (rank 512, rope 64, 128 heads) in bf16 (over a bf16 and an FP8
+    cache) and a small fp32 case."""
     specs = []
-    for dtype, rank, rope, heads, block_size in (("bf16", 512, 64, 128, 16), ("fp32", 32, 8, 4, 16)):
-        sig = {"q_lat_ptr": f"*{dtype}", "q_pe_ptr": f"*{dtype}", "cache": f"*{dtype}", "block_tables": "*i32",
+    for dtype, rank, rope, heads, block_size, kv in (("bf16", 512, 64, 128, 16, "bf16"), ("fp32", 32, 8, 4, 16, "fp32"),
+                                                     ("bf16", 512, 64, 128, 16, "fp8e4nv")):
+        sig = {"q_lat_ptr": f"*{dtype}", "q_pe_ptr": f"*{dtype}", "cache": f"*{kv}", "block_tables": "*i32",
                "seq_lens": "*i32", "out_ptr": f"*{dtype}"}
         for name in ("stride_qb", "stride_qh", "stride_pb", "stride_ph", "stride_cb", "stride_cs", "stride_tb",
                      "stride_ob", "stride_oh"):
             sig[name] = "i64"
         sig.update(num_heads="i32", scale="fp32")
         const = dict(RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, IEEE=dtype == "fp32", **_config(rank, rope, heads))
-        specs.append((f"mla_decode[{dtype},rank={rank},rope={rope},H={heads}]", _mla_decode_kernel, sig, const))
+        kv_name = "" if kv == dtype else f",kv={kv}"
+        specs.append((f"mla_decode[{dtype},rank={rank},rope={rope},H={heads}{kv_name}]", _mla_decode_kernel, sig, const))
     return specs
