@@ -104,8 +104,6 @@ class EngineFeatures:
             return "an encoder-only worker runs no language-model step"
         if self.spec is not None:
             return "speculative decoding proposes each step's drafts from the last token, on the host"
-        if self.config.enable_return_routed_experts:
-            return "routed-experts capture reads a finished choice's rows while the next step writes the store"
         return None
 
     def parse_images(self, req) -> Any:

@@ -1,9 +1,10 @@
 """Async scheduling (issue 41): the engine plans step N+1 while step N runs, with the
 token N samples still in flight.  Whatever the feature, the outputs are those of the
 synchronous step: same tokens, logprobs (bitwise on CPU), texts, finish reasons,
-prompt logprobs.  Steps of a request that cannot be planned ahead (penalties,
-min_tokens, bad words, grammars, adapters, images, KV transfer) run synchronously,
-the others keep overlapping."""
+prompt logprobs.  Requests whose sampling reads the tokens generated so far
+(penalties, min_tokens, bad words, grammars) overlap their forwards and wait for the
+token in flight before sampling; steps of a request that cannot be planned ahead
+(adapters, images, KV transfer) run synchronously, the others keep overlapping."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,8 @@ def _outputs(engine, reqs, *, staggered: bool = False):
             break
         for d in engine.step():
             entry = got.setdefault((d.request_id, d.index), {"tokens": [], "logprobs": [], "text": "",
-                                                               "finish": None, "stop": None, "prompt": None})
+                                                               "finish": None, "stop": None, "prompt": None,
+                                                               "routed_experts": None})
             entry["tokens"] += d.token_ids
             if d.logprobs is not None:
                 lp = d.logprobs
@@ -39,6 +41,8 @@ def _outputs(engine, reqs, *, staggered: bool = False):
             entry["text"] += d.text or ""
             if d.prompt_logprobs is not None:
                 entry["prompt"] = (d.prompt_logprobs.token_ids, d.prompt_logprobs.logprobs)
+            if d.routed_experts is not None:  # .npy bytes of every position the model ran
+                entry["routed_experts"] = d.routed_experts
             if d.finish_reason is not None:
                 entry["finish"], entry["stop"] = d.finish_reason, d.stop_reason
     else:
@@ -95,13 +99,19 @@ CASES = {
         request(f"t{i}", [72, 101, 108, 108, 111, i + 3], max_tokens=16, ignore_eos=True, output_text=True,
                 stop=["ab", "e", "zz"], allowed_token_ids=list(range(97, 123)), temperature=1.0, seed=i)
         for i in range(4)], {}, False),
-    # Synchronous per request (they read the tokens generated so far), mixed with plain ones.
+    # Reading the tokens generated so far (their metadata waits for the token in flight), mixed with plain ones.
     "penalties_min_tokens_bad_words_beside_plain": ("qwen2_dir", lambda: [
         request("p", [5, 9, 33, 71], max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5),
         request("m", [5, 9, 33, 71, 2], logit_bias={EOS_ID: 100.0}, min_tokens=3),
         request("b", [5, 9, 33, 71, 2, 3], max_tokens=8, ignore_eos=True, bad_words=["ab", "c"]),
         *[request(f"g{i}", p, max_tokens=8, ignore_eos=True) for i, p in
           enumerate(random_prompts(4, 4, 20, seed=8))]], {}, True),
+    # Routed-experts capture: each finished choice's rows read while the next step runs.
+    "routed_experts_moe": ("qwen3_moe_dir", lambda: [
+        request(f"r{i}", p, max_tokens=5 + 2 * i, ignore_eos=True, n=1 + i % 2, temperature=0.8 * (i % 2), seed=i,
+                routed_experts_prompt_start=i % 3)
+        for i, p in enumerate(random_prompts(5, 6, 30, seed=14))],
+        dict(enable_return_routed_experts=True, max_num_batched_tokens=24), True),
     "structured_outputs_beside_plain": ("llama_dir", lambda: [
         request("so-digits", [1, 2, 3], max_tokens=12, structured_outputs=StructuredOutputs(regex="[0-9]{6}x")),
         request("so-choice", [4, 5], max_tokens=12, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])),
@@ -116,6 +126,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(case, request_fixture):
     model_dir = request_fixture(fixture)
     out, counts = _both(model_dir, make_reqs, staggered=staggered, **overrides)
     assert all(e["finish"] is not None for e in out.values())
+    if overrides.get("enable_return_routed_experts"):  # captured, and equal to the synchronous step's
+        assert all(e["routed_experts"] for e in out.values())
     assert counts.get("overlapped", 0) > 0, f"no step overlapped: {counts}"
 
 
@@ -124,17 +136,45 @@ def request_fixture(request):
     return request.getfixturevalue
 
 
-def test_requests_reading_their_history_run_synchronously(qwen2_dir):
-    """A penalty request alone: every step synchronous (its sampling reads the last token)."""
-    engine = make_engine(qwen2_dir, async_scheduling=True)
-    engine.generate([request("p", [5, 9, 33, 71], max_tokens=6, ignore_eos=True, presence_penalty=1.0)])
-    assert engine.step_counts.get("overlapped", 0) == 0 and engine.step_counts["synchronous"] >= 6
-    engine.generate([request("g", [5, 9, 33, 71], max_tokens=6, ignore_eos=True)])
-    assert engine.step_counts["overlapped"] >= 5
-    # min_tokens with ignore_eos masks no stop id (benchmarks send min_tokens = max_tokens): it overlaps.
-    before = engine.step_counts["overlapped"]
-    engine.generate([request("m", [5, 9, 33, 71], max_tokens=6, min_tokens=6, ignore_eos=True)])
-    assert engine.step_counts["overlapped"] >= before + 5
+@pytest.fixture
+def qwen3_moe_dir(tiny_model):
+    return tiny_model("qwen3_moe")
+
+
+@pytest.mark.parametrize("params", [dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.4),
+                                    dict(min_tokens=5, logit_bias={EOS_ID: 100.0}),
+                                    dict(bad_words=["ab", "c"], output_text=True, temperature=1.0, seed=4)])
+def test_requests_reading_their_history_overlap(qwen2_dir, params):
+    """Penalties, min_tokens' stop masks and bad words read the tokens generated so far:
+    their forwards overlap the previous step and their sampling metadata waits for its
+    token -- the sampler always saw every earlier token (spied), the outputs equal the
+    synchronous step's."""
+    from worker.engine.sample.sampling_metadata import SamplingMetadata
+
+    outs, seen = {}, {}
+    original = SamplingMetadata.build
+
+    def spy(rows, vocab_size, device):
+        for r in rows:
+            seen.setdefault(mode, []).append(len(r.output_token_ids))
+        return original(rows, vocab_size, device)
+
+    for mode in (False, True):
+        engine = make_engine(qwen2_dir, async_scheduling=mode)
+        SamplingMetadata.build = staticmethod(spy)
+        try:
+            got = engine.generate([request("h", [5, 9, 33, 71, 2], max_tokens=10, **params)])["h"]
+        finally:
+            SamplingMetadata.build = original
+        outs[mode] = ([t for d in got for t in d.token_ids], got[-1].finish_reason)
+        if mode:  # every step overlapped
+            assert engine.step_counts.get("overlapped", 0) >= 5 and not engine.step_counts.get("synchronous"), \
+                engine.step_counts
+        engine.close()
+    assert outs[True] == outs[False]
+    n = len(outs[True][0])
+    # each sampled token's metadata was built over exactly the tokens before it
+    assert seen[True][:n] == seen[False][:n] == list(range(n))
 
 
 def test_abort_while_a_step_is_in_flight(llama_dir):

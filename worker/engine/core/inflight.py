@@ -38,7 +38,7 @@ class DeviceStep:
     prompt_jobs: list  # (request, first position, count): prompt positions scored
     sample_seqs: list  # the choices that sample, in sampler-row order
     specs: list  # drafts each verifies (speculative decoding)
-    meta: Any  # SamplingMetadata of the sampling rows
+    meta: Any  # SamplingMetadata of the sampling rows (None until built when ``meta_rows`` is set)
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> its first sampler row
     future: Any = None
     # Results, set by the device work
@@ -52,6 +52,10 @@ class DeviceStep:
     # the token this step samples) waits for it before them -- its forward still overlaps.
     outputs_done: threading.Event = field(default_factory=threading.Event)
     wait_before_logits: Optional[threading.Event] = None  # the previous step's outputs_done, when needed
+    # Sampling rows whose metadata reads the output history (penalties, min_tokens, bad
+    # words): built on the device side after ``wait_before_logits``, when the token the
+    # previous step samples is in that history.
+    meta_rows: Optional[list] = None
 
     def set_result(self, result: Any) -> None:
         """The sampler's output (``SamplerOutput``).  On the CPU its ids and logprobs are

@@ -95,7 +95,7 @@ class _ModelRegistry:
 
 
 _LLAMA = "llama"
-_MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=False, routed_experts=True)
+_MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True, routed_experts=True)
 _VL = dict(tensor_parallel=False, images=True, sliding_window=True)
 # DeepSeek's multi-head latent attention: the latent cache, DeepSeek's MoE (models/deepseek_v2.py).
 _DEEPSEEK = dict(lora_modules=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
@@ -161,11 +161,11 @@ ModelRegistry = _ModelRegistry([
                       "adapters also name the vision tower's q/k/v projections)"),
     ModelFamily("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "GPT-OSS",
                 dict(qkv_bias_default=False, qk_norm=None, moe="gpt_oss", sinks=True), sliding_window=True,
-                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), lora_served=False, tensor_parallel=False,
+                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True,
                 routed_experts=True,
                 notes="attention sinks (CPU: torch SDPA; CUDA: Triton), biased top-k-softmax router, expert biases, clamped "
-                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA not "
-                      "served (untested)"),
+                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA on the "
+                      "attention projections"),
     ModelFamily("DeepseekV3ForCausalLM", "deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V3 / R1 / Kimi K2",
                 dict(qkv_bias_default=False, qk_norm=None, mla=True, moe="deepseek_v3"), **_DEEPSEEK,
                 notes="noaux_tc routing (sigmoid, correction bias, grouped top-k, routed_scaling_factor); "
