@@ -18,7 +18,8 @@ modeling_deepseek_v2.py / modeling_deepseek_v3.py and vLLM's deepseek_v2.py:
   ``routed_scaling_factor``), V2 by ``greedy`` / ``group_limited_greedy`` softmax.
 
 An FP8 KV cache (``--kv-cache-dtype fp8``) stores the latent in FP8 (scale 1.0, saturated,
-as the K/V caches).  Not served: tensor parallelism (the registry says so), LoRA, CUDA graphs (the latent attention
+as the K/V caches).  Tensor parallelism splits the heads (``_attention_slices``) and the experts' intermediate
+dimension (models/moe.py); every rank stores the whole latent.  Not served: LoRA, CUDA graphs (the latent attention
 plans each step on the host: decode runs eager).  Decode rows run the Triton backend's
 latent decode kernel (kernels/triton/mla_decode.py) where that backend is chosen.
 """
@@ -71,10 +72,17 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         extra = [self.kv_a_layernorm] + ([self.q_a_layernorm] if self.q_a_layernorm is not None else [])
         return super().norms() + extra
 
-    def weight_slices(self, prefix: str) -> dict[str, tuple[int, int, int]]:
-        if self.tp.active:  # check_shardable refuses first (the registry: no TP)
-            raise NotImplementedError("multi-head latent attention is not sharded")
-        return {}
+    def _attention_slices(self, a: str) -> dict[str, tuple[int, int, int]]:
+        """Tensor parallelism by heads (vLLM's): each rank's query rows (q_proj / q_b_proj),
+        kv_b_proj rows (its heads' W_UK / W_UV) and o_proj columns; the down-projections
+        to the latent (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated, so
+        every rank stores the whole latent and attends its own heads over it."""
+        m, start, heads = self.mla, self.shard.head_start, self.num_heads
+        q_rows = (0, start * m.qk_head_dim, heads * m.qk_head_dim)
+        return {a + ("q_b_proj.weight" if self.q_lora_rank else "q_proj.weight"): q_rows,
+                a + "kv_b_proj.weight": (0, start * (m.qk_nope_head_dim + m.v_head_dim),
+                                         heads * (m.qk_nope_head_dim + m.v_head_dim)),
+                a + "o_proj.weight": (1, start * m.v_head_dim, heads * m.v_head_dim)}
 
     def _attention_targets(self, a: str) -> dict[str, torch.Tensor]:
         m = self.mla

@@ -165,11 +165,8 @@ class LlamaDecoderLayer(nn.Module):
         tensors only; the loader narrows the checkpoint tensor before copying)."""
         if not self.tp.active:
             return {}
-        sh, d = self.shard, self.head_dim
-        a, m = prefix + "self_attn.", prefix + "mlp."
-        q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
-        t = {a + "q_proj.weight": q_rows, a + "k_proj.weight": kv_rows, a + "v_proj.weight": kv_rows,
-             a + "o_proj.weight": (1, sh.head_start * d, self.q_size)}
+        m = prefix + "mlp."
+        t = self._attention_slices(prefix + "self_attn.")
         if self.moe is not None:
             t.update(self.moe.weight_slices(prefix))
         else:
@@ -177,10 +174,20 @@ class LlamaDecoderLayer(nn.Module):
             t.update({m + "gate_proj.weight": (0, self.inter_start, inter),
                       m + "up_proj.weight": (0, self.inter_start, inter),
                       m + "down_proj.weight": (1, self.inter_start, inter)})
+            if self.gate_up_bias is not None:
+                t.update({m + "gate_proj.bias": (0, self.inter_start, inter),
+                          m + "up_proj.bias": (0, self.inter_start, inter)})
+        return t
+
+    def _attention_slices(self, a: str) -> dict[str, tuple[int, int, int]]:
+        """The attention's sharded tensors (``a``: the ``...self_attn.`` prefix): q/k/v rows
+        and o_proj columns of this rank's heads."""
+        sh, d = self.shard, self.head_dim
+        q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
+        t = {a + "q_proj.weight": q_rows, a + "k_proj.weight": kv_rows, a + "v_proj.weight": kv_rows,
+             a + "o_proj.weight": (1, sh.head_start * d, self.q_size)}
         if self.qkv_bias is not None:
             t.update({a + "q_proj.bias": q_rows, a + "k_proj.bias": kv_rows, a + "v_proj.bias": kv_rows})
-        if self.moe is None and self.gate_up_bias is not None:
-            t.update({m + "gate_proj.bias": (0, self.inter_start, inter), m + "up_proj.bias": (0, self.inter_start, inter)})
         if self.q_norm_full is not None:  # OLMo: the norms' weights follow the heads
             t.update({a + "q_norm.weight": q_rows, a + "k_norm.weight": kv_rows})
         return t

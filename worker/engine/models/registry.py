@@ -99,7 +99,7 @@ _MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parall
 _VL = dict(tensor_parallel=False, images=True, sliding_window=True)
 # DeepSeek's multi-head latent attention: the latent cache, DeepSeek's MoE (models/deepseek_v2.py).
 _DEEPSEEK = dict(lora_modules=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-                 lora_served=False, tensor_parallel=False, routed_experts=True)
+                 lora_served=False, tensor_parallel=True, routed_experts=True)
 _MLA_NOTES = ("multi-head latent attention: the paged cache stores the latent (kv_lora_rank + qk_rope_head_dim per "
               "token and layer), prefill expands it (torch ops), decode absorbs q/o into kv_b_proj (Triton kernel on "
               "the Triton backend, torch ops otherwise), no CUDA graphs; YaRN with mscale; dense first layers, shared "
