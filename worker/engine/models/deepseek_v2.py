@@ -17,11 +17,12 @@ modeling_deepseek_v2.py / modeling_deepseek_v3.py and vLLM's deepseek_v2.py:
   shared experts: V3 routes by ``noaux_tc`` (sigmoid, correction bias, grouped top-k,
   ``routed_scaling_factor``), V2 by ``greedy`` / ``group_limited_greedy`` softmax.
 
-An FP8 KV cache (``--kv-cache-dtype fp8``) stores the latent in FP8 (scale 1.0, saturated,
-as the K/V caches).  Tensor parallelism splits the heads (``_attention_slices``) and the experts' intermediate
-dimension (models/moe.py); every rank stores the whole latent.  Not served: LoRA, CUDA graphs (the latent attention
-plans each step on the host: decode runs eager).  Decode rows run the Triton backend's
-latent decode kernel (kernels/triton/mla_decode.py) where that backend is chosen.
+An FP8 KV cache (``--kv-cache-dtype fp8``) stores the latent in FP8 (scale 1.0,
+saturated, as the K/V caches).  Tensor parallelism splits the heads
+(``_attention_slices``) and the experts' intermediate dimension (models/moe.py); every
+rank stores the whole latent.  Decode rows run the Triton backend's latent decode kernel
+(kernels/triton/mla_decode.py) where that backend is chosen.  Not served: LoRA, CUDA
+graphs (the latent attention plans each step on the host: decode runs eager).
 """
 from __future__ import annotations
 

@@ -11,12 +11,13 @@ that GEMM once per expert group.
 Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``;
 GLM-4.5 and DeepSeek-V3 route by sigmoid scores within expert groups
 (``select_experts_grouped``), DeepSeek-V2 by softmax scores within the best groups
-(``select_experts_group_limited``); all three add ungated shared experts.  GPT-OSS routes by a softmax over the top-k raw logits
-of a biased router, adds a bias per expert to both projections and uses the clamped
-SwiGLU; its checkpoints store each layer's experts as one fused tensor per projection
-with gate and up interleaved, and ``w13`` / ``w2`` keep exactly that (interleaved rows,
-the activation reads them so): the checkpoint tensors are transposed views of them,
-so loading and RL weight updates by checkpoint name copy in place, no re-cut.
+(``select_experts_group_limited``); all three add ungated shared experts. GPT-OSS routes
+by a softmax over the top-k raw logits of a biased router, adds a bias per expert to
+both projections and uses the clamped SwiGLU; its checkpoints store each layer's experts
+as one fused tensor per projection with gate and up interleaved, and ``w13`` / ``w2``
+keep exactly that (interleaved rows, the activation reads them so): the checkpoint
+tensors are transposed views of them, so loading and RL weight updates by checkpoint
+name copy in place, no re-cut.
 """
 from __future__ import annotations
 

@@ -123,5 +123,6 @@ def compile_specs() -> list:
         sig.update(num_heads="i32", scale="fp32")
         const = dict(RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, IEEE=dtype == "fp32", **_config(rank, rope, heads))
         kv_name = "" if kv == dtype else f",kv={kv}"
-        specs.append((f"mla_decode[{dtype},rank={rank},rope={rope},H={heads}{kv_name}]", _mla_decode_kernel, sig, const))
+        specs.append((f"mla_decode[{dtype},rank={rank},rope={rope},H={heads}{kv_name}]", _mla_decode_kernel, sig,
+                      const))
     return specs
