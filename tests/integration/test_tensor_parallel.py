@@ -85,7 +85,11 @@ def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     assert np.abs(got - _hf_step_logits(path)).max() < 1e-4
 
 
-def test_engine_with_two_ranks_matches_one(tiny_model):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_with_two_ranks_matches_one(tiny_model, async_scheduling):
+    """Two ranks give one rank's tokens; with async scheduling the leader's device thread
+    broadcasts each step with the tokens in flight filled in (the followers need them),
+    and the steps overlap."""
     path = tiny_model("qwen3")
     prompts = random_prompts(5, 4, 40, seed=9)
 
@@ -94,15 +98,44 @@ def test_engine_with_two_ranks_matches_one(tiny_model):
         return [res[str(i)][0].token_ids for i in range(len(prompts))]
 
     one = greedy(make_engine(path))
-    engine = make_engine(path, tensor_parallel_size=2)
+    engine = make_engine(path, tensor_parallel_size=2, async_scheduling=async_scheduling)
     try:
         assert engine.model.layers[0].num_kv_heads == 1 and engine.runner.kv_cache.shape[-2] == 1
         assert greedy(engine) == one
+        assert (engine.step_counts.get("overlapped", 0) > 5) == async_scheduling, engine.step_counts
         procs = engine.tp_leader.procs
         assert all(p.is_alive() for p in procs)
     finally:
         engine.close()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_async_two_ranks_with_staggered_arrivals_and_chunks(tiny_model):
+    """Requests joining mid-run, prefill chunks and finishes change the batch every few
+    steps: the tokens in flight land at scattered input positions, and the followers
+    still compute what rank 0 does (the same tokens as the synchronous single rank)."""
+    path = tiny_model("llama")
+    prompts = random_prompts(6, 5, 40, seed=17)
+
+    def run(engine):
+        pending = [request(f"s{i}", p, max_tokens=4 + 2 * i, ignore_eos=True) for i, p in enumerate(prompts)]
+        got: dict[str, list[int]] = {}
+        for _ in range(10_000):
+            if pending:
+                engine.add_request(pending.pop(0))
+            elif not engine.has_unfinished():
+                break
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+        return got
+
+    ref = run(make_engine(path, max_num_batched_tokens=16))
+    engine = make_engine(path, tensor_parallel_size=2, async_scheduling=True, max_num_batched_tokens=16)
+    try:
+        assert run(engine) == ref
+        assert engine.step_counts.get("overlapped", 0) > 10, engine.step_counts
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])

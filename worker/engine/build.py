@@ -98,8 +98,6 @@ class EngineFeatures:
 
     def _overlap_blocker(self) -> Optional[str]:
         """Why this engine's steps cannot overlap at all (async scheduling off), or None."""
-        if self.tp_leader is not None:
-            return "tensor parallelism broadcasts each step's host inputs to the followers"
         if self.ec.encoder_only:
             return "an encoder-only worker runs no language-model step"
         if self.spec is not None:

@@ -3,10 +3,14 @@ token N samples still in flight.  Whatever the feature, the outputs are those of
 synchronous step: same tokens, logprobs (bitwise on CPU), texts, finish reasons,
 prompt logprobs.  Requests whose sampling reads the tokens generated so far
 (penalties, min_tokens, bad words, grammars) overlap their forwards and wait for the
-token in flight before sampling; steps of a request that cannot be planned ahead
-(adapters, images, KV transfer) run synchronously, the others keep overlapping."""
+token in flight before sampling; adapter requests overlap unless their adapters cannot
+load beside the step in flight's; steps of a request that cannot be planned ahead
+(images, KV transfer) run synchronously, the others keep overlapping."""
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
 
 from tests.support.engine_helpers import make_engine, random_prompts, request, run_to_completion
@@ -246,27 +250,83 @@ def test_cuda_graph_steps_fill_placeholders_on_the_device(llama_dir):
     assert counts2["overlapped"] > 0
 
 
-def test_lora_requests_beside_base_requests(llama_dir, tmp_path):
-    """Adapter requests run their steps synchronously (slots load while planning), base
-    requests beside them keep overlapping; outputs as without async scheduling."""
+def test_lora_requests_overlap_and_never_reload_a_slot_in_flight(llama_dir, tmp_path, monkeypatch):
+    """Adapter requests overlap: adapters load into device slots while the next batch is
+    planned, never into a slot the step in flight reads (spied at every slot write); when
+    the batch's adapters cannot fit beside the in-flight step's, that step finishes first.
+    Three adapters rotating through two slots beside base requests: outputs as without
+    async scheduling, every step overlapped (the scheduler plans no step past a choice's
+    length, so a finishing adapter's slot is free by the time another needs it)."""
     pytest.importorskip("peft")
     from tests.support.lora_factory import ATTENTION, build_adapter
+    from worker.engine.lora.manager import LoRAManager
 
-    adapter = build_adapter(llama_dir, tmp_path / "a", ATTENTION, rank=4, alpha=8, seed=3)
-    prompts = random_prompts(6, 5, 30, seed=14)
+    adapters = {n: str(build_adapter(llama_dir, tmp_path / n, ATTENTION, rank=4, alpha=8, seed=3 + i))
+                for i, n in enumerate("abc")}
+    prompts = random_prompts(9, 5, 30, seed=14)
 
     def reqs():
         out = []
         for i, p in enumerate(prompts):
-            r = request(f"r{i}", p, max_tokens=8 + i, ignore_eos=True)
-            if i % 2:
-                r.lora_name = "a"
+            r = request(f"r{i}", p, max_tokens=6 + i, ignore_eos=True)
+            if i % 3:
+                r.lora_name = "abc"[i % 3 - 1 + (i // 3) % 2]
             out.append(r)
         return out
 
-    _, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=1, max_lora_rank=8,
-                      lora_modules={"a": str(adapter)})
-    assert counts["synchronous"] > 0
+    engines, writes = [], []
+    original = LoRAManager._slot
+
+    def spy(self, key, in_use):
+        slot = self._slot_of.get(key)
+        if slot is None:  # a load: the slot it takes must not be one the step in flight reads
+            engine = next(e for e in engines if e.lora_manager is self)
+            prev = engine._inflight
+            lora = prev.run_plan.extras.lora if prev is not None and prev.run_plan.extras is not None else None
+            busy = set(lora.token_slots.tolist()) if lora is not None else set()
+            got = original(self, key, in_use)
+            writes.append((got, busy))
+            assert got not in busy, (got, busy)
+            return got
+        return original(self, key, in_use)
+
+    monkeypatch.setattr(LoRAManager, "_slot", spy)
+    import tests.support.engine_helpers as helpers
+
+    made = helpers.make_engine
+
+    def tracked(*args, **kwargs):
+        engines.append(made(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(sys.modules[__name__], "make_engine", tracked)
+    _, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                      lora_modules=adapters)
+    assert counts["overlapped"] > 10, counts
+    assert len(writes) >= 4  # adapters were (re)loaded, some while a step with adapters was in flight
+    assert any(busy for _, busy in writes)
+
+
+def test_adapters_that_cannot_load_beside_the_step_in_flight_wait_for_it(llama_dir, tmp_path):
+    """Two slots held by the step in flight's adapters: a batch needing a third adapter
+    cannot be planned beside it (``overlaps_step`` is False: that step finishes first,
+    then any slot not in the batch is free to take)."""
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import ATTENTION, build_adapter
+
+    adapters = {n: str(build_adapter(llama_dir, tmp_path / n, ATTENTION, rank=4, alpha=8, seed=9))
+                for n in "abc"}
+    engine = make_engine(llama_dir, async_scheduling=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                         lora_modules=adapters)
+    manager = engine.lora_manager
+    key = {n: manager.keys[n] for n in "abc"}
+    manager.step_batch([key["a"], key["b"]], np.ones(2, dtype=np.int64))  # a and b resident
+    assert manager.loadable_beside(frozenset({key["c"]}), frozenset())  # nothing in flight: evict one
+    assert manager.loadable_beside(frozenset({key["a"], key["c"]}), frozenset({key["a"]}))  # b goes
+    assert not manager.loadable_beside(frozenset({key["b"], key["c"]}), frozenset({key["a"], key["b"]}))
+    manager.busy = frozenset({key["a"]})
+    manager.step_batch([key["c"]], np.ones(1, dtype=np.int64))  # evicts b, never the busy a
+    assert set(manager._slot_of) == {key["a"], key["c"]}
 
 
 def test_structured_outputs_overlap_and_match_the_synchronous_step(llama_dir):
@@ -307,3 +367,28 @@ def test_structured_outputs_overlap_and_match_the_synchronous_step(llama_dir):
             assert engine.step_counts.get("overlapped", 0) >= 8, engine.step_counts
         engine.close()
     assert outs[True] == outs[False]
+
+
+def test_an_adapter_stopping_early_makes_the_next_batch_wait_for_its_slot(llama_dir, tmp_path):
+    """Adapter a stops on EOS (not a length the scheduler can foresee), so the step in
+    flight still holds a's and b's slots when c's first batch is planned: that batch
+    waits for the step in flight (a synchronous step), then loads c -- outputs as
+    without async scheduling."""
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import ATTENTION, build_adapter
+
+    adapters = {n: str(build_adapter(llama_dir, tmp_path / n, ATTENTION, rank=4, alpha=8, seed=21))
+                for n in "abc"}
+
+    def reqs():
+        out = [request("a", [5, 9, 33, 71], max_tokens=20, min_tokens=3, logit_bias={EOS_ID: 100.0}),
+               request("b", [6, 10, 34], max_tokens=14, ignore_eos=True),
+               request("c", [7, 11, 35, 72, 90], max_tokens=6, ignore_eos=True)]
+        for r, n in zip(out, "abc"):
+            r.lora_name = n
+        return out
+
+    out, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                        lora_modules=adapters)
+    assert out[("a", 0)]["finish"] == "stop" and len(out[("a", 0)]["tokens"]) == 4
+    assert counts.get("synchronous", 0) > 0 and counts["overlapped"] > 5, counts

@@ -408,11 +408,12 @@ class EngineCore:
         return outs
 
     def _overlaps(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Whether every choice of the plan can run with its last token still in flight."""
+        """Whether every choice of the plan can run with its last token still in flight, and
+        planning it touches nothing the step in flight reads (``overlaps_step``)."""
         sync_only = self._sync_only
-        if not sync_only:
-            return True
-        return not any(s.seq.request.request_id in sync_only for s in scheduled)
+        if sync_only and any(s.seq.request.request_id in sync_only for s in scheduled):
+            return False
+        return self._inflight is None or all(ok(scheduled) for ok in self.hooks.overlaps_step)
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> DeviceStep:
         """Plan the step on the host (layout, logit rows, forks, sampling metadata) and

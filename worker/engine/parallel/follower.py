@@ -119,6 +119,7 @@ class TPLeader:
     to the followers (sizing, allocation and capture run on every rank in lockstep)."""
 
     lockstep = True
+    broadcasts_inputs = True
 
     def __init__(self, procs: list, init_dir: str):
         self.procs = procs
