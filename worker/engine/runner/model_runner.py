@@ -240,6 +240,8 @@ class ModelRunner:
         (smaller ones share its pool) on the temporary cache, then dropped."""
         if self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return 0
+        if not getattr(self.model, "supports_cuda_graphs", True):  # never captured (_capture_cuda_graphs)
+            return 0
         if self.parallel.lockstep:  # a lone capture would wait on the other ranks' all-reduces
             log.info("graph-pool memory not profiled under tensor parallelism")
             return 0
