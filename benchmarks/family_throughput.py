@@ -7,7 +7,10 @@ on: Phi-3 with LongRoPE and a 64-token window, SmolLM3 with NoPE every 4th layer
 windows, OLMo 2 (post-norm, whole-projection q/k norm), OLMo 3 (3 sliding layers of 64
 per full one), Gemma 3 (local layers of 64 and global ones, 1 + w norms, GeGLU,
 soft-capped logits), GPT-OSS (sinks, alternating 64-token windows and full layers, YaRN,
-8 experts of 512 top-4 with biases and the clamped SwiGLU); Llama as the reference point.  Prints output tokens/s of each side,
+8 experts of 512 top-4 with biases and the clamped SwiGLU), DeepSeek-V3 (multi-head latent
+attention: q_lora_rank 256, kv_lora_rank 128, qk 64 nope + 32 rope, v 64, YaRN with mscale;
+a dense first layer, then 8 experts of 512 in 4 groups, top-2 by noaux_tc, one shared
+expert); Llama as the reference point.  Prints output tokens/s of each side,
 the ratio and how many greedy outputs agree.
 
     python -m benchmarks.family_throughput --threads 1                # all families
@@ -59,6 +62,15 @@ def _config(family: str):
                                          num_experts_per_tok=4, sliding_window=64, rope_parameters=rope,
                                          layer_types=["sliding_attention", "full_attention"] * 4,
                                          attention_bias=True)
+    if family == "deepseek_v3":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+        common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+        return transformers.DeepseekV3Config(**{**common, "num_key_value_heads": 8}, q_lora_rank=256, kv_lora_rank=128,
+                                             qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                             moe_intermediate_size=512, n_shared_experts=1, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5, rope_parameters=rope)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -71,7 +83,7 @@ def build_model(out: Path, family: str, seed: int = 0) -> Path:
     config.architectures = [{"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
                              "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                              "olmo3": "Olmo3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                             "gpt_oss": "GptOssForCausalLM"}[family]]
+                             "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family]]
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     with torch.no_grad():  # seeded noise on every weight, norms included (Gemma's norms are 1 + w)

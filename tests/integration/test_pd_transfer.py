@@ -240,3 +240,27 @@ def test_prefill_worker_killed_decode_leg_fails_fast_and_decode_keeps_serving(st
     _wait_free(broker, {1: before})
     ok = _gen(http, 1, prompt, max_tokens=3)
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_deepseek_latent_blocks_transfer(tmp_path, tiny_model):
+    """DeepSeek-V3's latent cache (one [c_kv | k_pe] row per token and layer) moves through
+    the same pull: the decode worker's continuation equals plain decoding on it, with the
+    pulled blocks counted as cached."""
+    path = tiny_model("deepseek_v3")
+    with ProcGroup(tmp_path) as procs:
+        broker = procs.broker()
+        procs.worker(broker, 0, "--model", str(path), *WORKER_ARGS, "--dtype", "float32", "--role", "prefill")
+        procs.worker(broker, 1, "--model", str(path), *WORKER_ARGS, "--dtype", "float32", "--role", "decode")
+        wait_for_workers(broker.frontend, 2, timeout=120)
+        gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")
+        with httpx.Client(base_url=gw.url, timeout=60) as http:
+            prompt = _prompt(3)
+            ref = _gen(http, 1, prompt, logprobs=2, cache_salt="reference")
+            assert ref.status_code == 200, ref.text
+            kv = _prefill(http, prompt)
+            r = _gen(http, 1, prompt, kv, logprobs=2)
+            assert r.status_code == 200, r.text
+            got, want = r.json(), ref.json()
+            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+            assert _close(want["choices"][0]["logprobs"], got["choices"][0]["logprobs"])
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(kv["remote_block_ids"][0]) * BLOCK > 0

@@ -67,9 +67,12 @@ def _hf_step_logits(path: Path) -> np.ndarray:
 # OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated;
 # the mixture-of-experts families with their experts split along the intermediate dimension
 # (Qwen2-MoE's gated shared expert, GLM-4.5's grouped routing, dense first layer and shared
-# experts, GPT-OSS's interleaved fused experts with biases and its per-head attention sinks).
+# experts, GPT-OSS's interleaved fused experts with biases and its per-head attention sinks);
+# DeepSeek's latent attention split by heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns)
+# over the replicated latent, with and without q_lora_rank, V3's and V2's routers.
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3",
-                                  "olmo2_mqa", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss"])
+                                  "olmo2_mqa", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss",
+                                  "deepseek_v3", "deepseek_v3_plain", "deepseek_v2"])
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     """A prefill, a chunk after cached context beside a second prefill, and decodes
     over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""
@@ -135,13 +138,15 @@ def test_async_two_ranks_with_staggered_arrivals_and_chunks(tiny_model):
         engine.close()
 
 
-def test_moe_engine_with_two_ranks_matches_one(tiny_model):
-    """A mixture-of-experts engine over two ranks (experts split, GLM-4.5's grouped
-    routing and shared experts): the same greedy tokens and the same routed experts
-    (recorded by rank 0, whose router is the replicated one) as one rank."""
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_moe_engine_with_two_ranks_matches_one(tiny_model, kind):
+    """A mixture-of-experts engine over two ranks (experts split, GLM-4.5's / DeepSeek-V3's
+    grouped routing and shared experts; DeepSeek's latent attention split by heads): the
+    same greedy tokens and the same routed experts (recorded by rank 0, whose router is
+    the replicated one) as one rank."""
     import io
 
-    path = tiny_model("glm4_moe")
+    path = tiny_model(kind)
     prompts = random_prompts(4, 6, 30, seed=5)
 
     def run(engine):

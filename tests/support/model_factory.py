@@ -38,6 +38,14 @@ Kinds (``KINDS``):
   glm4_moe       Glm4MoeForCausalLM, 3 layers: layer 0 dense (first_k_dense_replace), 8 experts in 4
                  groups (2 chosen) top-2 by sigmoid + correction bias, routed_scaling_factor 2.5, one
                  shared expert, q/k norm, q/k/v bias, partial rotary 0.5
+  deepseek_v3    DeepseekV3ForCausalLM (MLA), 3 layers: layer 0 dense (first_k_dense_replace), q_lora_rank 32,
+                 kv_lora_rank 32, qk nope 16 + rope 8, v 12, YaRN x4 with mscale / mscale_all_dim, interleaved
+                 rotary; 8 experts in 4 groups (2 chosen) top-2, sigmoid + correction bias,
+                 routed_scaling_factor 2.5, one shared expert
+  deepseek_v3_plain  the same without q_lora_rank (plain q_proj), default rope, rope_interleave false
+  deepseek_v2    DeepseekV2ForCausalLM (MLA), 3 layers, layer 0 dense, no q_lora_rank, YaRN x4 with
+                 mscale_all_dim, 8 experts group_limited_greedy (4 groups, 1 chosen) top-2 softmax,
+                 routed_scaling_factor 2.0, two shared experts
   gemma3_mm      Gemma3ForConditionalGeneration: gemma3's text tower (2 layers, no soft-capping) + a
                  tiny SigLIP tower (56x56 images, 14-pixel patches, 4 tokens per image; image token 300,
                  start/end of image 301/302)
@@ -70,14 +78,15 @@ _ROPE = {
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "llama_mqa", "llama_sharded",
          "llama_tied", "llama_rope_llama3", "llama_rope_linear", "llama_rope_yarn", "mixtral", "qwen2_moe",
          "qwen3_moe", "phi3", "phi3_longrope", "smollm3", "smollm3_swa", "olmo2", "olmo2_mqa", "olmo3", "gemma3", "gemma3_mm", "glm4_moe", "granite",
-         "gpt_oss")
+         "gpt_oss", "deepseek_v3", "deepseek_v3_plain", "deepseek_v2")
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
          "glm4_moe": "Glm4MoeForCausalLM", "granite": "GraniteForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
-         "gpt_oss": "GptOssForCausalLM"}
+         "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 
 def special_tokens(vocab_size: int = VOCAB_SIZE) -> tuple[str, ...]:
@@ -185,6 +194,22 @@ def _hf_config(kind: str):
             **{**_COMMON, "intermediate_size": 64}, head_dim=16, pad_token_id=0, num_local_experts=8,
             num_experts_per_tok=4, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
             rope_parameters=rope, swiglu_limit=0.5, attention_bias=True)
+    if kind in ("deepseek_v3", "deepseek_v3_plain", "deepseek_v2"):
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+                "mscale": 0.8, "mscale_all_dim": 0.9, "beta_fast": 32, "beta_slow": 1}
+        mla = dict(**{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, pad_token_id=0, kv_lora_rank=32,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                   n_group=4, topk_group=2, moe_intermediate_size=48, first_k_dense_replace=1)
+        if kind == "deepseek_v2":
+            # one group of four chosen: with two, top-2 of the best groups' maxima is plain top-2
+            return transformers.DeepseekV2Config(**{**mla, "topk_group": 1}, q_lora_rank=None,
+                                                 topk_method="group_limited_greedy",
+                                                 n_shared_experts=2, routed_scaling_factor=2.0, rope_parameters=yarn)
+        plain = kind == "deepseek_v3_plain"
+        return transformers.DeepseekV3Config(
+            **mla, q_lora_rank=None if plain else 32, n_shared_experts=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_interleave=not plain,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0} if plain else yarn)
     if kind == "qwen2_swa":
         return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     extra = {}
@@ -217,7 +242,8 @@ def build_tiny_model(kind: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     _randomise(model, seed)
-    if kind == "glm4_moe":  # the router's correction bias is a buffer: steer the choice with it too
+    if kind in ("glm4_moe", "deepseek_v3", "deepseek_v3_plain"):
+        # the router's correction bias is a buffer: steer the choice with it too
         gen = torch.Generator().manual_seed(seed + 1)
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))

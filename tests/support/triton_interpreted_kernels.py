@@ -487,3 +487,35 @@ def test_online_fp8_triton_scheme_is_the_emulated_w8a8():
     torch.testing.assert_close(got, round_rows(x) @ round_rows(w).t(), atol=1e-4, rtol=1e-4)
     assert torch.equal(scheme.unpack(packed), round_rows(w))
     assert scheme.head_scheme.name == "torch"
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float8_e4m3fn),
+                                               (torch.float32, torch.float8_e5m2)])
+@pytest.mark.parametrize("heads,rank,rope,block_size,lens", [
+    (4, 32, 8, 4, [1, 9, 70]),  # the tiny models' dims: heads, rank and rope below the tile widths
+    (20, 64, 16, 16, [33, 5]),  # heads past one 16-head program
+])
+def test_mla_decode_matches_torch_absorbed(dtype, cache_dtype, heads, rank, rope, block_size, lens):
+    """The latent decode kernel (kernels/triton/mla_decode.py) against the torch absorbed
+    form over the same paged latent cache (in q's dtype or FP8): shuffled blocks, lengths
+    crossing tiles."""
+    g = torch.Generator().manual_seed(11)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = torch.randn(num_blocks, block_size, rank + rope, generator=g).to(cache_dtype or dtype)
+    free = list(range(num_blocks))
+    random.Random(3).shuffle(free)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            tables[b, j] = free.pop()
+    q_lat = torch.randn(len(lens), heads, rank, generator=g).to(dtype)
+    q_pe = torch.randn(len(lens), heads, rope, generator=g).to(dtype)
+    scale = (rank + rope) ** -0.5
+    got = _ops().mla_decode(q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), scale)
+    for b, n in enumerate(lens):
+        lat = cache.float()[tables[b].long()].reshape(-1, rank + rope)[:n]
+        scores = (q_lat[b].float() @ lat[:, :rank].t() + q_pe[b].float() @ lat[:, rank:].t()) * scale
+        want = scores.softmax(-1) @ lat[:, :rank]
+        torch.testing.assert_close(got[b].float(), want, atol=TOL[dtype], rtol=TOL[dtype])

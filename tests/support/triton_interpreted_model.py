@@ -32,15 +32,19 @@ def _triton_model(path):
 # + the dense families: Phi-3's partial rotary (the Triton rotary on a head slice) and
 # windows, SmolLM3's NoPE layers, OLMo 3's post-norm blocks and local rope, Gemma 3's
 # attention scale (query_pre_attn_scalar) through the unified kernel; GPT-OSS's attention
-# sinks in the unified kernel (its experts on the grouped torch path).
+# sinks in the unified kernel (its experts on the grouped torch path); DeepSeek-V3/V2's decode
+# rows through the latent decode kernel (mla_decode), their prefill chunks expanded on torch ops.
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa", "qwen2_moe", "qwen3_moe", "phi3_longrope",
-                                  "smollm3_swa", "olmo3", "gemma3", "glm4_moe", "gpt_oss"])
+                                  "smollm3_swa", "olmo3", "gemma3", "glm4_moe", "gpt_oss", "deepseek_v3",
+                                  "deepseek_v2"])
 def test_mixed_steps_match_hf(tiny_model, kind):
     """Fresh prefill, a chunk after cached context beside decode rows, decode-only
     steps: one kernel launch per layer for every row kind, and the Triton RMSNorm,
     rotary, SwiGLU and cache write (and the fused-MoE GEMMs of the expert layers)."""
     path = tiny_model(kind)
     hf, model = load_hf_model(path), _triton_model(path)
+    if kind.startswith("deepseek"):  # decode rows through the Triton latent kernel, not torch's
+        assert all(layer.latent_attn.decode_kernel is not None for layer in model.layers)
     a, b = _tokens(30, seed=11), _tokens(14, seed=12)
     ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
     seqs = PagedSeqs(model)

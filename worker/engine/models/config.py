@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -87,6 +88,12 @@ class MoEConfig:
     swiglu_clamp: Optional[tuple[float, float]] = None
 
     @property
+    def router_fp32(self) -> bool:
+        """transformers scores these routers in float32 (weights and hidden cast up):
+        GLM-4.5 / DeepSeek-V3's sigmoid and DeepSeek-V2's grouped softmax."""
+        return self.scoring in ("sigmoid", "softmax_grouped")
+
+    @property
     def num_moe_layers(self) -> int:
         return sum(self.sparse_layers)
 
@@ -98,6 +105,36 @@ class MoEConfig:
             out.append(n if sparse else -1)
             n += sparse
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V2/V3's multi-head latent attention, in HF's terms.
+
+    Each token's keys and values are compressed into one latent ``c_kv`` of
+    ``kv_lora_rank`` (normalised by kv_a_layernorm) plus one shared roped key ``k_pe`` of
+    ``qk_rope_head_dim``: that pair is what the paged cache stores.  ``kv_b_proj`` expands
+    the latent per head into ``qk_nope_head_dim`` of key and ``v_head_dim`` of value.
+    Queries come from ``q_proj``, or through the ``q_lora_rank`` bottleneck
+    (``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``) when that is set.
+    """
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary over interleaved pairs (x0, x1), (x2, x3) ... (V2 always; V3's default)
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token stores per layer: the latent and the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -157,6 +194,9 @@ class ModelConfig:
     quantization: Optional[CheckpointQuantization] = field(default=None, compare=False, hash=False)
     # GPT-OSS: a learned per-head logit (``self_attn.sinks``) joins every softmax denominator.
     attention_sinks: bool = False
+    # DeepSeek-V2/V3: multi-head latent attention (head_dim is then qk_rope_head_dim: the
+    # rotary part, which is all the rope table covers).
+    mla: Optional[MLAConfig] = None
 
     @property
     def is_multimodal(self) -> bool:
@@ -228,6 +268,15 @@ class ModelConfig:
                              f"(no attention backend implements soft-capped attention logits)")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if family.get("mla"):
+            if cfg.get("attention_bias"):
+                raise ValueError(f"{arch}: attention_bias=True is not supported with multi-head latent attention "
+                                 f"(no released DeepSeek checkpoint sets it)")
+            try:
+                head_dim = int(cfg["qk_rope_head_dim"])  # the rope table's width
+            except KeyError:
+                raise ValueError("config.json lacks required key 'qk_rope_head_dim'") from None
+            kv_heads = heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
@@ -280,6 +329,7 @@ class ModelConfig:
             if vision == "siglip" and not top.get("mm_tokens_per_image"):
                 raise ValueError(f"{arch} config has no mm_tokens_per_image")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        mla = _mla_config(cfg, rope_scaling) if family.get("mla") else None
 
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias = family.get("qkv_bias_default", False) or attention_bias
@@ -354,13 +404,44 @@ class ModelConfig:
                 ("attention_multiplier", 1.0), ("logits_scaling", 1.0))) if family.get("granite") else None),
             quantization=quantization,
             attention_sinks=bool(family.get("sinks")),
+            mla=mla,
         )
+
+
+def _yarn_mscale(scale: float, m: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _mla_config(cfg: dict, rope_scaling: Optional[dict]) -> MLAConfig:
+    """DeepSeek's attention dimensions; the softmax scale as transformers'
+    ``yarn_apply_mscale``: with any rope scaling, YaRN's ``mscale_all_dim`` correction
+    scales every q.k (not only the rotary dims) by mscale squared."""
+    try:
+        kv_lora, nope, rope, v = (int(cfg[k]) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                         "v_head_dim"))
+    except KeyError as e:
+        raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
+    scale = (nope + rope) ** -0.5
+    if rope_scaling and rope_scaling.get("mscale_all_dim"):
+        m = _yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
+        scale = scale * m * m
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
+                     qk_rope_head_dim=rope, v_head_dim=v,
+                     # transformers' DeepSeek-V2 always rotates interleaved pairs; V3 unless rope_interleave=False
+                     rope_interleave=bool(cfg.get("rope_interleave", True)), softmax_scale=scale)
+
+
+_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
     """The sparse-MLP settings of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json, with
     the variants this engine cannot serve refused by name."""
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "deepseek_v3", "deepseek_v2"):
+        # GLM-4.5 routes as DeepSeek-V3 (noaux_tc); DeepSeek-V2 by a softmax, its experts
+        # limited to the topk_group best groups (a group's score: its best expert) with
+        # group_limited_greedy, and never renormalised (transformers ignores norm_topk_prob).
         experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)) or 0)
         first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
         try:
@@ -368,12 +449,21 @@ def _moe_config(cfg: dict, family: str, num_layers: int) -> MoEConfig:
         except KeyError:
             raise ValueError("config.json lacks required key 'moe_intermediate_size'") from None
         n_group = int(cfg.get("n_group", 1) or 1)
+        scoring, norm = "sigmoid", bool(cfg.get("norm_topk_prob", True))
+        if family == "deepseek_v2":
+            method = cfg.get("topk_method") or "greedy"
+            if method not in _V2_TOPK_METHODS:
+                raise ValueError(f"DeepseekV2ForCausalLM: topk_method {method!r} is not supported; supported: "
+                                 f"{', '.join(_V2_TOPK_METHODS)}")
+            scoring, norm = "softmax_grouped", False
+            if method == "greedy":
+                n_group = 1
         if experts % n_group:
             raise ValueError(f"n_group={n_group} does not divide the {experts} routed experts")
         return _checked_moe(MoEConfig(
             family, experts, int(cfg.get("num_experts_per_tok", 0)), inter,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            sparse_layers=tuple(i >= first_dense for i in range(num_layers)), scoring="sigmoid", n_group=n_group,
+            norm_topk_prob=norm,
+            sparse_layers=tuple(i >= first_dense for i in range(num_layers)), scoring=scoring, n_group=n_group,
             topk_group=int(cfg.get("topk_group", 1) or 1),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             shared_experts_intermediate_size=inter * int(cfg.get("n_shared_experts", 0) or 0)))

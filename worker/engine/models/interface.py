@@ -15,12 +15,19 @@ import torch
 from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.metadata import AttentionMetadata
 from worker.engine.models.config import ModelConfig
+from worker.engine.models.kv_layout import KVCacheLayout
 
 
 @runtime_checkable
 class Model(Protocol):
     config: ModelConfig
     dtype: torch.dtype
+
+    @classmethod
+    def kv_cache_layout(cls, config: ModelConfig) -> KVCacheLayout:
+        """What the paged cache stores per token and layer (models/kv_layout.py): the
+        runner allocates and sizes the cache by it (K/V per head for the Llama-family
+        decoder, DeepSeek's latent for multi-head latent attention)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters, mapping names and

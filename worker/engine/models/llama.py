@@ -22,6 +22,7 @@ from worker.engine.models.config import ModelConfig
 from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.cpu_gemm import ONEDNN, LinearFn, PackedLinears
+from worker.engine.models.kv_layout import KVCacheLayout, kv_cache_layout, mha_layout
 from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
 from worker.engine.models.moe import SparseMoeBlock
 from worker.engine.parallel.sharding import head_shard, split, vocab_shard
@@ -45,14 +46,14 @@ def local_kv_heads(config: ModelConfig) -> int:
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the single KV tensor the engine preallocates for this model (this rank's heads)."""
-    return (2, config.num_hidden_layers, num_blocks, block_size, local_kv_heads(config), config.head_dim)
+    """Shape of the single KV tensor the engine preallocates for this model (this rank's
+    heads; the family's layout: models/kv_layout.py)."""
+    return kv_cache_layout(config).shape(num_blocks, block_size)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers, K and V (for sizing the cache)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * local_kv_heads(config) * config.head_dim * elem
+    """Bytes one block costs across all layers (for sizing the cache)."""
+    return kv_cache_layout(config).bytes_per_block(block_size, dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,6 +74,29 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         for name in self.norm_names:
             setattr(self, name, self.make_norm(c, dtype, device))
+        self._init_attention(c, dtype, device, sliding_window, layer_idx)
+        # A sparse layer's MLP is the expert block; its index among the sparse layers
+        # is its column of the routed-experts record.
+        sparse = c.moe is not None and c.moe.sparse_layers[layer_idx]
+        self.moe = SparseMoeBlock(c, dtype, device) if sparse else None
+        self.moe_index = c.moe.moe_layer_index[layer_idx] if sparse else -1
+        self.routing_store: Optional[torch.Tensor] = None  # [slots, moe layers, top_k], see set_routing_store
+        self._LINEAR_WEIGHTS = self._ATTENTION_WEIGHTS if sparse else self._ATTENTION_WEIGHTS + self._MLP_WEIGHTS
+        if not sparse:
+            self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
+            self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
+            self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
+            self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
+        self.linear: LinearFn = F.linear
+        self.packing: Optional[PackedLinears] = None  # how the projections are packed (cpu_gemm), if they are
+        self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
+        self.lora: Optional[Any] = None  # LayerLoRA slots when LoRA serving is enabled (worker/engine/lora)
+
+    def _init_attention(self, c: ModelConfig, dtype: torch.dtype, device, sliding_window: Optional[int],
+                        layer_idx: int) -> None:
+        """The attention's parameters and its ``PagedAttention`` (families with another
+        attention, DeepSeek's latent one, override this, ``_attention`` and the
+        attention part of ``weight_targets``)."""
         q_size, kv_size = self.q_size, self.kv_size
         self.qkv_weight = empty_param(q_size + 2 * kv_size, c.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = empty_param(q_size + 2 * kv_size, dtype=dtype, device=device) if c.qkv_bias else None
@@ -88,31 +112,15 @@ class LlamaDecoderLayer(nn.Module):
         # Under tensor parallelism their mean square spans all ranks' heads (a KV head
         # held by several ranks counts once).
         self.full_q_size, self.full_kv_size = c.q_size, c.kv_size
-        self.kv_replicas = max(1, tp.world // c.num_key_value_heads)
+        self.kv_replicas = max(1, self.tp.world // c.num_key_value_heads)
         self.qk_norm_eps = c.rms_norm_eps
         # Rotary: on this layer at all (SmolLM3's NoPE layers have none), over the first
         # rotary_dim of each head (partial rotary), from which of the model's tables.
         self.use_rope = c.layer_rope[layer_idx] if c.layer_rope else True
         self.rotary_dim = c.rotary_dim
         self.rope_key = "local" if sliding_window and c.local_rope is not None else "global"
-        # A sparse layer's MLP is the expert block; its index among the sparse layers
-        # is its column of the routed-experts record.
-        sparse = c.moe is not None and c.moe.sparse_layers[layer_idx]
-        self.moe = SparseMoeBlock(c, dtype, device) if sparse else None
-        self.moe_index = c.moe.moe_layer_index[layer_idx] if sparse else -1
-        self.routing_store: Optional[torch.Tensor] = None  # [slots, moe layers, top_k], see set_routing_store
-        self._LINEAR_WEIGHTS = self._ATTENTION_WEIGHTS if sparse else self._ATTENTION_WEIGHTS + self._MLP_WEIGHTS
-        if not sparse:
-            self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
-            self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
-            self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
-            self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar is not None else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, c.head_dim, sliding_window, scale)
-        self.linear: LinearFn = F.linear
-        self.packing: Optional[PackedLinears] = None  # how the projections are packed (cpu_gemm), if they are
-        self.ops: Optional[Any] = None  # fused element-wise kernels of the attention backend: SwiGLU, rotary
-        self.lora: Optional[Any] = None  # LayerLoRA slots when LoRA serving is enabled (worker/engine/lora)
 
     _ATTENTION_WEIGHTS = ("qkv_weight", "o_weight")
     _MLP_WEIGHTS = ("gate_up_weight", "down_weight")
@@ -157,11 +165,8 @@ class LlamaDecoderLayer(nn.Module):
         tensors only; the loader narrows the checkpoint tensor before copying)."""
         if not self.tp.active:
             return {}
-        sh, d = self.shard, self.head_dim
-        a, m = prefix + "self_attn.", prefix + "mlp."
-        q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
-        t = {a + "q_proj.weight": q_rows, a + "k_proj.weight": kv_rows, a + "v_proj.weight": kv_rows,
-             a + "o_proj.weight": (1, sh.head_start * d, self.q_size)}
+        m = prefix + "mlp."
+        t = self._attention_slices(prefix + "self_attn.")
         if self.moe is not None:
             t.update(self.moe.weight_slices(prefix))
         else:
@@ -169,25 +174,29 @@ class LlamaDecoderLayer(nn.Module):
             t.update({m + "gate_proj.weight": (0, self.inter_start, inter),
                       m + "up_proj.weight": (0, self.inter_start, inter),
                       m + "down_proj.weight": (1, self.inter_start, inter)})
+            if self.gate_up_bias is not None:
+                t.update({m + "gate_proj.bias": (0, self.inter_start, inter),
+                          m + "up_proj.bias": (0, self.inter_start, inter)})
+        return t
+
+    def _attention_slices(self, a: str) -> dict[str, tuple[int, int, int]]:
+        """The attention's sharded tensors (``a``: the ``...self_attn.`` prefix): q/k/v rows
+        and o_proj columns of this rank's heads."""
+        sh, d = self.shard, self.head_dim
+        q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
+        t = {a + "q_proj.weight": q_rows, a + "k_proj.weight": kv_rows, a + "v_proj.weight": kv_rows,
+             a + "o_proj.weight": (1, sh.head_start * d, self.q_size)}
         if self.qkv_bias is not None:
             t.update({a + "q_proj.bias": q_rows, a + "k_proj.bias": kv_rows, a + "v_proj.bias": kv_rows})
-        if self.moe is None and self.gate_up_bias is not None:
-            t.update({m + "gate_proj.bias": (0, self.inter_start, inter), m + "up_proj.bias": (0, self.inter_start, inter)})
         if self.q_norm_full is not None:  # OLMo: the norms' weights follow the heads
             t.update({a + "q_norm.weight": q_rows, a + "k_norm.weight": kv_rows})
         return t
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
-        q, kv = self.q_size, self.kv_size
-        a, m = prefix + "self_attn.", prefix + "mlp."
+        m = prefix + "mlp."
         t = {prefix + name + ".weight": getattr(self, name).weight.data for name in self.norm_names}
-        t.update({
-            a + "q_proj.weight": self.qkv_weight.data[:q],
-            a + "k_proj.weight": self.qkv_weight.data[q:q + kv],
-            a + "v_proj.weight": self.qkv_weight.data[q + kv:],
-            a + "o_proj.weight": self.o_weight.data,
-        })
+        t.update(self._attention_targets(prefix + "self_attn."))
         if self.moe is not None:
             t.update(self.moe.weight_targets(prefix))
         else:
@@ -195,16 +204,27 @@ class LlamaDecoderLayer(nn.Module):
             t[m + "gate_proj.weight"] = self.gate_up_weight.data[:inter]
             t[m + "up_proj.weight"] = self.gate_up_weight.data[inter:]
             t[m + "down_proj.weight"] = self.down_weight.data
+            if self.gate_up_bias is not None:
+                t[m + "gate_proj.bias"] = self.gate_up_bias.data[:inter]
+                t[m + "up_proj.bias"] = self.gate_up_bias.data[inter:]
+                t[m + "down_proj.bias"] = self.down_bias.data
+        return t
+
+    def _attention_targets(self, a: str) -> dict[str, torch.Tensor]:
+        """The attention's tensors (``a``: the ``...self_attn.`` prefix) -> their views."""
+        q, kv = self.q_size, self.kv_size
+        t = {
+            a + "q_proj.weight": self.qkv_weight.data[:q],
+            a + "k_proj.weight": self.qkv_weight.data[q:q + kv],
+            a + "v_proj.weight": self.qkv_weight.data[q + kv:],
+            a + "o_proj.weight": self.o_weight.data,
+        }
         if self.qkv_bias is not None:
             t[a + "q_proj.bias"] = self.qkv_bias.data[:q]
             t[a + "k_proj.bias"] = self.qkv_bias.data[q:q + kv]
             t[a + "v_proj.bias"] = self.qkv_bias.data[q + kv:]
         if self.o_bias is not None:
             t[a + "o_proj.bias"] = self.o_bias.data
-        if self.moe is None and self.gate_up_bias is not None:
-            t[m + "gate_proj.bias"] = self.gate_up_bias.data[:inter]
-            t[m + "up_proj.bias"] = self.gate_up_bias.data[inter:]
-            t[m + "down_proj.bias"] = self.down_bias.data
         if self.qk_norm_weight is not None:
             t[a + "q_norm.weight"] = self.qk_norm_weight.data[: self.num_heads]
             t[a + "k_norm.weight"] = self.qk_norm_weight.data[self.num_heads:]
@@ -366,6 +386,12 @@ class LlamaForCausalLM(nn.Module):
             local = build_cos_sin_table(config.rotary_dim, theta, config.max_position_embeddings, scaling)
             local = rotation_table(local.to(device=device, dtype=dtype))[: len(self.rope)]
         self.register_buffer("rope_local", local, persistent=False)
+
+    @classmethod
+    def kv_cache_layout(cls, config: ModelConfig) -> KVCacheLayout:
+        """What the paged cache holds for this family (models/kv_layout.py): K and V of
+        this rank's KV heads."""
+        return mha_layout(config.num_hidden_layers, local_kv_heads(config), config.head_dim)
 
     def pack_linears(self, scheme: PackedLinears = ONEDNN) -> None:
         """Use packed weights (``scheme``, see cpu_gemm) for every projection and the LM

@@ -1,4 +1,4 @@
-"""The sparse (mixture-of-experts) MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5.
+"""The sparse (mixture-of-experts) MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek-V2/V3.
 
 Experts are stacked at load time into ``w13 [E, 2I, H]`` (gate | up) and
 ``w2 [E, H, I]``; the loader writes each HF per-expert tensor into its slice.  A
@@ -9,13 +9,15 @@ expert groups on CPU, the Triton fused-MoE kernel on CUDA (kernels/triton/fused_
 or, with experts packed for a CPU GEMM scheme that packs them (cpu_gemm's native bf16),
 that GEMM once per expert group.
 Qwen2-MoE adds a shared expert, always on, scaled by ``sigmoid(shared_expert_gate)``;
-GLM-4.5 routes by sigmoid scores within expert groups (``select_experts_grouped``) and
-adds ungated shared experts.  GPT-OSS routes by a softmax over the top-k raw logits
-of a biased router, adds a bias per expert to both projections and uses the clamped
-SwiGLU; its checkpoints store each layer's experts as one fused tensor per projection
-with gate and up interleaved, and ``w13`` / ``w2`` keep exactly that (interleaved rows,
-the activation reads them so): the checkpoint tensors are transposed views of them,
-so loading and RL weight updates by checkpoint name copy in place, no re-cut.
+GLM-4.5 and DeepSeek-V3 route by sigmoid scores within expert groups
+(``select_experts_grouped``), DeepSeek-V2 by softmax scores within the best groups
+(``select_experts_group_limited``); all three add ungated shared experts. GPT-OSS routes
+by a softmax over the top-k raw logits of a biased router, adds a bias per expert to
+both projections and uses the clamped SwiGLU; its checkpoints store each layer's experts
+as one fused tensor per projection with gate and up interleaved, and ``w13`` / ``w2``
+keep exactly that (interleaved rows, the activation reads them so): the checkpoint
+tensors are transposed views of them, so loading and RL weight updates by checkpoint
+name copy in place, no re-cut.
 """
 from __future__ import annotations
 
@@ -77,6 +79,23 @@ def select_experts_grouped(router_logits: torch.Tensor, bias: torch.Tensor, moe:
     weights = scores.gather(1, ids)
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+def select_experts_group_limited(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing as transformers computes it: softmax scores (float32); with
+    ``group_limited_greedy`` (``n_group`` > 1) only the experts of the ``topk_group``
+    groups with the best single score stay candidates; top-k of the scores, times
+    ``routed_scaling_factor`` (no renormalisation)."""
+    scores = router_logits.float().softmax(dim=-1)
+    t, e = scores.shape
+    if moe.n_group > 1:
+        group_scores = scores.view(t, moe.n_group, e // moe.n_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(t, moe.n_group, e // moe.n_group).reshape(t, e).bool()
+        scores = scores.masked_fill(~keep, 0.0)
+    weights, ids = torch.topk(scores, k=moe.top_k, dim=-1, sorted=False)
     return weights * moe.routed_scaling_factor, ids
 
 
@@ -198,8 +217,8 @@ class SparseMoeBlock(nn.Module):
             stacked = self._parameters.pop(name)
             setattr(self, name, [scheme.pack(stacked.data[e]) for e in range(stacked.shape[0])])
         for name in self._PACKED_DENSE:
-            if name == "gate_weight" and self.score_bias is not None:
-                continue  # GLM's router runs in float32 from the dense weight
+            if name == "gate_weight" and self.moe.router_fp32:
+                continue  # GLM's and DeepSeek's routers run in float32 from the dense weight
             if self._parameters.get(name) is not None:
                 setattr(self, name, scheme.pack(self._parameters.pop(name).data))
         self.packing = scheme
@@ -285,12 +304,14 @@ class SparseMoeBlock(nn.Module):
             # transformers scores GLM's router in float32 (weights and hidden cast up).
             weights, ids = select_experts_grouped(F.linear(h.float(), self.gate_weight.float()), self.score_bias,
                                                   self.moe)
+        elif self.moe.scoring == "softmax_grouped":
+            weights, ids = select_experts_group_limited(F.linear(h.float(), self.gate_weight.float()), self.moe)
         elif self.moe.scoring == "topk_softmax":
             weights, ids = select_experts_topk_softmax(linear(h, self.gate_weight, self.gate_bias), self.top_k)
         else:
             weights, ids = select_experts(linear(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
-        # transformers rounds the routing weights to the model dtype (Mixtral and GLM keep fp32).
-        if self.moe.family not in ("mixtral", "glm4_moe"):
+        # transformers rounds the routing weights to the model dtype (Mixtral, GLM and DeepSeek keep fp32).
+        if self.moe.family not in ("mixtral", "glm4_moe", "deepseek_v2", "deepseek_v3"):
             weights = weights.to(h.dtype)
         ops = self.ops
         act = silu_and_mul if ops is None else ops.silu_and_mul

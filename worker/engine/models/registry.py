@@ -97,6 +97,13 @@ class _ModelRegistry:
 _LLAMA = "llama"
 _MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True, routed_experts=True)
 _VL = dict(tensor_parallel=False, images=True, sliding_window=True)
+# DeepSeek's multi-head latent attention: the latent cache, DeepSeek's MoE (models/deepseek_v2.py).
+_DEEPSEEK = dict(lora_modules=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+                 lora_served=False, tensor_parallel=True, routed_experts=True)
+_MLA_NOTES = ("multi-head latent attention: the paged cache stores the latent (kv_lora_rank + qk_rope_head_dim per "
+              "token and layer), prefill expands it (torch ops), decode absorbs q/o into kv_b_proj (Triton kernel on "
+              "the Triton backend, torch ops otherwise), no CUDA graphs; YaRN with mscale; dense first layers, shared "
+              "experts; FP8 KV cache and P/D KV transfer of the latent; LoRA not served")
 _GEMMA3 = dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True, acts=("gelu_pytorch_tanh",))
 
 ModelRegistry = _ModelRegistry([
@@ -162,4 +169,11 @@ ModelRegistry = _ModelRegistry([
                 notes="attention sinks (CPU: torch SDPA; CUDA: Triton), biased top-k-softmax router, expert biases, clamped "
                       "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA on the "
                       "attention projections"),
+    ModelFamily("DeepseekV3ForCausalLM", "deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V3 / R1 / Kimi K2",
+                dict(qkv_bias_default=False, qk_norm=None, mla=True, moe="deepseek_v3"), **_DEEPSEEK,
+                notes="noaux_tc routing (sigmoid, correction bias, grouped top-k, routed_scaling_factor); "
+                      + _MLA_NOTES),
+    ModelFamily("DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V2 / V2.5",
+                dict(qkv_bias_default=False, qk_norm=None, mla=True, moe="deepseek_v2"), **_DEEPSEEK,
+                notes="greedy / group_limited_greedy softmax routing; " + _MLA_NOTES),
 ])

@@ -24,7 +24,7 @@ from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import AttentionMetadata, StepLayout
 from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from worker.engine.models.llama import kv_bytes_per_block, kv_cache_shape
+from worker.engine.models.kv_layout import kv_cache_layout
 from worker.engine.runner.persistent_batch import PersistentBatch
 from worker.engine.runner.hooks import (LOCAL, InputContributor, KVCacheHook, MemoryProfileHook, ParallelHook,
                                         StepExtras)
@@ -126,6 +126,8 @@ class ModelRunner:
         # bf16's bytes per token: twice the tokens in the same memory).
         self.kv_dtype = config.kv_dtype or self.dtype
         self.block_size = config.block_size
+        # What a cache block holds (K/V per head, or DeepSeek's latent): the model family's.
+        self.kv_layout = kv_cache_layout(model_config)
         self.max_model_len = max_model_len
         self.token_budget = config.step_token_budget(max_model_len)
         self.kv_cache: Optional[torch.Tensor] = None
@@ -180,11 +182,12 @@ class ModelRunner:
     def decide_num_blocks(self) -> int:
         """KV blocks to allocate; under tensor parallelism every rank sizes its own
         cache (in lockstep) and the smallest count wins."""
+        log.info("%s", self.kv_layout.describe(self.kv_dtype))
         return self.parallel.decide_num_blocks(self._decide_num_blocks)
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype) + self.extra_bytes_per_block
+        per_block = self.kv_layout.bytes_per_block(self.block_size, self.kv_dtype) + self.extra_bytes_per_block
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.mm_encoder_only:  # no language-model step ever runs: one sequence's worth keeps the invariants
@@ -237,6 +240,8 @@ class ModelRunner:
         (smaller ones share its pool) on the temporary cache, then dropped."""
         if self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return 0
+        if not getattr(self.model, "supports_cuda_graphs", True):  # never captured (_capture_cuda_graphs)
+            return 0
         if self.parallel.lockstep:  # a lone capture would wait on the other ranks' all-reduces
             log.info("graph-pool memory not profiled under tensor parallelism")
             return 0
@@ -258,9 +263,8 @@ class ModelRunner:
         """``num_blocks`` usable blocks; on CUDA one more, a scratch block that padded
         rows of a CUDA-graph batch write into (never handed to a sequence)."""
         self.parallel.before_alloc(num_blocks, self.max_model_len)
-        mc = self.model_config
         extra = 1 if self.device.type == "cuda" else 0
-        self.kv_cache = torch.zeros(kv_cache_shape(mc, num_blocks + extra, self.block_size), dtype=self.kv_dtype,
+        self.kv_cache = torch.zeros(self.kv_layout.shape(num_blocks + extra, self.block_size), dtype=self.kv_dtype,
                                     device=self.device)
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks

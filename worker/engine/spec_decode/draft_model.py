@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from worker.engine.models.config import ModelConfig
-from worker.engine.models.llama import kv_bytes_per_block
+from worker.engine.models.kv_layout import kv_cache_layout
 from worker.engine.records import EngineSequence
 from worker.engine.step_plan import ScheduledSeq
 from worker.engine.spec_decode.config import SpeculativeConfig
@@ -82,7 +82,7 @@ class DraftModelSpeculator(Speculator):
         self.max_positions = mc.max_position_embeddings  # it drafts only within its own context
         self.runner = ModelRunner(draft_config, mc, model, max_model_len, backend)
         self.token_budget = engine_config.step_token_budget(max_model_len)
-        self.bytes_per_block = kv_bytes_per_block(mc, engine_config.block_size, engine_config.torch_dtype)
+        self.bytes_per_block = kv_cache_layout(mc).bytes_per_block(engine_config.block_size, engine_config.torch_dtype)
         log.info("draft model %s (%s) proposes %d tokens per step", path, mc.architecture, self.k)
 
     def allocate(self, num_blocks: int, max_model_len: int) -> None:
