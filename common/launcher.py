@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="gateways return metrics.speculative_decoding")
     p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help='gateways: images one prompt may carry (vLLM\'s flag, e.g. \'{"image": 4}\')')
+                   help='images one prompt may carry (vLLM\'s flag, e.g. \'{"image": 4}\'; gateways count them, '
+                        'and \'{"image": 0}\' makes workers load no vision tower)')
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="gateways return per-request timing metrics (OpenAI routes, as vLLM; /generate too)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -225,6 +226,8 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
         worker_args.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.speculative_config:
         worker_args += ["--speculative-config", args.speculative_config]
+    if args.limit_mm_per_prompt:  # workers: {"image": 0} loads no vision tower
+        worker_args += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
     so_config = None
     if args.structured_outputs_config:
         try:  # a bad value stops `serve` here, not in every child

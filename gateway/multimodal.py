@@ -29,6 +29,7 @@ import numpy as np
 from common.errors import BadRequest
 from common.multimodal import (MediaError, cache_key, decode_image_bytes, features_hash, image_size, mm_hash,
                                num_placeholder_tokens, read_image_bytes)
+from common.multimodal.limits import DEFAULT_MM_LIMIT, parse_mm_limits  # noqa: F401 - the gateway's flag parses here
 from common.prefix_hash import prompt_routing_hashes
 from common.protocol import MultiModalItem
 from gateway.media_pools import media_pools
@@ -40,30 +41,7 @@ NO_IMAGE_MODEL = ("`content_parts` is not supported by this server. Reason: this
                   "--tokenizer).")
 
 
-DEFAULT_MM_LIMIT = 999  # vLLM's per-modality default
 MAX_UUID_CHARS = 256
-
-
-def parse_mm_limits(text: Optional[str]) -> dict[str, int]:
-    """vLLM's ``--limit-mm-per-prompt`` JSON: ``{"image": 4}`` or ``{"image": {"count": 4, ...}}``
-    (the size options of the second form only shape vLLM's profiling dummies)."""
-    if not text:
-        return {}
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("expected an object such as {\"image\": 4}")
-    out = {}
-    for modality, limit in value.items():
-        count = limit.get("count", DEFAULT_MM_LIMIT) if isinstance(limit, dict) else limit
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"{modality}: the count must be a non-negative integer, got {count!r}")
-        out[str(modality)] = count
-    return out
 
 
 def check_item_count(settings, modality: str, count: int) -> None:

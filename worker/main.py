@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank a slot holds")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras); others are re-read from disk")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='vLLM\'s flag; \'{"image": 0}\' serves a vision-language checkpoint as its language model '
+                        'alone (no vision tower loaded, image input refused; shards under tensor parallelism)')
     p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
@@ -174,7 +177,14 @@ def engine_config_from_args(args):
         from worker.engine.loading.demo_model import build_demo_model
 
         model = str(build_demo_model())
+    from common.multimodal.limits import parse_mm_limits
+
+    try:
+        mm_limits = parse_mm_limits(args.limit_mm_per_prompt)
+    except ValueError as exc:
+        raise ValueError(f"--limit-mm-per-prompt: {exc}") from None
     return EngineConfig(model=model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                        limit_mm_per_prompt=mm_limits or None,
                         kv_cache_dtype=args.kv_cache_dtype,
                         block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,

@@ -171,6 +171,43 @@ def test_moe_engine_with_two_ranks_matches_one(tiny_model, kind):
         np.testing.assert_array_equal(a, b)
 
 
+def test_gemma3_image_text_checkpoint_shards_as_its_language_model(tiny_model):
+    """Gemma 3's image-text checkpoints (the released 4B-27B) under tensor parallelism:
+    refused with the way out named; with --limit-mm-per-prompt '{"image": 0}' (vLLM's
+    flag) the vision tower is not loaded, the language model shards, text gives the
+    single-rank engine's tokens and image input is refused."""
+    from common.errors import BadRequest
+    from common.protocol import MultiModalItem
+
+    path = tiny_model("gemma3_mm")
+    with pytest.raises(ValueError, match=r"tensor parallelism of vision-language models is not implemented.*"
+                                         r"--limit-mm-per-prompt"):
+        make_engine(path, tensor_parallel_size=2)
+    prompts = random_prompts(3, 5, 30, seed=23)
+
+    def greedy(engine):
+        res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
+        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+
+    one = make_engine(path)
+    try:
+        assert one.model.vision is not None
+        want = greedy(one)
+    finally:
+        one.close()
+    two = make_engine(path, tensor_parallel_size=2, limit_mm_per_prompt={"image": 0})
+    try:
+        assert two.model.vision is None and not two.model_config.is_multimodal
+        assert greedy(two) == want
+        image = request("img", [5, 6, 7], max_tokens=2)
+        image.mm_items = [MultiModalItem(modality="image", mm_hash="h", offset=0, length=1, grid_thw=[1, 1, 1],
+                                         pixel_values=b"\0" * 3, shape=[1, 1, 3])]
+        with pytest.raises(BadRequest, match="does not accept image input"):
+            two.add_request(image)
+    finally:
+        two.close()
+
+
 def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
     """Between steps followers wait on the control group, not under the step collectives'
     timeout: an idle server longer than that timeout still serves."""

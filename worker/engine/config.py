@@ -84,6 +84,9 @@ class EngineConfig:
     # {"backend": "xgrammar"}; parsed by structured_outputs_config() below (common's parser, one
     # for gateway, workers and `tokserve serve`).
     structured_outputs_config: Optional[Union[str, dict]] = None
+    # vLLM's --limit-mm-per-prompt (parsed: modality -> count; common/multimodal/limits.py);
+    # {"image": 0} serves a vision-language checkpoint as its language model alone.
+    limit_mm_per_prompt: Optional[dict] = None
     # P/D disaggregation (disagg/kv_transfer.py): where the KV transfer server binds (None:
     # tcp://127.0.0.1:*, a random port; bound on the first prefill leg) and how long a
     # finished prefill leg's blocks wait for their decode side (vLLM's 480 s).
@@ -209,6 +212,11 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
         return KV_CACHE_DTYPES[name]
+
+    @property
+    def language_model_only(self) -> bool:
+        """No image input (``--limit-mm-per-prompt '{"image": 0}'``): the vision tower is not loaded."""
+        return (self.limit_mm_per_prompt or {}).get("image") == 0
 
     def resolve_max_model_len(self, max_position_embeddings: Optional[int]) -> int:
         limits = [x for x in (self.max_model_len, max_position_embeddings) if x]

@@ -134,3 +134,21 @@ def test_pan_and_scan_preprocessor_is_refused():
         Gemma3ImageConfig.for_model(vc, 4, {"do_pan_and_scan": True})
     with pytest.raises(ValueError, match="does not pool"):
         Gemma3ImageConfig.for_model(vc, 3)
+
+
+def test_worker_flag_limit_mm_per_prompt_zero_images_is_language_model_only(gemma3_mm):
+    """vLLM's --limit-mm-per-prompt on the worker: '{"image": 0}' loads no vision tower
+    (the model config has no vision side, the tower's checkpoint tensors are skipped);
+    a malformed value stops the worker with the flag named."""
+    from worker.engine.models.config import ModelConfig
+    from worker.main import build_parser, engine_config_from_args, main
+
+    args = build_parser().parse_args(["--model", str(gemma3_mm), "--limit-mm-per-prompt", '{"image": 0}'])
+    config = engine_config_from_args(args)
+    assert config.language_model_only
+    mc = ModelConfig.from_dir(gemma3_mm, language_model_only=config.language_model_only)
+    assert not mc.is_multimodal and mc.vision_config is None
+    args = build_parser().parse_args(["--model", str(gemma3_mm), "--limit-mm-per-prompt", '{"image": 2}'])
+    assert not engine_config_from_args(args).language_model_only
+    with pytest.raises(SystemExit, match="--limit-mm-per-prompt"):
+        main(["--model", str(gemma3_mm), "--limit-mm-per-prompt", "{image"])

@@ -58,7 +58,7 @@ class EngineCore:
             device = config.resolved_device
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible per engine run
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = ModelConfig.from_dir(config.model, language_model_only=config.language_model_only)
         check_quantization_arg(config.quantization, self.model_config.quantization)
         mc = self.model_config
         self.device = device

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -224,14 +224,27 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, *, language_model_only: bool = False) -> "ModelConfig":
+        """``language_model_only``: a vision-language checkpoint served as its language
+        model (vLLM's ``--limit-mm-per-prompt '{"image": 0}'``: no vision tower loaded,
+        image input refused)."""
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
         cfg = _read_json(cfg_file)
         gen = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
-        return cls.from_dicts(path, cfg, gen)
+        mc = cls.from_dicts(path, cfg, gen)
+        return mc.language_model_only() if language_model_only and mc.is_multimodal else mc
+
+    def language_model_only(self) -> "ModelConfig":
+        """This vision-language model without its vision side, where the family's model
+        can be built so (``serves_language_model_only``)."""
+        if not getattr(self.family.model_class(), "serves_language_model_only", False):
+            raise ValueError(f"{self.architecture}: serving the language model only (--limit-mm-per-prompt "
+                             f"'{{\"image\": 0}}') is not implemented for this family")
+        return replace(self, vision_config=None, vision_variant=None, image_token_id=None, vision_start_token_id=None,
+                       mm_tokens_per_image=None)
 
     @classmethod
     def from_dicts(cls, path: Path, cfg: dict, gen: Optional[dict] = None) -> "ModelConfig":

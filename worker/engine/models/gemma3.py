@@ -92,22 +92,29 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     is_multimodal = True
     image_attention = "bidirectional"
+    # Served as its language model alone with --limit-mm-per-prompt '{"image": 0}' (no
+    # vision_config then): the tower is not built, its checkpoint tensors are skipped,
+    # and the model shards under tensor parallelism like Gemma 3's text checkpoints.
+    serves_language_model_only = True
 
     def __init__(self, config: ModelConfig, dtype: Optional[torch.dtype] = None,
                  device: torch.device | str = "cpu"):
         super().__init__(config, dtype=dtype, device=device)
-        self.vision = Gemma3ImageEncoder(config.vision_config, config.hidden_size, config.mm_tokens_per_image
-                                         ).to(device=device, dtype=self.dtype)
+        self.vision = None
+        if config.vision_config is None:
+            self.is_multimodal, self.image_attention = False, "causal"
+        else:
+            self.vision = Gemma3ImageEncoder(config.vision_config, config.hidden_size, config.mm_tokens_per_image
+                                             ).to(device=device, dtype=self.dtype)
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
+    def checkpoint_name(self, name: str) -> str:
         for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
                          ("language_model.lm_head.", "lm_head.")):
             if name.startswith(old):
                 return new + name[len(old):]
         local = Gemma3ImageEncoder.local_name(name)
-        if local is not None:
-            return "vision." + local if local else ""
+        if local is not None:  # a tower tensor: skipped ("") when the tower is not served
+            return "vision." + local if local and self.vision is not None else ""
         return name
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,7 +123,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def own_weight_targets(self) -> dict[str, torch.Tensor]:
         t = super().own_weight_targets()
-        t.update({"vision." + k: v for k, v in self.vision.weight_targets().items()})
+        if self.vision is not None:
+            t.update({"vision." + k: v for k, v in self.vision.weight_targets().items()})
         return t
 
     # --- images --------------------------------------------------------------

@@ -157,11 +157,12 @@ ModelRegistry = _ModelRegistry([
                       "final_logit_softcapping; attention soft-capping refused (not set by Gemma 3 configs)"),
     ModelFamily("Gemma3ForConditionalGeneration", "gemma3", "Gemma3ForConditionalGeneration", "Gemma 3 (image-text)",
                 {**_GEMMA3, "text_config": True, "vision": "siglip"}, sliding_window=True, lora_served=False,
-                tensor_parallel=False, images=True,
+                images=True,
                 notes="SigLIP tower + projector; the tokens of one image attend to each other both ways (steps "
                       "holding image tokens attend on torch SDPA; CUDA: torch SDPA only; a prefill chunk never "
-                      "splits an image); pan-and-scan not served; LoRA not served (its adapters also name the "
-                      "vision tower's q/k/v projections)"),
+                      "splits an image); pan-and-scan not served; TP as the language model alone "
+                      "(--limit-mm-per-prompt '{\"image\": 0}': no images); LoRA not served (its adapters also "
+                      "name the vision tower's q/k/v projections)"),
     ModelFamily("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "GPT-OSS",
                 dict(qkv_bias_default=False, qk_norm=None, moe="gpt_oss", sinks=True), sliding_window=True,
                 lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True,

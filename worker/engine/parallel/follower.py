@@ -40,8 +40,11 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
     """Refuse a size the model cannot be split into, before any process starts."""
     if world > 1:
         if mc.is_multimodal:
+            lm_only = getattr(mc.family.model_class(), "serves_language_model_only", False)
             raise ValueError(f"{mc.architecture}: tensor parallelism of vision-language models is not "
-                             f"implemented; serve it with --tensor-parallel-size 1")
+                             f"implemented; serve it with --tensor-parallel-size 1"
+                             + (" or as its language model alone (--limit-mm-per-prompt '{\"image\": 0}': "
+                                "image input refused)" if lm_only else ""))
         if mc.moe is not None:  # experts are split along their intermediate dimension (models/moe.py)
             split(mc.moe.intermediate_size, 0, world, "moe_intermediate_size")
             split(mc.moe.shared_expert_intermediate_size, 0, world, "shared_expert_intermediate_size")
@@ -199,7 +202,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Optiona
     world = config.tensor_parallel_size
     if world == 1:
         return None
-    check_shardable(ModelConfig.from_dir(config.model), world)
+    check_shardable(ModelConfig.from_dir(config.model, language_model_only=config.language_model_only), world)
     if device.type == "cuda" and device.index + world > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {world} from {device} needs {device.index + world} GPUs, "
                          f"{torch.cuda.device_count()} visible")
@@ -227,7 +230,7 @@ def follower_main(config: EngineConfig, rank: int, world: int, init_method: str)
         torch.set_num_threads(config.num_threads)
     init_tensor_parallel(rank, world, init_method, device)
     try:
-        mc = ModelConfig.from_dir(config.model)
+        mc = ModelConfig.from_dir(config.model, language_model_only=config.language_model_only)
         model, backend, _ = build_model(config, mc, device)
         runner = ModelRunner(config, mc, model, config.resolve_max_model_len(mc.max_position_embeddings), backend,
                              device=device)
