@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
 from benchmarks.engine_throughput import write_llama  # noqa: E402
+from worker.main import freeze_startup_heap  # noqa: E402
 
 # mode -> EngineConfig overrides: the synchronous step, and async scheduling (the default).
 MODES: dict[str, dict] = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True}}
@@ -487,6 +488,7 @@ def run_device_model(args, device_model: str, device_s: float, slack: bool, max_
         engines = {mode: build_engine(model_dir, mode, max_batch=max_batch, max_model_len=max_model_len,
                                       device_s=device_s, device_model=device_model) for mode in args.modes}
         first = engines[args.modes[0]]
+        freeze_startup_heap()  # as the worker does once started
         how = ("time.sleep in the forward call" if device_model == "sleep" else
                "a queued asynchronous device; the host copy waits")
         print(f"\n== device model {device_model!r}: stand-in device T = {args.device_ms:g} ms ({how}; timer slack "

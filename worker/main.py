@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 from common import config
@@ -265,4 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                           role="encode" if args.mm_encoder_only else args.role, ready_file=args.ready_file,
                           malloc_trim_interval=args.malloc_trim_interval if cfg.torch_device.type == "cpu" else 0.0)
     server.install_signal_handlers()
+    freeze_startup_heap()
     return server.run()
+
+
+def freeze_startup_heap() -> None:
+    """Move everything start-up allocated (the model's modules, tokenizer, tables: long
+    lived) out of the garbage collector's generations, as vLLM's engine core does: the
+    oldest generation's collections otherwise walk it all, a pause of tens of ms inside a
+    step (measured: a 94 ms step at batch 256 in benchmarks/async_overlap.py, none after)."""
+    gc.collect()
+    gc.freeze()

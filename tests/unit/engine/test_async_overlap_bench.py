@@ -87,3 +87,18 @@ def test_main_runs_each_device_model(capsys):
     out = capsys.readouterr().out
     assert "device model 'sleep'" in out and "device model 'queue'" in out
     assert out.count("medians over rounds") == 2
+
+
+def test_the_worker_freezes_its_start_up_heap():
+    """After start-up the worker moves the heap out of the collector's generations (as
+    vLLM's engine core), so oldest-generation collections do not walk the model."""
+    import gc
+
+    from worker.main import freeze_startup_heap
+
+    before = gc.get_freeze_count()
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
