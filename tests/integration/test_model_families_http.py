@@ -16,7 +16,8 @@ WORKER_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--threads", "1",
                "--max-num-batched-tokens", "16", "--dtype", "float32")
 
 
-@pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo3", "gemma3", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["phi3_longrope", "smollm3_swa", "olmo2", "olmo3", "gemma3", "granite", "glm4_moe",
+                                  "gpt_oss", "deepseek_v3", "deepseek_v2"])
 def test_generate_through_the_stack_equals_hf(tiny_model, tmp_path, kind):
     path = tiny_model(kind)
     prompt = random_prompts(1, 30, 31, seed=11)[0]

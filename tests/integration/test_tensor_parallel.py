@@ -70,7 +70,8 @@ def _hf_step_logits(path: Path) -> np.ndarray:
 # experts, GPT-OSS's interleaved fused experts with biases and its per-head attention sinks);
 # DeepSeek's latent attention split by heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns)
 # over the replicated latent, with and without q_lora_rank, V3's and V2's routers.
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3",
+# Granite: its embedding, residual, attention and logits multipliers on every rank.
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3", "granite",
                                   "olmo2_mqa", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss",
                                   "deepseek_v3", "deepseek_v3_plain", "deepseek_v2"])
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
