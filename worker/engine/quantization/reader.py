@@ -19,7 +19,7 @@ run their activations unquantized (stated in docs/quantization.md).
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -105,10 +105,18 @@ def _check_late_part(name: str, tensor: torch.Tensor, scheme: WeightScheme) -> N
     raise ValueError(f"checkpoint tensor {name} repeats a part of a quantized layer already loaded")
 
 
+# Called with (layer name, its scheme, its parts) before the layer's dense weight is
+# yielded: how a scheme that keeps weights quantized (quantization/kept.py) sees the
+# checkpoint's scales and zero points beside the dense weight the model loads.
+KeepHook = Callable[[str, WeightScheme, dict[str, torch.Tensor]], None]
+
+
 def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Optional[CheckpointQuantization],
-                      dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      dtype: Optional[torch.dtype] = None, keep: Optional[KeepHook] = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensors`` with each quantized layer's parts replaced by its dense weight (in
-    ``dtype`` when given).  A dense checkpoint (``quant`` None) passes through."""
+    ``dtype`` when given), each layer's parts handed to ``keep`` first when given.  A
+    dense checkpoint (``quant`` None) passes through."""
     if quant is None:
         yield from tensors
         return
@@ -143,6 +151,8 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Option
         if entry.complete() and not (entry.scheme.kind == "gptq" and quant.raw.get("desc_act")
                                      and "g_idx" not in entry.parts):
             dense = entry.dense(layer)
+            if keep is not None:
+                keep(layer, entry.scheme, entry.parts)
             del pending[layer]
             done[layer] = entry.scheme
             yield layer + ".weight", dense if dtype is None else dense.to(dtype)

@@ -1,0 +1,217 @@
+"""Checkpoint-quantized weights kept quantized (CUDA's path, quantization/kept.py) run on
+CPU tensors by Triton's interpreter: FP8 checkpoints (compressed-tensors per channel,
+``fp8`` per tensor and in blocks) on the W8A8 GEMM, AWQ / GPTQ / compressed-tensors int4
+on the W4A16 GEMM.  Not collected on its own: tests/integration/test_triton_interpreted_quant.py
+runs it in a subprocess with TRITON_INTERPRET=1 and TOKSERVE_KEEP_QUANTIZED=1.
+
+References: HF transformers running the dequantized weights, with (FP8) a pre-hook
+rounding each projection's input per token (per token and block column group for
+blocks) to its FP8 values times their scale: what a W8A8 GEMM multiplies.  int4 is
+W4A16: the activations are not rounded, so the reference is the dequantized model."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.support import quantized_factory as qf
+from tests.support.engine_helpers import make_engine, request
+from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
+from worker.engine.loading.loader import load_model
+from worker.engine.models.config import ModelConfig
+from worker.engine.quantization.kept import Fp8BlockWeight, Int4Weight, KeptQuantized, weight_bytes
+from worker.engine.quantization.online_fp8 import Fp8Weight, round_rows
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or
+                                os.environ.get("TOKSERVE_KEEP_QUANTIZED") != "1",
+                                reason="needs TRITON_INTERPRET=1 and TOKSERVE_KEEP_QUANTIZED=1")
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATOL = 5e-4  # fp32 on both sides; the interpreted GEMMs sum in another order
+
+
+def round_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-token FP8 rounding of each ``group`` columns (DeepSeek-style 1 x 128 groups)."""
+    shape = x.shape
+    return round_rows(x.reshape(-1, shape[-1] // group, group).reshape(-1, group)).reshape(shape)
+
+
+def with_rounded_inputs(hf, group=None):
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(
+                lambda mod, args: (round_rows(args[0]) if group is None else round_groups(args[0], group),))
+    return hf
+
+
+def kept_model(path):
+    quant = ModelConfig.from_dir(path).quantization
+    kept = KeptQuantized(quant)
+    model = load_model(path, dtype=torch.float32, keep=kept.keep)
+    kept.bind(model)
+    model.pack_linears(kept.scheme())
+    return model, kept
+
+
+def _paged_matches(model, ref, n=30, prompt=21):
+    ids = _tokens(n, seed=3)
+    want = hf_logits(ref, ids)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", ids[:prompt])])
+    torch.testing.assert_close(got, want[:prompt], atol=ATOL, rtol=0)
+    for pos in range(prompt, n):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], want[pos], atol=ATOL, rtol=0)
+
+
+def _linear_bytes(model):
+    return sum(weight_bytes(getattr(layer, name)) for layer in model.layers for name in layer._LINEAR_WEIGHTS)
+
+
+def _dense_bytes(model, bytes_per=2):  # what the same projections hold in bf16
+    return sum(getattr(layer, name).shape[0] * getattr(layer, name).shape[1] * bytes_per
+               for layer in model.layers for name in layer._LINEAR_WEIGHTS)
+
+
+def write_fp8_tensor(src, dst):
+    """``quant_method: fp8`` per tensor (vLLM / llm-compressor's FP8 with static scales):
+    one ``weight_scale`` per linear, q/k/v with different scales."""
+    qf._copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out = dict(state)
+    for layer in qf._linears(state):
+        w = state[layer + ".weight"].float()
+        scale = w.abs().max() / 448.0
+        out[layer + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
+        out[layer + ".weight_scale"] = scale.reshape(())
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _dequantized_fp8(path):
+    """{checkpoint name: dense weight} of an FP8 checkpoint (FP8 values times scales)."""
+    state = load_file(str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    dense = {}
+    for name, t in state.items():
+        if t.dtype != torch.float8_e4m3fn:
+            continue
+        layer = name[: -len(".weight")]
+        s = state.get(layer + ".weight_scale", state.get(layer + ".weight_scale_inv")).float()
+        if s.dim() == 2 and s.shape[1] > 1:
+            r, c = cfg.get("weight_block_size") or cfg["config_groups"]["group_0"]["weights"]["block_structure"]
+            s = s.repeat_interleave(r, 0).repeat_interleave(c, 1)
+        elif s.dim() >= 1 and s.numel() > 1:
+            s = s.reshape(-1, 1)
+        dense[name] = t.float() * s
+    return dense
+
+
+@pytest.mark.parametrize("kind", ["tensor", "block", "ct_channel"])
+def test_fp8_kept_matches_w8a8_reference(tiny_model, tmp_path, kind):
+    src = tiny_model("llama")
+    if kind == "tensor":
+        path, group = write_fp8_tensor(src, tmp_path / "fp8"), None
+    elif kind == "block":
+        path, group = qf.write_fp8_block(src, tmp_path / "fp8"), 32
+    else:
+        pytest.importorskip("compressed_tensors")
+        path, group = qf.write_compressed_tensors(src, tmp_path / "fp8", "fp8"), None
+    model, kept = kept_model(path)
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_weight, Fp8BlockWeight if kind == "block" else Fp8Weight)
+    if kind == "block":  # q/k/v parts are whole 32-row blocks: the scales stay per block
+        assert layer.qkv_weight.block == (32, 32) and layer.qkv_weight.scale.shape == (128 // 32, 64 // 32)
+    assert kept.kept == 4 * len(model.layers)  # qkv, o, gate_up, down
+    # the kept bytes are the checkpoint's FP8 values, bit for bit
+    state = load_file(str(path / "model.safetensors"))
+    o = layer.o_weight
+    assert torch.equal(o.q.view(torch.uint8), state["model.layers.0.self_attn.o_proj.weight"].view(torch.uint8))
+    # about half of bf16's bytes (FP8 plus fp32 scales)
+    assert _linear_bytes(model) < 0.56 * _dense_bytes(model)
+    ref = with_rounded_inputs(qf.reference_with_weights(src, _dequantized_fp8(path)), group)
+    _paged_matches(model, ref)
+
+
+def _greedy(ref, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_engine_serves_fp8_kept_and_requantizes_weight_updates(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    path = qf.write_fp8_block(src, tmp_path / "fp8")
+    engine = make_engine(path)
+    layer = engine.runner.model.layers[0]
+    assert isinstance(layer.gate_up_weight, Fp8BlockWeight)
+    prompts = [_tokens(13, seed=8), _tokens(5, seed=9)]
+
+    def run(tag):
+        reqs = [request(f"{tag}{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]
+        out = engine.generate(reqs)
+        return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
+
+    ref = with_rounded_inputs(qf.reference_with_weights(src, _dequantized_fp8(path)), 32)
+    assert run("a") == [_greedy(ref, p, 6) for p in prompts]
+    # an RL update sends dense weights: re-quantized per row (online FP8's numerics)
+    other = tiny_model("llama", seed=1)
+    engine.rl.write_weights(load_file(str(other / "model.safetensors")))
+    engine.rl.end_weight_writes()
+    assert isinstance(layer.gate_up_weight, Fp8Weight) or isinstance(
+        engine.runner.model.layers[0].gate_up_weight, Fp8Weight)
+    from tests.unit.engine.test_online_fp8 import fp8_reference
+    assert run("b") == [_greedy(fp8_reference(other), p, 6) for p in prompts]
+    engine.close()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_asym", "ct_w4a16", "ct_w4a16_asym"])
+def test_int4_kept_matches_dequantized(tiny_model, tmp_path, fmt):
+    src = tiny_model("llama")
+    if fmt == "awq":
+        path, dense = qf.write_awq(src, tmp_path / "q")
+        ref = qf.reference_with_weights(src, dense)
+    elif fmt.startswith("gptq"):
+        path, dense = qf.write_gptq(src, tmp_path / "q", sym=fmt == "gptq")
+        ref = qf.reference_with_weights(src, dense)
+    else:
+        pytest.importorskip("compressed_tensors")
+        path = qf.write_compressed_tensors(src, tmp_path / "q", fmt[3:])
+        ref = qf.load_dequantized_reference(path)
+    model, kept = kept_model(path)
+    assert isinstance(model.layers[1].down_weight, Int4Weight)
+    assert kept.kept == 4 * len(model.layers)  # qkv, o, gate_up, down
+    # nibbles, fp32 scales and uint8 zero points per 32 weights: (0.5 + 0.125 + 0.03) / 2 bytes
+    assert _linear_bytes(model) < 0.34 * _dense_bytes(model)
+    _paged_matches(model, ref)
+
+
+def test_gptq_act_order_loads_dequantized(tiny_model, tmp_path):
+    """Act-order (g_idx) has no kept-int4 kernel here: those layers load dense, and match."""
+    src = tiny_model("llama")
+    path, dense = qf.write_gptq(src, tmp_path / "q", sym=False, act_order=True)
+    model, kept = kept_model(path)
+    assert kept.kept == 0 and len(kept.refused) == 7 * len(model.layers)
+    assert isinstance(model.layers[0].qkv_weight, torch.Tensor)
+    _paged_matches(model, qf.reference_with_weights(src, dense))
+
+
+def test_engine_serves_awq_kept(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    path, dense = qf.write_awq(src, tmp_path / "awq")
+    engine = make_engine(path)
+    assert isinstance(engine.runner.model.layers[0].qkv_weight, Int4Weight)
+    ref = qf.reference_with_weights(src, dense)
+    prompts = [_tokens(11, seed=5), _tokens(4, seed=6)]
+    out = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert [t for d in out[f"r{i}"] for t in d.token_ids] == _greedy(ref, p, 6)
+    engine.close()
