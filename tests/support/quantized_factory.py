@@ -140,6 +140,50 @@ def write_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (32, 32)) -> 
     return dst
 
 
+def write_fp8_tensor(src: Path, dst: Path, kv_scales: Optional[dict[int, tuple[float, float]]] = None) -> Path:
+    """``quant_method: fp8`` per tensor (vLLM / llm-compressor's FP8 with one
+    ``weight_scale`` per linear: q/k/v with different scales), optionally with KV-cache
+    scales ``{layer: (k_scale, v_scale)}`` as ``model.layers.{i}.self_attn.{k,v}_scale``."""
+    _copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out = dict(state)
+    for layer in _linears(state):
+        w = state[layer + ".weight"].float()
+        scale = w.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+        out[layer + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
+        out[layer + ".weight_scale"] = scale.reshape(())
+    for i, (k, v) in (kv_scales or {}).items():
+        out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if kv_scales:
+        cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                         "dynamic": False, "symmetric": True}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def dequantized_fp8(path: Path) -> dict:
+    """{checkpoint name: dense fp32 weight} of an FP8 checkpoint (FP8 values times scales)."""
+    state = load_file(str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    dense = {}
+    for name, t in state.items():
+        if t.dtype != torch.float8_e4m3fn:
+            continue
+        layer = name[: -len(".weight")]
+        s = state.get(layer + ".weight_scale", state.get(layer + ".weight_scale_inv")).float()
+        if s.dim() == 2 and s.shape[1] > 1:
+            r, c = cfg.get("weight_block_size") or cfg["config_groups"]["group_0"]["weights"]["block_structure"]
+            s = s.repeat_interleave(r, 0).repeat_interleave(c, 1)
+        elif s.dim() >= 1 and s.numel() > 1:
+            s = s.reshape(-1, 1)
+        dense[name] = t.float() * s
+    return dense
+
+
 # --- AWQ / GPTQ (packers written after the libraries' own) ------------------------------
 def _int_quantize(w_t: torch.Tensor, group: int, sym: bool, bits: int = 4):
     """Rows of ``w_t`` ([in, out]) in groups of ``group`` rows -> (q [in, out] ints,

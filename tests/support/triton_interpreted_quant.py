@@ -10,12 +10,11 @@ blocks) to its FP8 values times their scale: what a W8A8 GEMM multiplies.  int4 
 W4A16: the activations are not rounded, so the reference is the dequantized model."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.support import quantized_factory as qf
 from tests.support.engine_helpers import make_engine, request
@@ -76,48 +75,11 @@ def _dense_bytes(model, bytes_per=2):  # what the same projections hold in bf16
                for layer in model.layers for name in layer._LINEAR_WEIGHTS)
 
 
-def write_fp8_tensor(src, dst):
-    """``quant_method: fp8`` per tensor (vLLM / llm-compressor's FP8 with static scales):
-    one ``weight_scale`` per linear, q/k/v with different scales."""
-    qf._copy_side_files(src, dst)
-    state = load_file(str(src / "model.safetensors"))
-    out = dict(state)
-    for layer in qf._linears(state):
-        w = state[layer + ".weight"].float()
-        scale = w.abs().max() / 448.0
-        out[layer + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
-        out[layer + ".weight_scale"] = scale.reshape(())
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
-def _dequantized_fp8(path):
-    """{checkpoint name: dense weight} of an FP8 checkpoint (FP8 values times scales)."""
-    state = load_file(str(path / "model.safetensors"))
-    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
-    dense = {}
-    for name, t in state.items():
-        if t.dtype != torch.float8_e4m3fn:
-            continue
-        layer = name[: -len(".weight")]
-        s = state.get(layer + ".weight_scale", state.get(layer + ".weight_scale_inv")).float()
-        if s.dim() == 2 and s.shape[1] > 1:
-            r, c = cfg.get("weight_block_size") or cfg["config_groups"]["group_0"]["weights"]["block_structure"]
-            s = s.repeat_interleave(r, 0).repeat_interleave(c, 1)
-        elif s.dim() >= 1 and s.numel() > 1:
-            s = s.reshape(-1, 1)
-        dense[name] = t.float() * s
-    return dense
-
-
 @pytest.mark.parametrize("kind", ["tensor", "block", "ct_channel"])
 def test_fp8_kept_matches_w8a8_reference(tiny_model, tmp_path, kind):
     src = tiny_model("llama")
     if kind == "tensor":
-        path, group = write_fp8_tensor(src, tmp_path / "fp8"), None
+        path, group = qf.write_fp8_tensor(src, tmp_path / "fp8"), None
     elif kind == "block":
         path, group = qf.write_fp8_block(src, tmp_path / "fp8"), 32
     else:
@@ -135,7 +97,7 @@ def test_fp8_kept_matches_w8a8_reference(tiny_model, tmp_path, kind):
     assert torch.equal(o.q.view(torch.uint8), state["model.layers.0.self_attn.o_proj.weight"].view(torch.uint8))
     # about half of bf16's bytes (FP8 plus fp32 scales)
     assert _linear_bytes(model) < 0.56 * _dense_bytes(model)
-    ref = with_rounded_inputs(qf.reference_with_weights(src, _dequantized_fp8(path)), group)
+    ref = with_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), group)
     _paged_matches(model, ref)
 
 
@@ -160,7 +122,7 @@ def test_engine_serves_fp8_kept_and_requantizes_weight_updates(tiny_model, tmp_p
         out = engine.generate(reqs)
         return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
 
-    ref = with_rounded_inputs(qf.reference_with_weights(src, _dequantized_fp8(path)), 32)
+    ref = with_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), 32)
     assert run("a") == [_greedy(ref, p, 6) for p in prompts]
     # an RL update sends dense weights: re-quantized per row (online FP8's numerics)
     other = tiny_model("llama", seed=1)
@@ -215,3 +177,37 @@ def test_engine_serves_awq_kept(tiny_model, tmp_path):
     for i, p in enumerate(prompts):
         assert [t for d in out[f"r{i}"] for t in d.token_ids] == _greedy(ref, p, 6)
     engine.close()
+
+
+def test_triton_attention_applies_kv_scales_over_fp8():
+    """The checkpoint's KV-cache scales through the Triton backend (cache write and unified
+    attention): with them, FP8 attention over K/V beyond e4m3's range tracks the float32
+    cache; at scale 1.0 it saturates."""
+    from worker.engine.attention.layer import PagedAttention
+    from worker.engine.attention.metadata import build_attention_metadata
+    from worker.engine.attention.selector import resolve_attention_backend
+
+    torch.manual_seed(0)
+    heads, kvh, d, bs = 4, 2, 16, 4
+    tables = [[3, 7, 1, 9, 2]]
+    steps = [(7, 0), (5, 7), (1, 12)]
+    qkv = [(torch.randn(n, heads, d) * 0.002, torch.randn(n, kvh, d) * 600, torch.randn(n, kvh, d) * 600)
+           for n, _ in steps]
+    ks = max(k.abs().max().item() for _, k, _ in qkv) / 448
+    vs = max(v.abs().max().item() for _, _, v in qkv) / 448
+
+    def run(cache_dtype, scales):
+        backend = resolve_attention_backend("triton", "auto", torch.device("cpu"), torch.float32, bs,
+                                            None if cache_dtype == torch.float32 else cache_dtype)
+        layer = PagedAttention(heads, kvh, d)
+        layer.set_backend(backend)
+        if scales:
+            layer.set_kv_scales(*scales)
+        cache = torch.zeros(2, 12, bs, kvh, d, dtype=cache_dtype)
+        return torch.cat([layer(q, k, v, cache, build_attention_metadata([n], [ctx], tables, bs, "cpu"))
+                          for (q, k, v), (n, ctx) in zip(qkv, steps)])
+
+    ref = run(torch.float32, None)
+    err_scaled = (run(torch.float8_e4m3fn, (ks, vs)) - ref).abs().max().item()
+    err_unscaled = (run(torch.float8_e4m3fn, None) - ref).abs().max().item()
+    assert err_scaled < 0.1 * err_unscaled and err_scaled < 0.07 * ref.abs().max().item(), (err_scaled, err_unscaled)

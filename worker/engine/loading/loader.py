@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from worker.engine.models.config import ModelConfig
 from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
-from worker.engine.quantization.reader import KeepHook, dequantize_stream
+from worker.engine.quantization.reader import KeepHook, KvHook, dequantize_stream
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,13 @@ def checkpoint_quantization(model_dir: str | Path) -> Optional[CheckpointQuantiz
 
 
 def iter_dense_checkpoint(model_dir: str | Path, quant: Optional[CheckpointQuantization] = None,
-                          keep: Optional[KeepHook] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                          keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_checkpoint`` with quantized layers turned into dense weights
     (quantization/reader.py); ``quant`` defaults to what the directory's config names."""
     if quant is None:
         quant = checkpoint_quantization(model_dir)
-    return dequantize_stream(iter_checkpoint(model_dir), quant, keep=keep)
+    return dequantize_stream(iter_checkpoint(model_dir), quant, keep=keep, kv=kv)
 
 
 def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,11 +105,12 @@ def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield name, tensor
 
 
-def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None) -> None:
+def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None) -> None:
     """Stream the (dequantized) checkpoint through the model's own ``load_weights`` (its
     name mapping and sharding) and check that every weight it needs came; ``keep`` sees
-    each quantized layer's parts (quantization/kept.py)."""
-    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization, keep)))
+    each quantized layer's parts (quantization/kept.py), ``kv`` the KV-cache scales
+    (quantization/kv_scales.py)."""
+    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization, keep, kv)))
     missing = sorted(set(model.weight_targets()) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -117,9 +119,9 @@ def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None) 
 
 def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
                device: torch.device | str = "cpu", config: Optional[ModelConfig] = None,
-               keep: Optional[KeepHook] = None):
+               keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None):
     """Build the registered model for ``model_dir``'s architecture on ``device`` in
-    ``dtype`` (default: the checkpoint's) and fill its weights (``keep``: see
+    ``dtype`` (default: the checkpoint's) and fill its weights (``keep``, ``kv``: see
     load_weights)."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = config.family.model_class()
@@ -134,5 +136,5 @@ def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
                      "applied)")
     with torch.device(device):
         model = cls(config, dtype=dtype, device=device)
-    load_weights(model, model_dir, keep)
+    load_weights(model, model_dir, keep, kv)
     return model.eval()

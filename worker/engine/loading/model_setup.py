@@ -18,6 +18,7 @@ from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import linear_scheme, onednn_supported, resolve_cpu_linear
 from worker.engine.quantization.config import ONLINE_SUPPORTED
 from worker.engine.quantization.kept import KeptQuantized, keeps_quantized
+from worker.engine.quantization.kv_scales import KvScales
 from worker.engine.quantization.online_fp8 import online_fp8_scheme
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,13 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
              dtype, why)
     started = time.monotonic()
     kept = _kept_quantized(config, mc, device)
+    kv_scales = KvScales() if mc.quantization is not None else None
     model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc,
-                       keep=kept.keep if kept is not None else None)
+                       keep=kept.keep if kept is not None else None,
+                       kv=kv_scales.add if kv_scales is not None else None)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
+    if kv_scales is not None:
+        kv_scales.apply(model, fp8_cache=config.kv_dtype is not None)
     from worker.engine.loading.weights import weight_spec
 
     model.weight_spec = weight_spec(model)  # what weight updates may name (cheap before packing)
