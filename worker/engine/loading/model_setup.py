@@ -64,6 +64,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     if scheme is not None:
         model.pack_linears(scheme)
     if kept is not None:
+        kept.finish()
         log.info("quantized checkpoint: %s; %d projection weight(s) kept quantized in memory (%s), re-quantized "
                  "after weight updates", mc.quantization.describe(), kept.kept, scheme.name)
     elif device.type == "cpu" and config.torch_dtype == torch.bfloat16 and config.cpu_linear != "torch":

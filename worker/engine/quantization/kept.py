@@ -234,6 +234,7 @@ class KeptQuantized:
         self._bound: dict[int, list[tuple[int, int, ScaleRecord]]] = {}  # storage ptr -> (row, rows, record)
         self._requant: dict[int, str] = {}  # storage ptr of unpacked weights -> their kind (re-quantize on pack)
         self.kept = 0
+        self.kinds: set[str] = set()
 
     # the reader's hook
     def keep(self, layer: str, scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> None:
@@ -255,6 +256,8 @@ class KeptQuantized:
             stride = view.stride(0)
             key = view.untyped_storage().data_ptr()
             self._bound.setdefault(key, []).append((view.storage_offset() // stride, view.shape[0], rec))
+        self.kinds = {r.kind for r in self.records.values()}
+        self.records.clear()  # what is bound lives on in _bound until packed
         if self.refused:
             log.warning("%d quantized layer(s) load dequantized (no kept-quantized kernel for %s)",
                         len(self.refused), ", ".join(sorted(set(self.refused.values()))))
@@ -292,8 +295,13 @@ class KeptQuantized:
         else:  # a part ends inside a block: one scale per row and column group instead
             recs = [ScaleRecord(x.kind, x.row_scales()[:rows], x.group, x.zero) for x, (_, rows, _) in zip(recs, parts)]
             r = 1
-        zero = torch.cat([x.zero for x in recs]) if recs[0].zero is not None else None
-        return ScaleRecord(recs[0].kind, torch.cat([x.scale for x in recs]), recs[0].group, zero, r)
+        # records are read on the host; the weight may be on the GPU
+        zero = torch.cat([x.zero for x in recs]).to(w.device) if recs[0].zero is not None else None
+        return ScaleRecord(recs[0].kind, torch.cat([x.scale for x in recs]).to(w.device), recs[0].group, zero, r)
+
+    def finish(self) -> None:
+        """Drop the records no packing took (MoE experts stay dense): call after packing."""
+        self._bound.clear()
 
     def pack(self, w: torch.Tensor):
         key = w.untyped_storage().data_ptr()
@@ -319,8 +327,7 @@ class KeptQuantized:
         return dense
 
     def scheme(self) -> PackedLinears:
-        kinds = {r.kind for r in self.records.values()}
-        what = "FP8 W8A8" if kinds == {"fp8"} else "int4 W4A16"
+        what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
         # Experts are not packed (packs_experts False): MoE experts load dequantized.
         return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear, self.unpack,
                              head=DENSE)
