@@ -184,6 +184,35 @@ def dequantized_fp8(path: Path) -> dict:
     return dense
 
 
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def with_fp8_rounded_inputs(hf, group: Optional[int] = None):
+    """``hf`` with each projection's input rounded to its FP8 values times their scale,
+    per token (per token and ``group`` columns beside FP8 blocks): what a W8A8 GEMM with
+    dynamic activation scales multiplies."""
+    from worker.engine.quantization.online_fp8 import round_rows
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        if group is None:
+            return round_rows(x)
+        return round_rows(x.reshape(-1, group)).reshape(x.shape)
+
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in _PROJECTIONS:
+            module.register_forward_pre_hook(lambda mod, args: (rounded(args[0]),))
+    return hf
+
+
+def greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy ids of an HF model by full forward passes."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 # --- AWQ / GPTQ (packers written after the libraries' own) ------------------------------
 def _int_quantize(w_t: torch.Tensor, group: int, sym: bool, bits: int = 4):
     """Rows of ``w_t`` ([in, out]) in groups of ``group`` rows -> (q [in, out] ints,

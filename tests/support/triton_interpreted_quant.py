@@ -22,28 +22,13 @@ from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
 from worker.engine.loading.loader import load_model
 from worker.engine.models.config import ModelConfig
 from worker.engine.quantization.kept import Fp8BlockWeight, Int4Weight, KeptQuantized, weight_bytes
-from worker.engine.quantization.online_fp8 import Fp8Weight, round_rows
+from worker.engine.quantization.online_fp8 import Fp8Weight
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or
                                 os.environ.get("TOKSERVE_KEEP_QUANTIZED") != "1",
                                 reason="needs TRITON_INTERPRET=1 and TOKSERVE_KEEP_QUANTIZED=1")
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATOL = 5e-4  # fp32 on both sides; the interpreted GEMMs sum in another order
-
-
-def round_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Per-token FP8 rounding of each ``group`` columns (DeepSeek-style 1 x 128 groups)."""
-    shape = x.shape
-    return round_rows(x.reshape(-1, shape[-1] // group, group).reshape(-1, group)).reshape(shape)
-
-
-def with_rounded_inputs(hf, group=None):
-    for name, module in hf.named_modules():
-        if name.rsplit(".", 1)[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(
-                lambda mod, args: (round_rows(args[0]) if group is None else round_groups(args[0], group),))
-    return hf
 
 
 def kept_model(path):
@@ -98,16 +83,8 @@ def test_fp8_kept_matches_w8a8_reference(tiny_model, tmp_path, kind):
     assert torch.equal(o.q.view(torch.uint8), state["model.layers.0.self_attn.o_proj.weight"].view(torch.uint8))
     # about half of bf16's bytes (FP8 plus fp32 scales)
     assert _linear_bytes(model) < 0.56 * _dense_bytes(model)
-    ref = with_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), group)
+    ref = qf.with_fp8_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), group)
     _paged_matches(model, ref)
-
-
-def _greedy(ref, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def test_engine_serves_fp8_kept_and_requantizes_weight_updates(tiny_model, tmp_path):
@@ -124,15 +101,15 @@ def test_engine_serves_fp8_kept_and_requantizes_weight_updates(tiny_model, tmp_p
         out = engine.generate(reqs)
         return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
 
-    ref = with_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), 32)
-    assert run("a") == [_greedy(ref, p, 6) for p in prompts]
+    ref = qf.with_fp8_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), 32)
+    assert run("a") == [qf.greedy(ref, p, 6) for p in prompts]
     # an RL update sends dense weights: re-quantized per row (online FP8's numerics)
     other = tiny_model("llama", seed=1)
     engine.rl.write_weights(load_file(str(other / "model.safetensors")))
     engine.rl.end_weight_writes()
     assert isinstance(engine.runner.model.layers[0].gate_up_weight, Fp8Weight)  # re-quantized per row
     from tests.unit.engine.test_online_fp8 import fp8_reference
-    assert run("b") == [_greedy(fp8_reference(other), p, 6) for p in prompts]
+    assert run("b") == [qf.greedy(fp8_reference(other), p, 6) for p in prompts]
     engine.close()
 
 
@@ -177,7 +154,7 @@ def test_engine_serves_awq_kept(tiny_model, tmp_path):
     prompts = [_tokens(11, seed=5), _tokens(4, seed=6)]
     out = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
-        assert [t for d in out[f"r{i}"] for t in d.token_ids] == _greedy(ref, p, 6)
+        assert [t for d in out[f"r{i}"] for t in d.token_ids] == qf.greedy(ref, p, 6)
     engine.close()
 
 
