@@ -190,3 +190,40 @@ def test_triton_attention_applies_kv_scales_over_fp8():
     err_scaled = (run(torch.float8_e4m3fn, (ks, vs)) - ref).abs().max().item()
     err_unscaled = (run(torch.float8_e4m3fn, None) - ref).abs().max().item()
     assert err_scaled < 0.1 * err_unscaled and err_scaled < 0.07 * ref.abs().max().item(), (err_scaled, err_unscaled)
+
+
+# --- online FP8 on mixture-of-experts models (kernels/triton/fused_moe.fused_experts_fp8) ---
+def test_fused_experts_fp8_is_the_emulated_w8a8():
+    """The fused-MoE kernel over FP8 stacks equals the CPU emulation: the grouped torch
+    GEMMs over the FP8-rounded weights with each GEMM's input rows rounded per row."""
+    from worker.engine.kernels.triton import ops as triton_ops
+    from worker.engine.kernels.triton.fused_moe import fused_experts_fp8
+    from worker.engine.models.moe import fused_experts_torch, silu_and_mul
+    from worker.engine.quantization.online_fp8 import _dequantize, quantize_stack, round_rows
+
+    g = torch.Generator().manual_seed(3)
+    e, h, i, t, k = 6, 64, 48, 13, 2
+    w13, w2 = quantize_stack(torch.randn(e, 2 * i, h, generator=g) * 0.1), quantize_stack(
+        torch.randn(e, h, i, generator=g) * 0.1)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    got = fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, weights, ids, triton_ops().silu_and_mul)
+    want = fused_experts_torch(x, _dequantize(w13), _dequantize(w2), weights, ids, silu_and_mul,
+                               round_input=round_rows)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_online_fp8_moe_on_triton_matches_the_fp8_reference(tiny_model, kind):
+    from tests.unit.engine.test_online_fp8 import fp8_moe_reference
+    from worker.engine.attention.selector import resolve_attention_backend
+    from worker.engine.quantization.online_fp8 import triton_fp8_scheme
+
+    path = tiny_model(kind)
+    model = load_model(path, dtype=torch.float32)
+    model.use_attention_backend(resolve_attention_backend("triton", "auto", torch.device("cpu"), torch.float32, 4))
+    model.pack_linears(triton_fp8_scheme())
+    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+    assert isinstance(moe.w13, Fp8Weight) and moe.w13.q.shape[0] == model.config.moe.num_experts
+    _paged_matches(model, fp8_moe_reference(path), n=24, prompt=17)

@@ -53,9 +53,9 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
                     cpu_linear, fallback)
         cpu_linear, scheme = fallback, linear_scheme(fallback)
     if config.quantization in ONLINE_SUPPORTED and mc.quantization is None:
-        if mc.moe is not None:
-            raise ValueError("--quantization fp8 (online) on a mixture-of-experts model is not supported: its "
-                             "experts have no FP8 path yet")
+        if mc.moe is not None and mc.moe.expert_bias:
+            raise ValueError("--quantization fp8 (online) on a model whose experts have biases (GPT-OSS) is not "
+                             "supported: those experts have no FP8 path")
         scheme = online_fp8_scheme(device, scheme)
         log.info("online quantization: %s; weights re-quantized after every weight update", scheme.name)
     if kept is not None:
