@@ -119,6 +119,8 @@ def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor], quant: Chec
     if scheme.kind == "fp8":
         scale = parts["scale"].float()
         weight = parts["weight"]
+        if weight.dtype != FP8:
+            return None  # e5m2 / fnuz values do not all fit e4m3 at the same scale: dequantized
         rows, cols = weight.shape
         if scale.numel() == 1:
             return ScaleRecord("fp8", scale.reshape(1).expand(rows).clone())
