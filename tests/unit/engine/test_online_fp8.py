@@ -163,6 +163,26 @@ def test_engine_online_fp8_moe_greedy_and_weight_updates(tiny_model):
     engine.close()
 
 
+def test_moe_experts_over_the_native_bf16_gemm_match_the_torch_emulation(tiny_model):
+    """bf16 on CPU: the experts run per expert on the native GEMM (packed, inputs rounded
+    per row) and compute what the grouped torch emulation computes, up to bf16 rounding."""
+    from worker.engine.models.cpu_gemm import linear_scheme, native_supported
+
+    if not native_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("the native bf16 GEMM does not run on this CPU/build")
+    path = tiny_model("qwen2_moe")
+    ids = _tokens(20, seed=6)
+    out = []
+    for inner in (linear_scheme("native"), None):
+        model = load_model(path, dtype=torch.bfloat16)
+        model.pack_linears(emulated_fp8_scheme(inner))
+        moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+        assert isinstance(moe.w13, list if inner is not None else torch.Tensor)
+        seqs = PagedSeqs(model)
+        out.append(seqs.step([("a", ids)])[0].float())
+    assert (out[0] - out[1]).abs().max() < 0.05 * out[1].abs().max()
+
+
 def test_online_fp8_refuses_experts_with_biases(tiny_model):
     with pytest.raises(ValueError, match="experts have biases"):
         make_engine(tiny_model("gpt_oss"), quantization="fp8")

@@ -83,10 +83,22 @@ def triton_fp8_experts() -> PackedExperts:
     return PackedExperts(quantize_stack, run, _dequantize)
 
 
-def emulated_fp8_experts() -> PackedExperts:
-    """The same W8A8 arithmetic over the grouped torch GEMMs: weights rounded to their FP8
-    values, each GEMM's input rows rounded per row."""
-    from worker.engine.models.moe import fused_experts_torch
+def emulated_fp8_experts(inner: Optional[PackedLinears] = None) -> PackedExperts:
+    """The same W8A8 arithmetic on CPU: weights rounded to their FP8 values, each GEMM's
+    input rows rounded per row -- over ``inner``'s per-expert packed GEMMs where it packs
+    experts (the native bf16 GEMM: torch's bf16 grouped GEMM is several times slower on
+    CPUs without bf16 dot products, cpu_gemm's measurements), else the grouped torch GEMMs."""
+    from worker.engine.models.moe import fused_experts_packed, fused_experts_torch
+
+    if inner is not None and inner.packs_experts:
+        def linear(x, packed, bias):
+            return inner.linear(round_rows(x), packed, bias)
+
+        def run_packed(x, w13, w2, topk_weights, topk_ids, act):
+            return fused_experts_packed(x, w13, w2, topk_weights, topk_ids, linear, act)
+
+        return PackedExperts(lambda w: [inner.pack(round_rows(w[e])) for e in range(w.shape[0])], run_packed,
+                             lambda ws: torch.stack([inner.unpack(w) for w in ws]))
 
     def run(x, w13, w2, topk_weights, topk_ids, act):
         return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, act, round_input=round_rows)
@@ -127,7 +139,7 @@ def emulated_fp8_scheme(inner: Optional[PackedLinears]) -> PackedLinears:
     name = f"fp8 (W8A8 emulated over {inner.name if inner is not None else 'torch'} linears)"
     accepts = inner.accepts if inner is not None else (lambda w: True)
     return PackedLinears(name, pack, linear, inner_unpack, packs_experts=True, accepts=accepts,
-                         head=inner if inner is not None else DENSE, experts=emulated_fp8_experts())
+                         head=inner if inner is not None else DENSE, experts=emulated_fp8_experts(inner))
 
 
 def online_fp8_scheme(device: torch.device, cpu_scheme: Optional[PackedLinears]) -> PackedLinears:
