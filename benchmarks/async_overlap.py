@@ -1,8 +1,9 @@
 """Host work of an engine step against a simulated device (issue 41's overlap measurement).
 
-    python -m benchmarks.async_overlap                          # batch 1/64/256, T = 5 ms, 3 rounds, mode sync
+    python -m benchmarks.async_overlap                          # batch 1/64/256, T = 5 ms, 3 rounds, sync and async
     python -m benchmarks.async_overlap --rounds 5 --steps 200 --device-ms 5 --batches 1 64 256
     python -m benchmarks.async_overlap --profile 256            # + cProfile of the decode steps at batch 256
+    python -m benchmarks.async_overlap --device-models queue    # only the asynchronous-device stand-in
 
 A real ``Engine`` (tokens_only, random tiny Llama, CPU) whose model is replaced by a
 stand-in: the forward returns hidden rows of the right shape after a fixed device
@@ -12,6 +13,15 @@ the real code: scheduler, block manager (prefix caching on, as served), the runn
 batch layout and attention plan, sampling metadata, the sampler, appending tokens and
 stop checks, the Engine's CompletionDelta packing.  So ``step time - T`` is the host
 time a GPU would sit idle for in a synchronous step: what async scheduling must hide.
+
+Two device models (``--device-models``, both by default, each with its own rounds and
+table): ``sleep``, the forward *call* takes T (a synchronous forward, as on the CPU,
+with the GIL released), so whatever the device thread does after it -- logits, the
+sampler -- is serial with the device time; and ``queue``, an asynchronous device as a
+GPU is: the forward call queues T of device work behind what is already queued and
+returns (kernel launches, graph replays), and the host blocks only where the CUDA path
+blocks, the sampled ids' host copy (``DeviceStep.collect``).  ``queue`` is the model of
+the GPU the overlap is for; ``sleep`` is the stricter bound.
 
 The vocabulary is small (``--vocab``, 512) on purpose: on a GPU the sampler's tensor
 math runs on the device, here it runs on the host, and a real vocabulary would make
@@ -113,6 +123,56 @@ class StandInModel:
         return table[:rows]
 
 
+class QueuedDeviceStandIn(StandInModel):
+    """An asynchronous device, as a GPU is: a forward call only queues ``device_s`` of
+    device work behind what is already queued and returns at once (kernel launches and
+    CUDA-graph replays do not wait for the device); the step's results are readable when
+    the queue gets there, so the host blocks only where the CUDA path blocks -- the
+    sampled ids' host copy (``DeviceStep.collect``: ``install`` makes each step's collect
+    wait for its forward's completion time).  The logits and the sampler still run on
+    the host here, after the forward is queued and before it completes, as their kernel
+    launches do on a GPU.  ``device_time``: T per forward plus how late each wait woke."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._busy_until = 0.0
+        self.last_ready = 0.0
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, kv_cache, lora=None,
+                 **model_kwargs) -> torch.Tensor:
+        start = max(time.perf_counter(), self._busy_until)  # behind the work already queued
+        self._busy_until = self.last_ready = start + self.device_s
+        self.device_time += self.device_s
+        self.forwards += 1
+        return self._hidden[:input_ids.shape[0]]
+
+    def wait_until(self, ready: float) -> None:
+        if not getattr(self._thread, "slack_set", False):
+            self._thread.slack_set = True
+            tighten_timer_slack()
+        left = ready - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            self.device_time += time.perf_counter() - ready  # the wake-up's lateness
+
+    def install(self, engine: Engine) -> None:
+        """Make each launched step's host copy wait for its forward (a benchmark-only seam on
+        the engine instance, like ``PhaseTimes``)."""
+        run_on_device = engine._run_on_device
+
+        def run(step, fill):
+            before = self.forwards
+            run_on_device(step, fill)
+            if self.forwards != before:
+                ready, collect = self.last_ready, step.collect
+                step.collect = lambda: (self.wait_until(ready), collect())
+
+        engine._run_on_device = run
+
+
+STAND_INS = {"sleep": StandInModel, "queue": QueuedDeviceStandIn}
+
+
 def tighten_timer_slack() -> bool:
     """Linux wakes a sleeping thread up to its timer slack (50 us by default) late; 1 us
     keeps the stand-in's device time close to T.  False where prctl is not available."""
@@ -124,8 +184,9 @@ def tighten_timer_slack() -> bool:
 
 
 def build_engine(model_dir: Path, mode: str, *, max_batch: int, max_model_len: int, device_s: float,
-                 max_num_batched_tokens: int = 2048) -> Engine:
-    """A real Engine for ``mode`` with the stand-in model installed in its runner."""
+                 max_num_batched_tokens: int = 2048, device_model: str = "sleep") -> Engine:
+    """A real Engine for ``mode`` with the stand-in model (``STAND_INS[device_model]``)
+    installed in its runner."""
     blocks_per_seq = -(-max_model_len // 16)
     config = EngineConfig(model=str(model_dir), tokens_only=True, dtype="float32", num_threads=1,
                           max_num_seqs=max_batch, max_model_len=max_model_len,
@@ -135,7 +196,10 @@ def build_engine(model_dir: Path, mode: str, *, max_batch: int, max_model_len: i
     mc = engine.model_config
     # The seam: the runner calls model(...) for the hidden states and model.compute_logits
     # for the selected rows; nothing above it knows the difference.
-    engine.runner.model = StandInModel(mc.hidden_size, mc.vocab_size, max_num_batched_tokens, max_batch, device_s)
+    stand_in = STAND_INS[device_model](mc.hidden_size, mc.vocab_size, max_num_batched_tokens, max_batch, device_s)
+    engine.runner.model = stand_in
+    if isinstance(stand_in, QueuedDeviceStandIn):
+        stand_in.install(engine)
     return engine
 
 
@@ -388,6 +452,10 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     ap.add_argument("--device-ms", type=float, default=5.0, help="the stand-in forward's device time T")
+    ap.add_argument("--device-models", nargs="+", default=list(STAND_INS), choices=list(STAND_INS),
+                    help="sleep: the forward call takes T (a synchronous forward, the GIL released); queue: an "
+                         "asynchronous device as a GPU's, the forward queued, the sampled ids' host copy waiting "
+                         "for it. Each gets its own rounds and table")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per (round, mode, batch)")
     ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps before the timed ones")
@@ -403,18 +471,28 @@ def main(argv=None) -> int:
     slack = tighten_timer_slack()
     max_batch = max(args.batches + ([args.profile] if args.profile else []))
     max_model_len = args.prompt_len + 1 + args.warmup + args.steps + 1
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(["python -m benchmarks.async_overlap", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{now}, {_cpu_name()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}: {command}")
+    for device_model in args.device_models:
+        run_device_model(args, device_model, device_s, slack, max_batch, max_model_len)
+    return 0
+
+
+def run_device_model(args, device_model: str, device_s: float, slack: bool, max_batch: int,
+                     max_model_len: int) -> None:
+    """The rounds, table (and profile) of one stand-in device model."""
     with tempfile.TemporaryDirectory(prefix="tokserve-overlap-") as tmp:
         model_dir = write_model(Path(tmp), args.vocab)
         engines = {mode: build_engine(model_dir, mode, max_batch=max_batch, max_model_len=max_model_len,
-                                      device_s=device_s) for mode in args.modes}
+                                      device_s=device_s, device_model=device_model) for mode in args.modes}
         first = engines[args.modes[0]]
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = " ".join(["python -m benchmarks.async_overlap", *(sys.argv[1:] if argv is None else argv)])
-        print(f"{now}, {_cpu_name()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}: {command}")
-        print(f"stand-in device T = {args.device_ms:g} ms (time.sleep, timer slack 1 us: {slack}); "
-              f"batches {args.batches}, {args.steps} timed decode steps after {args.warmup} warm-up, prompts "
-              f"{args.prompt_len} tokens, vocab {args.vocab}, greedy; modes {args.modes}; {args.rounds} rounds; "
-              f"{first.attention_backend.describe()} attention plan, torch threads {torch.get_num_threads()}")
+        how = ("time.sleep in the forward call" if device_model == "sleep" else
+               "a queued asynchronous device; the host copy waits")
+        print(f"\n== device model {device_model!r}: stand-in device T = {args.device_ms:g} ms ({how}; timer slack "
+              f"1 us: {slack}); batches {args.batches}, {args.steps} timed decode steps after {args.warmup} warm-up, "
+              f"prompts {args.prompt_len} tokens, vocab {args.vocab}, greedy; modes {args.modes}; {args.rounds} "
+              f"rounds; {first.attention_backend.describe()} attention plan, torch threads {torch.get_num_threads()}")
         rounds: list[Round] = []
         for r in range(args.rounds):
             order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]  # alternate who goes first
@@ -429,7 +507,6 @@ def main(argv=None) -> int:
             profile_host(first, args, device_s)
         for engine in engines.values():
             engine.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat template kwargs applied to every request, e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template given in the request")
-    p.add_argument("--reasoning-parser", default=None, help="split reasoning from content: deepseek_r1 | qwen3")
-    p.add_argument("--tool-call-parser", default=None, help="parse tool calls: hermes | llama3_json")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split reasoning from content: deepseek_r1 | qwen3 | openai_gptoss")
+    p.add_argument("--tool-call-parser", default=None, help="parse tool calls: hermes | llama3_json | openai")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto': the model's tool calls are parsed (needs --tool-call-parser)")
     p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
@@ -243,12 +244,16 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         raise SystemExit("--render-only, --reasoning-parser and --tool-call-parser need --tokenizer MODEL_DIR")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
-    from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, OutputParser
 
     for flag, value, choices in (("--reasoning-parser", args.reasoning_parser, REASONING_PARSERS),
                                  ("--tool-call-parser", args.tool_call_parser, TOOL_CALL_PARSERS)):
         if value is not None and value not in choices:
             raise SystemExit(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+    try:  # e.g. harmony's openai_gptoss next to a non-harmony tool parser
+        OutputParser(args.reasoning_parser, args.tool_call_parser)
+    except ValueError as exc:
+        raise SystemExit(f"--reasoning-parser / --tool-call-parser: {exc}") from None
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
         raise SystemExit(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     from gateway.multimodal import parse_mm_limits

@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--heartbeat-interval and --unresponsive-timeout must be > 0 and --liveness >= 1")
     if args.enable_expert_parallel:
         raise SystemExit("--enable-expert-parallel is not supported: expert parallelism is not implemented; each "
-                         "worker holds every expert (scale out with more workers behind the broker)")
+                         "worker holds every expert, split along their intermediate dimension across --tensor-parallel-size "
+                         "ranks (scale out with more workers behind the broker)")
     try:
         cfg = engine_config_from_args(args)
     except ValueError as exc:

@@ -172,6 +172,10 @@ class Renderer:
         if request.reasoning_effort is not None and "enable_thinking" not in (request.chat_template_kwargs or {}):
             kwargs["enable_thinking"] = request.reasoning_effort != "none"
         kwargs.update(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:
+            # vLLM's build_chat_params passes it over the request's kwargs; templates that read it
+            # (GPT-OSS's "Reasoning: high", as vLLM's harmony prompt writes it) get it, others drop it.
+            kwargs["reasoning_effort"] = request.reasoning_effort
         return kwargs
 
     def check_request_template(self, chat_template: Optional[str]) -> None:

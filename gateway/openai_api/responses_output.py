@@ -71,6 +71,9 @@ class ResponseContext:
     model: str
     rendered: RenderedChat
     markers: Optional[tuple[int, int]] = None  # reasoning start/end token ids
+    # A counter of the reasoning tokens for output formats without markers (harmony's channels):
+    # called once per choice; None: ReasoningCounter over ``markers``.
+    reasoning_counter: Optional[Callable[[], Any]] = None
     top_logprobs: Optional[int] = None  # None: no logprobs in the output
     tokens_as_token_ids: bool = False
     created: int = 0
@@ -154,7 +157,8 @@ class _Counts:
         self.num_prompt = len(ctx.rendered.token_ids)
         self.num_generated = 0
         self.cached = 0
-        self.reasoning = ReasoningCounter(ctx.markers, ctx.rendered.parsing.reasoning_open)
+        self.reasoning = (ctx.reasoning_counter() if ctx.reasoning_counter is not None
+                          else ReasoningCounter(ctx.markers, ctx.rendered.parsing.reasoning_open))
         self.logprobs: list = []
         self.finish: Optional[str] = None
         self.token_ids: list[int] = []  # the output's ids (enable_response_messages)

@@ -6,6 +6,9 @@ replays from the token list.  vLLM composes a ``--reasoning-parser`` and a ``--t
 in ``parser/abstract_parser.py`` (``DelegatingParser``): the reasoning parser splits the output
 into ``(reasoning, content)``, then -- only when the request has tools and ``tool_choice`` is not
 ``"none"`` -- the tool parser extracts tool calls from that content.
+GPT-OSS's harmony format (``openai_gptoss`` / ``openai``, vLLM's ``HarmonyParser``) is one grammar
+of channel messages instead: :mod:`gateway.parsers.harmony` reads reasoning, content and tool calls
+in one pass, under the same streaming contract.
 
 Streaming contract of :meth:`OutputParser.parse`: for prefixes ``p1 <= p2`` of a text ``t``,
 ``parse(p1, final=False)`` is field-wise a prefix of ``parse(p2, final=False)`` and of
@@ -48,9 +51,14 @@ from typing import Any, ClassVar
 
 from gateway.parsers.types import ParsedToolCall
 
-REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
+REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3", "openai_gptoss")
 # llama4_json and qwen3_json are vLLM aliases of the same two parser classes
-TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "llama4_json", "qwen3_json")
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "llama4_json", "qwen3_json", "openai")
+# GPT-OSS's harmony format (gateway/parsers/harmony.py): reasoning, content and tool calls are
+# messages of one grammar, parsed in one pass; vLLM's HarmonyParser refuses any other parser
+# next to these two, and so does OutputParser.
+HARMONY_REASONING_PARSER = "openai_gptoss"
+HARMONY_TOOL_CALL_PARSER = "openai"
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,7 @@ class OutputParser:
 
     def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, *,
                  special_tokens: Iterable[str] = ()) -> None:
+        from gateway.parsers import harmony as h
         from gateway.parsers import reasoning as r
         from gateway.parsers import tool_calls as t
 
@@ -124,6 +133,14 @@ class OutputParser:
             raise _choices_error("reasoning parser", self.reasoning_parser, REASONING_PARSERS)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise _choices_error("tool call parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        self.harmony = (self.reasoning_parser == HARMONY_REASONING_PARSER
+                        or self.tool_call_parser == HARMONY_TOOL_CALL_PARSER)
+        if self.harmony and self.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
+            raise ValueError(f"Harmony requires the {HARMONY_REASONING_PARSER} reasoning parser, "
+                             f"got {self.reasoning_parser!r}")
+        if self.harmony and self.tool_call_parser not in (None, HARMONY_TOOL_CALL_PARSER):
+            raise ValueError(f"Harmony requires the {HARMONY_TOOL_CALL_PARSER} tool call parser, "
+                             f"got {self.tool_call_parser!r}")
         drop_tokens = tuple(special_tokens)
         self._split: Callable[..., tuple[str | None, str | None]] | None = None
         if self.reasoning_parser == "deepseek_r1":
@@ -136,6 +153,7 @@ class OutputParser:
         elif self.tool_call_parser in ("llama3_json", "llama4_json"):
             self._extract = t.extract_llama3_json
         self._r = r
+        self._h = h
 
     def reasoning_open_at_start(self, prompt_text: str, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
         """Whether generation starts inside reasoning -- vLLM's ``not parser.is_reasoning_end(
@@ -155,6 +173,9 @@ class OutputParser:
             return self._r.deepseek_r1_reasoning_open(prompt_text)
         if self.reasoning_parser == "qwen3":
             return self._r.qwen3_reasoning_open(prompt_text, chat_template_kwargs)
+        if self.reasoning_parser == HARMONY_REASONING_PARSER:
+            # Only reported (reasoning_ended); the harmony parse reads the channels instead.
+            return self._h.reasoning_open(prompt_text)
         return False
 
     def reasoning_open_default(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
@@ -163,14 +184,15 @@ class OutputParser:
             return True
         if self.reasoning_parser == "qwen3":
             return self._r.qwen3_thinking_enabled(chat_template_kwargs)
-        return False
+        return self.reasoning_parser == HARMONY_REASONING_PARSER
 
     def keeps_special_tokens(self, *, tools_enabled: bool) -> bool:
         """Whether vLLM's ``adjust_request`` forces ``skip_special_tokens=False`` for the request
         (decode the output that way so the tags reach the parser): the qwen3 reasoning parser
         always does (``ParserEngine.adjust_request``), hermes when tools are enabled;
-        deepseek_r1 and llama3_json leave the request's setting alone."""
-        return self.reasoning_parser == "qwen3" or (
+        deepseek_r1 and llama3_json leave the request's setting alone.  Harmony always: its
+        channels and headers are special tokens (vLLM parses its token ids instead)."""
+        return self.harmony or self.reasoning_parser == "qwen3" or (
             tools_enabled and self.tool_call_parser in ("hermes", "qwen3_json"))
 
     def parse(self, text: str, *, reasoning_open: bool, tools_enabled: bool, final: bool) -> ParsedOutput:
@@ -181,7 +203,13 @@ class OutputParser:
         with thinking disabled).  ``tools_enabled``: the request has tools and tool_choice is
         not ``"none"`` (and the server runs a tool parser, i.e. ``--enable-auto-tool-choice``).
         ``final=False``: ``text`` is a streaming prefix -- see the module doc for the contract.
+        Harmony output is read by its channels whatever ``reasoning_open`` says.
         """
+        if self.harmony:
+            reasoning, content, calls = self._h.parse(
+                text, final=final, reasoning=self.reasoning_parser is not None,
+                tools=tools_enabled and self.tool_call_parser is not None)
+            return ParsedOutput(reasoning=reasoning, content=content, tool_calls=calls)
         if self._split is not None and reasoning_open:
             reasoning, content = self._split(text, final=final)
         else:

@@ -36,6 +36,7 @@ from gateway.openai_api.responses_messages import (
     responses_request_decoder,
 )
 from gateway.openai_api.responses_output import ResponseContext, ResponsesCollector, ResponsesStream
+from gateway.parsers import harmony
 from gateway.parsers.reasoning import THINK_END, THINK_START
 from gateway.relay import respond
 from gateway.resources.openai import TextRoutes
@@ -211,6 +212,11 @@ class ResponsesRoutes(TextRoutes):
         start, end = tok.token_to_id(THINK_START), tok.token_to_id(THINK_END)
         self.markers = (start, end) if parser is not None and parser.reasoning_parser and None not in (start, end) \
             else None
+        # Harmony has no think markers: its channels are counted on the token ids (vLLM's usage count).
+        self.reasoning_counter = None
+        if parser is not None and parser.harmony and harmony.ReasoningTokenCounter.for_tokenizer(tok) is not None:
+            self.reasoning_counter = lambda: harmony.ReasoningTokenCounter.for_tokenizer(tok)
+            self.markers = None
 
 
 class Responses(ResponsesRoutes):
@@ -236,7 +242,8 @@ class Responses(ResponsesRoutes):
         rendered, run = await self.start_chat(req, chat, "", arrival, request_id=response_id, detached=background)
         s = self.state.settings
         ctx = ResponseContext(request=request, response_id=response_id, model=model, rendered=rendered,
-                              markers=self.markers, top_logprobs=chat.top_logprobs if chat.logprobs else None,
+                              markers=self.markers, reasoning_counter=self.reasoning_counter,
+                              top_logprobs=chat.top_logprobs if chat.logprobs else None,
                               tokens_as_token_ids=s.return_tokens_as_token_ids, created=int(arrival))
         if background:
             resp.data = json_encoder.encode(self.background.start(scope, run, ctx, chat.messages))

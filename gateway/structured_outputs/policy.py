@@ -6,8 +6,9 @@
   starts the grammar once the parser sees reasoning end (``StructuredOutputManager``:
   ``enable_in_reasoning`` off, ``reasoning_ended`` not true).  The workers are not told the
   parser, so the gateway sends its markers as token ids (``reasoning_start`` / ``reasoning_end``
-  on the wire: ``<think>`` / ``</think>`` for deepseek_r1 and qwen3); the engine checks the
-  prompt for an already closed block, as vLLM's ``is_reasoning_end(prompt_token_ids)``.
+  on the wire: ``<think>`` / ``</think>`` for deepseek_r1 and qwen3, ``<|start|>assistant`` /
+  the final channel's header for openai_gptoss); the engine checks the prompt for an already
+  closed block, as vLLM's ``is_reasoning_end(prompt_token_ids)``.
   ``reasoning_ended: true`` (vLLM's render sets it when ``include_reasoning`` is off or the
   prompt closed reasoning) constrains from the first token: no markers.
 """
@@ -25,7 +26,11 @@ from gateway.structured_outputs.grammar_check import GrammarChecker
 from gateway.structured_outputs.params import parse_structured_outputs
 
 # Reasoning parser -> its (start, end) markers, as text (tokenized with the served tokenizer).
-REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
+# GPT-OSS (harmony): the grammar shapes the final channel's text, after "<|channel|>final<|message|>";
+# an assistant message start opens reasoning again, so a multi-turn prompt (earlier final answers,
+# then the generation prompt's "<|start|>assistant") starts inside reasoning.
+REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"),
+                     "openai_gptoss": ("<|start|>assistant", "<|channel|>final<|message|>")}
 
 
 @dataclass

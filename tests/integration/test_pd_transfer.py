@@ -29,17 +29,27 @@ VLLM_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remot
              "remote_blocks_expiry_time", "transfer_mode"}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, llama_dir):
+def _stack(tmp_path_factory, llama_dir, *extra):
     with ProcGroup(tmp_path_factory.mktemp("pd-stack")) as procs:
         broker = procs.broker()
-        prefill = procs.worker(broker, 0, "--model", str(llama_dir), *WORKER_ARGS, "--role", "prefill",
+        prefill = procs.worker(broker, 0, "--model", str(llama_dir), *WORKER_ARGS, *extra, "--role", "prefill",
                                "--kv-transfer-timeout", "2")
-        procs.worker(broker, 1, "--model", str(llama_dir), *WORKER_ARGS, "--role", "decode")
+        procs.worker(broker, 1, "--model", str(llama_dir), *WORKER_ARGS, *extra, "--role", "decode")
         wait_for_workers(broker.frontend, 2, timeout=120)
         gw = start_gateway(procs, broker.frontend, "--enable-prompt-tokens-details")  # cached_tokens, as vLLM's flag
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             yield procs, broker, prefill, http
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, llama_dir):
+    yield from _stack(tmp_path_factory, llama_dir)
+
+
+@pytest.fixture(scope="module")
+def async_stack(tmp_path_factory, llama_dir):
+    """Both legs' workers with async scheduling (the CUDA default): their steps overlap."""
+    yield from _stack(tmp_path_factory, llama_dir, "--async-scheduling")
 
 
 def _prompt(seed: int, n: int = 40) -> list[int]:
@@ -83,8 +93,9 @@ def _error(r, status: int) -> str:
     return r.text
 
 
-def test_decode_pulls_the_prompt_and_matches_plain_decoding(stack):
-    _, broker, _, http = stack
+@pytest.mark.parametrize("which", ["stack", "async_stack"])
+def test_decode_pulls_the_prompt_and_matches_plain_decoding(which, request):
+    _, broker, _, http = request.getfixturevalue(which)
     prompt = _prompt(1)
     # The reference on the decode worker itself, in another cache namespace (no shared blocks).
     ref = _gen(http, 1, prompt, logprobs=2, cache_salt="reference")

@@ -64,9 +64,12 @@ def _hf_step_logits(path: Path) -> np.ndarray:
 
 # kv heads 2 -> split; 1 -> replicated; Phi-3's fused checkpoint tensors are cut per rank;
 # SmolLM3's NoPE and sliding layers; Gemma 3's local/global layers, tied head and soft-capping;
-# OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated.
+# OLMo's whole-projection q/k norms (all-reduced mean square), with KV heads split and replicated;
+# the mixture-of-experts families with their experts split along the intermediate dimension
+# (Qwen2-MoE's gated shared expert, GLM-4.5's grouped routing, dense first layer and shared
+# experts, GPT-OSS's interleaved fused experts with biases and its per-head attention sinks).
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_mqa", "phi3", "smollm3_swa", "gemma3", "olmo3",
-                                  "olmo2_mqa"])
+                                  "olmo2_mqa", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     """A prefill, a chunk after cached context beside a second prefill, and decodes
     over the paged cache: TP=2 logits equal TP=1's and transformers' within 1e-4."""
@@ -79,7 +82,11 @@ def test_tp2_logits_match_tp1(tiny_model, tmp_path, kind):
     assert np.abs(got - _hf_step_logits(path)).max() < 1e-4
 
 
-def test_engine_with_two_ranks_matches_one(tiny_model):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_with_two_ranks_matches_one(tiny_model, async_scheduling):
+    """Two ranks give one rank's tokens; with async scheduling the leader's device thread
+    broadcasts each step with the tokens in flight filled in (the followers need them),
+    and the steps overlap."""
     path = tiny_model("qwen3")
     prompts = random_prompts(5, 4, 40, seed=9)
 
@@ -88,15 +95,75 @@ def test_engine_with_two_ranks_matches_one(tiny_model):
         return [res[str(i)][0].token_ids for i in range(len(prompts))]
 
     one = greedy(make_engine(path))
-    engine = make_engine(path, tensor_parallel_size=2)
+    engine = make_engine(path, tensor_parallel_size=2, async_scheduling=async_scheduling)
     try:
         assert engine.model.layers[0].num_kv_heads == 1 and engine.runner.kv_cache.shape[-2] == 1
         assert greedy(engine) == one
+        assert (engine.step_counts.get("overlapped", 0) > 5) == async_scheduling, engine.step_counts
         procs = engine.tp_leader.procs
         assert all(p.is_alive() for p in procs)
     finally:
         engine.close()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_async_two_ranks_with_staggered_arrivals_and_chunks(tiny_model):
+    """Requests joining mid-run, prefill chunks and finishes change the batch every few
+    steps: the tokens in flight land at scattered input positions, and the followers
+    still compute what rank 0 does (the same tokens as the synchronous single rank)."""
+    path = tiny_model("llama")
+    prompts = random_prompts(6, 5, 40, seed=17)
+
+    def run(engine):
+        pending = [request(f"s{i}", p, max_tokens=4 + 2 * i, ignore_eos=True) for i, p in enumerate(prompts)]
+        got: dict[str, list[int]] = {}
+        for _ in range(10_000):
+            if pending:
+                engine.add_request(pending.pop(0))
+            elif not engine.has_unfinished():
+                break
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+        return got
+
+    ref = run(make_engine(path, max_num_batched_tokens=16))
+    engine = make_engine(path, tensor_parallel_size=2, async_scheduling=True, max_num_batched_tokens=16)
+    try:
+        assert run(engine) == ref
+        assert engine.step_counts.get("overlapped", 0) > 10, engine.step_counts
+    finally:
+        engine.close()
+
+
+def test_moe_engine_with_two_ranks_matches_one(tiny_model):
+    """A mixture-of-experts engine over two ranks (experts split, GLM-4.5's grouped
+    routing and shared experts): the same greedy tokens and the same routed experts
+    (recorded by rank 0, whose router is the replicated one) as one rank."""
+    import io
+
+    path = tiny_model("glm4_moe")
+    prompts = random_prompts(4, 6, 30, seed=5)
+
+    def run(engine):
+        res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
+        outs = [res[str(i)][0] for i in range(len(prompts))]
+        return ([o.token_ids for o in outs],
+                [np.load(io.BytesIO(o.routed_experts), allow_pickle=False) for o in outs])
+
+    one = make_engine(path, enable_return_routed_experts=True)
+    try:
+        ids_one, routes_one = run(one)
+    finally:
+        one.close()
+    two = make_engine(path, enable_return_routed_experts=True, tensor_parallel_size=2)
+    try:
+        assert two.model.layers[1].moe.w13.shape[1] == one.model.layers[1].moe.w13.shape[1] // 2
+        ids_two, routes_two = run(two)
+    finally:
+        two.close()
+    assert ids_two == ids_one
+    for a, b in zip(routes_two, routes_one):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):

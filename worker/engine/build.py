@@ -98,14 +98,10 @@ class EngineFeatures:
 
     def _overlap_blocker(self) -> Optional[str]:
         """Why this engine's steps cannot overlap at all (async scheduling off), or None."""
-        if self.tp_leader is not None:
-            return "tensor parallelism broadcasts each step's host inputs to the followers"
         if self.ec.encoder_only:
             return "an encoder-only worker runs no language-model step"
         if self.spec is not None:
             return "speculative decoding proposes each step's drafts from the last token, on the host"
-        if self.config.enable_return_routed_experts:
-            return "routed-experts capture reads a finished choice's rows while the next step writes the store"
         return None
 
     def parse_images(self, req) -> Any:

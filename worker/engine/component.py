@@ -22,6 +22,10 @@ Hook order in a request's life::
                                   previous step's outputs on the host before they are planned
                                   (adapter or encoder inputs): its steps then run
                                   synchronously (async scheduling, core/inflight.py)
+    overlaps_step(scheduled)      a step about to be planned while another is in flight: False
+                                  when planning it changes state the step in flight reads
+                                  (LoRA: an adapter loaded into a slot it uses): that step
+                                  finishes first
     needs_outputs_first(seqs)     each launched step: True when process_logits for these
                                   choices reads state the previous step's outputs advance
                                   (a grammar): the forward overlaps, the masks wait for them
@@ -141,7 +145,7 @@ class EngineWiring(Protocol):
     overlap_blocker: Optional[str]
 
 
-HOOKS = ("check", "admit", "can_overlap", "needs_outputs_first", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
+HOOKS = ("check", "admit", "can_overlap", "overlaps_step", "needs_outputs_first", "holds_steps", "tick", "before_schedule", "wait_idle", "on_stalled",
          "on_scheduled", "process_logits", "on_sampled",
          "on_finished", "forget", "fill_deltas", "fill_load", "on_kv_cache_released",
          "on_kv_cache_allocated", "on_model_replaced", "close")
@@ -168,6 +172,13 @@ class EngineComponent:
         flight (async scheduling): the plan then cannot know the token that step samples.
         False when this feature needs that token on the host first -- the request's steps
         run synchronously, the others keep overlapping."""
+        return True
+
+    def overlaps_step(self, scheduled: list) -> bool:
+        """Async scheduling, a step in flight: whether this batch (after ``on_scheduled``)
+        can be planned while that step runs.  False when planning it would change state
+        the step in flight reads -- the core then finishes that step first (this step runs
+        synchronously)."""
         return True
 
     def needs_outputs_first(self, seqs: list) -> bool:
@@ -248,6 +259,7 @@ class Hooks:
     check: list[Callable[..., Any]]
     admit: list[Callable[..., None]]
     can_overlap: list[Callable[..., bool]]
+    overlaps_step: list[Callable[..., bool]]
     needs_outputs_first: list[Callable[..., bool]]
     holds_steps: list[Callable[[], bool]]
     tick: list[Callable[[], None]]

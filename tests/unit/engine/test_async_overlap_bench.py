@@ -50,3 +50,40 @@ def test_async_mode_overlaps_and_decodes_the_same_tokens(tmp_path):
     assert r.tokens == 4 * 5 and len(r.step_s) == 5
     assert engine.runner.model.forwards == 1 + 1 + 5 + 1
     assert engine.step_counts["overlapped"] == 1 + 1 + 5 + 1 and not engine.step_counts["synchronous"]
+
+
+def test_queued_device_model_waits_at_the_host_copy(tmp_path):
+    """The queued (GPU-like) stand-in: the forward call returns at once, and each step's
+    results are collected no earlier than its forward's completion -- so a synchronous
+    step still takes at least T, and the device work queued by consecutive steps runs
+    back to back (T each, whatever the host does meanwhile)."""
+    import time
+
+    model = async_overlap.write_model(tmp_path, vocab=64)
+    for mode in ("sync", "async"):
+        engine = async_overlap.build_engine(model, mode, max_batch=4, max_model_len=32, device_s=T,
+                                            device_model="queue")
+        stand_in = engine.runner.model
+        assert isinstance(stand_in, async_overlap.QueuedDeviceStandIn)
+        started = time.perf_counter()
+        stand_in(engine.runner.model._hidden[:1], None, None, None)  # a bare call queues, does not wait
+        assert time.perf_counter() - started < T
+        try:
+            r = async_overlap.measure(engine, mode, 4, steps=5, warmup=1, prompt_len=4)
+            assert not engine.has_unfinished()
+        finally:
+            engine.close()
+        assert r.tokens == 4 * 5
+        # Five timed steps queue five forwards of T back to back: the timed loop cannot
+        # finish before the device did (the last collect waits for it).
+        assert sum(r.step_s) >= 4 * T
+        if mode == "sync":
+            assert min(r.step_s) >= T  # each step waits for its own forward
+
+
+def test_main_runs_each_device_model(capsys):
+    assert async_overlap.main(["--batches", "2", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                               "--device-ms", "1", "--vocab", "64", "--device-models", "sleep", "queue"]) == 0
+    out = capsys.readouterr().out
+    assert "device model 'sleep'" in out and "device model 'queue'" in out
+    assert out.count("medians over rounds") == 2

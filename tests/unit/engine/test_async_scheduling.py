@@ -1,11 +1,16 @@
 """Async scheduling (issue 41): the engine plans step N+1 while step N runs, with the
 token N samples still in flight.  Whatever the feature, the outputs are those of the
 synchronous step: same tokens, logprobs (bitwise on CPU), texts, finish reasons,
-prompt logprobs.  Steps of a request that cannot be planned ahead (penalties,
-min_tokens, bad words, grammars, adapters, images, KV transfer) run synchronously,
-the others keep overlapping."""
+prompt logprobs.  Requests whose sampling reads the tokens generated so far
+(penalties, min_tokens, bad words, grammars) overlap their forwards and wait for the
+token in flight before sampling; adapter requests overlap unless their adapters cannot
+load beside the step in flight's; steps of a request that cannot be planned ahead
+(images, KV transfer) run synchronously, the others keep overlapping."""
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
 
 from tests.support.engine_helpers import make_engine, random_prompts, request, run_to_completion
@@ -30,7 +35,8 @@ def _outputs(engine, reqs, *, staggered: bool = False):
             break
         for d in engine.step():
             entry = got.setdefault((d.request_id, d.index), {"tokens": [], "logprobs": [], "text": "",
-                                                               "finish": None, "stop": None, "prompt": None})
+                                                               "finish": None, "stop": None, "prompt": None,
+                                                               "routed_experts": None})
             entry["tokens"] += d.token_ids
             if d.logprobs is not None:
                 lp = d.logprobs
@@ -39,6 +45,8 @@ def _outputs(engine, reqs, *, staggered: bool = False):
             entry["text"] += d.text or ""
             if d.prompt_logprobs is not None:
                 entry["prompt"] = (d.prompt_logprobs.token_ids, d.prompt_logprobs.logprobs)
+            if d.routed_experts is not None:  # .npy bytes of every position the model ran
+                entry["routed_experts"] = d.routed_experts
             if d.finish_reason is not None:
                 entry["finish"], entry["stop"] = d.finish_reason, d.stop_reason
     else:
@@ -95,13 +103,19 @@ CASES = {
         request(f"t{i}", [72, 101, 108, 108, 111, i + 3], max_tokens=16, ignore_eos=True, output_text=True,
                 stop=["ab", "e", "zz"], allowed_token_ids=list(range(97, 123)), temperature=1.0, seed=i)
         for i in range(4)], {}, False),
-    # Synchronous per request (they read the tokens generated so far), mixed with plain ones.
+    # Reading the tokens generated so far (their metadata waits for the token in flight), mixed with plain ones.
     "penalties_min_tokens_bad_words_beside_plain": ("qwen2_dir", lambda: [
         request("p", [5, 9, 33, 71], max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5),
         request("m", [5, 9, 33, 71, 2], logit_bias={EOS_ID: 100.0}, min_tokens=3),
         request("b", [5, 9, 33, 71, 2, 3], max_tokens=8, ignore_eos=True, bad_words=["ab", "c"]),
         *[request(f"g{i}", p, max_tokens=8, ignore_eos=True) for i, p in
           enumerate(random_prompts(4, 4, 20, seed=8))]], {}, True),
+    # Routed-experts capture: each finished choice's rows read while the next step runs.
+    "routed_experts_moe": ("qwen3_moe_dir", lambda: [
+        request(f"r{i}", p, max_tokens=5 + 2 * i, ignore_eos=True, n=1 + i % 2, temperature=0.8 * (i % 2), seed=i,
+                routed_experts_prompt_start=i % 3)
+        for i, p in enumerate(random_prompts(5, 6, 30, seed=14))],
+        dict(enable_return_routed_experts=True, max_num_batched_tokens=24), True),
     "structured_outputs_beside_plain": ("llama_dir", lambda: [
         request("so-digits", [1, 2, 3], max_tokens=12, structured_outputs=StructuredOutputs(regex="[0-9]{6}x")),
         request("so-choice", [4, 5], max_tokens=12, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])),
@@ -116,6 +130,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(case, request_fixture):
     model_dir = request_fixture(fixture)
     out, counts = _both(model_dir, make_reqs, staggered=staggered, **overrides)
     assert all(e["finish"] is not None for e in out.values())
+    if overrides.get("enable_return_routed_experts"):  # captured, and equal to the synchronous step's
+        assert all(e["routed_experts"] for e in out.values())
     assert counts.get("overlapped", 0) > 0, f"no step overlapped: {counts}"
 
 
@@ -124,17 +140,45 @@ def request_fixture(request):
     return request.getfixturevalue
 
 
-def test_requests_reading_their_history_run_synchronously(qwen2_dir):
-    """A penalty request alone: every step synchronous (its sampling reads the last token)."""
-    engine = make_engine(qwen2_dir, async_scheduling=True)
-    engine.generate([request("p", [5, 9, 33, 71], max_tokens=6, ignore_eos=True, presence_penalty=1.0)])
-    assert engine.step_counts.get("overlapped", 0) == 0 and engine.step_counts["synchronous"] >= 6
-    engine.generate([request("g", [5, 9, 33, 71], max_tokens=6, ignore_eos=True)])
-    assert engine.step_counts["overlapped"] >= 5
-    # min_tokens with ignore_eos masks no stop id (benchmarks send min_tokens = max_tokens): it overlaps.
-    before = engine.step_counts["overlapped"]
-    engine.generate([request("m", [5, 9, 33, 71], max_tokens=6, min_tokens=6, ignore_eos=True)])
-    assert engine.step_counts["overlapped"] >= before + 5
+@pytest.fixture
+def qwen3_moe_dir(tiny_model):
+    return tiny_model("qwen3_moe")
+
+
+@pytest.mark.parametrize("params", [dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.4),
+                                    dict(min_tokens=5, logit_bias={EOS_ID: 100.0}),
+                                    dict(bad_words=["ab", "c"], output_text=True, temperature=1.0, seed=4)])
+def test_requests_reading_their_history_overlap(qwen2_dir, params):
+    """Penalties, min_tokens' stop masks and bad words read the tokens generated so far:
+    their forwards overlap the previous step and their sampling metadata waits for its
+    token -- the sampler always saw every earlier token (spied), the outputs equal the
+    synchronous step's."""
+    from worker.engine.sample.sampling_metadata import SamplingMetadata
+
+    outs, seen = {}, {}
+    original = SamplingMetadata.build
+
+    def spy(rows, vocab_size, device):
+        for r in rows:
+            seen.setdefault(mode, []).append(len(r.output_token_ids))
+        return original(rows, vocab_size, device)
+
+    for mode in (False, True):
+        engine = make_engine(qwen2_dir, async_scheduling=mode)
+        SamplingMetadata.build = staticmethod(spy)
+        try:
+            got = engine.generate([request("h", [5, 9, 33, 71, 2], max_tokens=10, **params)])["h"]
+        finally:
+            SamplingMetadata.build = original
+        outs[mode] = ([t for d in got for t in d.token_ids], got[-1].finish_reason)
+        if mode:  # every step overlapped
+            assert engine.step_counts.get("overlapped", 0) >= 5 and not engine.step_counts.get("synchronous"), \
+                engine.step_counts
+        engine.close()
+    assert outs[True] == outs[False]
+    n = len(outs[True][0])
+    # each sampled token's metadata was built over exactly the tokens before it
+    assert seen[True][:n] == seen[False][:n] == list(range(n))
 
 
 def test_abort_while_a_step_is_in_flight(llama_dir):
@@ -206,27 +250,83 @@ def test_cuda_graph_steps_fill_placeholders_on_the_device(llama_dir):
     assert counts2["overlapped"] > 0
 
 
-def test_lora_requests_beside_base_requests(llama_dir, tmp_path):
-    """Adapter requests run their steps synchronously (slots load while planning), base
-    requests beside them keep overlapping; outputs as without async scheduling."""
+def test_lora_requests_overlap_and_never_reload_a_slot_in_flight(llama_dir, tmp_path, monkeypatch):
+    """Adapter requests overlap: adapters load into device slots while the next batch is
+    planned, never into a slot the step in flight reads (spied at every slot write); when
+    the batch's adapters cannot fit beside the in-flight step's, that step finishes first.
+    Three adapters rotating through two slots beside base requests: outputs as without
+    async scheduling, every step overlapped (the scheduler plans no step past a choice's
+    length, so a finishing adapter's slot is free by the time another needs it)."""
     pytest.importorskip("peft")
     from tests.support.lora_factory import ATTENTION, build_adapter
+    from worker.engine.lora.manager import LoRAManager
 
-    adapter = build_adapter(llama_dir, tmp_path / "a", ATTENTION, rank=4, alpha=8, seed=3)
-    prompts = random_prompts(6, 5, 30, seed=14)
+    adapters = {n: str(build_adapter(llama_dir, tmp_path / n, ATTENTION, rank=4, alpha=8, seed=3 + i))
+                for i, n in enumerate("abc")}
+    prompts = random_prompts(9, 5, 30, seed=14)
 
     def reqs():
         out = []
         for i, p in enumerate(prompts):
-            r = request(f"r{i}", p, max_tokens=8 + i, ignore_eos=True)
-            if i % 2:
-                r.lora_name = "a"
+            r = request(f"r{i}", p, max_tokens=6 + i, ignore_eos=True)
+            if i % 3:
+                r.lora_name = "abc"[i % 3 - 1 + (i // 3) % 2]
             out.append(r)
         return out
 
-    _, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=1, max_lora_rank=8,
-                      lora_modules={"a": str(adapter)})
-    assert counts["synchronous"] > 0
+    engines, writes = [], []
+    original = LoRAManager._slot
+
+    def spy(self, key, in_use):
+        slot = self._slot_of.get(key)
+        if slot is None:  # a load: the slot it takes must not be one the step in flight reads
+            engine = next(e for e in engines if e.lora_manager is self)
+            prev = engine._inflight
+            lora = prev.run_plan.extras.lora if prev is not None and prev.run_plan.extras is not None else None
+            busy = set(lora.token_slots.tolist()) if lora is not None else set()
+            got = original(self, key, in_use)
+            writes.append((got, busy))
+            assert got not in busy, (got, busy)
+            return got
+        return original(self, key, in_use)
+
+    monkeypatch.setattr(LoRAManager, "_slot", spy)
+    import tests.support.engine_helpers as helpers
+
+    made = helpers.make_engine
+
+    def tracked(*args, **kwargs):
+        engines.append(made(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(sys.modules[__name__], "make_engine", tracked)
+    _, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                      lora_modules=adapters)
+    assert counts["overlapped"] > 10, counts
+    assert len(writes) >= 4  # adapters were (re)loaded, some while a step with adapters was in flight
+    assert any(busy for _, busy in writes)
+
+
+def test_adapters_that_cannot_load_beside_the_step_in_flight_wait_for_it(llama_dir, tmp_path):
+    """Two slots held by the step in flight's adapters: a batch needing a third adapter
+    cannot be planned beside it (``overlaps_step`` is False: that step finishes first,
+    then any slot not in the batch is free to take)."""
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import ATTENTION, build_adapter
+
+    adapters = {n: str(build_adapter(llama_dir, tmp_path / n, ATTENTION, rank=4, alpha=8, seed=9))
+                for n in "abc"}
+    engine = make_engine(llama_dir, async_scheduling=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                         lora_modules=adapters)
+    manager = engine.lora_manager
+    key = {n: manager.keys[n] for n in "abc"}
+    manager.step_batch([key["a"], key["b"]], np.ones(2, dtype=np.int64))  # a and b resident
+    assert manager.loadable_beside(frozenset({key["c"]}), frozenset())  # nothing in flight: evict one
+    assert manager.loadable_beside(frozenset({key["a"], key["c"]}), frozenset({key["a"]}))  # b goes
+    assert not manager.loadable_beside(frozenset({key["b"], key["c"]}), frozenset({key["a"], key["b"]}))
+    manager.busy = frozenset({key["a"]})
+    manager.step_batch([key["c"]], np.ones(1, dtype=np.int64))  # evicts b, never the busy a
+    assert set(manager._slot_of) == {key["a"], key["c"]}
 
 
 def test_structured_outputs_overlap_and_match_the_synchronous_step(llama_dir):
@@ -267,3 +367,28 @@ def test_structured_outputs_overlap_and_match_the_synchronous_step(llama_dir):
             assert engine.step_counts.get("overlapped", 0) >= 8, engine.step_counts
         engine.close()
     assert outs[True] == outs[False]
+
+
+def test_an_adapter_stopping_early_makes_the_next_batch_wait_for_its_slot(llama_dir, tmp_path):
+    """Adapter a stops on EOS (not a length the scheduler can foresee), so the step in
+    flight still holds a's and b's slots when c's first batch is planned: that batch
+    waits for the step in flight (a synchronous step), then loads c -- outputs as
+    without async scheduling."""
+    pytest.importorskip("peft")
+    from tests.support.lora_factory import ATTENTION, build_adapter
+
+    adapters = {n: str(build_adapter(llama_dir, tmp_path / n, ATTENTION, rank=4, alpha=8, seed=21))
+                for n in "abc"}
+
+    def reqs():
+        out = [request("a", [5, 9, 33, 71], max_tokens=20, min_tokens=3, logit_bias={EOS_ID: 100.0}),
+               request("b", [6, 10, 34], max_tokens=14, ignore_eos=True),
+               request("c", [7, 11, 35, 72, 90], max_tokens=6, ignore_eos=True)]
+        for r, n in zip(out, "abc"):
+            r.lora_name = n
+        return out
+
+    out, counts = _both(llama_dir, reqs, staggered=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+                        lora_modules=adapters)
+    assert out[("a", 0)]["finish"] == "stop" and len(out[("a", 0)]["tokens"]) == 4
+    assert counts.get("synchronous", 0) > 0 and counts["overlapped"] > 5, counts

@@ -3,6 +3,7 @@ CUDA copied into pinned memory behind an event, so the device thread never waits
 the device (vLLM's async model runner output)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,13 @@ def test_steady_decode_batch_fills_its_placeholders_row_for_row():
     ids = torch.full((5,), -1, dtype=torch.long)
     placeholder_fill([4, 1], [seqs[0], seqs[2]], prev)(ids)  # a mixed step: other positions, other order
     assert ids.tolist() == [-1, 42, -1, -1, 40]
+    # The host variant (tensor parallelism broadcasts host arrays): a filled copy, the
+    # frozen layout's array untouched.
+    host = np.full(5, -1, dtype=np.int64)
+    for holes, hole_seqs in (([4, 1], [seqs[0], seqs[2]]), ([0, 1, 2], seqs)):
+        filled = placeholder_fill(holes, hole_seqs, prev).host_ids(host)
+        assert filled.tolist() == ([-1, 42, -1, -1, 40] if holes == [4, 1] else [40, 41, 42, -1, -1])
+        assert host.tolist() == [-1] * 5
 
 
 @pytest.mark.cuda

@@ -13,12 +13,16 @@ from worker.engine.models.registry import ModelRegistry
 pytest.importorskip("peft")
 
 FAMILIES = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "smollm3_swa": ATTENTION + MLP,
-            "olmo2": ATTENTION + MLP, "olmo3": ATTENTION + MLP, "gemma3": ATTENTION + MLP}
+            "olmo2": ATTENTION + MLP, "olmo3": ATTENTION + MLP, "gemma3": ATTENTION + MLP,
+            # GPT-OSS: its MLPs are experts (no LoRA there, as for the other MoE families);
+            # the attention projections carry biases and the sinks.
+            "gpt_oss": ATTENTION}
 
 
 def test_declared_targets_are_the_peft_names():
     for kind, arch in (("phi3", "Phi3ForCausalLM"), ("olmo2", "Olmo2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
-                       ("smollm3_swa", "SmolLM3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM")):
+                       ("smollm3_swa", "SmolLM3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
+                       ("gpt_oss", "GptOssForCausalLM")):
         assert list(ModelRegistry.resolve([arch]).lora_modules) == FAMILIES[kind]
 
 

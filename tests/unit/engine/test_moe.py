@@ -145,8 +145,10 @@ def test_unsupported_variants_are_refused_at_load(tiny_model, tmp_path):
         ModelConfig.from_dir(d)
     with pytest.raises(ValueError, match="no expert layers"):
         ModelConfig.from_dir(_edited(src, tmp_path / "dense", mlp_only_layers=[0, 1, 2]))
-    with pytest.raises(ValueError, match="tensor parallelism of mixture-of-experts layers is not implemented"):
-        make_engine(src, tensor_parallel_size=2)
+    # Experts split along their intermediate dimension: a size the ranks cannot split is
+    # refused before any process starts.
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide moe_intermediate_size 49"):
+        make_engine(_edited(src, tmp_path / "odd", moe_intermediate_size=49), tensor_parallel_size=2)
 
 
 def test_routed_experts_flag_needs_a_moe_model(llama_dir):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import zmq
 
 from common.errors import BadRequest
@@ -68,3 +69,30 @@ def test_abort_while_pulling_leaks_nothing(engine):
     assert not engine.kv_transfer.pending and not engine.take_request_errors()
     assert engine.block_manager.num_free_blocks == free
     silent.close(0)
+
+
+def test_a_prefill_leg_overlaps_and_holds_exactly_its_prompt_blocks(llama_dir):
+    """Under async scheduling a prefill leg's steps overlap (its held full prompt blocks
+    are written only by its prefill; a step in flight at its finish writes past the
+    prompt): the answer names the same blocks, holding the same KV, as the synchronous
+    step's -- a leg of several tokens beside plain requests, so steps are in flight when
+    it finishes."""
+    held = {}
+    for mode in (False, True):
+        eng = make_engine(llama_dir, num_kv_blocks=32, kv_transfer_enabled=True, async_scheduling=mode)
+        try:
+            out = eng.generate([request("p", PROMPT, max_tokens=5, ignore_eos=True,
+                                        kv_transfer_params={"do_remote_decode": True}),
+                                request("x", PROMPT[:9], max_tokens=9, ignore_eos=True)])
+            kv = out["p"][0].kv_transfer_params
+            blocks = kv["remote_block_ids"][0]
+            assert len(blocks) == len(PROMPT) // eng.block_manager.block_size
+            cache = eng.runner.kv_cache
+            held[mode] = (out["p"][0].token_ids, cache[:, :, blocks].clone())
+            if mode:
+                assert eng.step_counts.get("overlapped", 0) >= 5 and not eng.step_counts.get("synchronous"), \
+                    eng.step_counts
+        finally:
+            eng.close()
+    assert held[True][0] == held[False][0]
+    assert torch.equal(held[True][1], held[False][1])

@@ -40,10 +40,11 @@ class KvTransferComponent(EngineComponent):
         self._closing: dict[str, Optional[dict]] = {}
 
     # --- admission ---------------------------------------------------------------------
-    def can_overlap(self, request) -> bool:
-        # A prefill leg's blocks are handed to the transfer server when it finishes: no
-        # step that might still write them may be in flight then.
-        return request.req.kv_transfer_params is None
+    # Both legs overlap under async scheduling (no can_overlap hook): a prefill leg hands
+    # its *full* prompt blocks to the transfer server when it finishes, and a step still in
+    # flight then writes only positions past the prompt (its sampled token's), never those
+    # blocks; a decode leg's pull fills its blocks behind the kv_pull gate, before its
+    # first step is planned.
 
     def check(self, req, mm) -> None:
         """Requests whose KV blocks move between workers: what this engine refuses."""

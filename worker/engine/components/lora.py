@@ -43,6 +43,9 @@ class LoRAComponent(EngineComponent):
         self.model_info = ctx.model_info  # its lora_adapters follow load / unload
         self.model_info.lora_adapters = self.adapters()
         self.pinned: dict[str, str] = {}  # request id -> the adapter registration it pinned
+        # The adapters of this step's batch and of the one before (async scheduling: maybe in flight).
+        self._names: frozenset = frozenset()
+        self._prev_names: frozenset = frozenset()
         ctx.add_admission_limit(AdapterSlots(manager.max_loras))
 
     # --- commands (worker/control.py) ------------------------------------------------
@@ -75,15 +78,22 @@ class LoRAComponent(EngineComponent):
             request.lora_key = key
             self.pinned[request.request_id] = key
 
-    def can_overlap(self, request) -> bool:
-        # An adapter is loaded into a device slot while the batch is planned: never while a
-        # step that may read the slot is in flight.
-        return request.req.lora_name is None
-
     def on_scheduled(self, scheduled) -> None:
         # Each adapter's rows contiguous: the CPU path multiplies views instead of
         # gathering and scattering rows (stable: priority order within an adapter).
         scheduled.sort(key=_adapter_key)
+        names = frozenset(s.seq.request.lora_key for s in scheduled) - {None}
+        self._prev_names, self._names = self._names, names
+        self.manager.busy = frozenset()  # nothing in flight to spare unless overlaps_step says so
+
+    def overlaps_step(self, scheduled) -> bool:
+        # Adapters are loaded into device slots while the batch is planned: with a step in
+        # flight, only into slots that step does not read (the previous batch's adapters
+        # stay resident); when they cannot all fit beside those, that step finishes first.
+        if not self._names or self.manager.loadable_beside(self._names, self._prev_names):
+            self.manager.busy = self._prev_names
+            return True
+        return False
 
     def on_model_replaced(self, model) -> None:
         if model is not None:  # wake-up reloaded the weights: the adapter slots go into the new model

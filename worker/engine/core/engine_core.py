@@ -36,8 +36,8 @@ from worker.engine.sample.logprobs import (compute_prompt_logprobs, extend_token
                                            score_token_ids, to_token_logprobs)
 from worker.engine.sample.verify import verified_tokens
 from worker.engine.sample.sampler import Sampler
-from worker.engine.sample.sampling_metadata import (MetadataCache, SamplingRow, draft_sampling_rows, make_generator,
-                                                    reads_output_history, tokenize_bad_words)
+from worker.engine.sample.sampling_metadata import (MetadataCache, SamplingMetadata, SamplingRow, draft_sampling_rows,
+                                                    make_generator, reads_output_history, tokenize_bad_words)
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,7 @@ class EngineCore:
             raise
         finally:
             self._admitting = None
-        if not (all(ok(request) for ok in self.hooks.can_overlap)
-                and not reads_output_history(seq.sampling_row)):
+        if not all(ok(request) for ok in self.hooks.can_overlap):
             self._sync_only.add(request.request_id)  # its steps run synchronously
         if request.request_id not in self.gates:
             self.scheduler.add(seq)
@@ -409,11 +408,12 @@ class EngineCore:
         return outs
 
     def _overlaps(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Whether every choice of the plan can run with its last token still in flight."""
+        """Whether every choice of the plan can run with its last token still in flight, and
+        planning it touches nothing the step in flight reads (``overlaps_step``)."""
         sync_only = self._sync_only
-        if not sync_only:
-            return True
-        return not any(s.seq.request.request_id in sync_only for s in scheduled)
+        if sync_only and any(s.seq.request.request_id in sync_only for s in scheduled):
+            return False
+        return self._inflight is None or all(ok(scheduled) for ok in self.hooks.overlaps_step)
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> DeviceStep:
         """Plan the step on the host (layout, logit rows, forks, sampling metadata) and
@@ -442,13 +442,21 @@ class EngineCore:
             flat = [r + j for r, sp in zip(sample_rows, specs) for j in range(len(sp) + 1)]
             sample_index = None if len(flat) == len(rows) - num_prompt_rows else flat
             sampling_rows = [row for seq, sp in zip(sample_seqs, specs) for row in draft_sampling_rows(seq, sp)]
-        meta = None
+        meta, meta_rows = None, None
         if sample_seqs:
-            # The previous step's metadata when the same rows sample again (sampling_metadata.py).
-            meta = self._sampling_metadata.build(sampling_rows, self.vocab_size, self.device)
-        step = DeviceStep(run_plan, rows, num_prompt_rows, sample_index, prompt_jobs, sample_seqs, specs, meta)
-        if self._inflight is not None and sample_seqs and any(
-                needs(sample_seqs) for needs in self.hooks.needs_outputs_first):
+            if self._inflight is not None and any(map(reads_output_history, sampling_rows)):
+                # Penalties, min_tokens' stop masks and bad words read the tokens generated so
+                # far, the one in flight included: the metadata is built on the device side
+                # once the previous step's outputs reached the sequences (its forward still
+                # overlaps; vLLM fills its async output placeholders before sampling likewise).
+                meta_rows = sampling_rows
+            else:
+                # The previous step's metadata when the same rows sample again (sampling_metadata.py).
+                meta = self._sampling_metadata.build(sampling_rows, self.vocab_size, self.device)
+        step = DeviceStep(run_plan, rows, num_prompt_rows, sample_index, prompt_jobs, sample_seqs, specs, meta,
+                          meta_rows=meta_rows)
+        if self._inflight is not None and sample_seqs and (meta_rows is not None or any(
+                needs(sample_seqs) for needs in self.hooks.needs_outputs_first)):
             step.wait_before_logits = self._inflight.outputs_done
         row_of = step.row_of
         r = 0
@@ -478,8 +486,10 @@ class EngineCore:
         else:
             sample_logits = logits.index_select(
                 0, torch.tensor(step.sample_index, dtype=torch.long, device=logits.device))
-        if step.wait_before_logits is not None:  # the previous step's outputs reach the grammars first
+        if step.wait_before_logits is not None:  # the previous step's outputs reach the sequences first
             step.wait_before_logits.wait()
+        if step.meta_rows is not None:  # rows reading their output history, the token in flight now in it
+            step.meta = SamplingMetadata.build(step.meta_rows, self.vocab_size, self.device)
         for process in self.hooks.process_logits:  # grammar masks (structured outputs)
             process(step.sample_seqs, step.specs, sample_logits)
         # CPU: listed now; CUDA: the host copy starts, this thread goes on to queue the next step

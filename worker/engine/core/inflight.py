@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from worker.engine.sample.logprobs import LogprobsTensors
@@ -38,7 +39,7 @@ class DeviceStep:
     prompt_jobs: list  # (request, first position, count): prompt positions scored
     sample_seqs: list  # the choices that sample, in sampler-row order
     specs: list  # drafts each verifies (speculative decoding)
-    meta: Any  # SamplingMetadata of the sampling rows
+    meta: Any  # SamplingMetadata of the sampling rows (None until built when ``meta_rows`` is set)
     row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> its first sampler row
     future: Any = None
     # Results, set by the device work
@@ -52,6 +53,10 @@ class DeviceStep:
     # the token this step samples) waits for it before them -- its forward still overlaps.
     outputs_done: threading.Event = field(default_factory=threading.Event)
     wait_before_logits: Optional[threading.Event] = None  # the previous step's outputs_done, when needed
+    # Sampling rows whose metadata reads the output history (penalties, min_tokens, bad
+    # words): built on the device side after ``wait_before_logits``, when the token the
+    # previous step samples is in that history.
+    meta_rows: Optional[list] = None
 
     def set_result(self, result: Any) -> None:
         """The sampler's output (``SamplerOutput``).  On the CPU its ids and logprobs are
@@ -112,36 +117,51 @@ class HostCopy:
         return self.host
 
 
-def placeholder_fill(holes: list[int], hole_seqs: list, prev: Optional[DeviceStep]
-                     ) -> Optional[Callable[[torch.Tensor], None]]:
-    """The function that writes the tokens in flight into a step's input ids: input
-    ``holes[i]`` is the token ``prev`` sampled for ``hole_seqs[i]``.  Runs on the device
-    side, after ``prev`` (the executor's order), before the forward."""
+def placeholder_fill(holes: list[int], hole_seqs: list, prev: Optional[DeviceStep]) -> Optional["PlaceholderFill"]:
+    """What writes the tokens in flight into a step's input ids: input ``holes[i]`` is
+    the token ``prev`` sampled for ``hole_seqs[i]``.  Runs on the device side, after
+    ``prev`` (the executor's order), before the forward."""
     if not holes:
         return None
     assert prev is not None, "a placeholder needs the step in flight that samples it"
     row_of = prev.row_of
-    src = [row_of[seq.seq_id] for seq in hole_seqs]
-    n = len(holes)
-    # The index tensors are made here, on the host thread: every torch call of the device
-    # thread gives up the GIL and waits to get it back while the host runs Python.
-    iota = list(range(n))
-    if holes == iota and src == iota:
-        # A steady decode batch: input i is what the previous step sampled in row i.
-        def fill_rows(input_ids: torch.Tensor) -> None:
-            input_ids[:n].copy_(prev.result.sampled[:n])  # on the device: the host copy may still be on its way
+    return PlaceholderFill(prev, holes, [row_of[seq.seq_id] for seq in hole_seqs])
 
-        return fill_rows
-    index_host = torch.tensor(holes, dtype=torch.long)
-    rows_host = torch.tensor(src, dtype=torch.long)
 
-    def fill(input_ids: torch.Tensor) -> None:
-        sampled = prev.result.sampled  # on the device: the host copy may still be on its way
-        index = index_host.to(input_ids.device, non_blocking=True)
-        rows = rows_host.to(sampled.device, non_blocking=True)
+class PlaceholderFill:
+    """Writes the tokens a step in flight samples into the next step's input ids:
+    called with the device input ids (no host sync: the host copy may still be on its
+    way), or ``host_ids`` for a host copy of them (tensor parallelism broadcasts the
+    step's host arrays to the follower ranks: they need the real tokens)."""
+
+    __slots__ = ("prev", "holes", "rows", "_steady", "_index_host", "_rows_host")
+
+    def __init__(self, prev: DeviceStep, holes: list[int], rows: list[int]):
+        self.prev, self.holes, self.rows = prev, holes, rows
+        # The index tensors are made here, on the host thread: every torch call of the device
+        # thread gives up the GIL and waits to get it back while the host runs Python.
+        iota = list(range(len(holes)))
+        self._steady = holes == iota and rows == iota  # decode: input i is what row i sampled
+        self._index_host = None if self._steady else torch.tensor(holes, dtype=torch.long)
+        self._rows_host = None if self._steady else torch.tensor(rows, dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor) -> None:
+        sampled = self.prev.result.sampled  # on the device: the host copy may still be on its way
+        if self._steady:
+            n = len(self.holes)
+            input_ids[:n].copy_(sampled[:n])
+            return
+        index = self._index_host.to(input_ids.device, non_blocking=True)
+        rows = self._rows_host.to(sampled.device, non_blocking=True)
         input_ids.index_copy_(0, index, sampled.index_select(0, rows).to(input_ids.dtype))
 
-    return fill
+    def host_ids(self, input_ids: np.ndarray) -> np.ndarray:
+        """A copy of the host ``input_ids`` with the placeholders filled (on CUDA this
+        waits for the previous step's sampling: its tokens must reach the host)."""
+        filled = input_ids.copy()
+        sampled = self.prev.result.sampled.cpu().numpy()
+        filled[self.holes] = sampled[self.rows]
+        return filled
 
 
 class _Done:

@@ -81,6 +81,9 @@ class LoRAManager:
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by key
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
         self._free_slots = list(range(max_loras))
+        # Adapters a step still in flight reads (async scheduling; set by the LoRA component
+        # per planned step): their slots are not given to another adapter.
+        self.busy: frozenset = frozenset()
         self._pins: dict[str, int] = {}  # key -> unfinished requests using it (kept in host memory)
         self._ids = itertools.count(1)
 
@@ -186,6 +189,15 @@ class LoRAManager:
         return adapter
 
     # --- slots ---------------------------------------------------------------------
+    def loadable_beside(self, keys: frozenset, busy: frozenset) -> bool:
+        """Whether the adapters ``keys`` can all be made resident without evicting one of
+        them or of ``busy`` (the adapters a step still in flight reads)."""
+        missing = sum(1 for k in keys if k not in self._slot_of)
+        if not missing:
+            return True
+        evictable = sum(1 for k in self._slot_of if k not in keys and k not in busy)
+        return missing <= len(self._free_slots) + evictable
+
     def _slot(self, key: str, in_use: set[str]) -> int:
         slot = self._slot_of.get(key)
         if slot is not None:
@@ -194,7 +206,8 @@ class LoRAManager:
         if self._free_slots:
             slot = self._free_slots.pop()
         else:
-            victim = next((n for n in self._slot_of if n not in in_use), None)
+            # Never a slot this step or the step in flight reads (``busy``, async scheduling).
+            victim = next((n for n in self._slot_of if n not in in_use and n not in self.busy), None)
             if victim is None:  # the scheduler's admission bound makes this unreachable
                 raise RuntimeError(f"more than --max-loras {self.max_loras} adapters in one step")
             slot = self._slot_of.pop(victim)

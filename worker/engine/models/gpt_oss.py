@@ -36,6 +36,12 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         t[prefix + "self_attn.sinks"] = self.sinks.data
         return t
 
+    def weight_slices(self, prefix: str) -> dict[str, tuple[int, int, int]]:
+        t = super().weight_slices(prefix)
+        if self.tp.active:  # one sink logit per query head: this rank's heads'
+            t[prefix + "self_attn.sinks"] = (0, self.shard.head_start, self.num_heads)
+        return t
+
 
 class GptOssForCausalLM(LlamaForCausalLM):
     layer_class = GptOssDecoderLayer

@@ -158,18 +158,20 @@ class LlamaDecoderLayer(nn.Module):
         if not self.tp.active:
             return {}
         sh, d = self.shard, self.head_dim
-        if self.moe is not None:
-            raise NotImplementedError("mixture-of-experts layers are not sharded")  # check_shardable refuses first
-        inter = self.gate_up_weight.shape[0] // 2
         a, m = prefix + "self_attn.", prefix + "mlp."
         q_rows, kv_rows = (0, sh.head_start * d, self.q_size), (0, sh.kv_head_start * d, self.kv_size)
         t = {a + "q_proj.weight": q_rows, a + "k_proj.weight": kv_rows, a + "v_proj.weight": kv_rows,
-             a + "o_proj.weight": (1, sh.head_start * d, self.q_size),
-             m + "gate_proj.weight": (0, self.inter_start, inter), m + "up_proj.weight": (0, self.inter_start, inter),
-             m + "down_proj.weight": (1, self.inter_start, inter)}
+             a + "o_proj.weight": (1, sh.head_start * d, self.q_size)}
+        if self.moe is not None:
+            t.update(self.moe.weight_slices(prefix))
+        else:
+            inter = self.gate_up_weight.shape[0] // 2
+            t.update({m + "gate_proj.weight": (0, self.inter_start, inter),
+                      m + "up_proj.weight": (0, self.inter_start, inter),
+                      m + "down_proj.weight": (1, self.inter_start, inter)})
         if self.qkv_bias is not None:
             t.update({a + "q_proj.bias": q_rows, a + "k_proj.bias": kv_rows, a + "v_proj.bias": kv_rows})
-        if self.gate_up_bias is not None:
+        if self.moe is None and self.gate_up_bias is not None:
             t.update({m + "gate_proj.bias": (0, self.inter_start, inter), m + "up_proj.bias": (0, self.inter_start, inter)})
         if self.q_norm_full is not None:  # OLMo: the norms' weights follow the heads
             t.update({a + "q_norm.weight": q_rows, a + "k_norm.weight": kv_rows})

@@ -27,6 +27,8 @@ from torch import nn
 
 from worker.engine.models.config import ModelConfig, MoEConfig
 from worker.engine.models.layers import empty_param, silu_and_mul
+from worker.engine.parallel.sharding import split
+from worker.engine.parallel.state import get_tp
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -145,13 +147,27 @@ def fused_experts_packed(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torc
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + stacked experts (+ Qwen2-MoE's gated shared expert)."""
+    """Router + stacked experts (+ Qwen2-MoE's gated shared expert).
+
+    Tensor parallelism (vLLM's default for MoE without expert parallelism): every rank
+    holds every expert, each with its slice of the intermediate dimension (the gate/up
+    rows and the down columns of ``[start, start + local)``), and the shared experts
+    likewise; the router is replicated, so every rank routes each token the same way;
+    the ranks' partial outputs are all-reduced once per block.  Per-expert down
+    biases are added on rank 0 only, so the reduced sum counts them once."""
 
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
         moe: MoEConfig = c.moe
         self.moe = moe
-        e, i, h = moe.num_experts, moe.intermediate_size, c.hidden_size
+        self.tp = tp = get_tp()
+        self.inter_start, i = split(moe.intermediate_size, tp.rank, tp.world, "moe_intermediate_size")
+        self.shared_start, s = split(moe.shared_expert_intermediate_size, tp.rank, tp.world,
+                                     "shared_expert_intermediate_size")
+        self.shared_experts_start, n = split(moe.shared_experts_intermediate_size, tp.rank, tp.world,
+                                             "shared_experts intermediate size")
+        self.local_intermediate, self.local_shared, self.local_shared_experts = i, s, n
+        e, h = moe.num_experts, c.hidden_size
         self.top_k = moe.top_k
         self.gate_weight = empty_param(e, h, dtype=dtype, device=device)
         self.gate_bias = empty_param(e, dtype=dtype, device=device) if moe.router_bias else None
@@ -160,7 +176,6 @@ class SparseMoeBlock(nn.Module):
         # GPT-OSS: a bias per expert on both projections.
         self.w13_bias = empty_param(e, 2 * i, dtype=dtype, device=device) if moe.expert_bias else None
         self.w2_bias = empty_param(e, h, dtype=dtype, device=device) if moe.expert_bias else None
-        s = moe.shared_expert_intermediate_size
         self.shared_gate_up = empty_param(2 * s, h, dtype=dtype, device=device) if s else None
         self.shared_down = empty_param(h, s, dtype=dtype, device=device) if s else None
         self.shared_expert_gate = empty_param(1, h, dtype=dtype, device=device) if s else None
@@ -168,7 +183,6 @@ class SparseMoeBlock(nn.Module):
         # ungated shared experts.
         self.score_bias = (empty_param(e, dtype=torch.float32, device=device) if moe.scoring == "sigmoid"
                            else None)
-        n = moe.shared_experts_intermediate_size
         self.shared_experts_gate_up = empty_param(2 * n, h, dtype=dtype, device=device) if n else None
         self.shared_experts_down = empty_param(h, n, dtype=dtype, device=device) if n else None
         self.ops: Optional[Any] = None  # the attention backend's fused kernels (fused_experts on CUDA)
@@ -219,7 +233,7 @@ class SparseMoeBlock(nn.Module):
         moe = self.moe
         b = f"{prefix}{moe.block_name}."
         gate, up, down = moe.expert_names
-        i = moe.intermediate_size
+        i = self.local_intermediate
         if moe.family == "gpt_oss":
             # transformers' layout ``[E, in, out]``, gate/up interleaved: views of w13 / w2.
             x = f"{b}experts."
@@ -233,7 +247,7 @@ class SparseMoeBlock(nn.Module):
             t[x + f"{up}.weight"] = self.w13.data[e, i:]
             t[x + f"{down}.weight"] = self.w2.data[e]
         if self.shared_gate_up is not None:
-            s = moe.shared_expert_intermediate_size
+            s = self.local_shared
             t[b + "shared_expert.gate_proj.weight"] = self.shared_gate_up.data[:s]
             t[b + "shared_expert.up_proj.weight"] = self.shared_gate_up.data[s:]
             t[b + "shared_expert.down_proj.weight"] = self.shared_down.data
@@ -241,10 +255,38 @@ class SparseMoeBlock(nn.Module):
         if self.score_bias is not None:
             t[b + "gate.e_score_correction_bias"] = self.score_bias.data
         if self.shared_experts_gate_up is not None:
-            n = moe.shared_experts_intermediate_size
+            n = self.local_shared_experts
             t[b + "shared_experts.gate_proj.weight"] = self.shared_experts_gate_up.data[:n]
             t[b + "shared_experts.up_proj.weight"] = self.shared_experts_gate_up.data[n:]
             t[b + "shared_experts.down_proj.weight"] = self.shared_experts_down.data
+        return t
+
+    def weight_slices(self, prefix: str) -> dict[str, tuple[int, int, int]]:
+        """HF name -> (dim, start, length) of this rank's slice of the sharded expert
+        tensors (tensor parallelism; see the class docstring)."""
+        if not self.tp.active:
+            return {}
+        moe = self.moe
+        b = f"{prefix}{moe.block_name}."
+        gate, up, down = moe.expert_names
+        start, i = self.inter_start, self.local_intermediate
+        if moe.family == "gpt_oss":
+            # Checkpoint layout ``[E, H, 2I]`` with gate/up interleaved per intermediate
+            # index: this rank's indices are one contiguous run of 2 * local columns.
+            x = f"{b}experts."
+            return {x + "gate_up_proj": (2, 2 * start, 2 * i), x + "gate_up_proj_bias": (1, 2 * start, 2 * i),
+                    x + "down_proj": (1, start, i)}
+        rows, cols = (0, start, i), (1, start, i)
+        t = {}
+        for e in range(moe.num_experts):
+            x = f"{b}experts.{e}."
+            t.update({x + f"{gate}.weight": rows, x + f"{up}.weight": rows, x + f"{down}.weight": cols})
+        for name, begin, local in (("shared_expert", self.shared_start, self.local_shared),
+                                   ("shared_experts", self.shared_experts_start, self.local_shared_experts)):
+            if local:
+                x = f"{b}{name}."
+                t.update({x + "gate_proj.weight": (0, begin, local), x + "up_proj.weight": (0, begin, local),
+                          x + "down_proj.weight": (1, begin, local)})
         return t
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,11 +313,13 @@ class SparseMoeBlock(nn.Module):
         if self.w13_bias is not None:
             # The fused Triton kernel has no expert biases: GPT-OSS's experts run the grouped
             # torch path on every device.
-            return fused_experts_torch(h, self.w13, self.w2, weights, ids, act, self.w13_bias, self.w2_bias), ids
+            w2_bias = self.w2_bias if self.tp.rank == 0 else None  # counted once in the all-reduced sum
+            out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act, self.w13_bias, w2_bias)
+            return self._reduced(out), ids
         if self.packing is not None and self.packing.experts is not None:
             # the scheme keeps the stacks whole (online FP8) and runs them its own way
-            return self._with_shared(h, self.packing.experts.run(h, self.w13, self.w2, weights, ids, act), linear,
-                                     act), ids
+            out = self.packing.experts.run(h, self.w13, self.w2, weights, ids, act)
+            return self._reduced(self._with_shared(h, out, linear, act)), ids
         # The Triton kernel: on CUDA whatever the attention backend, on CPU tensors only
         # when the Triton backend is chosen (under its interpreter, in tests).
         fused = getattr(ops, "fused_experts", None)
@@ -289,7 +333,7 @@ class SparseMoeBlock(nn.Module):
             out = fused_experts_packed(h, self.w13, self.w2, weights, ids, self.packing.linear, act)
         else:
             out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act)
-        return self._with_shared(h, out, linear, act), ids
+        return self._reduced(self._with_shared(h, out, linear, act)), ids
 
     def _with_shared(self, h: torch.Tensor, out: torch.Tensor, linear, act) -> torch.Tensor:
         """The routed experts' ``out`` plus the shared expert(s), if the family has them."""
@@ -299,3 +343,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_experts_gate_up is not None:
             out = out + linear(act(linear(h, self.shared_experts_gate_up, None)), self.shared_experts_down, None)
         return out
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
+        """The block's output: this rank's partial sum, all-reduced under tensor parallelism."""
+        return self.tp.all_reduce(out) if self.tp.active else out

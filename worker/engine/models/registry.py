@@ -95,7 +95,7 @@ class _ModelRegistry:
 
 
 _LLAMA = "llama"
-_MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=False, routed_experts=True)
+_MOE = dict(lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True, routed_experts=True)
 _VL = dict(tensor_parallel=False, images=True, sliding_window=True)
 _GEMMA3 = dict(qkv_bias_default=False, qk_norm="head", norm="sandwich", gemma=True, acts=("gelu_pytorch_tanh",))
 
@@ -154,9 +154,9 @@ ModelRegistry = _ModelRegistry([
                       "adapters also name the vision tower's q/k/v projections)"),
     ModelFamily("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "GPT-OSS",
                 dict(qkv_bias_default=False, qk_norm=None, moe="gpt_oss", sinks=True), sliding_window=True,
-                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), lora_served=False, tensor_parallel=False,
+                lora_modules=("q_proj", "k_proj", "v_proj", "o_proj"), tensor_parallel=True,
                 routed_experts=True,
                 notes="attention sinks (CPU: torch SDPA; CUDA: Triton), biased top-k-softmax router, expert biases, clamped "
-                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA not "
-                      "served (untested)"),
+                      "SwiGLU (experts on the grouped torch path), YaRN; MXFP4 experts dequantized on load; LoRA on the "
+                      "attention projections"),
 ])

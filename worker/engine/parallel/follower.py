@@ -42,10 +42,10 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
         if mc.is_multimodal:
             raise ValueError(f"{mc.architecture}: tensor parallelism of vision-language models is not "
                              f"implemented; serve it with --tensor-parallel-size 1")
-        if mc.moe is not None:
-            raise ValueError(f"{mc.architecture}: tensor parallelism of mixture-of-experts layers is not "
-                             f"implemented; serve it with --tensor-parallel-size 1 (one worker per GPU, "
-                             f"data-parallel through the broker)")
+        if mc.moe is not None:  # experts are split along their intermediate dimension (models/moe.py)
+            split(mc.moe.intermediate_size, 0, world, "moe_intermediate_size")
+            split(mc.moe.shared_expert_intermediate_size, 0, world, "shared_expert_intermediate_size")
+            split(mc.moe.shared_experts_intermediate_size, 0, world, "shared_experts intermediate size")
         if not mc.family.tensor_parallel:  # the registry says which families shard
             raise ValueError(f"{mc.architecture}: tensor parallelism of this model family is not implemented; "
                              f"serve it with --tensor-parallel-size 1")
@@ -119,6 +119,7 @@ class TPLeader:
     to the followers (sizing, allocation and capture run on every rank in lockstep)."""
 
     lockstep = True
+    broadcasts_inputs = True
 
     def __init__(self, procs: list, init_dir: str):
         self.procs = procs

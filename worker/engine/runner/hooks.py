@@ -75,6 +75,9 @@ class ParallelHook(Protocol):
     """Installed by the parallel package on a tensor-parallel rank."""
 
     lockstep: bool  # collectives wait on the other ranks: nothing runs on one rank alone
+    # before_step sends the step's host arrays to other ranks: the input ids a step in
+    # flight samples are filled into them on the host first (async scheduling).
+    broadcasts_inputs: bool
 
     def decide_num_blocks(self, decide: Callable[[], int]) -> int: ...
 
@@ -91,6 +94,7 @@ class LocalRun:
     """No tensor parallelism: every runner call is this process's own."""
 
     lockstep = False
+    broadcasts_inputs = False
 
     def decide_num_blocks(self, decide: Callable[[], int]) -> int:
         return decide()

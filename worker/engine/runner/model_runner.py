@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -451,6 +451,11 @@ class ModelRunner:
     def run_layout(self, layout: StepLayout, fill: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
         """Hidden states of a step given as host arrays (tensor-parallel followers
         enter here with the layout rank 0 broadcast)."""
+        if fill is not None and self.parallel.broadcasts_inputs:
+            # The other ranks get the step's host arrays: the tokens in flight go in them
+            # (a copy: the plan stays frozen).
+            layout = replace(layout, input_ids=fill.host_ids(layout.input_ids))
+            fill = None
         self.parallel.before_step(layout)
         graph = self._graph_for(layout)
         if graph is not None:
