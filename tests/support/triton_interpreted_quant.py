@@ -61,7 +61,7 @@ def _dense_bytes(model, bytes_per=2):  # what the same projections hold in bf16
                for layer in model.layers for name in layer._LINEAR_WEIGHTS)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "block", "ct_channel"])
+@pytest.mark.parametrize("kind", ["tensor", "block", "ct_channel", "ct_block"])
 def test_fp8_kept_matches_w8a8_reference(tiny_model, tmp_path, kind):
     src = tiny_model("llama")
     if kind == "tensor":
@@ -70,11 +70,13 @@ def test_fp8_kept_matches_w8a8_reference(tiny_model, tmp_path, kind):
         path, group = qf.write_fp8_block(src, tmp_path / "fp8"), 32
     else:
         pytest.importorskip("compressed_tensors")
-        path, group = qf.write_compressed_tensors(src, tmp_path / "fp8", "fp8"), None
+        block = kind == "ct_block"
+        path, group = qf.write_compressed_tensors(src, tmp_path / "fp8", "fp8_block" if block else "fp8"), (
+            32 if block else None)
     model, kept = kept_model(path)
     layer = model.layers[0]
-    assert isinstance(layer.qkv_weight, Fp8BlockWeight if kind == "block" else Fp8Weight)
-    if kind == "block":  # q/k/v parts are whole 32-row blocks: the scales stay per block
+    assert isinstance(layer.qkv_weight, Fp8BlockWeight if kind.endswith("block") else Fp8Weight)
+    if kind.endswith("block"):  # q/k/v parts are whole 32-row blocks: the scales stay per block
         assert layer.qkv_weight.block == (32, 32) and layer.qkv_weight.scale.shape == (128 // 32, 64 // 32)
     assert kept.kept == 4 * len(model.layers)  # qkv, o, gate_up, down
     # the kept bytes are the checkpoint's FP8 values, bit for bit
