@@ -142,6 +142,7 @@ def test_gptq_act_order_loads_dequantized(tiny_model, tmp_path):
     path, dense = qf.write_gptq(src, tmp_path / "q", sym=False, act_order=True)
     model, kept = kept_model(path)
     assert kept.kept == 0 and len(kept.refused) == 7 * len(model.layers)
+    assert set(kept.refused.values()) == {"gptq 4-bit with act-order (g_idx)"}
     assert isinstance(model.layers[0].qkv_weight, torch.Tensor)
     _paged_matches(model, qf.reference_with_weights(src, dense))
 

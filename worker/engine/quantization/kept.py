@@ -112,8 +112,7 @@ def weight_bytes(w) -> int:
 
 
 # --- records from the checkpoint's parts ---------------------------------------------------
-def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor], quant: CheckpointQuantization
-               ) -> Optional[ScaleRecord]:
+def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional[ScaleRecord]:
     """The record of a quantized layer's ``parts`` (reader's names), or None where this
     path does not keep it (int8, act-order, 8-bit GPTQ: those load dequantized)."""
     if scheme.kind == "fp8":
@@ -240,10 +239,14 @@ class KeptQuantized:
 
     # the reader's hook
     def keep(self, layer: str, scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> None:
-        rec = record_for(scheme, parts, self.quant)
+        rec = record_for(scheme, parts)
         if rec is None:
-            self.refused[layer] = f"{scheme.kind} {scheme.num_bits}-bit" + (
-                " act-order" if parts.get("g_idx") is not None or parts.get("weight_g_idx") is not None else "")
+            why = f"{scheme.kind} {scheme.num_bits}-bit, {scheme.strategy}"
+            if scheme.kind == "fp8":
+                why = f"fp8 stored as {parts['weight'].dtype}"
+            elif scheme.num_bits == 4 and (parts.get("g_idx") is not None or parts.get("weight_g_idx") is not None):
+                why = f"{scheme.kind} 4-bit with act-order (g_idx)"
+            self.refused[layer] = why
         else:
             self.records[layer] = rec
 
