@@ -140,6 +140,79 @@ def write_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (32, 32)) -> 
     return dst
 
 
+def write_fp8_tensor(src: Path, dst: Path, kv_scales: Optional[dict[int, tuple[float, float]]] = None) -> Path:
+    """``quant_method: fp8`` per tensor (vLLM / llm-compressor's FP8 with one
+    ``weight_scale`` per linear: q/k/v with different scales), optionally with KV-cache
+    scales ``{layer: (k_scale, v_scale)}`` as ``model.layers.{i}.self_attn.{k,v}_scale``."""
+    _copy_side_files(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    out = dict(state)
+    for layer in _linears(state):
+        w = state[layer + ".weight"].float()
+        scale = w.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+        out[layer + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
+        out[layer + ".weight_scale"] = scale.reshape(())
+    for i, (k, v) in (kv_scales or {}).items():
+        out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if kv_scales:
+        cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                         "dynamic": False, "symmetric": True}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def dequantized_fp8(path: Path) -> dict:
+    """{checkpoint name: dense fp32 weight} of an FP8 checkpoint (FP8 values times scales)."""
+    state = load_file(str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    dense = {}
+    for name, t in state.items():
+        if t.dtype != torch.float8_e4m3fn:
+            continue
+        layer = name[: -len(".weight")]
+        s = state.get(layer + ".weight_scale", state.get(layer + ".weight_scale_inv")).float()
+        if s.dim() == 2 and s.shape[1] > 1:
+            r, c = cfg.get("weight_block_size") or cfg["config_groups"]["group_0"]["weights"]["block_structure"]
+            s = s.repeat_interleave(r, 0).repeat_interleave(c, 1)
+        elif s.dim() >= 1 and s.numel() > 1:
+            s = s.reshape(-1, 1)
+        dense[name] = t.float() * s
+    return dense
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def with_fp8_rounded_inputs(hf, group: Optional[int] = None):
+    """``hf`` with each projection's input rounded to its FP8 values times their scale,
+    per token (per token and ``group`` columns beside FP8 blocks): what a W8A8 GEMM with
+    dynamic activation scales multiplies."""
+    from worker.engine.quantization.online_fp8 import round_rows
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        if group is None:
+            return round_rows(x)
+        return round_rows(x.reshape(-1, group)).reshape(x.shape)
+
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in _PROJECTIONS:
+            module.register_forward_pre_hook(lambda mod, args: (rounded(args[0]),))
+    return hf
+
+
+def greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy ids of an HF model by full forward passes."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 # --- AWQ / GPTQ (packers written after the libraries' own) ------------------------------
 def _int_quantize(w_t: torch.Tensor, group: int, sym: bool, bits: int = 4):
     """Rows of ``w_t`` ([in, out]) in groups of ``group`` rows -> (q [in, out] ints,

@@ -104,3 +104,156 @@ def test_engine_fp8_cache_holds_four_times_fp32_tokens_and_serves(tiny_model):
     # greedy over a random tiny model: FP8 K/V may flip a near tie, most tokens agree
     same = sum(a == b for rid in outs[0] for a, b in zip(outs[0][rid], outs[1][rid]))
     assert same >= 0.5 * 48, (outs[0], outs[1])
+
+
+# --- the checkpoint's KV-cache scales (quantization/kv_scales.py) --------------------------
+@pytest.mark.parametrize("name,want", [
+    ("model.layers.3.self_attn.k_scale", (3, "k")),
+    ("model.layers.3.self_attn.v_scale", (3, "v")),
+    ("model.layers.0.self_attn.attn.k_scale", (0, "k")),
+    ("model.layers.1.self_attn.k_proj.k_scale", (1, "k")),  # ModelOpt
+    ("model.layers.1.self_attn.v_proj.v_scale", (1, "v")),
+    ("model.layers.2.self_attn.k_proj.output_scale", (2, "k")),  # compressed-tensors kv_cache_scheme
+    ("model.layers.2.self_attn.v_proj.output_scale", (2, "v")),
+    ("model.layers.2.self_attn.kv_scale", (2, "k")),  # deprecated single scale
+    ("model.language_model.layers.4.self_attn.v_scale", (4, "v")),
+    ("model.layers.2.self_attn.q_proj.output_scale", None),
+    ("model.layers.2.self_attn.o_proj.input_scale", None),
+    ("model.layers.2.mlp.down_proj.output_scale", None),
+])
+def test_kv_scale_names(name, want):
+    from worker.engine.quantization.kv_scales import kv_scale_target
+    assert kv_scale_target(name) == want
+
+
+def test_kv_scales_follow_vllms_rule():
+    from worker.engine.quantization.kv_scales import KvScales
+    s = KvScales()
+    s.add("a", 0, "k", torch.tensor(2.0))
+    s.add("b", 0, "v", torch.tensor([0.5]))
+    s.add("c", 1, "k", torch.tensor(3.0))  # kv_scale alone: K's, for both
+    assert s.scales() == {0: (2.0, 0.5), 1: (3.0, 3.0)}
+    with pytest.raises(ValueError, match="only one scale per tensor"):
+        s.add("model.layers.0.self_attn.k_scale", 0, "k", torch.ones(4, 1, 1))
+
+
+def test_reader_routes_kv_scales_and_drops_them_without_a_hook():
+    from worker.engine.quantization.config import parse_quantization
+    from worker.engine.quantization.reader import dequantize_stream
+    quant = parse_quantization({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    w = torch.randn(4, 8)
+    tensors = [("model.layers.0.self_attn.k_proj.weight", (w / 0.01).to(torch.float8_e4m3fn)),
+               ("model.layers.0.self_attn.k_proj.weight_scale", torch.tensor(0.01)),
+               ("model.layers.0.self_attn.k_proj.input_scale", torch.tensor(0.5)),
+               ("model.layers.0.self_attn.k_scale", torch.tensor(2.0)),
+               ("model.layers.0.self_attn.v_proj.output_scale", torch.tensor(3.0))]
+    got = []
+    names = [n for n, _ in dequantize_stream(iter(tensors), quant, kv=lambda *a: got.append(a[:3]))]
+    assert names == ["model.layers.0.self_attn.k_proj.weight"]
+    assert got == [("model.layers.0.self_attn.k_scale", 0, "k"), ("model.layers.0.self_attn.v_proj.output_scale", 0, "v")]
+    assert [n for n, _ in dequantize_stream(iter(tensors), quant)] == names  # no hook: dropped
+
+
+def test_attention_applies_kv_scales_over_fp8_only():
+    """K/V of a range e4m3 saturates at scale 1 (|x| up to ~2000 > 448): with calibrated
+    scales the cache holds k / k_scale and attention equals the float32 attention up to
+    FP8 rounding; at scale 1.0 the saturation is far off.  Over a float32 cache the scales
+    change nothing."""
+    from worker.engine.attention.layer import PagedAttention
+
+    torch.manual_seed(0)
+    heads, kvh, d, bs = 4, 2, 16, 4
+    tables = [[3, 7, 1, 9, 2]]
+    steps = [(7, 0), (5, 7), (1, 12)]
+    qkv = [(torch.randn(n, heads, d) * 0.002, torch.randn(n, kvh, d) * 600, torch.randn(n, kvh, d) * 600)
+           for n, _ in steps]
+    ks = max(k.abs().max().item() for _, k, _ in qkv) / 448
+    vs = max(v.abs().max().item() for _, _, v in qkv) / 448
+
+    def run(cache_dtype, scales):
+        layer = PagedAttention(heads, kvh, d)
+        if scales:
+            layer.set_kv_scales(*scales)
+        cache = torch.zeros(2, 12, bs, kvh, d, dtype=cache_dtype)
+        outs = [layer(q, k, v, cache, build_attention_metadata([n], [ctx], tables, bs, "cpu"))
+                for (q, k, v), (n, ctx) in zip(qkv, steps)]
+        return torch.cat(outs), cache
+
+    ref, _ = run(torch.float32, None)
+    scaled, cache = run(torch.float8_e4m3fn, (ks, vs))
+    unscaled, _ = run(torch.float8_e4m3fn, None)
+    assert torch.equal(run(torch.float32, (ks, vs))[0], ref)  # ignored over a model-dtype cache
+    # the cache holds k / k_scale rounded (first step's keys, block 3)
+    torch.testing.assert_close(cache[0, 3].float(), to_kv_storage(qkv[0][1][:4] / ks, torch.float8_e4m3fn).float(),
+                               rtol=0, atol=0)
+    err_scaled, err_unscaled = (scaled - ref).abs().max().item(), (unscaled - ref).abs().max().item()
+    assert err_scaled < 0.1 * err_unscaled, (err_scaled, err_unscaled)
+    assert err_scaled < 0.07 * ref.abs().max().item()  # e4m3's rounding (2^-4 relative) only
+
+
+def _wide_kv_checkpoint(src, dst, factor=4000.0):
+    """The tiny model with K and V ``factor`` times larger and q / o scaled back, so it
+    computes the same function while its K/V overflow e4m3 at scale 1; FP8 per tensor,
+    with k/v scales calibrated (amax / 448, as llm-compressor) on another prompt."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.support import quantized_factory as qf
+    from tests.support.model_factory import load_hf_model
+
+    wide = dst.parent / (dst.name + "-dense")
+    qf._copy_side_files(src, wide)
+    state = load_file(str(src / "model.safetensors"))
+    for name in state:
+        for proj, f in (("q_proj", 1 / factor), ("k_proj", factor), ("v_proj", factor), ("o_proj", 1 / factor)):
+            if f".self_attn.{proj}." in name:
+                state[name] = state[name] * f
+    save_file(state, str(wide / "model.safetensors"), metadata={"format": "pt"})
+    hf = load_hf_model(wide)
+    amax = {}
+    for i, layer in enumerate(hf.model.layers):
+        for kind in "kv":
+            getattr(layer.self_attn, f"{kind}_proj").register_forward_hook(
+                lambda mod, args, out, key=(i, kind): amax.__setitem__(key, out.abs().max().item()))
+    with torch.no_grad():
+        hf(torch.tensor([_tokens(40, seed=21)]))
+    scales = {i: (1.2 * amax[(i, "k")] / 448, 1.2 * amax[(i, "v")] / 448) for i in range(len(hf.model.layers))}
+    assert min(amax.values()) > 448  # really out of e4m3's range at scale 1
+    return qf.write_fp8_tensor(wide, dst, kv_scales=scales), scales
+
+
+def test_checkpoint_kv_scales_bring_fp8_logprobs_closer(tiny_model, tmp_path):
+    from worker.engine.quantization.kv_scales import KvScales
+
+    path, scales = _wide_kv_checkpoint(tiny_model("llama"), tmp_path / "fp8kv")
+    found = KvScales()
+    model = load_model(path, dtype=torch.float32, kv=found.add)
+    model.use_attention_backend(TorchSDPABackend())
+    assert {i: pytest.approx(s, rel=1e-6) for i, s in scales.items()} == found.scales()
+    ids = _tokens(36, seed=2)
+
+    def logprobs(kv_dtype):
+        seqs = _Seqs(model, kv_dtype)
+        out = [seqs.step([("a", ids[:28])])[0]] + [seqs.step([("a", [t])])[0] for t in ids[28:]]
+        return torch.log_softmax(torch.cat(out).float(), -1)
+
+    ref = logprobs(torch.float32)
+    unscaled = logprobs(torch.float8_e4m3fn)
+    assert found.apply(model, fp8_cache=True) == len(model.layers)
+    assert model.layers[1].attn.kv_scales == pytest.approx(scales[1])
+    scaled = logprobs(torch.float8_e4m3fn)
+    assert torch.equal(logprobs(torch.float32), ref)  # a float32 cache ignores them
+    gap_scaled, gap_unscaled = (scaled - ref).abs().mean().item(), (unscaled - ref).abs().mean().item()
+    print(f"mean |dlogprob| vs float32 cache: scaled {gap_scaled:.4f}, scale 1.0 {gap_unscaled:.4f}")
+    assert gap_scaled < 0.5 * gap_unscaled, (gap_scaled, gap_unscaled)
+
+
+def test_engine_uses_checkpoint_kv_scales_only_with_an_fp8_cache(tiny_model, tmp_path):
+    path, scales = _wide_kv_checkpoint(tiny_model("llama"), tmp_path / "fp8kv")
+    fp8 = make_engine(path, kv_cache_dtype="fp8")
+    assert [layer.attn.kv_scales for layer in fp8.runner.model.layers] == [pytest.approx(scales[i]) for i in range(2)]
+    out = fp8.generate([request("r", _tokens(12, seed=4), max_tokens=4, ignore_eos=True)])
+    assert sum(len(d.token_ids) for d in out["r"]) == 4
+    fp8.close()
+    dense = make_engine(path)
+    assert all(layer.attn.kv_scales is None for layer in dense.runner.model.layers)
+    dense.close()

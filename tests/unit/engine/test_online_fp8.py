@@ -30,6 +30,44 @@ def fp8_reference(model_dir):
     return hf
 
 
+class _RoundedLinear:
+    """Inside an HF experts module (3-D expert stacks, ``nn.functional.linear`` per expert):
+    each call's input rounded per row, as the W8A8 expert GEMMs quantize it."""
+
+    def __init__(self):
+        self.orig = torch.nn.functional.linear
+
+    def __call__(self, x, w, b=None):
+        return self.orig(round_rows(x), w, b)
+
+    def enter(self, mod, args):
+        torch.nn.functional.linear = self
+
+    def leave(self, mod, args, out):
+        torch.nn.functional.linear = self.orig
+
+
+def fp8_moe_reference(model_dir):
+    """``fp8_reference`` plus the routed experts: every expert's rows rounded to FP8 (one
+    scale per expert and output row) and their GEMM inputs rounded per row; the router
+    (``gate``) and Qwen2-MoE's ``shared_expert_gate`` stay unquantized, as in vLLM."""
+    hf = fp8_reference(model_dir)
+    patch = _RoundedLinear()
+    found = 0
+    for name, module in hf.named_modules():
+        if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
+            with torch.no_grad():
+                for p in (module.gate_up_proj, module.down_proj):
+                    p.copy_(round_rows(p.reshape(-1, p.shape[-1])).reshape(p.shape))
+            # HF's own per-expert loop (its default here is torch's grouped_mm, no F.linear)
+            module.config._experts_implementation = "eager"
+            module.register_forward_pre_hook(patch.enter)
+            module.register_forward_hook(patch.leave)
+            found += 1
+    assert found, "no HF experts module with 3-D stacks found"
+    return hf
+
+
 def test_rounding_is_fp8_per_row():
     w = torch.randn(6, 40) * torch.logspace(-3, 2, 6)[:, None]
     q, scale = quantize_rows(w)
@@ -86,6 +124,65 @@ def test_engine_online_fp8_greedy_and_weight_updates(tiny_model, tmp_path):
     engine.close()
 
 
-def test_online_fp8_refuses_moe(tiny_model):
-    with pytest.raises(ValueError, match="mixture-of-experts model is not supported"):
-        make_engine(tiny_model("mixtral"), quantization="fp8")
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_paged_model_matches_the_fp8_reference(tiny_model, kind):
+    """Experts W8A8 (emulated on CPU) and Qwen2-MoE's shared expert quantized, the routers
+    not: against HF with the same rounding."""
+    path = tiny_model(kind)
+    model = load_model(path, dtype=torch.float32)
+    model.pack_linears(emulated_fp8_scheme(None))
+    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+    assert isinstance(moe.gate_weight, torch.nn.Parameter)  # the router stays dense
+    ids = _tokens(30, seed=4)
+    ref = hf_logits(fp8_moe_reference(path), ids)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", ids[:23])])
+    torch.testing.assert_close(got, ref[:23], atol=1e-4, rtol=0)
+    for pos in range(23, 30):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], ref[pos], atol=1e-4, rtol=0)
+    assert (ref - hf_logits(fp8_reference(path), ids)).abs().max() > 1e-4  # the experts' rounding counts
+
+
+def test_engine_online_fp8_moe_greedy_and_weight_updates(tiny_model):
+    path = tiny_model("qwen2_moe")
+    engine = make_engine(path, quantization="fp8")
+    prompts = [_tokens(15, seed=8), _tokens(6, seed=9)]
+
+    def run(tag):
+        reqs = [request(f"{tag}{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)]
+        out = engine.generate(reqs)
+        return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
+
+    assert run("a") == [_greedy(fp8_moe_reference(path), p, 8) for p in prompts]
+    other = tiny_model("qwen2_moe", seed=1)
+    from safetensors.torch import load_file
+    engine.rl.write_weights(load_file(str(other / "model.safetensors")))
+    engine.rl.end_weight_writes()
+    assert run("b") == [_greedy(fp8_moe_reference(other), p, 8) for p in prompts]  # experts re-quantized
+    engine.close()
+
+
+def test_moe_experts_over_the_native_bf16_gemm_match_the_torch_emulation(tiny_model):
+    """bf16 on CPU: the experts run per expert on the native GEMM (packed, inputs rounded
+    per row) and compute what the grouped torch emulation computes, up to bf16 rounding."""
+    from worker.engine.models.cpu_gemm import linear_scheme, native_supported
+
+    if not native_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("the native bf16 GEMM does not run on this CPU/build")
+    path = tiny_model("qwen2_moe")
+    ids = _tokens(20, seed=6)
+    out = []
+    for inner in (linear_scheme("native"), None):
+        model = load_model(path, dtype=torch.bfloat16)
+        model.pack_linears(emulated_fp8_scheme(inner))
+        moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+        assert isinstance(moe.w13, list if inner is not None else torch.Tensor)
+        seqs = PagedSeqs(model)
+        out.append(seqs.step([("a", ids)])[0].float())
+    assert (out[0] - out[1]).abs().max() < 0.05 * out[1].abs().max()
+
+
+def test_online_fp8_refuses_experts_with_biases(tiny_model):
+    with pytest.raises(ValueError, match="experts have biases"):
+        make_engine(tiny_model("gpt_oss"), quantization="fp8")

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from worker.engine.models.config import ModelConfig
 from worker.engine.quantization.config import CheckpointQuantization, parse_quantization
-from worker.engine.quantization.reader import dequantize_stream
+from worker.engine.quantization.reader import KeepHook, KvHook, dequantize_stream
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,14 @@ def checkpoint_quantization(model_dir: str | Path) -> Optional[CheckpointQuantiz
     return parse_quantization(cfg.get("quantization_config") or cfg.get("compression_config"))
 
 
-def iter_dense_checkpoint(model_dir: str | Path, quant: Optional[CheckpointQuantization] = None
+def iter_dense_checkpoint(model_dir: str | Path, quant: Optional[CheckpointQuantization] = None,
+                          keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_checkpoint`` with quantized layers turned into dense weights
     (quantization/reader.py); ``quant`` defaults to what the directory's config names."""
     if quant is None:
         quant = checkpoint_quantization(model_dir)
-    return dequantize_stream(iter_checkpoint(model_dir), quant)
+    return dequantize_stream(iter_checkpoint(model_dir), quant, keep=keep, kv=kv)
 
 
 def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,10 +105,12 @@ def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield name, tensor
 
 
-def load_weights(model, model_dir: str | Path) -> None:
+def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None) -> None:
     """Stream the (dequantized) checkpoint through the model's own ``load_weights`` (its
-    name mapping and sharding) and check that every weight it needs came."""
-    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization)))
+    name mapping and sharding) and check that every weight it needs came; ``keep`` sees
+    each quantized layer's parts (quantization/kept.py), ``kv`` the KV-cache scales
+    (quantization/kv_scales.py)."""
+    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization, keep, kv)))
     missing = sorted(set(model.weight_targets()) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -115,18 +118,23 @@ def load_weights(model, model_dir: str | Path) -> None:
 
 
 def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
-               device: torch.device | str = "cpu", config: Optional[ModelConfig] = None):
+               device: torch.device | str = "cpu", config: Optional[ModelConfig] = None,
+               keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None):
     """Build the registered model for ``model_dir``'s architecture on ``device`` in
-    ``dtype`` (default: the checkpoint's) and fill its weights."""
+    ``dtype`` (default: the checkpoint's) and fill its weights (``keep``, ``kv``: see
+    load_weights)."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = config.family.model_class()
     if config.quantization is not None:
-        # No quantized kernels yet on either device: the layers hold the dequantized weights
+        # Dense weights at load; kept quantized afterwards where the caller packs them so
+        # (``keep``: CUDA, quantization/kept.py), else served dequantized
         # (docs/quantization.md says what that costs in memory and what it computes).
         acts = config.quantization.activations
-        log.info("quantized checkpoint: %s; weights dequantized at load into %s%s", config.quantization.describe(),
-                 dtype or config.dtype, "" if acts == "none" else f" (its {acts} activation quantization is not applied)")
+        if keep is None:
+            log.info("quantized checkpoint: %s; weights dequantized at load into %s%s", config.quantization.describe(),
+                     dtype or config.dtype, "" if acts == "none" else f" (its {acts} activation quantization is not "
+                     "applied)")
     with torch.device(device):
         model = cls(config, dtype=dtype, device=device)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, keep, kv)
     return model.eval()

@@ -17,6 +17,8 @@ from worker.engine.loading.loader import load_model, safetensors_files
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import linear_scheme, onednn_supported, resolve_cpu_linear
 from worker.engine.quantization.config import ONLINE_SUPPORTED
+from worker.engine.quantization.kept import KeptQuantized, keeps_quantized
+from worker.engine.quantization.kv_scales import KvScales
 from worker.engine.quantization.online_fp8 import online_fp8_scheme
 
 log = logging.getLogger(__name__)
@@ -29,8 +31,14 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     log.info("loading weights from %s (%.2f GB of safetensors) onto %s as %s (%s)", config.model, size / 1e9, device,
              dtype, why)
     started = time.monotonic()
-    model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc)
+    kept = _kept_quantized(config, mc, device)
+    kv_scales = KvScales() if mc.quantization is not None else None
+    model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc,
+                       keep=kept.keep if kept is not None else None,
+                       kv=kv_scales.add if kv_scales is not None else None)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
+    if kv_scales is not None:
+        kv_scales.apply(model, fp8_cache=config.kv_dtype is not None)
     from worker.engine.loading.weights import weight_spec
 
     model.weight_spec = weight_spec(model)  # what weight updates may name (cheap before packing)
@@ -45,13 +53,20 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
                     cpu_linear, fallback)
         cpu_linear, scheme = fallback, linear_scheme(fallback)
     if config.quantization in ONLINE_SUPPORTED and mc.quantization is None:
-        if mc.moe is not None:
-            raise ValueError("--quantization fp8 (online) on a mixture-of-experts model is not supported: its "
-                             "experts have no FP8 path yet")
+        if mc.moe is not None and mc.moe.expert_bias:
+            raise ValueError("--quantization fp8 (online) on a model whose experts have biases (GPT-OSS) is not "
+                             "supported: those experts have no FP8 path")
         scheme = online_fp8_scheme(device, scheme)
         log.info("online quantization: %s; weights re-quantized after every weight update", scheme.name)
+    if kept is not None:
+        kept.bind(model)
+        scheme = kept.scheme()
     if scheme is not None:
         model.pack_linears(scheme)
+    if kept is not None:
+        kept.finish()
+        log.info("quantized checkpoint: %s; %d projection weight(s) kept quantized in memory (%s), re-quantized "
+                 "after weight updates", mc.quantization.describe(), kept.kept, scheme.name)
     elif device.type == "cpu" and config.torch_dtype == torch.bfloat16 and config.cpu_linear != "torch":
         # auto found neither GEMM for bf16 (kernels not built, no oneDNN bf16): torch's
         # linear emulates it here, several times slower than fp32.
@@ -63,3 +78,17 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
                                         bidirectional_spans=getattr(model, "image_attention", "") == "bidirectional")
     model.use_attention_backend(backend)
     return model, backend, cpu_linear
+
+
+def _kept_quantized(config: EngineConfig, mc: ModelConfig, device: torch.device):
+    """The scheme keeping a quantized checkpoint's weights quantized (quantization/kept.py)
+    where it applies: on CUDA, one rank (the records are not sharded), a method it has
+    kernels for (MXFP4 experts load dequantized)."""
+    q = mc.quantization
+    if q is None or q.method == "mxfp4" or not keeps_quantized(device):
+        return None
+    if config.tensor_parallel_size > 1:
+        log.warning("quantized checkpoint under tensor parallelism: weights dequantized at load (kept-quantized "
+                    "weights are not sharded yet)")
+        return None
+    return KeptQuantized(q)

@@ -106,6 +106,19 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @dataclass(frozen=True)
+class PackedExperts:
+    """How a scheme keeps a MoE layer's expert stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``)
+    whole: ``pack`` each stack once, ``run(x, w13, w2, topk_weights, topk_ids, act)`` the
+    routed experts' weighted sum ``[T, H]`` every step, ``unpack`` back to the dense stack
+    (weight updates).  Quantizing schemes use it (online FP8: the fused-MoE W8A8 kernel on
+    CUDA, its emulation on CPU); the router then stays in the model dtype, as in vLLM."""
+
+    pack: Callable[[torch.Tensor], Any]
+    run: Callable[..., torch.Tensor]
+    unpack: Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class PackedLinears:
     """How a CPU GEMM scheme keeps projection weights: ``pack`` once after loading (the
     result replaces the ``[out, in]`` weight), ``linear(x, packed, bias)`` every step,
@@ -125,6 +138,9 @@ class PackedLinears:
     # The LM head's packing when it differs (a quantizing scheme keeps the head in the
     # model dtype, as vLLM does); None: this scheme.
     head: Optional["PackedLinears"] = None
+    # Expert stacks packed whole (PackedExperts) instead of one weight per expert; needs
+    # packs_experts.
+    experts: Optional[PackedExperts] = None
 
     @property
     def head_scheme(self) -> "PackedLinears":

@@ -132,17 +132,19 @@ def _weighted_sum(x: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor, 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, act=silu_and_mul, b13: Optional[torch.Tensor] = None,
-                        b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        b2: Optional[torch.Tensor] = None, round_input=None) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, H]``: pairs sorted by expert, one
     grouped GEMM per projection, one scatter-add back to the tokens.  ``b13`` ``[E, 2I]``
-    / ``b2`` ``[E, H]``: per-expert biases (GPT-OSS), added to each pair's rows."""
+    / ``b2`` ``[E, H]``: per-expert biases (GPT-OSS), added to each pair's rows.
+    ``round_input``: applied to each GEMM's input rows (online FP8's per-row rounding)."""
     order, counts, token_of, xs = _by_expert(x, topk_ids, w13.shape[0])
     offsets = counts.cumsum(0).to(torch.int32)
     expert_of = topk_ids.reshape(-1)[order] if b13 is not None or b2 is not None else None
-    h = _grouped_linear(xs, w13, counts, offsets)
+    keep = round_input if round_input is not None else (lambda rows: rows)
+    h = _grouped_linear(keep(xs), w13, counts, offsets)
     if b13 is not None:
         h += b13.index_select(0, expert_of)
-    y = _grouped_linear(act(h), w2, counts, offsets)
+    y = _grouped_linear(keep(act(h)), w2, counts, offsets)
     if b2 is not None:
         y += b2.index_select(0, expert_of)
     return _weighted_sum(x, y, topk_weights, order, token_of)
@@ -213,6 +215,14 @@ class SparseMoeBlock(nn.Module):
         tensors are dropped, so weight_targets() needs ``unpack_experts`` first."""
         if self.packing is not None or self.w13_bias is not None:
             return  # experts with biases (GPT-OSS) stay dense: the packed path adds no bias
+        if scheme.experts is not None:  # stacks packed whole; the router stays dense
+            for name in ("w13", "w2"):
+                setattr(self, name, scheme.experts.pack(self._parameters.pop(name).data))
+            for name in self._PACKED_DENSE:
+                if name != "gate_weight" and self._parameters.get(name) is not None:
+                    setattr(self, name, scheme.pack(self._parameters.pop(name).data))
+            self.packing = scheme
+            return
         for name in ("w13", "w2"):
             stacked = self._parameters.pop(name)
             setattr(self, name, [scheme.pack(stacked.data[e]) for e in range(stacked.shape[0])])
@@ -229,10 +239,11 @@ class SparseMoeBlock(nn.Module):
             return
         for name in ("w13", "w2"):
             packed = self.__dict__.pop(name)
-            setattr(self, name, nn.Parameter(torch.stack([self.packing.unpack(w) for w in packed]),
-                                             requires_grad=False))
+            dense = (self.packing.experts.unpack(packed) if self.packing.experts is not None
+                     else torch.stack([self.packing.unpack(w) for w in packed]))
+            setattr(self, name, nn.Parameter(dense, requires_grad=False))
         for name in self._PACKED_DENSE:
-            if isinstance(self.__dict__.get(name), torch.Tensor):
+            if self.__dict__.get(name) is not None:  # packed: a plain attribute now (a tensor or the scheme's object)
                 setattr(self, name, nn.Parameter(self.packing.unpack(self.__dict__.pop(name)), requires_grad=False))
         self.packing = None
 
@@ -300,6 +311,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output ``[T, H]``, routed expert ids ``[T, top_k]``)."""
         linear = F.linear if self.packing is None else self.packing.linear
+        # the router: packed with the rest, or left dense (schemes packing the experts whole)
+        router = linear if self.__dict__.get("gate_weight") is not None else F.linear
         if self.score_bias is not None:
             # transformers scores GLM's router in float32 (weights and hidden cast up).
             weights, ids = select_experts_grouped(F.linear(h.float(), self.gate_weight.float()), self.score_bias,
@@ -307,9 +320,9 @@ class SparseMoeBlock(nn.Module):
         elif self.moe.scoring == "softmax_grouped":
             weights, ids = select_experts_group_limited(F.linear(h.float(), self.gate_weight.float()), self.moe)
         elif self.moe.scoring == "topk_softmax":
-            weights, ids = select_experts_topk_softmax(linear(h, self.gate_weight, self.gate_bias), self.top_k)
+            weights, ids = select_experts_topk_softmax(router(h, self.gate_weight, self.gate_bias), self.top_k)
         else:
-            weights, ids = select_experts(linear(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
+            weights, ids = select_experts(router(h, self.gate_weight, None), self.top_k, self.moe.norm_topk_prob)
         # transformers rounds the routing weights to the model dtype (Mixtral, GLM and DeepSeek keep fp32).
         if self.moe.family not in ("mixtral", "glm4_moe", "deepseek_v2", "deepseek_v3"):
             weights = weights.to(h.dtype)
@@ -324,6 +337,10 @@ class SparseMoeBlock(nn.Module):
             w2_bias = self.w2_bias if self.tp.rank == 0 else None  # counted once in the all-reduced sum
             out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act, self.w13_bias, w2_bias)
             return self._reduced(out), ids
+        if self.packing is not None and self.packing.experts is not None:
+            # the scheme keeps the stacks whole (online FP8) and runs them its own way
+            out = self.packing.experts.run(h, self.w13, self.w2, weights, ids, act)
+            return self._reduced(self._with_shared(h, out, linear, act)), ids
         # The Triton kernel: on CUDA whatever the attention backend, on CPU tensors only
         # when the Triton backend is chosen (under its interpreter, in tests).
         fused = getattr(ops, "fused_experts", None)
@@ -337,12 +354,16 @@ class SparseMoeBlock(nn.Module):
             out = fused_experts_packed(h, self.w13, self.w2, weights, ids, self.packing.linear, act)
         else:
             out = fused_experts_torch(h, self.w13, self.w2, weights, ids, act)
+        return self._reduced(self._with_shared(h, out, linear, act)), ids
+
+    def _with_shared(self, h: torch.Tensor, out: torch.Tensor, linear, act) -> torch.Tensor:
+        """The routed experts' ``out`` plus the shared expert(s), if the family has them."""
         if self.shared_gate_up is not None:
             shared = linear(act(linear(h, self.shared_gate_up, None)), self.shared_down, None)
             out = out + torch.sigmoid(F.linear(h, self.shared_expert_gate)) * shared
         if self.shared_experts_gate_up is not None:
             out = out + linear(act(linear(h, self.shared_experts_gate_up, None)), self.shared_experts_down, None)
-        return self._reduced(out), ids
+        return out
 
     def _reduced(self, out: torch.Tensor) -> torch.Tensor:
         """The block's output: this rank's partial sum, all-reduced under tensor parallelism."""

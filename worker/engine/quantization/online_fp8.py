@@ -14,6 +14,13 @@ seam every CPU GEMM uses:
   values times its scale and packed for the CPU GEMM the engine picked, the activations
   rounded to their per-token FP8 values -- so rollouts sample from what an FP8 model
   computes, at bf16's speed and memory.
+
+Mixture-of-experts layers: the expert stacks are quantized the same way (one scale per
+expert and output row; cpu_gemm.PackedExperts) and run W8A8 -- the fused-MoE Triton
+kernel over FP8 stacks on CUDA (kernels/triton/fused_moe.fused_experts_fp8), the grouped
+torch GEMMs over rounded weights and rounded input rows on CPU; shared experts are
+quantized like any projection; the router stays in the model dtype, as in vLLM.  Experts
+with biases (GPT-OSS) have no FP8 path: refused at load.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from worker.engine.models.cpu_gemm import DENSE, PackedLinears
+from worker.engine.models.cpu_gemm import DENSE, PackedExperts, PackedLinears
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
@@ -56,6 +63,49 @@ class Fp8Weight:
         return self.q.shape
 
 
+def quantize_stack(w: torch.Tensor) -> Fp8Weight:
+    """An expert stack ``[E, N, K]`` in FP8 with one scale per expert and output row ``[E, N]``."""
+    q, scale = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return Fp8Weight(q.reshape(w.shape), scale.reshape(w.shape[:-1]), w.dtype)
+
+
+def _dequantize(w: Fp8Weight) -> torch.Tensor:
+    return (w.q.float() * w.scale[..., None]).to(w.dtype)
+
+
+def triton_fp8_experts() -> PackedExperts:
+    """FP8 expert stacks on the fused-MoE Triton kernel (W8A8, per-row input scales)."""
+    from worker.engine.kernels.triton.fused_moe import fused_experts_fp8
+
+    def run(x, w13: Fp8Weight, w2: Fp8Weight, topk_weights, topk_ids, act):
+        return fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_weights, topk_ids, act)
+
+    return PackedExperts(quantize_stack, run, _dequantize)
+
+
+def emulated_fp8_experts(inner: Optional[PackedLinears] = None) -> PackedExperts:
+    """The same W8A8 arithmetic on CPU: weights rounded to their FP8 values, each GEMM's
+    input rows rounded per row -- over ``inner``'s per-expert packed GEMMs where it packs
+    experts (the native bf16 GEMM: torch's bf16 grouped GEMM is several times slower on
+    CPUs without bf16 dot products, cpu_gemm's measurements), else the grouped torch GEMMs."""
+    from worker.engine.models.moe import fused_experts_packed, fused_experts_torch
+
+    if inner is not None and inner.packs_experts:
+        def linear(x, packed, bias):
+            return inner.linear(round_rows(x), packed, bias)
+
+        def run_packed(x, w13, w2, topk_weights, topk_ids, act):
+            return fused_experts_packed(x, w13, w2, topk_weights, topk_ids, linear, act)
+
+        return PackedExperts(lambda w: [inner.pack(round_rows(w[e])) for e in range(w.shape[0])], run_packed,
+                             lambda ws: torch.stack([inner.unpack(w) for w in ws]))
+
+    def run(x, w13, w2, topk_weights, topk_ids, act):
+        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, act, round_input=round_rows)
+
+    return PackedExperts(lambda w: round_rows(w.reshape(-1, w.shape[-1])).reshape(w.shape), run, lambda w: w)
+
+
 def triton_fp8_scheme() -> PackedLinears:
     """Weights in FP8, the Triton W8A8 GEMM (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
     from worker.engine.kernels.triton.quant_gemm import fp8_linear
@@ -69,10 +119,8 @@ def triton_fp8_scheme() -> PackedLinears:
         out = fp8_linear(x.reshape(-1, shape[-1]).contiguous(), w.q, w.scale, bias=bias)
         return out.reshape(*shape[:-1], w.q.shape[0])
 
-    def unpack(w: Fp8Weight) -> torch.Tensor:
-        return (w.q.float() * w.scale[:, None]).to(w.dtype)
-
-    return PackedLinears("fp8 (Triton W8A8)", pack, linear, unpack, head=DENSE)
+    return PackedLinears("fp8 (Triton W8A8)", pack, linear, _dequantize, head=DENSE, packs_experts=True,
+                         experts=triton_fp8_experts())
 
 
 def emulated_fp8_scheme(inner: Optional[PackedLinears]) -> PackedLinears:
@@ -90,9 +138,8 @@ def emulated_fp8_scheme(inner: Optional[PackedLinears]) -> PackedLinears:
 
     name = f"fp8 (W8A8 emulated over {inner.name if inner is not None else 'torch'} linears)"
     accepts = inner.accepts if inner is not None else (lambda w: True)
-    # Experts stay unquantized (packs_experts False): a MoE model is refused before this.
-    return PackedLinears(name, pack, linear, inner_unpack, packs_experts=False, accepts=accepts,
-                         head=inner if inner is not None else DENSE)
+    return PackedLinears(name, pack, linear, inner_unpack, packs_experts=True, accepts=accepts,
+                         head=inner if inner is not None else DENSE, experts=emulated_fp8_experts(inner))
 
 
 def online_fp8_scheme(device: torch.device, cpu_scheme: Optional[PackedLinears]) -> PackedLinears:

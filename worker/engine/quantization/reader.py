@@ -13,18 +13,21 @@ parameter layout) as ``X_blocks`` + ``X_scales`` over ``[E, out, in]``: the pair
 ``(X, dense)`` in the dense checkpoint's layout, which the family loads as it loads a
 bf16 checkpoint.
 
-Activation and KV-cache scales (``input_scale``, ``k_scale`` ...) are dropped: the layers
-run their activations unquantized (stated in docs/quantization.md).
+Activation scales (``input_scale`` ...) are dropped: the layers quantize activations
+dynamically or not at all (stated in docs/quantization.md).  KV-cache scales
+(``k_scale``, ``v_scale``, ...) go to the ``kv`` hook when one is given
+(quantization/kv_scales.py: used over an FP8 KV cache), else are dropped too.
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
 from worker.engine.quantization.dequant import dequant_awq, dequant_float, dequant_gptq, dequant_mxfp4, dequant_packed
+from worker.engine.quantization.kv_scales import kv_scale_target
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,8 @@ _PARTS = ("weight_packed", "weight_shape", "weight_scale_inv", "weight_scale", "
           "qweight", "qzeros", "scales", "g_idx")
 # Activation / KV-cache quantization parameters: not used by unquantized activations.
 _DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale", "v_scale",
-            "input_global_scale", "weight_global_scale")
+            "kv_scale", "q_scale", "prob_scale", "input_global_scale", "weight_global_scale")
+_KV_PARTS = ("k_scale", "v_scale", "kv_scale", "output_scale")
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -105,10 +109,20 @@ def _check_late_part(name: str, tensor: torch.Tensor, scheme: WeightScheme) -> N
     raise ValueError(f"checkpoint tensor {name} repeats a part of a quantized layer already loaded")
 
 
+# Called with (layer name, its scheme, its parts) before the layer's dense weight is
+# yielded: how a scheme that keeps weights quantized (quantization/kept.py) sees the
+# checkpoint's scales and zero points beside the dense weight the model loads.
+KeepHook = Callable[[str, WeightScheme, dict[str, torch.Tensor]], None]
+# Called with (name, decoder layer, "k" | "v", scale) for each KV-cache scale (kv_scales.KvScales.add).
+KvHook = Callable[[str, int, str, torch.Tensor], None]
+
+
 def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Optional[CheckpointQuantization],
-                      dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      dtype: Optional[torch.dtype] = None, keep: Optional[KeepHook] = None,
+                      kv: Optional[KvHook] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensors`` with each quantized layer's parts replaced by its dense weight (in
-    ``dtype`` when given).  A dense checkpoint (``quant`` None) passes through."""
+    ``dtype`` when given), each layer's parts handed to ``keep`` first when given, the
+    KV-cache scales to ``kv``.  A dense checkpoint (``quant`` None) passes through."""
     if quant is None:
         yield from tensors
         return
@@ -120,6 +134,11 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Option
     dropped = 0
     for name, tensor in tensors:
         layer, part = _split(name)
+        if kv is not None and part in _KV_PARTS:
+            target = kv_scale_target(name)
+            if target is not None:
+                kv(name, *target, tensor)
+                continue
         if part in _DROPPED:
             dropped += 1
             continue
@@ -143,6 +162,8 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Option
         if entry.complete() and not (entry.scheme.kind == "gptq" and quant.raw.get("desc_act")
                                      and "g_idx" not in entry.parts):
             dense = entry.dense(layer)
+            if keep is not None:
+                keep(layer, entry.scheme, entry.parts)
             del pending[layer]
             done[layer] = entry.scheme
             yield layer + ".weight", dense if dtype is None else dense.to(dtype)

@@ -11,6 +11,12 @@ the output, gathers its input rows by index and multiplies by that expert's weig
     act     = silu(gate) * up                         [pairs, I]
     down    = grouped(act[pair], w2[e]) * weight[pair] [pairs, H]
     out     = down.view(T, top_k, H).sum(1)
+
+FP8 experts (online ``--quantization fp8``, ``fused_experts_fp8``): W8A8 as vLLM's
+fused_moe with ``use_fp8_w8a8`` and per-channel weight scales -- each GEMM's input rows
+quantized per row, dynamically (the tokens for the first, the pairs for the second), the
+weights FP8 ``[E, N, K]`` with one scale per expert and output row, FP8 x FP8 dots with
+fp32 accumulation, both scales applied after the K loop.
 """
 from __future__ import annotations
 
@@ -29,8 +35,10 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                          N, K, num_pairs, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         a_scale_ptr, b_scale_ptr, stride_bse,
                          A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         FP8: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n
@@ -58,6 +66,10 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if FP8:  # a row's scale (per token or pair) times the expert's output-row scale
+        sa = tl.load(a_scale_ptr + a_row, mask=row_ok, other=0.0)
+        sb = tl.load(b_scale_ptr + expert * stride_bse + offs_n, mask=n_ok, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -99,16 +111,21 @@ def _tiles(n: int, k: int) -> tuple[int, int, int]:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[pair] = a[pair // a_row_div] @ w[expert(pair)].T`` (times ``weights[pair]``)."""
+                 weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[pair] = a[pair // a_row_div] @ w[expert(pair)].T`` (times ``weights[pair]``);
+    FP8 ``a`` / ``w`` with ``a_scale [rows]`` and ``w_scale [E, N]`` (fp32)."""
     _, n, k = w.shape
     block_m, block_n, block_k = _tiles(n, k)
     grid = (sorted_ids.numel() // block_m * triton.cdiv(n, block_n),)
+    fp8 = a_scale is not None
     _grouped_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, sorted_ids, block_expert, num_padded, n, k, num_pairs,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32 or _INTERPRETING,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        a_scale if fp8 else out, w_scale if fp8 else out, w_scale.stride(0) if fp8 else 0,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None,
+        IEEE=a.dtype == torch.float32 or _INTERPRETING,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8)
     return out
 
 
@@ -131,6 +148,31 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
 
 
+def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      silu_and_mul) -> torch.Tensor:
+    """``fused_experts`` over FP8 experts (``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in
+    float8_e4m3fn, scales ``[E, 2I]`` / ``[E, H]``), W8A8 with dynamic per-row input scales."""
+    from worker.engine.kernels.triton.quant_gemm import quantize_fp8_rows
+
+    t, top_k = topk_ids.shape
+    num_pairs = t * top_k
+    out = x.new_empty((t, x.shape[1]))
+    if t == 0:
+        return out
+    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
+    xq, xs = quantize_fp8_rows(x.contiguous())
+    gate_up = x.new_empty((num_pairs, w13.shape[1]))
+    grouped_gemm(xq, w13, gate_up, sorted_ids, block_expert, num_padded, num_pairs, top_k,
+                 a_scale=xs.reshape(-1), w_scale=w13_scale)
+    aq, as_ = quantize_fp8_rows(silu_and_mul(gate_up).contiguous())
+    down = x.new_empty((num_pairs, w2.shape[1]))
+    grouped_gemm(aq, w2, down, sorted_ids, block_expert, num_padded, num_pairs, 1,
+                 weights=topk_weights.reshape(-1).to(torch.float32).contiguous(), a_scale=as_.reshape(-1),
+                 w_scale=w2_scale)
+    return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
+
+
 def compile_specs() -> list:
     specs = []
     for dtype, ieee, mul in (("bf16", False, False), ("bf16", False, True), ("fp16", False, True),
@@ -140,7 +182,16 @@ def compile_specs() -> list:
                        "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
                        "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i64", "stride_ak": "i64",
                        "stride_be": "i64", "stride_bn": "i64", "stride_bk": "i64", "stride_cm": "i64",
-                       "stride_cn": "i64"},
+                       "stride_cn": "i64", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "stride_bse": "i64"},
                       dict(A_ROW_DIV=1 if mul else 2, MUL_WEIGHT=mul, IEEE=ieee, BLOCK_M=16, BLOCK_N=64,
-                           BLOCK_K=64)))
+                           BLOCK_K=64, FP8=False)))
+    for dtype, mul in (("bf16", False), ("bf16", True), ("fp16", True)):
+        specs.append((f"fused_moe_gemm[fp8->{dtype}{',weighted' if mul else ''}]", _grouped_gemm_kernel,
+                      {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": f"*{dtype}", "weights_ptr": "*fp32",
+                       "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+                       "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i64", "stride_ak": "i64",
+                       "stride_be": "i64", "stride_bn": "i64", "stride_bk": "i64", "stride_cm": "i64",
+                       "stride_cn": "i64", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "stride_bse": "i64"},
+                      dict(A_ROW_DIV=1 if mul else 2, MUL_WEIGHT=mul, IEEE=False, BLOCK_M=16, BLOCK_N=64,
+                           BLOCK_K=64, FP8=True)))
     return specs

@@ -218,9 +218,12 @@ def compile_specs() -> list:
                           dict(BLOCKWISE=blockwise, GROUP_K=128 if blockwise else 1, GROUP_N=128 if blockwise else 1,
                                PER_CHANNEL=per_channel, HAS_BIAS=False, IEEE=False, BLOCK_M=16, BLOCK_N=64,
                                BLOCK_K=128 if blockwise else 64)))
-        for has_zero in (False, True):
-            specs.append((f"int4_gemm[{out},{'zero' if has_zero else 'sym'}]", _int4_gemm_kernel,
-                          {"x_ptr": f"*{out}", "qw_ptr": "*i32", "s_ptr": f"*{out}", "z_ptr": "*i32" if has_zero
+        # zero points: int32, or uint8 (quantization/kept.py keeps them so); scales in the
+        # activations' dtype or fp32 (kept.py's)
+        for zero, scale in ((None, out), ("i32", out), ("u8", "fp32"), (None, "fp32")):
+            has_zero = zero is not None
+            specs.append((f"int4_gemm[{out},{zero or 'sym'},s{scale}]", _int4_gemm_kernel,
+                          {"x_ptr": f"*{out}", "qw_ptr": "*i32", "s_ptr": f"*{scale}", "z_ptr": f"*{zero}" if has_zero
                            else f"*{out}", "bias_ptr": f"*{out}", "out_ptr": f"*{out}", **common, "stride_xm": "i64",
                            "stride_qn": "i64", "stride_sn": "i64", "stride_zn": "i64", "stride_om": "i64"},
                           dict(GROUP=128, HAS_ZERO=has_zero, HAS_BIAS=True, IEEE=False, BLOCK_M=16, BLOCK_N=64,

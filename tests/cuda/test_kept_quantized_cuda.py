@@ -1,0 +1,56 @@
+"""Checkpoint-quantized weights kept quantized on a GPU (quantization/kept.py: the Triton
+W8A8 and W4A16 GEMMs, CUDA graphs on), skipped without one (NOT yet run on a GPU: none
+has been lent so far; the same path runs under Triton's interpreter in
+tests/support/triton_interpreted_quant.py).  fp32 activations: greedy ids equal to HF
+transformers on the dequantized weights (FP8: inputs rounded per token group, as the
+W8A8 GEMM multiplies them); bf16: the kept weights' bytes and a served request."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import quantized_factory as qf
+from tests.support.engine_helpers import make_engine, request
+from tests.unit.engine.test_model import _tokens
+from worker.engine.quantization.kept import Fp8BlockWeight, Int4Weight, weight_bytes
+
+pytestmark = pytest.mark.cuda
+
+
+def _served(engine, prompts, n):
+    out = engine.generate([request(str(i), p, max_tokens=n, ignore_eos=True) for i, p in enumerate(prompts)])
+    return [[t for d in out[str(i)] for t in d.token_ids] for i in range(len(prompts))]
+
+
+def test_fp8_blocks_kept_on_gpu_match_the_w8a8_reference(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    path = qf.write_fp8_block(src, tmp_path / "fp8")
+    engine = make_engine(path, device="cuda", dtype="float32")
+    layer = engine.runner.model.layers[0]
+    assert isinstance(layer.qkv_weight, Fp8BlockWeight) and layer.qkv_weight.q.is_cuda
+    prompts = [_tokens(13, seed=8), _tokens(5, seed=9)]
+    ref = qf.with_fp8_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)), 32)
+    assert _served(engine, prompts, 8) == [qf.greedy(ref, p, 8) for p in prompts]
+    engine.close()
+
+
+def test_awq_kept_on_gpu_matches_the_dequantized_model(tiny_model, tmp_path):
+    src = tiny_model("llama")
+    path, dense = qf.write_awq(src, tmp_path / "awq")
+    engine = make_engine(path, device="cuda", dtype="float32")
+    assert isinstance(engine.runner.model.layers[0].qkv_weight, Int4Weight)
+    prompts = [_tokens(11, seed=5), _tokens(4, seed=6)]
+    ref = qf.reference_with_weights(src, dense)
+    assert _served(engine, prompts, 8) == [qf.greedy(ref, p, 8) for p in prompts]
+    engine.close()
+
+
+def test_bf16_serving_keeps_fp8_bytes(tiny_model, tmp_path):
+    path = qf.write_fp8_block(tiny_model("llama"), tmp_path / "fp8")
+    engine = make_engine(path, device="cuda", dtype="bfloat16")
+    layers = engine.runner.model.layers
+    kept = sum(weight_bytes(getattr(layer, n)) for layer in layers for n in layer._LINEAR_WEIGHTS)
+    dense = sum(getattr(layer, n).shape.numel() * 2 for layer in layers for n in layer._LINEAR_WEIGHTS)
+    assert kept < 0.56 * dense
+    assert len(_served(engine, [_tokens(9, seed=1)], 6)[0]) == 6
+    engine.close()

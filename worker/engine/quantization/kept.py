@@ -1,0 +1,338 @@
+"""Checkpoint-quantized weights kept quantized in memory (the CUDA path, issue 43): FP8
+checkpoints on the Triton W8A8 GEMM, int4 ones (AWQ, GPTQ, compressed-tensors W4A16) on
+the Triton W4A16 GEMM (kernels/triton/quant_gemm.py).
+
+How the quantized tensors get here.  The reader (reader.dequantize_stream) still hands
+the model dense weights -- each family's name mapping, q/k/v and gate/up fusing and
+expert stacking only know dense tensors -- and, through its ``keep`` hook, each quantized
+layer's scales (and zero points) as a ``ScaleRecord``.  After loading, ``bind`` finds,
+through the model's public ``weight_targets`` (checkpoint name -> the view of the fused
+parameter it was copied into), which rows of which parameter each record covers.
+Packing a parameter then recovers the checkpoint's integers exactly from the dense
+values: a dense value is ``q * s`` (FP8) or ``(q - z) * s`` (int4) rounded to the model
+dtype, at worst 2^-9 relative off, far inside half a quantization step (FP8 e4m3 steps
+are 2^-3 relative; int4 ones are ``s`` with ``|q - z| <= 15``), so dividing by the
+scale and rounding gives back ``q`` bit for bit (tests assert it against the file).
+The resident weights are then the checkpoint's FP8 bytes or int4 nibbles plus scales;
+the dense copy exists only while loading (the load's peak is a dense model's: stated in
+docs/quantization.md).
+
+Per-part scales of a fused parameter are laid out per output row, so q/k/v parts with
+different per-tensor scales stay exact (vLLM re-quantizes them to the largest scale
+instead): FP8 per-tensor and per-channel become one scale per row, 128 x 128 blocks
+become one scale per row and 128-column group (the W8A8 kernel's ``block=(1, 128)``).
+
+RL weight updates: the update unpacks (dense again), writes the trainer's weights and
+packs: a weight that was quantized is re-quantized from its new values (FP8: one scale
+per row, as online FP8; int4: round-to-nearest per group with a zero point), one that
+was dense (the config's ignore list) stays dense.
+
+On CPU this scheme is not the default: this CPU has no FP8 (or int4) dot products, so
+the kernels would be emulated (the Triton interpreter, a test tool); quantized
+checkpoints load dequantized there (docs/quantization.md says what that costs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.models.cpu_gemm import DENSE, PackedLinears
+from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
+from worker.engine.quantization.dequant import _AWQ_REVERSE, unpack_int32
+from worker.engine.quantization.online_fp8 import FP8, FP8_MAX, Fp8Weight, quantize_rows
+
+log = logging.getLogger(__name__)
+
+# Tests only: run the kept schemes on CPU tensors (under TRITON_INTERPRET=1) as CUDA does.
+FORCE_ENV = "TOKSERVE_KEEP_QUANTIZED"
+
+
+def keeps_quantized(device: torch.device) -> bool:
+    """Whether checkpoint-quantized weights stay quantized on ``device``: on CUDA (the
+    Triton GEMMs); on CPU only when a test forces it (``TOKSERVE_KEEP_QUANTIZED=1``)."""
+    return device.type == "cuda" or os.environ.get(FORCE_ENV) == "1"
+
+
+@dataclass
+class ScaleRecord:
+    """What recovers a quantized layer's integers from its dense weight, per output row:
+    FP8: ``scale [rows]`` or ``[rows, K / group]``; int4: ``scale`` and ``zero``
+    (q units, 0..15) ``[rows, K / group]``."""
+
+    kind: str  # "fp8" | "int4"
+    scale: torch.Tensor
+    group: Optional[int] = None  # columns per scale (None: one scale per row)
+    zero: Optional[torch.Tensor] = None
+    block_rows: int = 1  # rows per scale row (FP8 blocks kept compact: scale [rows / block_rows, K / group])
+
+    def row_scales(self) -> torch.Tensor:
+        return self.scale.repeat_interleave(self.block_rows, 0) if self.block_rows > 1 else self.scale
+
+
+@dataclass
+class Int4Weight:
+    """A projection weight kept as int4 (the layout int4_linear reads)."""
+
+    qweight: torch.Tensor  # [N, K / 8] int32, nibble k % 8 of word k // 8
+    scale: torch.Tensor  # [N, K / group] fp32
+    zero: Optional[torch.Tensor]  # [N, K / group] uint8 (0..15), None: 8 (symmetric)
+    group: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.qweight.shape[0], self.qweight.shape[1] * 8))
+
+
+@dataclass
+class Fp8BlockWeight:
+    """An FP8 weight with a scale per ``block`` (rows, columns): 128 x 128 checkpoints, or
+    (1, 128) where fused parts do not align to whole blocks."""
+
+    q: torch.Tensor
+    scale: torch.Tensor  # [N / block[0], K / block[1]] fp32
+    block: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def weight_bytes(w) -> int:
+    """Resident bytes of a (kept or dense) projection weight."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(t.numel() * t.element_size() for t in vars(w).values() if isinstance(t, torch.Tensor))
+
+
+# --- records from the checkpoint's parts ---------------------------------------------------
+def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional[ScaleRecord]:
+    """The record of a quantized layer's ``parts`` (reader's names), or None where this
+    path does not keep it (int8, act-order, 8-bit GPTQ: those load dequantized)."""
+    if scheme.kind == "fp8":
+        scale = parts["scale"].float()
+        weight = parts["weight"]
+        if weight.dtype != FP8:
+            return None  # e5m2 / fnuz values do not all fit e4m3 at the same scale: dequantized
+        rows, cols = weight.shape
+        if scale.numel() == 1:
+            return ScaleRecord("fp8", scale.reshape(1).expand(rows).clone())
+        if scheme.strategy == "block" or (scale.dim() == 2 and scale.shape[1] > 1):
+            r, c = scheme.block or (128, 128)
+            return ScaleRecord("fp8", scale.contiguous(), group=c, block_rows=r)
+        return ScaleRecord("fp8", scale.reshape(rows))
+    if scheme.kind == "awq" and scheme.num_bits == 4:
+        g = scheme.group_size or 128
+        out = parts["scales"].shape[1]
+        reorder = torch.tensor([8 * (c // 8) + _AWQ_REVERSE[c % 8] for c in range(out)])
+        zero = unpack_int32(parts["qzeros"], 4, out, dim=1)[:, reorder]
+        return ScaleRecord("int4", parts["scales"].float().t().contiguous(), g, zero.t().contiguous())
+    if scheme.kind == "gptq" and scheme.num_bits == 4 and scheme.group_size:
+        g_idx = parts.get("g_idx")
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // scheme.group_size):
+            return None  # act-order: rows in another order than the groups
+        out = parts["scales"].shape[1]
+        zero = (unpack_int32(parts["qzeros"], 4, out, dim=1) + scheme.zero_offset) & 0xF
+        return ScaleRecord("int4", parts["scales"].float().t().contiguous(), scheme.group_size, zero.t().contiguous())
+    if scheme.kind == "packed" and scheme.num_bits == 4 and scheme.strategy == "group" and \
+            parts.get("weight_g_idx") is None:
+        shape = tuple(int(v) for v in parts["weight_shape"].tolist())
+        scale = parts["weight_scale"].float()
+        zp = parts.get("weight_zero_point")
+        if zp is None or scheme.symmetric:
+            zero = torch.full(scale.shape, 8, dtype=torch.int32)
+        elif zp.dtype == torch.int32 and zp.shape[0] != shape[0]:
+            zero = unpack_int32(zp, 4, shape[0], dim=0)  # packed unsigned: already in q units
+        else:
+            zero = zp.to(torch.int32) + 8  # signed zero points: q is stored minus 8
+        return ScaleRecord("int4", scale, scheme.group_size or shape[1], zero)
+    return None
+
+
+# --- quantizing a dense weight -------------------------------------------------------------
+def _fp8_from(w: torch.Tensor, rec: ScaleRecord):
+    if rec.group is None:
+        q = (w.float() / rec.scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return Fp8Weight(q, rec.scale.contiguous(), w.dtype)
+    s = rec.row_scales()[:w.shape[0]].repeat_interleave(rec.group, 1)[:, :w.shape[1]]
+    q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8BlockWeight(q, rec.scale.contiguous(), (rec.block_rows, rec.group), w.dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` values 0..15 -> ``[N, K / 8]`` int32, value k at bits 4 * (k % 8)."""
+    n, k = q.shape
+    words = torch.zeros(n, k // 8, dtype=torch.int64, device=q.device)
+    for i in range(8):
+        words |= q[:, i::8].to(torch.int64) << (4 * i)
+    return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
+
+
+def _int4_from(w: torch.Tensor, rec: ScaleRecord) -> Int4Weight:
+    n, k = w.shape
+    s = rec.scale.repeat_interleave(rec.group, 1)[:, :k]
+    z = rec.zero.repeat_interleave(rec.group, 1)[:, :k].float()
+    q = torch.round(w.float() / s + z).clamp(0, 15).to(torch.int32)
+    # uint8 zero points: a quarter of int32's bytes (the kernel widens them per tile)
+    zero = None if bool((rec.zero == 8).all()) else rec.zero.to(torch.uint8).contiguous()
+    return Int4Weight(pack_nibbles(q), rec.scale.contiguous(), zero, rec.group, w.dtype)
+
+
+def _requantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
+    """Round-to-nearest int4 with a zero point per ``group`` columns (an RL update)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    zero = torch.round(-lo / scale).clamp(0, 15).to(torch.int32)
+    return _int4_from(w, ScaleRecord("int4", scale, group, zero))
+
+
+def _unpack(w) -> torch.Tensor:
+    if isinstance(w, Fp8Weight):
+        return (w.q.float() * w.scale[:, None]).to(w.dtype)
+    if isinstance(w, Fp8BlockWeight):
+        r, c = w.block
+        s = w.scale.repeat_interleave(r, 0)[:w.q.shape[0]].repeat_interleave(c, 1)[:, :w.q.shape[1]]
+        return (w.q.float() * s).to(w.dtype)
+    n, k = w.shape
+    q = unpack_int32(w.qweight, 4, k, dim=1).float()
+    z = w.zero.float() if w.zero is not None else torch.full_like(w.scale, 8.0)
+    return ((q - z.repeat_interleave(w.group, 1)) * w.scale.repeat_interleave(w.group, 1)).to(w.dtype)
+
+
+def _linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):  # a layer the checkpoint keeps dense
+        return F.linear(x, w, bias)
+    from worker.engine.kernels.triton.quant_gemm import fp8_linear, int4_linear
+
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    if isinstance(w, Fp8Weight):
+        out = fp8_linear(x2, w.q, w.scale, bias=bias)
+    elif isinstance(w, Fp8BlockWeight):
+        out = fp8_linear(x2, w.q, w.scale, block=w.block, bias=bias)
+    else:
+        out = int4_linear(x2, w.qweight, w.scale, w.zero, w.group, bias=bias)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+# --- the scheme ----------------------------------------------------------------------------
+class KeptQuantized:
+    """Collects the reader's records (``keep``), binds them to the model's parameters
+    (``bind``) and is the packing scheme (``scheme``) that keeps them quantized."""
+
+    def __init__(self, quant: CheckpointQuantization):
+        self.quant = quant
+        self.records: dict[str, ScaleRecord] = {}  # checkpoint layer name -> record
+        self.refused: dict[str, str] = {}  # layer -> why it loads dense
+        self._bound: dict[int, list[tuple[int, int, ScaleRecord]]] = {}  # storage ptr -> (row, rows, record)
+        self._requant: dict[int, str] = {}  # storage ptr of unpacked weights -> their kind (re-quantize on pack)
+        self.kept = 0
+        self.kinds: set[str] = set()
+
+    # the reader's hook
+    def keep(self, layer: str, scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> None:
+        rec = record_for(scheme, parts)
+        if rec is None:
+            why = f"{scheme.kind} {scheme.num_bits}-bit, {scheme.strategy}"
+            if scheme.kind == "fp8":
+                why = f"fp8 stored as {parts['weight'].dtype}"
+            elif scheme.num_bits == 4 and (parts.get("g_idx") is not None or parts.get("weight_g_idx") is not None):
+                why = f"{scheme.kind} 4-bit with act-order (g_idx)"
+            self.refused[layer] = why
+        else:
+            self.records[layer] = rec
+
+    def bind(self, model) -> None:
+        """Map each record to the rows of the parameter its dense weight was copied into."""
+        for name, view in model.weight_targets().items():
+            if not name.endswith(".weight") or view.dim() != 2:
+                continue
+            rec = self.records.get(name[: -len(".weight")])
+            if rec is None:
+                continue
+            stride = view.stride(0)
+            key = view.untyped_storage().data_ptr()
+            self._bound.setdefault(key, []).append((view.storage_offset() // stride, view.shape[0], rec))
+        self.kinds = {r.kind for r in self.records.values()}
+        self.records.clear()  # what is bound lives on in _bound until packed
+        if self.refused:
+            log.warning("%d quantized layer(s) load dequantized (no kept-quantized kernel for %s)",
+                        len(self.refused), ", ".join(sorted(set(self.refused.values()))))
+
+    def _fused(self, w: torch.Tensor) -> Optional[ScaleRecord]:
+        """The record covering every row of ``w`` (parts concatenated), None when some
+        rows have none (a dense layer) or the parts disagree on their layout."""
+        parts = self._bound.pop(w.untyped_storage().data_ptr(), None)
+        if not parts:
+            return None
+        parts.sort(key=lambda p: p[0])
+        base = w.storage_offset() // w.stride(0)
+        row = base
+        for start, rows, _ in parts:
+            if start != row:
+                return None
+            row += rows
+        if row - base != w.shape[0]:
+            return None
+        recs = [p[2] for p in parts]
+        kinds, groups = {r.kind for r in recs}, {r.group for r in recs}
+        if len(kinds) != 1:
+            return None
+        if recs[0].kind == "fp8" and len(groups) > 1:  # per-channel beside blocks: rows by groups
+            group = next(g for g in groups if g is not None)
+            ngroups = -(-w.shape[1] // group)
+            recs = [r if r.group else ScaleRecord("fp8", r.scale[:, None].expand(-1, ngroups).contiguous(), group)
+                    for r in recs]
+        elif len(groups) != 1:
+            return None
+        block_rows = {r.block_rows for r in recs}
+        if len(block_rows) == 1 and all(rows % recs[0].block_rows == 0 for _, rows, _ in parts[:-1]):
+            # whole blocks in every part (q/k/v of 128-row multiples): the scales stay per block
+            r = recs[0].block_rows
+        else:  # a part ends inside a block: one scale per row and column group instead
+            recs = [ScaleRecord(x.kind, x.row_scales()[:rows], x.group, x.zero) for x, (_, rows, _) in zip(recs, parts)]
+            r = 1
+        # records are read on the host; the weight may be on the GPU
+        zero = torch.cat([x.zero for x in recs]).to(w.device) if recs[0].zero is not None else None
+        return ScaleRecord(recs[0].kind, torch.cat([x.scale for x in recs]).to(w.device), recs[0].group, zero, r)
+
+    def finish(self) -> None:
+        """Drop the records no packing took (MoE experts stay dense): call after packing."""
+        self._bound.clear()
+
+    def pack(self, w: torch.Tensor):
+        key = w.untyped_storage().data_ptr()
+        again = self._requant.pop(key, None)
+        if again is not None:  # an RL update wrote new dense weights: quantize them afresh
+            if again == "fp8":
+                q, scale = quantize_rows(w)
+                return Fp8Weight(q, scale, w.dtype)
+            kind, group = again.split(":")
+            return _requantize_int4(w, int(group))
+        rec = self._fused(w)
+        if rec is None:
+            return w
+        self.kept += 1
+        return _fp8_from(w, rec) if rec.kind == "fp8" else _int4_from(w, rec)
+
+    def unpack(self, w):
+        if isinstance(w, torch.Tensor):
+            return w
+        dense = _unpack(w)
+        self._requant[dense.untyped_storage().data_ptr()] = "fp8" if not isinstance(w, Int4Weight) \
+            else f"int4:{w.group}"
+        return dense
+
+    def scheme(self) -> PackedLinears:
+        what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
+        # Experts are not packed (packs_experts False): MoE experts load dequantized.
+        return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear, self.unpack,
+                             head=DENSE)
