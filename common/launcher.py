@@ -191,6 +191,17 @@ def cpu_worker_threads(num_workers: int, cpus: Optional[int] = None) -> int:
     return max(1, (cpus - 1) // max(1, num_workers))
 
 
+def _no_images(mm_limits: Optional[str]) -> bool:
+    """Whether --limit-mm-per-prompt allows no image: the only limit workers act on (the
+    gateways count items; a malformed value is refused by them at start)."""
+    from common.multimodal.limits import parse_mm_limits
+
+    try:
+        return parse_mm_limits(mm_limits).get("image") == 0
+    except ValueError:
+        return False
+
+
 def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list[Child], list[Child]]:
     if args.prefill_workers and not 0 < args.prefill_workers < args.workers:
         raise SystemExit("--prefill-workers must leave at least one decode worker (0 < N < --workers)")
@@ -226,7 +237,7 @@ def plan_children(args: argparse.Namespace, model_dir: str) -> tuple[Child, list
         worker_args.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.speculative_config:
         worker_args += ["--speculative-config", args.speculative_config]
-    if args.limit_mm_per_prompt:  # workers: {"image": 0} loads no vision tower
+    if _no_images(args.limit_mm_per_prompt):  # workers: {"image": 0} loads no vision tower
         worker_args += ["--limit-mm-per-prompt", args.limit_mm_per_prompt]
     so_config = None
     if args.structured_outputs_config:

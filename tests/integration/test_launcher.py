@@ -150,6 +150,10 @@ def test_launcher_plans_cuda_ranks_shared_port_and_secret_env():
     assert "--enable-prompt-tokens-details" not in workers[0].argv
     argv = gateways[0].argv
     assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"image": 2}' and "--limit-mm-per-prompt" not in workers[0].argv
+    # No images at all: the workers load no vision tower (a vision-language model served as its LM).
+    _, workers, gateways = plan_children(build_parser().parse_args(["--limit-mm-per-prompt", '{"image": 0}']), "/m")
+    for child in (workers[0], gateways[0]):
+        assert child.argv[child.argv.index("--limit-mm-per-prompt") + 1] == '{"image": 0}'
 
 
 def test_cpu_workers_leave_a_cpu_to_the_front_end():
