@@ -10,7 +10,9 @@ soft-capped logits), GPT-OSS (sinks, alternating 64-token windows and full layer
 8 experts of 512 top-4 with biases and the clamped SwiGLU), DeepSeek-V3 (multi-head latent
 attention: q_lora_rank 256, kv_lora_rank 128, qk 64 nope + 32 rope, v 64, YaRN with mscale;
 a dense first layer, then 8 experts of 512 in 4 groups, top-2 by noaux_tc, one shared
-expert); Llama as the reference point.  Prints output tokens/s of each side,
+expert), Granite 3.x (embedding, residual, attention and logits multipliers), GLM-4.5 (8 experts of
+512 in 4 groups by sigmoid scores with the correction bias, a shared expert, a dense first layer,
+partial rotary, q/k norm); Llama as the reference point.  Prints output tokens/s of each side,
 the ratio and how many greedy outputs agree.
 
     python -m benchmarks.family_throughput --threads 1                # all families
