@@ -10,7 +10,9 @@ soft-capped logits), GPT-OSS (sinks, alternating 64-token windows and full layer
 8 experts of 512 top-4 with biases and the clamped SwiGLU), DeepSeek-V3 (multi-head latent
 attention: q_lora_rank 256, kv_lora_rank 128, qk 64 nope + 32 rope, v 64, YaRN with mscale;
 a dense first layer, then 8 experts of 512 in 4 groups, top-2 by noaux_tc, one shared
-expert); Llama as the reference point.  Prints output tokens/s of each side,
+expert), Granite 3.x (embedding, residual, attention and logits multipliers), GLM-4.5 (8 experts of
+512 in 4 groups by sigmoid scores with the correction bias, a shared expert, a dense first layer,
+partial rotary, q/k norm); Llama as the reference point.  Prints output tokens/s of each side,
 the ratio and how many greedy outputs agree.
 
     python -m benchmarks.family_throughput --threads 1                # all families
@@ -71,6 +73,14 @@ def _config(family: str):
                                              n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                                              moe_intermediate_size=512, n_shared_experts=1, first_k_dense_replace=1,
                                              routed_scaling_factor=2.5, rope_parameters=rope)
+    if family == "granite":  # Granite 3.x's multipliers far from 1
+        return transformers.GraniteConfig(**_COMMON, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                          attention_multiplier=0.015625, logits_scaling=8.0)
+    if family == "glm4_moe":  # GLM-4.5: sigmoid grouped routing, shared experts, a dense first layer
+        return transformers.Glm4MoeConfig(**{**_COMMON, "intermediate_size": 1536}, n_routed_experts=8,
+                                          num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=512,
+                                          n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5,
+                                          use_qk_norm=True, routed_scaling_factor=2.5)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -83,7 +93,8 @@ def build_model(out: Path, family: str, seed: int = 0) -> Path:
     config.architectures = [{"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
                              "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                              "olmo3": "Olmo3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                             "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family]]
+                             "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                             "granite": "GraniteForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[family]]
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     with torch.no_grad():  # seeded noise on every weight, norms included (Gemma's norms are 1 + w)

@@ -16,13 +16,15 @@ FAMILIES = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "smollm
             "olmo2": ATTENTION + MLP, "olmo3": ATTENTION + MLP, "gemma3": ATTENTION + MLP,
             # GPT-OSS: its MLPs are experts (no LoRA there, as for the other MoE families);
             # the attention projections carry biases and the sinks.
-            "gpt_oss": ATTENTION}
+            "gpt_oss": ATTENTION,
+            # Granite: the adapter's deltas pass through its attention / residual multipliers.
+            "granite": ATTENTION + MLP}
 
 
 def test_declared_targets_are_the_peft_names():
     for kind, arch in (("phi3", "Phi3ForCausalLM"), ("olmo2", "Olmo2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
                        ("smollm3_swa", "SmolLM3ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
-                       ("gpt_oss", "GptOssForCausalLM")):
+                       ("gpt_oss", "GptOssForCausalLM"), ("granite", "GraniteForCausalLM")):
         assert list(ModelRegistry.resolve([arch]).lora_modules) == FAMILIES[kind]
 
 
