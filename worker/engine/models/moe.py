@@ -29,7 +29,7 @@ from torch import nn
 
 from worker.engine.models.config import ModelConfig, MoEConfig
 from worker.engine.models.layers import empty_param, silu_and_mul
-from worker.engine.parallel.sharding import split
+from worker.engine.parallel.sharding import expert_shards
 from worker.engine.parallel.state import get_tp
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -180,11 +180,8 @@ class SparseMoeBlock(nn.Module):
         moe: MoEConfig = c.moe
         self.moe = moe
         self.tp = tp = get_tp()
-        self.inter_start, i = split(moe.intermediate_size, tp.rank, tp.world, "moe_intermediate_size")
-        self.shared_start, s = split(moe.shared_expert_intermediate_size, tp.rank, tp.world,
-                                     "shared_expert_intermediate_size")
-        self.shared_experts_start, n = split(moe.shared_experts_intermediate_size, tp.rank, tp.world,
-                                             "shared_experts intermediate size")
+        (self.inter_start, i), (self.shared_start, s), (self.shared_experts_start, n) = expert_shards(
+            moe, tp.rank, tp.world)
         self.local_intermediate, self.local_shared, self.local_shared_experts = i, s, n
         e, h = moe.num_experts, c.hidden_size
         self.top_k = moe.top_k

@@ -26,7 +26,7 @@ from worker.engine.attention.metadata import StepLayout
 from worker.engine.component import EngineComponent
 from worker.engine.config import EngineConfig
 from worker.engine.models.config import ModelConfig
-from worker.engine.parallel.sharding import head_shard, split
+from worker.engine.parallel.sharding import expert_shards, head_shard, split
 from worker.engine.parallel.state import destroy_tensor_parallel, get_tp, init_tensor_parallel
 from worker.engine.runner.hooks import LocalRun
 
@@ -46,9 +46,7 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
                              + (" or as its language model alone (--limit-mm-per-prompt '{\"image\": 0}': "
                                 "image input refused)" if lm_only else ""))
         if mc.moe is not None:  # experts are split along their intermediate dimension (models/moe.py)
-            split(mc.moe.intermediate_size, 0, world, "moe_intermediate_size")
-            split(mc.moe.shared_expert_intermediate_size, 0, world, "shared_expert_intermediate_size")
-            split(mc.moe.shared_experts_intermediate_size, 0, world, "shared_experts intermediate size")
+            expert_shards(mc.moe, 0, world)
         if not mc.family.tensor_parallel:  # the registry says which families shard
             raise ValueError(f"{mc.architecture}: tensor parallelism of this model family is not implemented; "
                              f"serve it with --tensor-parallel-size 1")

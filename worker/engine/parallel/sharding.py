@@ -42,6 +42,16 @@ def split(n: int, rank: int, world: int, what: str) -> tuple[int, int]:
     return rank * size, size
 
 
+def expert_shards(moe, rank: int, world: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(start, length) of this rank's slice of a mixture-of-experts block (``moe``: its
+    MoEConfig) along each intermediate dimension it splits: the routed experts', the
+    gated shared expert's (Qwen2-MoE) and the ungated shared experts' (GLM, DeepSeek);
+    a size the ranks cannot split evenly is refused."""
+    return (split(moe.intermediate_size, rank, world, "moe_intermediate_size"),
+            split(moe.shared_expert_intermediate_size, rank, world, "shared_expert_intermediate_size"),
+            split(moe.shared_experts_intermediate_size, rank, world, "shared_experts intermediate size"))
+
+
 def vocab_shard(vocab: int, rank: int, world: int) -> tuple[int, int, int]:
     """(start, rows held from the checkpoint, padded shard size)."""
     size = -(-vocab // world)
