@@ -129,6 +129,18 @@ class _PrefillSeq:
             self._window_masks[window] = m
         return m
 
+    def explicit_mask(self, window: Optional[int], device: torch.device) -> torch.Tensor:
+        """``mask_for`` as a tensor also where it is plain causal (None): for the SDPA calls
+        that need one (attention sinks ride in a float mask).  Built once per step and
+        shared by the layers (kept under window 0, which ``mask_for`` never looks up)."""
+        m = self.mask_for(window, device)
+        if m is None:
+            m = self._window_masks.get(0)
+            if m is None:
+                pos = torch.arange(self.seq_len, device=device)
+                m = self._window_masks[0] = pos[None, :] <= pos[:, None]
+        return m
+
 
 def _span_mask(spans: list[tuple[int, int]], context: int, seq_len: int, device: torch.device) -> torch.Tensor:
     """``[seq_len - context, seq_len]``: True where the query (positions ``context..``) and
@@ -319,10 +331,8 @@ class TorchSDPAImpl(AttentionImpl):
             vs = _gather_blocks(kv_layer[1], s.blocks).view(shape)[: s.seq_len].transpose(0, 1).unsqueeze(0)
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         if self.sinks is not None:
-            if mask is None:  # fresh chunk, plain causal
-                pos = torch.arange(s.seq_len, device=q.device)
-                mask = pos[None, :] <= pos[:, None]
-            o = sdpa_with_sinks(qs, ks, vs, mask, self.scale, self.sinks.view(1, -1, 1, 1), enable_gqa=True)
+            o = sdpa_with_sinks(qs, ks, vs, s.explicit_mask(self.sliding_window, q.device), self.scale,
+                                self.sinks.view(1, -1, 1, 1), enable_gqa=True)
         elif mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
