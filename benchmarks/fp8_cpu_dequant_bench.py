@@ -10,23 +10,13 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.int4_gemm_bench import best_ms
+
 SHAPES = [(4096, 4096), (11008, 4096)]
-
-
-def best_ms(fn, calls: int = 10, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e3)
-    return best
 
 
 def main() -> None:
@@ -42,8 +32,8 @@ def main() -> None:
         dense = q.float() * scale[:, None]
         for m in (1, 32):
             x = torch.randn(m, k)
-            at_load = best_ms(lambda: F.linear(x, dense))
-            per_call = best_ms(lambda: F.linear(x, q.float() * scale[:, None]))
+            at_load = best_ms(lambda: F.linear(x, dense), repeats=5)
+            per_call = best_ms(lambda: F.linear(x, q.float() * scale[:, None]), repeats=5)
             print(f"| {n} x {k} | {m} | {at_load:.2f} ms | {per_call:.2f} ms | {per_call / at_load:.1f}x |")
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support import inprocess_gateway
 from tests.support.chat_models import TEMPLATE_MODELS, write_model
+from tests.support.gateway_helpers import stream_chat
 from tests.support.procs import ProcGroup, wait_for_workers
 
 GPT_OSS = next(spec for spec in TEMPLATE_MODELS if spec.hf_id == "openai/gpt-oss-120b")
@@ -60,17 +61,6 @@ def _client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack["gw"].url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _stream(client, **kw):
-    reasoning, content, calls, finish = "", "", [], None
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            reasoning += getattr(c.delta, "reasoning", None) or ""
-            content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-            finish = c.finish_reason or finish
-    return reasoning, content, calls, finish
-
-
 def test_prompt_renders_through_gpt_oss_template(stack):
     from transformers import AutoTokenizer
 
@@ -103,7 +93,7 @@ def test_reasoning_and_content(stack):
     assert full.message.reasoning == REASONING
     assert full.message.content == ANSWER
     assert not full.message.tool_calls and full.finish_reason == "stop"
-    reasoning, content, calls, finish = _stream(client, **kw)
+    reasoning, content, calls, finish = stream_chat(client, **kw)
     assert (reasoning, content, calls, finish) == (REASONING, ANSWER, [], "stop")
 
 
@@ -113,7 +103,7 @@ def test_include_reasoning_false_hides_the_analysis_channel(stack):
     kw = dict(model="gpt-oss", messages=MESSAGES, max_tokens=200, extra_body={"include_reasoning": False})
     msg = client.chat.completions.create(**kw).choices[0].message
     assert getattr(msg, "reasoning", None) is None and msg.content == ANSWER
-    assert _stream(client, **kw)[:2] == ("", ANSWER)
+    assert stream_chat(client, **kw)[:2] == ("", ANSWER)
 
 
 def test_tool_call(stack):
@@ -126,7 +116,7 @@ def test_tool_call(stack):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
     assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
-    reasoning, content, calls, finish = _stream(client, **kw)
+    reasoning, content, calls, finish = stream_chat(client, **kw)
     assert reasoning == REASONING and content == "" and finish == "tool_calls"
     (delta,) = calls
     assert delta.index == 0 and delta.id.startswith("chatcmpl-tool-")
@@ -276,7 +266,7 @@ def test_forced_tool_choice_reads_the_final_channel(stack, tool_choice, final):
     assert msg.reasoning == REASONING
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
-    reasoning, content, calls, _ = _stream(client, **kw)
+    reasoning, content, calls, _ = stream_chat(client, **kw)
     assert reasoning == REASONING and content == ""
     assert calls[0].function.name == "get_weather"
     assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"city": "Paris"}

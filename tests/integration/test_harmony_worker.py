@@ -19,6 +19,7 @@ import pytest
 from common.structured_outputs_config import StructuredOutputsConfig
 from tests.support import inprocess_gateway
 from tests.support.chat_models import HARMONY, TEMPLATES
+from tests.support.gateway_helpers import stream_chat
 from tests.support.procs import ProcGroup, wait_for_workers
 from worker.engine.loading.demo_model import build_byte_tokenizer
 
@@ -93,17 +94,6 @@ def _driven(text: str) -> dict:
             "logit_bias": {str(i): 100 for i in CONTROL_IDS.values()}}
 
 
-def _stream(client, **kw):
-    reasoning, content, calls, finish = "", "", [], None
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            reasoning += getattr(c.delta, "reasoning", None) or ""
-            content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-            finish = c.finish_reason or finish
-    return reasoning, content, calls, finish
-
-
 def test_reasoning_and_content_from_a_real_worker(stack):
     kw = dict(model="gpt-oss", messages=MESSAGES, max_tokens=300, temperature=0, extra_body=_driven(ANSWERED))
     choice = stack.chat.completions.create(**kw, logprobs=True).choices[0]
@@ -113,7 +103,7 @@ def test_reasoning_and_content_from_a_real_worker(stack):
     # worker decoded with the special tokens kept
     tokens = [t.token for t in choice.logprobs.content]
     assert {"<|channel|>", "<|message|>", "<|end|>", "<|start|>"} <= set(tokens), tokens
-    assert _stream(stack, **kw) == (REASONING, ANSWER, [], "stop")
+    assert stream_chat(stack, **kw) == (REASONING, ANSWER, [], "stop")
 
 
 def test_tool_call_from_a_real_worker(stack):
@@ -124,7 +114,7 @@ def test_tool_call_from_a_real_worker(stack):
     assert choice.message.reasoning == REASONING and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    reasoning, content, calls, finish = _stream(stack, **kw)
+    reasoning, content, calls, finish = stream_chat(stack, **kw)
     assert reasoning == REASONING and content == "" and finish == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 

@@ -96,3 +96,16 @@ def post(gw: Gateway, body, headers: Optional[dict] = None, path: str = GENERATE
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     h = {"content-type": "application/json", **(headers or {})}
     return httpx.post(gw.url + path, content=content, headers=h, timeout=60)
+
+
+def stream_chat(client, **kw):
+    """A streamed chat completion read with the openai SDK ``client``: (reasoning, content,
+    tool-call deltas, finish reason), each accumulated over the chunks."""
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning", None) or ""
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    return reasoning, content, calls, finish
