@@ -74,6 +74,25 @@ def hf_router_choices(model_dir, ids: list[int], router_name: str) -> "np.ndarra
     return np.stack([s.sort(-1).values.numpy() for s in seen], axis=1)
 
 
+def assert_routed_experts_equal_hf(model_dir, router_name: str, moe_layers: int, top_k: int) -> None:
+    """An engine with routed-experts capture serves three prompts (chunked prefill, 6
+    decoded tokens): each choice's routed experts ``[positions, moe_layers, top_k]`` equal
+    the experts HF's routers chose (``hf_router_choices``) at every position it ran."""
+    import io
+
+    import numpy as np
+
+    engine = make_engine(model_dir, enable_return_routed_experts=True, max_num_batched_tokens=16)
+    prompts = random_prompts(3, 10, 40, seed=11)
+    res = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        (d,) = res[f"r{i}"]
+        got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
+        full = list(p) + list(d.token_ids)
+        assert got.shape == (len(full) - 1, moe_layers, top_k)
+        np.testing.assert_array_equal(np.sort(got, axis=-1), hf_router_choices(model_dir, full[:-1], router_name))
+
+
 @torch.inference_mode()
 def hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
     """[L-1, V]: row i is the distribution that scores prompt token i+1."""

@@ -10,16 +10,14 @@ tests/integration/test_model_families_http.py, test_pd_transfer.py; the Triton d
 kernel: tests/support/triton_interpreted_*.py.)"""
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from tests.support.engine_helpers import hf_router_choices, make_engine, random_prompts, request
+from tests.support.engine_helpers import assert_routed_experts_equal_hf, make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.loading.loader import load_model
@@ -152,17 +150,7 @@ def test_each_variation_matters(tiny_model, feature):
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
 def test_routed_experts_equal_hf_router_choice(tiny_model, kind):
-    path = tiny_model(kind)
-    engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
-    prompts = random_prompts(3, 10, 40, seed=11)
-    res = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
-    for i, p in enumerate(prompts):
-        (d,) = res[f"r{i}"]
-        got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
-        full = list(p) + list(d.token_ids)
-        ref = hf_router_choices(path, full[:-1], "gate")
-        assert got.shape == (len(full) - 1, 2, 2)
-        np.testing.assert_array_equal(np.sort(got, axis=-1), ref)
+    assert_routed_experts_equal_hf(tiny_model(kind), "gate", moe_layers=2, top_k=2)
 
 
 def test_engine_logs_the_latent_bytes_per_token(tiny_model, caplog):

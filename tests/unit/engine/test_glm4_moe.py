@@ -4,13 +4,11 @@ dense first layers through the paged model, and routed_experts equal to HF's rou
 choice through the engine."""
 from __future__ import annotations
 
-import io
 
-import numpy as np
 import pytest
 import torch
 
-from tests.support.engine_helpers import hf_router_choices, hf_model, make_engine, random_prompts, request
+from tests.support.engine_helpers import assert_routed_experts_equal_hf
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.loading.loader import load_model
@@ -68,14 +66,4 @@ def test_paged_steps_match_hf(tiny_model, packed):
 
 
 def test_routed_experts_equal_hf_router_choice(tiny_model):
-    path = tiny_model("glm4_moe")
-    engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
-    prompts = random_prompts(3, 10, 40, seed=11)
-    res = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
-    for i, p in enumerate(prompts):
-        (d,) = res[f"r{i}"]
-        got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
-        full = list(p) + list(d.token_ids)
-        ref = hf_router_choices(path, full[:-1], "gate")
-        assert got.shape == (len(full) - 1, 2, 2)
-        np.testing.assert_array_equal(np.sort(got, axis=-1), ref)
+    assert_routed_experts_equal_hf(tiny_model("glm4_moe"), "gate", moe_layers=2, top_k=2)

@@ -6,14 +6,12 @@ experts' stored layout, routed_experts equal to HF's router choice, and the rele
 MXFP4 expert layout against transformers' reader."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from tests.support.engine_helpers import hf_router_choices, hf_model, make_engine, random_prompts, request
+from tests.support.engine_helpers import assert_routed_experts_equal_hf
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.attention.backends.torch_sdpa import sdpa_with_sinks
@@ -99,16 +97,7 @@ def test_each_variation_matters(tiny_model):
 
 
 def test_routed_experts_equal_hf_router_choice(tiny_model):
-    path = tiny_model("gpt_oss")
-    engine = make_engine(path, enable_return_routed_experts=True, max_num_batched_tokens=16)
-    prompts = random_prompts(3, 10, 40, seed=11)
-    res = engine.generate([request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)])
-    for i, p in enumerate(prompts):
-        (d,) = res[f"r{i}"]
-        got = np.load(io.BytesIO(d.routed_experts), allow_pickle=False)
-        full = list(p) + list(d.token_ids)
-        assert got.shape == (len(full) - 1, 2, 4)
-        np.testing.assert_array_equal(np.sort(got, axis=-1), hf_router_choices(path, full[:-1], "router"))
+    assert_routed_experts_equal_hf(tiny_model("gpt_oss"), "router", moe_layers=2, top_k=4)
 
 
 def test_mxfp4_dequant_equals_transformers():
