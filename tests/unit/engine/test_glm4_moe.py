@@ -4,7 +4,6 @@ dense first layers through the paged model, and routed_experts equal to HF's rou
 choice through the engine."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
