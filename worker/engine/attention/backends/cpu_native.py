@@ -4,8 +4,8 @@ chunks of a step, with or without cached context, run in one call of a blocked
 causal kernel that packs each sequence's keys and values straight from their blocks.
 
 The kernels attend over the full context without sinks, so sliding-window layers and
-layers with attention sinks (GPT-OSS) are served by torch SDPA inside the same backend (its plan then also carries SDPA's per-chunk
-index tensors).  Likewise a step with bidirectional spans (Gemma 3's images: the causal
+layers with attention sinks (GPT-OSS) are served by torch SDPA inside the same backend
+(its plan then also carries SDPA's per-chunk index tensors).  Likewise a step with bidirectional spans (Gemma 3's images: the causal
 mask opened within each image, ``AttentionMetadata.attn_spans``) runs every layer on
 SDPA, which builds that mask; the kernels' masks are causal.
 """
