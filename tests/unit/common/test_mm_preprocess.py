@@ -196,7 +196,6 @@ def test_resized_uint8_then_patchify_is_the_processor(size):
     """The gateway sends ``resize_image``'s uint8 image; the worker's torch patchify and
     common's numpy patchify give the processor's float32 patches bit for bit."""
     torch = pytest.importorskip("torch")
-    from worker.engine.multimodal.images import patches_from_image
 
     cfg = Qwen2VLImageConfig(max_pixels=448 * 448)
     img = _rand_image(*size)
@@ -205,7 +204,7 @@ def test_resized_uint8_then_patchify_is_the_processor(size):
     pv, grid = preprocess_image(img, cfg)
     pv2, grid2 = patchify(resized, cfg)
     assert grid == grid2 and np.array_equal(pv, pv2)
-    assert np.array_equal(patches_from_image(torch.from_numpy(resized.copy()), cfg).numpy(), pv)
+    assert np.array_equal(cfg.torch_patches(torch.from_numpy(resized.copy())).numpy(), pv)
 
 
 # ------------------------------------------------------------------ hashing

@@ -214,12 +214,6 @@ def image_config_for(model_dir: Optional[str], vision_config: dict, mc: Any = No
         temporal_patch_size=int(vision_config.get("temporal_patch_size", cfg.temporal_patch_size)))
 
 
-def patches_from_image(image: torch.Tensor, cfg: Any) -> torch.Tensor:
-    """``[H, W, C]`` uint8 (resized) -> the tower's float32 patches, on the image's device,
-    equal to the processor's numpy ``patchify`` (same operations in the same order)."""
-    return cfg.torch_patches(image)
-
-
 # --- memory profiling (KV-cache sizing on CUDA) ------------------------------------
 # Shapes and arithmetic only, no device: ``ModelRunner._profile_cuda_blocks`` runs the
 # dummy batch through the vision tower and measures the peak; tests run it on CPU.
