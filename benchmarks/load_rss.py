@@ -24,8 +24,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Runs in the child: everything the load needs is imported before the baseline is
-# read, so the growth is the load's own memory (weights, mapped shard pages, copies).
+# Runs in the child: everything the load needs is imported, and run once on a tiny
+# checkpoint of the same architecture, before the baseline is read, so the growth is
+# the load's own memory (weights, mapped shard pages, copies), not the code pages of
+# torch's copy kernels and the safetensors reader touched for the first time (several
+# MiB, and more or less of them on another CPU).  The high-water mark is reset after
+# the warm-up (``clear_refs``), so the peak is this load's.
 _CHILD = r"""
 import json, sys
 import torch
@@ -39,9 +43,11 @@ def status(key):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
 
-model_dir = sys.argv[1]
+model_dir, warmup_dir = sys.argv[1], sys.argv[2]
 config = ModelConfig.from_dir(model_dir)
-config.family.model_class()  # import the family's module before the baseline
+load_model(warmup_dir, dtype=torch.bfloat16)  # result dropped: only its code paths matter
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset VmHWM to the current RSS
 baseline = status("VmRSS")
 model = load_model(model_dir, dtype=torch.bfloat16, config=config)
 peak = status("VmHWM")
@@ -73,8 +79,13 @@ def write_checkpoint(out: Path, *, layers: int, hidden: int, vocab: int, shards:
 def measure(model_dir: Path) -> dict:
     """Load ``model_dir`` in a fresh process; its memory figures in bytes."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir)], capture_output=True, text=True, env=env,
-                         check=False, timeout=900)
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        # One layer and a small vocabulary: the same code paths, a few hundred KiB of weights.
+        warmup = write_checkpoint(Path(tmp) / "warmup", layers=1, hidden=cfg["hidden_size"], vocab=256, shards=1)
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), str(warmup)], capture_output=True,
+                             text=True, env=env, check=False, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"loading {model_dir} failed:\n{out.stderr[-4000:]}")
     fig = json.loads(out.stdout.strip().splitlines()[-1])
