@@ -40,6 +40,8 @@ def test_worker_serves_bf16_checkpoint_in_bf16_with_no_flag(llama_bf16_dir, tmp_
 
     linears = resolve_cpu_linear("auto", torch.device("cpu"), torch.bfloat16)
     assert f"torch.bfloat16, {linears} linears" in log, log[-2000:]
+    # The "bf16 is emulated, use float32" advice only where no bf16 GEMM was found.
+    assert ("emulated path" in log) == (linears == "torch"), log[-2000:]
 
     from worker.engine import Engine, EngineConfig
 

@@ -67,7 +67,8 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
         kept.finish()
         log.info("quantized checkpoint: %s; %d projection weight(s) kept quantized in memory (%s), re-quantized "
                  "after weight updates", mc.quantization.describe(), kept.kept, scheme.name)
-    elif device.type == "cpu" and config.torch_dtype == torch.bfloat16 and config.cpu_linear != "torch":
+    elif cpu_linear == "torch" and device.type == "cpu" and config.torch_dtype == torch.bfloat16 and \
+            config.cpu_linear != "torch":
         # auto found neither GEMM for bf16 (kernels not built, no oneDNN bf16): torch's
         # linear emulates it here, several times slower than fp32.
         log.warning("bf16 linears run on torch's emulated path on this CPU (the native bf16 GEMM is not "
