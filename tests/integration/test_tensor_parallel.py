@@ -226,6 +226,37 @@ def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
         engine.close()
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order", "fp8_block", "gptq_moe"])
+def test_quantized_checkpoint_over_two_ranks(tiny_model, tmp_path, fmt):
+    """Quantized checkpoints (issue 43) over two ranks on CPU: each rank dequantizes the
+    layers it reads and takes its shard of the dense weight (column-parallel rows,
+    row-parallel columns, experts), so the scales and packed integers never need slicing
+    at group or block edges; the greedy tokens equal one rank's and the dequantized HF
+    reference's.  (Kept-quantized weights, CUDA only, load dequantized under TP.)"""
+    from tests.support import quantized_factory as qf
+
+    src = tiny_model("mixtral" if fmt == "gptq_moe" else "llama")
+    if fmt == "awq":
+        path, dense = qf.write_awq(src, tmp_path / fmt)
+    elif fmt == "fp8_block":
+        path, dense = qf.write_fp8_block(src, tmp_path / fmt), None
+    else:
+        path, dense = qf.write_gptq(src, tmp_path / fmt, sym=fmt == "gptq_moe", act_order=fmt == "gptq_act_order")
+    ref = qf.load_dequantized_reference(path) if dense is None else qf.reference_with_weights(src, dense)
+    prompts = random_prompts(3, 5, 30, seed=21)
+
+    def greedy(engine):
+        try:
+            res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
+        finally:
+            engine.close()
+        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+
+    one = greedy(make_engine(path))
+    assert one == [qf.greedy(ref, p, 8) for p in prompts]
+    assert greedy(make_engine(path, tensor_parallel_size=2)) == one
+
+
 def test_unshardable_sizes_are_refused_before_starting(tiny_model):
     with pytest.raises(ValueError, match="must divide num_attention_heads 4"):
         make_engine(tiny_model("llama"), tensor_parallel_size=3)
