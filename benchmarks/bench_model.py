@@ -2,7 +2,7 @@
 by side in one run.
 
     python benchmarks/bench_model.py [--batch 32] [--context 512] [--steps 10] [--dtype float32]
-    python benchmarks/bench_model.py --kv-fp8 [--batch 32] [--context 512] [--steps 16] [--rounds 5]
+    python -m benchmarks.bench_model --kv-fp8 [--batch 32] [--context 512] [--steps 16] [--rounds 5]
 
 Rows (time per step; ratio to the first row of each group):
 - attention (one layer, decode of ``batch`` sequences): our batched paged SDPA vs a
