@@ -23,7 +23,8 @@ FP8 cache (the CPU path before the kernels read FP8), the native kernels over a 
 cache.  Rounds alternate the configurations; each times ``steps`` consecutive decode
 steps (every row one token longer per step, as in the engine, so SDPA's decode K/V
 mirror appends instead of re-gathering), one layer's attention alone and the whole
-model step (forward + logits).  Every round printed, then medians and ratios.
+model step (forward + logits), each the median of its steps in thread CPU time.  Every
+round printed, then medians and ratios.
 """
 from __future__ import annotations
 
@@ -113,14 +114,18 @@ def kv_fp8_comparison(batch: int, context: int, steps: int, rounds: int) -> None
     layer = model.layers[0].attn
 
     def decode_run(cache, fn) -> float:
-        """ms per step over ``steps`` consecutive decode steps (after one untimed step)."""
+        """Median ms per step of ``steps`` consecutive decode steps (after one untimed step),
+        in this thread's CPU time: on a shared 2-core box wall time also counts the time other
+        processes hold the core, which swamped the differences measured here."""
         metas = [build_attention_metadata([1] * batch, [n + s for n in start], tables, BLOCK)
                  for s in range(steps + 1)]
         fn(metas[0], cache)
-        t0 = time.perf_counter()
+        per_step = []
         for a in metas[1:]:
+            t0 = time.thread_time()
             fn(a, cache)
-        return (time.perf_counter() - t0) / steps * 1e3
+            per_step.append(time.thread_time() - t0)
+        return statistics.median(per_step) * 1e3
 
     def attention(a, cache):
         layer(q, k, k, cache[:, 0], a)
@@ -144,7 +149,7 @@ def kv_fp8_comparison(batch: int, context: int, steps: int, rounds: int) -> None
             print(f"round {r + 1}  {name:14s}  attention (one layer) {attn_ms:7.3f} ms   "
                   f"model step {step_ms:7.2f} ms ({batch / step_ms * 1e3:6.0f} tok/s)")
     base = list(configs)[0]
-    print(f"\nmedians of {rounds} rounds (ratio: time / {base}'s):")
+    print(f"\nmedians of {rounds} rounds, thread CPU ms per step (ratio: time / {base}'s):")
     print("| configuration | attention, one layer | ratio | decode step | ratio | tok/s |")
     print("|---|---|---|---|---|---|")
     for name in configs:

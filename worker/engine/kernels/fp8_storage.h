@@ -10,9 +10,10 @@
 // mantissa shifted one bit lower make a float16 of its value / 2^8 (float16's exponent
 // bias is 15, e4m3's 7), subnormals included, scaled back by an exact multiply; e4m3fn's
 // NaN (S.1111.111) is set apart, it has no infinity.  A table lookup costs two dependent
-// loads per value; this path about one vector instruction per value (e4m3) or less
-// (e5m2), which keeps decode near the bf16 cache's speed instead of a third slower
-// (measured on the 8x512 decode benchmark, benchmarks/README.md).
+// loads per value; this path under one vector instruction per value (e4m3) and a third of
+// one (e5m2), about half of an integer rebias with blends for subnormals: decode over the
+// FP8 cache then runs as fast as over a bf16 cache (`python -m benchmarks.bench_model
+// --kv-fp8`, benchmarks/README.md), the widening paid for by reading half the bytes.
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
