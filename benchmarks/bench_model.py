@@ -2,6 +2,7 @@
 by side in one run.
 
     python benchmarks/bench_model.py [--batch 32] [--context 512] [--steps 10] [--dtype float32]
+    python -m benchmarks.bench_model --kv-fp8 [--batch 32] [--context 512] [--steps 16] [--rounds 5]
 
 Rows (time per step; ratio to the first row of each group):
 - attention (one layer, decode of ``batch`` sequences): our batched paged SDPA vs a
@@ -13,6 +14,17 @@ Rows (time per step; ratio to the first row of each group):
   prefill chunk with context + ``batch-1`` decodes), a 512-token prefill; with
   torch's ops, then with the engine's CPU defaults (oneDNN linears, native kernels);
 - build_attention_metadata for the decode batch.
+
+``--kv-fp8`` runs only the FP8 KV-cache comparison (issue 43): decode of ``batch``
+sequences from ``context`` tokens on, one thread, the 8x512 preset's shape
+(benchmarks/model_presets.py) in bf16 with the engine's CPU linears, in three
+configurations: the native kernels over an FP8 (e4m3) cache, torch SDPA over the same
+FP8 cache (the CPU path before the kernels read FP8), the native kernels over a bf16
+cache.  Rounds alternate the configurations; each times ``steps`` consecutive decode
+steps (every row one token longer per step, as in the engine, so SDPA's decode K/V
+mirror appends instead of re-gathering), one layer's attention alone and the whole
+model step (forward + logits), each the median of its steps in thread CPU time.  Every
+round printed, then medians and ratios.
 """
 from __future__ import annotations
 
@@ -65,13 +77,99 @@ def naive_decode_attention(q, kv_layer, tables, seq_lens, group, scale):
     return torch.stack(out).flatten(1)
 
 
+def kv_fp8_comparison(batch: int, context: int, steps: int, rounds: int) -> None:
+    import statistics
+
+    from benchmarks.model_presets import SIZES
+    from worker.engine.models.cpu_gemm import linear_scheme, resolve_cpu_linear
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dtype, cpu = torch.bfloat16, torch.device("cpu")
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the comparison needs the compiled kernels"
+    cfg = ModelConfig.from_dicts(".", {"architectures": ["LlamaForCausalLM"], **SIZES["8x512"]})
+    model = LlamaForCausalLM(cfg, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    linears = resolve_cpu_linear("auto", cpu, dtype)
+    if linear_scheme(linears) is not None:
+        model.pack_linears(linear_scheme(linears))
+    per_seq = -(-(context + steps + 1) // BLOCK)
+    blocks = list(range(batch * per_seq))
+    random.Random(0).shuffle(blocks)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+    start = [context - (i * 7) % 64 for i in range(batch)]  # uneven lengths, as a real batch
+    dense = torch.randn(kv_cache_shape(cfg, len(blocks), BLOCK), dtype=dtype) * 0.5
+    fp8 = dense.to(torch.float8_e4m3fn)
+    configs = {  # name: (backend, cache)
+        "native / FP8": (CpuNativeBackend(kernels, kv_fp8=True), fp8),
+        "SDPA / FP8": (TorchSDPABackend(), fp8),
+        "native / bf16": (CpuNativeBackend(kernels), dense),
+    }
+    q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim, dtype=dtype)
+    k = torch.randn(batch, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype) * 0.5
+    ids = torch.randint(0, cfg.vocab_size, (batch,))
+    layer = model.layers[0].attn
+
+    def decode_run(cache, fn) -> float:
+        """Median ms per step of ``steps`` consecutive decode steps (after one untimed step),
+        in this thread's CPU time: on a shared 2-core box wall time also counts the time other
+        processes hold the core, which swamped the differences measured here."""
+        metas = [build_attention_metadata([1] * batch, [n + s for n in start], tables, BLOCK)
+                 for s in range(steps + 1)]
+        fn(metas[0], cache)
+        per_step = []
+        for a in metas[1:]:
+            t0 = time.thread_time()
+            fn(a, cache)
+            per_step.append(time.thread_time() - t0)
+        return statistics.median(per_step) * 1e3
+
+    def attention(a, cache):
+        layer(q, k, k, cache[:, 0], a)
+
+    def model_step(a, cache):
+        model.compute_logits(model(ids, a.positions, a, cache))
+
+    print(f"model: 8x512 preset ({cfg.num_hidden_layers}L h{cfg.hidden_size} {cfg.num_attention_heads}q/"
+          f"{cfg.num_key_value_heads}kv heads, head_dim {cfg.head_dim}) bf16, {linears} linears, 1 thread; "
+          f"decode of {batch} sequences from {min(start)}-{max(start)} tokens, {steps} steps per timing, "
+          f"{rounds} rounds alternating; KV cache {dense.element_size()} / {fp8.element_size()} bytes per value")
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for name, (backend, cache) in configs.items():
+            model.use_attention_backend(backend)  # fresh impls: no state carried between configurations
+            with torch.no_grad():
+                attn_ms = decode_run(cache, attention)
+                step_ms = decode_run(cache, model_step)
+            times.setdefault((name, "attn"), []).append(attn_ms)
+            times.setdefault((name, "step"), []).append(step_ms)
+            print(f"round {r + 1}  {name:14s}  attention (one layer) {attn_ms:7.3f} ms   "
+                  f"model step {step_ms:7.2f} ms ({batch / step_ms * 1e3:6.0f} tok/s)")
+    base = list(configs)[0]
+    print(f"\nmedians of {rounds} rounds, thread CPU ms per step (ratio: time / {base}'s):")
+    print("| configuration | attention, one layer | ratio | decode step | ratio | tok/s |")
+    print("|---|---|---|---|---|---|")
+    for name in configs:
+        a, st = (statistics.median(times[(name, kind)]) for kind in ("attn", "step"))
+        a0, s0 = (statistics.median(times[(base, kind)]) for kind in ("attn", "step"))
+        print(f"| {name} | {a:.3f} ms | {a / a0:.2f}x | {st:.2f} ms | {st / s0:.2f}x | {batch / st * 1e3:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-fp8", action="store_true", help="only the FP8 KV-cache comparison (bf16, 8x512, 1 thread)")
+    ap.add_argument("--rounds", type=int, default=5, help="--kv-fp8: alternating rounds")
     args = ap.parse_args()
+    if args.kv_fp8:
+        kv_fp8_comparison(args.batch, args.context, args.steps, args.rounds)
+        return
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     model = random_model(dtype)

@@ -1,6 +1,7 @@
 """A real worker with ``--kv-cache-dtype fp8`` (vLLM's flag): its engine stores the KV
 cache in FP8 (the start-up line says so, with four times the blocks float32 gets from
-the same --kv-cache-memory-bytes) and streams complete outputs through the broker."""
+the same --kv-cache-memory-bytes), attends over it with the native CPU kernels where they
+build, and streams complete outputs through the broker."""
 from __future__ import annotations
 
 import re
@@ -11,6 +12,7 @@ from common.client import Client
 from common.protocol import GenerateRequest, SamplingParams
 from tests.support.engine_helpers import random_prompts
 from tests.support.procs import ProcGroup, wait_for_workers
+from worker.engine.kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,4 +38,7 @@ def test_worker_serves_with_an_fp8_kv_cache(tiny_model, tmp_path):
             assert all(len(toks) == 10 for toks in streamed.values()), streamed
             logs[kv] = worker.tail(400)
     assert "KV blocks x 16 tokens in torch.float8_e4m3fn" in logs["fp8"], logs["fp8"][-2000:]
+    # the kernels read the FP8 cache themselves (without them the worker serves torch SDPA)
+    attends = "native (kernels read the FP8 KV cache) attention" if load_cpu_kernels() else "torch attention"
+    assert attends in logs["fp8"], logs["fp8"][-2000:]
     assert _blocks(logs["fp8"]) == 4 * _blocks(logs["auto"])  # a byte per value instead of float32's four

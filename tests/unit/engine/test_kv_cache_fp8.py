@@ -3,7 +3,10 @@
 dtype, and a given KV memory holds twice bf16's tokens (four times fp32's).  Checked:
 the values the cache holds and what attention computes from them (exactly the
 attention over the same rounded values in a model-dtype cache), the model against its
-own model-dtype cache (close, not equal), the engine's block count and outputs."""
+own model-dtype cache (close, not equal), the engine's block count and outputs.  The
+attention checks run on both CPU backends: torch SDPA (which converts the blocks it
+gathers) and the native kernels (which read the FP8 blocks in place), and the two agree
+over the same FP8 cache."""
 from __future__ import annotations
 
 import pytest
@@ -12,11 +15,22 @@ import torch
 from tests.support.engine_helpers import make_engine, random_prompts, request
 from tests.unit.engine.test_model import BLOCK, PagedSeqs, _tokens
 from worker.engine.attention.backends.base import as_stored, to_kv_storage
+from worker.engine.attention.backends.cpu_native import CpuNativeBackend, CpuNativeImpl
 from worker.engine.attention.backends.torch_sdpa import TorchSDPABackend
 from worker.engine.attention.metadata import build_attention_metadata
 from worker.engine.config import EngineConfig
+from worker.engine.kernels import load_cpu_kernels
 from worker.engine.loading.loader import load_model
 from worker.engine.models import kv_cache_shape
+
+KERNELS = load_cpu_kernels()
+NEEDS_KERNELS = pytest.mark.skipif(KERNELS is None, reason="CPU kernels could not be built here")
+BACKENDS = ["torch", pytest.param("native", marks=NEEDS_KERNELS)]
+
+
+def _backend(name: str):
+    """The CPU attention backend ``name`` as the engine builds it over an FP8 cache."""
+    return TorchSDPABackend() if name == "torch" else CpuNativeBackend(KERNELS, kv_fp8=True)
 
 
 def test_flag_values():
@@ -47,10 +61,11 @@ class _Seqs(PagedSeqs):
         self.kv = torch.zeros(kv_cache_shape(model.config, 96, BLOCK), dtype=kv_dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_model_over_an_fp8_cache_tracks_its_model_dtype_cache(tiny_model, fp8):
+def test_model_over_an_fp8_cache_tracks_its_model_dtype_cache(tiny_model, fp8, backend):
     model = load_model(tiny_model("llama"), dtype=torch.float32)
-    model.use_attention_backend(TorchSDPABackend())
+    model.use_attention_backend(_backend(backend))
     ids = _tokens(40, seed=2)
     ref, q8 = _Seqs(model, torch.float32), _Seqs(model, fp8)
     out_ref = [ref.step([("a", ids[:30])])[0]] + [ref.step([("a", [t])])[0] for t in ids[30:]]
@@ -66,14 +81,19 @@ def test_model_over_an_fp8_cache_tracks_its_model_dtype_cache(tiny_model, fp8):
                                    rtol=0, atol=0)
 
 
-def test_attention_over_fp8_equals_attention_over_the_rounded_values():
-    """The SDPA backend over an FP8 cache computes what it computes over a float32 cache
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_over_fp8_equals_attention_over_the_rounded_values(backend):
+    """Each backend over an FP8 cache computes what it computes over a float32 cache
     holding the same rounded values: prefill without context, with context, and decode."""
     from worker.engine.attention.layer import PagedAttention
 
     torch.manual_seed(0)
     heads, kvh, d, bs = 4, 2, 16, 4
     layer_8, layer_32 = PagedAttention(heads, kvh, d), PagedAttention(heads, kvh, d)
+    layer_8.set_backend(_backend(backend))
+    layer_32.set_backend(_backend(backend))
+    if backend == "native":
+        assert isinstance(layer_8.impl, CpuNativeImpl)
     cache_8 = torch.zeros(2, 12, bs, kvh, d, dtype=torch.float8_e4m3fn)
     cache_32 = torch.zeros(2, 12, bs, kvh, d)
     tables = [[3, 7, 1, 9, 2]]
@@ -104,6 +124,71 @@ def test_engine_fp8_cache_holds_four_times_fp32_tokens_and_serves(tiny_model):
     # greedy over a random tiny model: FP8 K/V may flip a near tie, most tokens agree
     same = sum(a == b for rid in outs[0] for a, b in zip(outs[0][rid], outs[1][rid]))
     assert same >= 0.5 * 48, (outs[0], outs[1])
+
+
+# --- the native kernels over the FP8 cache against torch SDPA over it ---------------------
+def _schedule_logprobs(path, dtype, fp8, backend):
+    """Log-probs of every row of a schedule with each kind of step (two prompts, decode-only
+    steps of uneven lengths, a fresh prefill between decode rows, prefill chunks after cached
+    context beside a decode row), teacher-forced over an FP8 cache, attention on ``backend``."""
+    model = load_model(path, dtype=dtype)
+    model.use_attention_backend(_backend(backend))
+    full = {name: _tokens(n, seed=i) for i, (name, n) in enumerate([("a", 45), ("b", 25), ("c", 12)])}
+    seqs = _Seqs(model, fp8)
+    outs = seqs.step([("a", full["a"][:30]), ("b", full["b"][:10])])
+    for pos in range(6):
+        outs += seqs.step([("a", [full["a"][30 + pos]]), ("b", [full["b"][10 + pos]])])
+    outs += seqs.step([("b", [full["b"][16]]), ("c", full["c"][:7]), ("a", [full["a"][36]])])
+    outs += seqs.step([("c", full["c"][7:]), ("a", full["a"][37:45]), ("b", [full["b"][17]])])
+    assert seqs.kv.dtype == fp8
+    return torch.log_softmax(torch.cat(outs).float(), -1)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype,mean_tol,max_tol", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 0.03, 0.3)])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_native_kernels_match_sdpa_over_the_same_fp8_cache(tiny_model, dtype, mean_tol, max_tol, fp8):
+    """Both read the same FP8 values, widened exactly: in float32 they differ by summation
+    order only (measured: max |dlogprob| 1.4e-6 over every vocabulary entry of every row).
+    In bf16 they also differ in where they round (SDPA's bf16 products and softmax, the
+    kernels' float32 math), and a later layer's K/V that moved by that much can land on the
+    other side of an FP8 rounding boundary, a whole FP8 step: measured mean 0.010 and max
+    0.07 (e4m3) / 0.11 (e5m2), against mean 0.005 and max 0.03 for the same comparison over
+    a bf16 cache."""
+    path = tiny_model("llama")
+    native = _schedule_logprobs(path, dtype, fp8, "native")
+    sdpa = _schedule_logprobs(path, dtype, fp8, "torch")
+    gap = (native - sdpa).abs()
+    print(f"{dtype} {fp8}: |dlogprob| native vs SDPA mean {gap.mean().item():.2e}, max {gap.max().item():.2e}")
+    assert gap.mean().item() < mean_tol and gap.max().item() < max_tol, (gap.mean().item(), gap.max().item())
+
+
+@NEEDS_KERNELS
+def test_engine_fp8_cache_attends_on_the_native_kernels(tiny_model):
+    """The engine's CPU default over an FP8 cache is the kernels on every ordinary layer
+    (its start-up line says so), with the greedy tokens of the torch SDPA backend; layers
+    with a sliding window stay on SDPA, and describe() says that too."""
+    from worker.engine.attention.backends.torch_sdpa import TorchSDPAImpl
+
+    path = tiny_model("llama")
+    native = make_engine(path, kv_cache_dtype="fp8")
+    sdpa = make_engine(path, kv_cache_dtype="fp8", cpu_attention="torch")
+    assert native.attention_backend.describe() == "native (kernels read the FP8 KV cache)"
+    assert all(isinstance(layer.attn.impl, CpuNativeImpl) for layer in native.runner.model.layers)
+    prompts = random_prompts(5, 10, 40, seed=8)
+    outs = []
+    for engine in (native, sdpa):
+        reqs = [request(f"r{i}", p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)]
+        outs.append({rid: [t for d in ds for t in d.token_ids] for rid, ds in engine.generate(reqs).items()})
+        engine.close()
+    assert outs[0] == outs[1]
+
+    swa = make_engine(tiny_model("mistral_swa"), kv_cache_dtype="fp8_e5m2")
+    assert swa.runner.kv_cache.dtype == torch.float8_e5m2
+    assert swa.attention_backend.describe() == \
+        "native (kernels read the FP8 KV cache; sliding-window / sink layers on torch SDPA)"
+    assert all(isinstance(layer.attn.impl, TorchSDPAImpl) for layer in swa.runner.model.layers)
+    swa.close()
 
 
 # --- the checkpoint's KV-cache scales (quantization/kv_scales.py) --------------------------
@@ -154,7 +239,8 @@ def test_reader_routes_kv_scales_and_drops_them_without_a_hook():
     assert [n for n, _ in dequantize_stream(iter(tensors), quant)] == names  # no hook: dropped
 
 
-def test_attention_applies_kv_scales_over_fp8_only():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_applies_kv_scales_over_fp8_only(backend):
     """K/V of a range e4m3 saturates at scale 1 (|x| up to ~2000 > 448): with calibrated
     scales the cache holds k / k_scale and attention equals the float32 attention up to
     FP8 rounding; at scale 1.0 the saturation is far off.  Over a float32 cache the scales
@@ -172,6 +258,7 @@ def test_attention_applies_kv_scales_over_fp8_only():
 
     def run(cache_dtype, scales):
         layer = PagedAttention(heads, kvh, d)
+        layer.set_backend(_backend(backend))
         if scales:
             layer.set_kv_scales(*scales)
         cache = torch.zeros(2, 12, bs, kvh, d, dtype=cache_dtype)
@@ -221,13 +308,14 @@ def _wide_kv_checkpoint(src, dst, factor=4000.0):
     return qf.write_fp8_tensor(wide, dst, kv_scales=scales), scales
 
 
-def test_checkpoint_kv_scales_bring_fp8_logprobs_closer(tiny_model, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_kv_scales_bring_fp8_logprobs_closer(tiny_model, tmp_path, backend):
     from worker.engine.quantization.kv_scales import KvScales
 
     path, scales = _wide_kv_checkpoint(tiny_model("llama"), tmp_path / "fp8kv")
     found = KvScales()
     model = load_model(path, dtype=torch.float32, kv=found.add)
-    model.use_attention_backend(TorchSDPABackend())
+    model.use_attention_backend(_backend(backend))
     assert {i: pytest.approx(s, rel=1e-6) for i, s in scales.items()} == found.scales()
     ids = _tokens(36, seed=2)
 

@@ -1,6 +1,6 @@
 """Native CPU kernels (decode and prefill attention over the paged cache, RMSNorm,
 SwiGLU, rotary; one library serves float32 and bfloat16 storage, each function
-dispatching on its inputs' dtype), compiled by ``torch.utils.cpp_extension`` into
+dispatching on its inputs' dtype; the attention kernels also read an FP8 KV cache), compiled by ``torch.utils.cpp_extension`` into
 torch's extension cache: at install time by ``tokserve build-kernels`` (worker/engine/kernels/build.py,
 the last step of the README's install), else on first use (45 s on an idle machine,
 about 3 minutes on a busy one; needs a C++ compiler and ninja).  Where they cannot be
@@ -43,7 +43,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "bf16_gemm.cpp", "int4_gemm.cpp")
-_HEADERS = ("paged_cache.h", "vec_math.h")
+_HEADERS = ("paged_cache.h", "vec_math.h", "fp8_storage.h")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A

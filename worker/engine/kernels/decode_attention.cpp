@@ -1,6 +1,7 @@
 // paged_decode_attention: single-token ("decode") attention reading the paged KV
 // cache in place: float32, or bfloat16 storage with float32 math (AVX512-BF16 dot
-// products where the CPU has them).
+// products where the CPU has them), or an FP8 cache (--kv-cache-dtype) under either q
+// dtype, each K / V row widened to float32 once as it streams by (fp8_storage.h).
 //
 // torch's SDPA needs each sequence's keys gathered into one tensor first; this reads
 // them straight from their blocks.  One task per sequence: all query heads are
@@ -21,8 +22,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "fp8_storage.h"
 #include "paged_cache.h"
 #include "vec_math.h"
 
@@ -79,24 +82,56 @@ inline void axpy(float p, const bf16* v, float* acc, int64_t D) {
   for (int64_t d = 0; d < D; ++d) acc[d] += p * to_f(v[d]);
 }
 
-template <typename T>
-void decode_impl(const T* qp, const T* kp, const T* vp, T* op, const int32_t* tp, const int32_t* lp, int64_t B,
+// Query rows and K / V rows as the dot products read them.  Where the cache holds q's
+// dtype: in place (the float32 and bf16 paths).  Over an FP8 cache: q widened to float32
+// once per sequence, each K / V row (all KV heads) once per token into a per-thread
+// buffer, so the G query heads sharing a KV head reuse one widening, and the float32
+// dot / axpy below do the math.
+template <typename T, typename C>
+struct RowReader {
+  static constexpr bool kWiden = !std::is_same_v<T, C>;
+  using Elem = std::conditional_t<kWiden, float, T>;
+  std::vector<float> buf;
+
+  const Elem* query(const T* q, int64_t n) {
+    if constexpr (kWiden) {
+      buf.resize(n);
+      for (int64_t i = 0; i < n; ++i) buf[i] = to_f(q[i]);
+      return buf.data();
+    } else {
+      return q;
+    }
+  }
+  const Elem* row(const C* src, int64_t n) {
+    if constexpr (kWiden) {
+      buf.resize(n);
+      tokserve_kernels::widen_row(src, buf.data(), n);
+      return buf.data();
+    } else {
+      return src;
+    }
+  }
+};
+
+template <typename T, typename C>
+void decode_impl(const T* qp, const C* kp, const C* vp, T* op, const int32_t* tp, const int32_t* lp, int64_t B,
                  int64_t H, int64_t D, int64_t G, int64_t W, int64_t bs, int64_t row, float sc) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(H * D), inv(H);
+    RowReader<T, C> q_reader, kv_reader;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t S = lp[b];
       const int32_t* table = tp + b * W;
-      const T* qb = qp + b * H * D;  // query head j reads KV head j / G
+      const auto* qb = q_reader.query(qp + b * H * D, H * D);  // query head j reads KV head j / G
       scores.resize(H * S);
       for (int64_t t = 0; t < S; ++t) {
-        const T* krow = kp + tokserve_kernels::token_offset(table, t, bs, row);
+        const auto* krow = kv_reader.row(kp + tokserve_kernels::token_offset(table, t, bs, row), row);
         for (int64_t j = 0; j < H; ++j) scores[j * S + t] = dot(qb + j * D, krow + (j / G) * D, D) * sc;
       }
       for (int64_t j = 0; j < H; ++j) inv[j] = tokserve_kernels::softmax_unnormalized(scores.data() + j * S, S);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < S; ++t) {
-        const T* vrow = vp + tokserve_kernels::token_offset(table, t, bs, row);
+        const auto* vrow = kv_reader.row(vp + tokserve_kernels::token_offset(table, t, bs, row), row);
         for (int64_t j = 0; j < H; ++j) axpy(scores[j * S + t], vrow + (j / G) * D, acc.data() + j * D, D);
       }
       T* ob = op + b * H * D;
@@ -109,8 +144,8 @@ void decode_impl(const T* qp, const T* kp, const T* vp, T* op, const int32_t* tp
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D] float32 or bfloat16
-                                     const torch::Tensor& k_cache,  // [blocks, block_size, KVH, D], q's dtype
-                                     const torch::Tensor& v_cache,  // [blocks, block_size, KVH, D], q's dtype
+                                     const torch::Tensor& k_cache,  // [blocks, block_size, KVH, D], q's dtype or FP8
+                                     const torch::Tensor& v_cache,  // [blocks, block_size, KVH, D], k_cache's dtype
                                      const torch::Tensor& block_tables,  // [B, W] int32
                                      const torch::Tensor& seq_lens,      // [B] int32
                                      double scale) {
@@ -135,11 +170,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,        // [B, H, D]
   torch::Tensor out = torch::empty_like(q);
   const float sc = static_cast<float>(scale);
   const int64_t row = KVH * D;  // values between consecutive tokens of one block
-  if (q.scalar_type() == torch::kBFloat16)
-    decode_impl(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                out.data_ptr<at::BFloat16>(), tp, lp, B, H, D, G, W, bs, row, sc);
-  else
-    decode_impl(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), tp,
-                lp, B, H, D, G, W, bs, row, sc);
+  tokserve_kernels::dispatch_q_and_cache(q.scalar_type(), k_cache.scalar_type(), [&](auto q_tag, auto c_tag) {
+    using Q = decltype(q_tag);
+    using C = decltype(c_tag);
+    decode_impl(q.data_ptr<Q>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), out.data_ptr<Q>(), tp, lp, B, H, D,
+                G, W, bs, row, sc);
+  });
   return out;
 }

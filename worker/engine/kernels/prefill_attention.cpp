@@ -1,6 +1,8 @@
 // paged_prefill_attention: causal attention of prefill chunks (many query rows per
 // sequence, any cached context before them) over the paged KV cache: float32, or
-// bfloat16 storage (converted to float32 as keys and values are packed).
+// bfloat16 storage, or an FP8 cache (--kv-cache-dtype) under either q dtype: every cache
+// value is widened to float32 as keys and values are packed, so the GEMMs below never
+// see the storage type.
 //
 // torch's CPU flash SDPA runs this at ~25 GFLOP/s on a 2-core AVX2 box, a third of
 // what the same core does in a GEMM, and a chunk with cached context first has to
@@ -24,6 +26,7 @@
 #include <memory>
 #include <vector>
 
+#include "fp8_storage.h"
 #include "paged_cache.h"
 #include "vec_math.h"
 
@@ -71,10 +74,10 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The work of paged_prefill_attention once its arguments are checked: T is the
-// storage type of q, the cache and out; keys, values and scores are float32 in the
-// packed buffers, so both GEMMs run on the float32 micro-kernel.
-template <typename T>
-void prefill_impl(const T* qp, const T* kp, const T* vp, T* op, int64_t qs_t, int64_t qs_h, const int32_t* tp,
+// storage type of q and out, C the cache's (T, or FP8); keys, values and scores are
+// float32 in the packed buffers, so both GEMMs run on the float32 micro-kernel.
+template <typename T, typename C>
+void prefill_impl(const T* qp, const C* kp, const C* vp, T* op, int64_t qs_t, int64_t qs_h, const int32_t* tp,
                   const int32_t* lp, const int32_t* sp, const int64_t* wp, const std::vector<int64_t>& pack_off,
                   int64_t N, int64_t H, int64_t D, int64_t G, int64_t W, int64_t bs, int64_t KVH, float scale) {
   const int64_t row = KVH * D;  // values between consecutive tokens of one block
@@ -85,6 +88,7 @@ void prefill_impl(const T* qp, const T* kp, const T* vp, T* op, int64_t qs_t, in
 
   // 1. Pack K^T [D, Sp] and V [Sp, D] per (sequence, KV head).
   at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> krow(tokserve_kernels::is_fp8<C> ? D : 0);  // an FP8 key row, widened before its transposed store
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / KVH, h = task % KVH, b = wp[n], S = lp[b], Sp = round_up(S, NR);
       float* kt = ktp + pack_off[n] + h * Sp * D;
@@ -92,10 +96,16 @@ void prefill_impl(const T* qp, const T* kp, const T* vp, T* op, int64_t qs_t, in
       const int32_t* table = tp + b * W;
       for (int64_t t = 0; t < S; ++t) {
         const int64_t off = tokserve_kernels::token_offset(table, t, bs, row) + h * D;
-        const T* k = kp + off;
-        const T* v = vp + off;
-        for (int64_t d = 0; d < D; ++d) kt[d * Sp + t] = to_f(k[d]);
-        for (int64_t d = 0; d < D; ++d) vv[t * D + d] = to_f(v[d]);
+        const C* k = kp + off;
+        const C* v = vp + off;
+        if constexpr (tokserve_kernels::is_fp8<C>) {
+          tokserve_kernels::widen_row(k, krow.data(), D);
+          for (int64_t d = 0; d < D; ++d) kt[d * Sp + t] = krow[d];
+          tokserve_kernels::widen_row(v, vv + t * D, D);
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * Sp + t] = to_f(k[d]);
+          for (int64_t d = 0; d < D; ++d) vv[t * D + d] = to_f(v[d]);
+        }
       }
       for (int64_t d = 0; d < D; ++d) std::fill(kt + d * Sp + S, kt + d * Sp + Sp, 0.f);
       std::fill(vv + S * D, vv + Sp * D, 0.f);
@@ -176,8 +186,8 @@ void prefill_impl(const T* qp, const T* kp, const T* vp, T* op, int64_t qs_t, in
 }  // namespace
 
 void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] float32 / bfloat16, head vectors contiguous
-                             const torch::Tensor& k_cache,       // [blocks, block_size, KVH, D]
-                             const torch::Tensor& v_cache,       // [blocks, block_size, KVH, D]
+                             const torch::Tensor& k_cache,       // [blocks, block_size, KVH, D], q's dtype or FP8
+                             const torch::Tensor& v_cache,       // [blocks, block_size, KVH, D], k_cache's dtype
                              const torch::Tensor& block_tables,  // [B, W] int32
                              const torch::Tensor& seq_lens,      // [B] int32
                              const torch::Tensor& query_start,   // [B + 1] int32: rows of each sequence in q
@@ -221,11 +231,10 @@ void paged_prefill_attention(const torch::Tensor& q,             // [T, H, D] fl
   if (N == 0) return;
 
   const float sc = static_cast<float>(scale);
-  if (q.scalar_type() == torch::kBFloat16)
-    prefill_impl(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                 out.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), tp, lp, sp, wp, pack_off, N, H, D, G, W, bs,
-                 KVH, sc);
-  else
-    prefill_impl(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-                 q.stride(0), q.stride(1), tp, lp, sp, wp, pack_off, N, H, D, G, W, bs, KVH, sc);
+  tokserve_kernels::dispatch_q_and_cache(q.scalar_type(), k_cache.scalar_type(), [&](auto q_tag, auto c_tag) {
+    using Q = decltype(q_tag);
+    using C = decltype(c_tag);
+    prefill_impl(q.data_ptr<Q>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), out.data_ptr<Q>(), q.stride(0),
+                 q.stride(1), tp, lp, sp, wp, pack_off, N, H, D, G, W, bs, KVH, sc);
+  });
 }

@@ -2,6 +2,9 @@
 its blocks in place (no gather, no copy, mixed steps included) and all prefill
 chunks of a step, with or without cached context, run in one call of a blocked
 causal kernel that packs each sequence's keys and values straight from their blocks.
+Over an FP8 KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) the same kernels read
+the one-byte blocks and widen each value to float32 exactly as they load it; the
+checkpoint's k/v scales stay outside them (``PagedAttention._scaled``).
 
 The kernels attend over the full context without sinks, so sliding-window layers and
 layers with attention sinks (GPT-OSS) are served by torch SDPA inside the same backend
@@ -53,20 +56,21 @@ class CpuNativeBackend(AttentionBackend):
     def __init__(self, module: Any, kv_fp8: bool = False):
         self.module = module
         self.ops = module  # the same module holds RMSNorm, SwiGLU and rotary
-        # The compiled attention kernels read float32 / bf16 caches: with an FP8 KV cache
-        # every layer attends through torch SDPA (which converts the blocks it gathers);
-        # the fused element-wise kernels stay.
-        self.kv_fp8 = kv_fp8
-        self._sdpa_layers = kv_fp8
+        self.kv_fp8 = kv_fp8  # the kernels read FP8 caches as they are; only describe() tells
+        self._sdpa_layers = False  # set by make_impl when a layer needs SDPA
 
     def describe(self) -> str:
-        return "native (torch SDPA attention over the FP8 KV cache)" if self.kv_fp8 else self.name
+        """What attends: the kernels (over the FP8 cache when there is one), and whether
+        some layers (sliding window, sinks) run on SDPA."""
+        notes = (["kernels read the FP8 KV cache"] if self.kv_fp8 else []) + \
+            (["sliding-window / sink layers on torch SDPA"] if self._sdpa_layers else [])
+        return f"{self.name} ({'; '.join(notes)})" if notes else self.name
 
     def plan(self, attn: AttentionMetadata, block_size: int) -> TorchPlan:
         return TorchPlan(attn, block_size, native=True, torch_prefills=self._sdpa_layers or bool(attn.attn_spans))
 
     def make_impl(self, spec: AttentionSpec) -> AttentionImpl:
-        if spec.sliding_window or spec.sinks or self.kv_fp8:
+        if spec.sliding_window or spec.sinks:
             self._sdpa_layers = True
             return TorchSDPAImpl(spec)
         return CpuNativeImpl(spec, self.module)
