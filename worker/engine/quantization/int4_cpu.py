@@ -3,9 +3,11 @@ worker/engine/kernels/int4_gemm.cpp.
 
 ``pack_int4`` takes a layer's unsigned 4-bit values ``q [N, K]`` (0..15), its group
 scales and zero points ``[N, K / group]`` (zero in q units: 8 for a symmetric
-checkpoint) and lays them out as the kernel reads them: per block of 8 output columns one
-int32 word per k (nibble j = column j), scales and zeros as ``[N / 8, G, 8]`` fp32.  N is
-padded to a multiple of 8 with zero columns (scale 0), which the kernel never writes.
+checkpoint) and lays them out as the kernel reads them: per block of 8 output columns and
+run of 8 consecutive k, 8 int32 words (one 256-bit vector), word j = column j, its nibble
+i = k0 + i (``[N / 8, K]`` int32; why this layout: the kernel's header); scales and zeros
+as ``[N / 8, G, 8]`` fp32.  N is padded to a multiple of 8 with zero columns (scale 0),
+which the kernel never writes.  ``unpack_int4`` gives ``q`` back exactly (weight updates).
 """
 from __future__ import annotations
 
@@ -32,20 +34,41 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group:
     if k % group or scales.shape != (n, k // group) or zeros.shape != scales.shape:
         raise ValueError(f"int4 weight [{n}, {k}] with group {group} needs scales/zeros [{n}, {k // group}], "
                          f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+    if group % 8:
+        raise ValueError(f"int4 groups must be a multiple of 8 columns, got {group}")
     if int(q.min()) < 0 or int(q.max()) > 15:
         raise ValueError("int4 values must be unsigned 0..15")
     nb = -(-n // 8)
     pad = nb * 8 - n
-    q = torch.nn.functional.pad(q.to(torch.int64), (0, 0, 0, pad)).reshape(nb, 8, k)
-    shifts = (torch.arange(8, dtype=torch.int64) * 4).reshape(1, 8, 1)
-    words = (q << shifts).sum(1)  # [nb, k], nibble j = column j (no carries: disjoint bits)
-    packed = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).contiguous()
+    # [nb, 8 columns j, k / 8 runs, 8 nibbles i] -> words [nb, k / 8, j]
+    q = torch.nn.functional.pad(q.to(torch.int64), (0, 0, 0, pad)).reshape(nb, 8, k // 8, 8)
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    words = (q << shifts).sum(-1).transpose(1, 2)  # nibble i = k0 + i (no carries: disjoint bits)
+    packed = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).reshape(nb, k).contiguous()
 
     def blocked(t: torch.Tensor) -> torch.Tensor:
         t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
         return t.reshape(nb, 8, k // group).permute(0, 2, 1).contiguous()
 
     return PackedInt4(packed, blocked(scales), blocked(zeros), group, n, k)
+
+
+def unpack_int4(weight: PackedInt4) -> torch.Tensor:
+    """The ``q [N, K]`` (int32, 0..15) that ``pack_int4`` packed (exact)."""
+    nb, k = weight.packed.shape
+    words = weight.packed.reshape(nb, k // 8, 8).transpose(1, 2)  # [nb, column j, run]
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    q = (words.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then the nibble's 4 bits
+    return q.reshape(nb * 8, k)[:weight.out_features].contiguous()
+
+
+def dequantized(weight: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
+    """``(q - zero) * scale`` per group, in fp32 then rounded once to ``dtype`` ``[N, K]``."""
+    n, g = weight.out_features, weight.group
+    scales = weight.scales.permute(0, 2, 1).reshape(-1, weight.scales.shape[1])[:n]
+    zeros = weight.zeros.permute(0, 2, 1).reshape(-1, weight.zeros.shape[1])[:n]
+    q = unpack_int4(weight).float()
+    return ((q - zeros.repeat_interleave(g, 1)) * scales.repeat_interleave(g, 1)).to(dtype)
 
 
 def int4_linear(x: torch.Tensor, weight: PackedInt4, bias=None, kernels=None) -> torch.Tensor:
