@@ -3,10 +3,18 @@ the native bf16 GEMM on the same shapes, one thread, alternating rounds.
 
     python -m benchmarks.int4_gemm_bench                   # 3 rounds
     python -m benchmarks.int4_gemm_bench --rounds 5 --rows 1 4 32
+    python -m benchmarks.int4_gemm_bench --engine 8x1024 --rounds 3   # whole-model decode
 
 Per (shape, rows): the best of 7 repeats of 10 calls each, every round printed, then the
 medians and bf16 time / int4 time (> 1: int4 faster).  The weight bytes each streams per
 call are printed too: int4 reads about a quarter of bf16's (scales and zeros included).
+
+``--engine SIZE``: batch-1 decode through the engine (one thread), a GPTQ int4 checkpoint
+(group 128, symmetric) of the bf16 preset ``SIZE`` (benchmarks/model_presets.py) kept int4
+on CPU, against the same checkpoint's dequantized weights saved as a bf16 model (what
+dequantize-at-load holds: ``(q - z) * s`` rounded to bf16, on the native bf16 GEMM).
+Both engines live side by side and alternate round by round: each round decodes
+``--tokens`` tokens after a 16-token prompt; tokens/s is over the decode steps only.
 """
 from __future__ import annotations
 
@@ -40,13 +48,89 @@ def best_ms(fn, calls: int = 10, repeats: int = 7) -> float:
     return best
 
 
+def _int4_twins(size: str, group: int) -> tuple[Path, Path]:
+    """(GPTQ int4 checkpoint, its dequantized weights as a bf16 checkpoint) of a preset."""
+    from safetensors.torch import load_file, save_file
+
+    from benchmarks.model_presets import build_preset_model
+    from tests.support import quantized_factory as qf
+
+    src = build_preset_model(size, dtype="bfloat16")
+    q_dir, d_dir = src.parent / f"{src.name}-gptq{group}", src.parent / f"{src.name}-gptq{group}-dequantized"
+    if not (q_dir / "config.json").is_file() or not (d_dir / "config.json").is_file():
+        q_tmp = q_dir.with_name(q_dir.name + ".tmp")
+        _, dense = qf.write_gptq(src, q_tmp, group=group, sym=True)
+        state = load_file(str(src / "model.safetensors"))
+        state.update({k: v.to(torch.bfloat16) for k, v in dense.items()})
+        d_tmp = d_dir.with_name(d_dir.name + ".tmp")
+        qf._copy_side_files(src, d_tmp)
+        save_file(state, str(d_tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.replace(q_tmp, q_dir)
+        os.replace(d_tmp, d_dir)
+    return q_dir, d_dir
+
+
+def _weight_bytes(model) -> tuple[int, int]:
+    """(projection weight bytes, every resident weight's bytes: projections, the packed
+    LM head, embeddings, norms)."""
+    from worker.engine.quantization.kept import weight_bytes
+
+    proj = sum(weight_bytes(getattr(layer, name)) for layer in model.layers for name in layer._LINEAR_WEIGHTS)
+    rest = sum(p.numel() * p.element_size() for p in model.parameters())
+    head = model._lm_head_packed
+    return proj, proj + rest + (weight_bytes(head) if head is not None else 0)
+
+
+def _decode_tps(engine, tag: str, tokens: int) -> float:
+    from common.protocol import GenerateRequest, SamplingParams
+
+    prompt = list(range(3, 19))
+    engine.add_request(GenerateRequest(request_id=tag, prompt_token_ids=prompt, params=SamplingParams(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True)))
+    stamps = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            stamps.extend([time.perf_counter()] * len(delta.token_ids))
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])  # decode steps after the prefill's token
+
+
+def engine_main(size: str, rounds: int, tokens: int, group: int) -> None:
+    from worker.engine import Engine, EngineConfig
+
+    q_dir, d_dir = _int4_twins(size, group)
+    kw = dict(max_model_len=512, max_num_seqs=1, max_num_batched_tokens=64, num_threads=1, dtype="bfloat16")
+    kept, dense = Engine(EngineConfig(model=str(q_dir), **kw)), Engine(EngineConfig(model=str(d_dir), **kw))
+    print(f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, 1 thread, preset {size}, GPTQ int4 group {group}, {tokens} tokens a round")
+    print(f"  kept:  {kept.runner.model.packing.name}\n  dense: {dense.runner.model.packing.name}")
+    results = []
+    for r in range(rounds):
+        tk = _decode_tps(kept, f"k{r}", tokens)
+        td = _decode_tps(dense, f"d{r}", tokens)
+        results.append((tk, td))
+        print(f"  round {r}: int4 kept {tk:7.1f} tok/s  bf16 dequantized {td:7.1f} tok/s  ratio {tk / td:.2f}x  "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    mk, md = statistics.median(t for t, _ in results), statistics.median(t for _, t in results)
+    (pk, ak), (pd, ad) = _weight_bytes(kept.runner.model), _weight_bytes(dense.runner.model)
+    print(f"\nmedian batch-1 decode: int4 kept {mk:.1f} tok/s, bf16 dequantized {md:.1f} tok/s, ratio {mk / md:.2f}x")
+    print(f"resident weights: projections {pk / 1e6:.1f} MB vs {pd / 1e6:.1f} MB ({pk / pd:.3f}x); "
+          f"all weights {ak / 1e6:.1f} MB vs {ad / 1e6:.1f} MB ({ak / ad:.3f}x)")
+    kept.close()
+    dense.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--engine", metavar="SIZE", help="whole-model batch-1 decode on this preset instead")
+    ap.add_argument("--tokens", type=int, default=64, help="--engine: tokens decoded per round")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.engine:
+        engine_main(args.engine, args.rounds, args.tokens, args.group)
+        return
     k = load_cpu_kernels()
     if k is None or not hasattr(k, "int4_linear"):
         sys.exit("compiled CPU kernels unavailable (tokserve build-kernels)")

@@ -35,6 +35,10 @@ SIZES: dict[str, dict] = {
     # decode step reads (~42 MB in bf16), big enough that batch-1 decode is weight-bandwidth bound.
     "8x512": dict(_LLAMA, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=4096),
+    # issue 43's kept-int4 vs dequantized decode (benchmarks/int4_gemm_bench.py --engine): 8 x
+    # 1024, ~90M projection weights (~180 MB in bf16, ~50 MB in int4): far past the caches.
+    "8x1024": dict(_LLAMA, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, vocab_size=4096),
     # Llama-style ~125M (GPT-2 small sized): 12 x 768, 32k vocabulary (same shape as
     # benchmarks/bench_model.py and benchmarks/engine_throughput.py).
     "125m": dict(_LLAMA, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,

@@ -1,14 +1,20 @@
 """The CPU int4 GEMM (worker/engine/kernels/int4_gemm.cpp) against the dequantized
 weight's matmul: symmetric and asymmetric groups, channel-wise, N not a multiple of the
-block, every row count from decode to prefill, bf16 and fp32 activations, bias; and a
-row's result does not depend on the rows beside it."""
+block, every row count from decode to prefill (every tile shape: 1x8, 2x4, 4x2 and their tails), bf16
+and fp32 activations, bias; and a row's result does not depend on the rows beside it.
+
+The bound: the kernel computes, per group, ``s * (sum x * q - z * sum x)`` in fp32 (q, z
+exact small integers), then sums the groups in fp32, so against the exact (float64)
+``x @ dequant(W).T`` it is off by at most the fp32 rounding of those sums:
+``(group + G + 4) * 2^-24 * sum_k |x_k| * s_k * (q_k + z_k)`` (each term's magnitude
+bounded by ``s (q + z) |x|``; Higham's n*u bound per sum), plus the bias's rounding."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from worker.engine.kernels import load_cpu_kernels
-from worker.engine.quantization.int4_cpu import int4_linear, pack_int4
+from worker.engine.quantization.int4_cpu import dequantized, int4_linear, pack_int4, unpack_int4
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "int4_linear"),
@@ -25,8 +31,8 @@ def _weight(n, k, group, sym, seed=0):
 
 
 @pytest.mark.parametrize("n,k,group,sym", [(64, 128, 32, True), (72, 256, 128, False), (13, 64, 64, False),
-                                           (256, 512, 128, True)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])
+                                           (256, 512, 128, True), (200, 256, 64, False), (24, 4096, 128, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64])
 def test_matches_dequantized_matmul(n, k, group, sym, rows):
     q, scales, zeros, dense = _weight(n, k, group, sym)
     w = pack_int4(q, scales, zeros, group)
@@ -34,7 +40,16 @@ def test_matches_dequantized_matmul(n, k, group, sym, rows):
     bias = torch.randn(n)
     got = int4_linear(x, w, bias, kernels)
     want = x.double() @ dense.double().t() + bias.double()
-    torch.testing.assert_close(got.double(), want, atol=2e-4 * k ** 0.5, rtol=1e-4)
+    mag = (q.double() + zeros.repeat_interleave(group, 1).double()) * scales.repeat_interleave(group, 1).double()
+    bound = (group + k // group + 4) * 2.0 ** -24 * (x.double().abs() @ mag.t()) + 2.0 ** -24 * bias.double().abs()
+    assert ((got.double() - want).abs() <= bound).all(), float(((got.double() - want).abs() / bound).max())
+
+
+def test_unpack_and_dequantized_give_the_checkpoint_back():
+    q, scales, zeros, dense = _weight(72, 256, 64, False)
+    w = pack_int4(q, scales, zeros, 64)
+    assert torch.equal(unpack_int4(w), q.to(torch.int32))
+    assert torch.equal(dequantized(w, torch.float32), dense)
 
 
 def test_bf16_activations_give_bf16():
@@ -49,9 +64,9 @@ def test_bf16_activations_give_bf16():
 def test_rows_are_batch_invariant():
     q, scales, zeros, _ = _weight(96, 256, 64, False)
     w = pack_int4(q, scales, zeros, 64)
-    x = torch.randn(9, 256)
+    x = torch.randn(11, 256)
     together = int4_linear(x, w, None, kernels)
-    for i in range(9):
+    for i in range(11):
         assert torch.equal(int4_linear(x[i:i + 1], w, None, kernels)[0], together[i])
 
 
@@ -68,3 +83,5 @@ def test_bad_shapes_are_refused():
         pack_int4(q, scales[:, :1], zeros, 32)
     with pytest.raises(ValueError, match="unsigned"):
         pack_int4(q + 16, scales, zeros, 32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(q, torch.ones(16, 16), torch.ones(16, 16), 4)

@@ -17,7 +17,7 @@ from worker.engine.loading.loader import load_model, safetensors_files
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import linear_scheme, onednn_supported, resolve_cpu_linear
 from worker.engine.quantization.config import ONLINE_SUPPORTED
-from worker.engine.quantization.kept import KeptQuantized, keeps_quantized
+from worker.engine.quantization.kept import INT4_METHODS, KeptQuantized, cpu_int4_kernels, keeps_quantized
 from worker.engine.quantization.kv_scales import KvScales
 from worker.engine.quantization.online_fp8 import online_fp8_scheme
 
@@ -60,7 +60,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
         log.info("online quantization: %s; weights re-quantized after every weight update", scheme.name)
     if kept is not None:
         kept.bind(model)
-        scheme = kept.scheme()
+        scheme = kept.scheme(scheme)
     if scheme is not None:
         model.pack_linears(scheme)
     if kept is not None:
@@ -83,13 +83,21 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
 
 def _kept_quantized(config: EngineConfig, mc: ModelConfig, device: torch.device):
     """The scheme keeping a quantized checkpoint's weights quantized (quantization/kept.py)
-    where it applies: on CUDA, one rank (the records are not sharded), a method it has
-    kernels for (MXFP4 experts load dequantized)."""
+    where it applies: one rank (the records are not sharded), a method it has kernels for
+    (MXFP4 experts load dequantized): on CUDA FP8 and int4 (Triton); on CPU int4 checkpoints
+    (the C++ W4A16 GEMM: faster than the dequantized bf16 model at batch-1 decode, and a
+    quarter of its weight bytes; benchmarks/README.md), FP8 ones dequantized."""
     q = mc.quantization
-    if q is None or q.method == "mxfp4" or not keeps_quantized(device):
+    if q is None or q.method == "mxfp4":
+        return None
+    cpu_kernels = cpu_int4_kernels(device) if q.method in INT4_METHODS else None
+    if not keeps_quantized(device) and cpu_kernels is None:
+        if device.type == "cpu" and q.method in INT4_METHODS:
+            log.warning("int4 checkpoint: weights dequantized at load (the native CPU kernels are not built: run "
+                        "`tokserve build-kernels` to keep them int4)")
         return None
     if config.tensor_parallel_size > 1:
         log.warning("quantized checkpoint under tensor parallelism: weights dequantized at load (kept-quantized "
                     "weights are not sharded yet)")
         return None
-    return KeptQuantized(q)
+    return KeptQuantized(q, cpu_kernels)

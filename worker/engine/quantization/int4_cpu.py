@@ -6,7 +6,7 @@ scales and zero points ``[N, K / group]`` (zero in q units: 8 for a symmetric
 checkpoint) and lays them out as the kernel reads them: per block of 8 output columns and
 run of 8 consecutive k, 8 int32 words (one 256-bit vector), word j = column j, its nibble
 i = k0 + i (``[N / 8, K]`` int32; why this layout: the kernel's header); scales and zeros
-as ``[N / 8, G, 8]`` fp32.  N is padded to a multiple of 8 with zero columns (scale 0),
+as ``[N / 8, G, 8]``, fp32 and uint8.  N is padded to a multiple of 8 with zero columns (scale 0),
 which the kernel never writes.  ``unpack_int4`` gives ``q`` back exactly (weight updates).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 class PackedInt4:
     packed: torch.Tensor  # [ceil(N/8), K] int32
     scales: torch.Tensor  # [ceil(N/8), G, 8] fp32
-    zeros: torch.Tensor  # [ceil(N/8), G, 8] fp32
+    zeros: torch.Tensor  # [ceil(N/8), G, 8] uint8 (q units)
     group: int
     out_features: int
     in_features: int
@@ -36,8 +36,8 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group:
                          f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
     if group % 8:
         raise ValueError(f"int4 groups must be a multiple of 8 columns, got {group}")
-    if int(q.min()) < 0 or int(q.max()) > 15:
-        raise ValueError("int4 values must be unsigned 0..15")
+    if int(q.min()) < 0 or int(q.max()) > 15 or int(zeros.min()) < 0 or int(zeros.max()) > 15:
+        raise ValueError("int4 values and zero points must be unsigned 0..15")
     nb = -(-n // 8)
     pad = nb * 8 - n
     # [nb, 8 columns j, k / 8 runs, 8 nibbles i] -> words [nb, k / 8, j]
@@ -46,11 +46,11 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group:
     words = (q << shifts).sum(-1).transpose(1, 2)  # nibble i = k0 + i (no carries: disjoint bits)
     packed = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).reshape(nb, k).contiguous()
 
-    def blocked(t: torch.Tensor) -> torch.Tensor:
-        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
+    def blocked(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.to(dtype), (0, 0, 0, pad))
         return t.reshape(nb, 8, k // group).permute(0, 2, 1).contiguous()
 
-    return PackedInt4(packed, blocked(scales), blocked(zeros), group, n, k)
+    return PackedInt4(packed, blocked(scales, torch.float32), blocked(zeros.float().round(), torch.uint8), group, n, k)
 
 
 def unpack_int4(weight: PackedInt4) -> torch.Tensor:
@@ -66,7 +66,7 @@ def dequantized(weight: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
     """``(q - zero) * scale`` per group, in fp32 then rounded once to ``dtype`` ``[N, K]``."""
     n, g = weight.out_features, weight.group
     scales = weight.scales.permute(0, 2, 1).reshape(-1, weight.scales.shape[1])[:n]
-    zeros = weight.zeros.permute(0, 2, 1).reshape(-1, weight.zeros.shape[1])[:n]
+    zeros = weight.zeros.permute(0, 2, 1).reshape(-1, weight.zeros.shape[1])[:n].float()
     q = unpack_int4(weight).float()
     return ((q - zeros.repeat_interleave(g, 1)) * scales.repeat_interleave(g, 1)).to(dtype)
 

@@ -27,9 +27,14 @@ packs: a weight that was quantized is re-quantized from its new values (FP8: one
 per row, as online FP8; int4: round-to-nearest per group with a zero point), one that
 was dense (the config's ignore list) stays dense.
 
-On CPU this scheme is not the default: this CPU has no FP8 (or int4) dot products, so
-the kernels would be emulated (the Triton interpreter, a test tool); quantized
-checkpoints load dequantized there (docs/quantization.md says what that costs).
+On CPU (``cpu_keeps_int4``) int4 layers are kept for the C++ W4A16 GEMM
+(kernels/int4_gemm.cpp, ``CpuInt4Weight``): batch-1 decode streams the weights, and a
+quarter of the bytes measured faster than the dequantized bf16 model (benchmarks/README.md).
+FP8 layers load dequantized there: the CPU has no FP8 dot products and converting per call
+measured ~50x slower than the dense GEMM.  Every layer not kept (FP8, ignored, refused,
+the LM head, MoE experts) runs on the CPU linear scheme the engine chose (``inner``: the
+native bf16 GEMM where it runs), not on torch's bf16 linear.  ``TOKSERVE_KEEP_QUANTIZED=1``
+instead runs CUDA's Triton scheme on CPU tensors (under TRITON_INTERPRET=1, for tests).
 """
 from __future__ import annotations
 
@@ -41,12 +46,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from worker.engine.models.cpu_gemm import DENSE, PackedLinears
+from worker.engine.models.cpu_gemm import DENSE, PackedExperts, PackedLinears
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
 from worker.engine.quantization.dequant import _AWQ_REVERSE, unpack_int32
+from worker.engine.quantization.int4_cpu import PackedInt4, dequantized, pack_int4
 from worker.engine.quantization.online_fp8 import FP8, FP8_MAX, Fp8Weight, quantize_rows
 
 log = logging.getLogger(__name__)
+
+# Methods whose checkpoints may hold int4 layers (kept int4 on CPU; compressed-tensors may
+# hold FP8 instead, whose layers then load dequantized there).
+INT4_METHODS = ("awq", "gptq", "compressed-tensors")
 
 # Tests only: run the kept schemes on CPU tensors (under TRITON_INTERPRET=1) as CUDA does.
 FORCE_ENV = "TOKSERVE_KEEP_QUANTIZED"
@@ -56,6 +66,17 @@ def keeps_quantized(device: torch.device) -> bool:
     """Whether checkpoint-quantized weights stay quantized on ``device``: on CUDA (the
     Triton GEMMs); on CPU only when a test forces it (``TOKSERVE_KEEP_QUANTIZED=1``)."""
     return device.type == "cuda" or os.environ.get(FORCE_ENV) == "1"
+
+
+def cpu_int4_kernels(device: torch.device):
+    """The kernel library when int4 layers can stay int4 on ``device`` (a CPU with the
+    native kernels built, the Triton path not forced), else None (they load dequantized)."""
+    if device.type != "cpu" or keeps_quantized(device):
+        return None
+    from worker.engine.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "int4_linear") else None
 
 
 @dataclass
@@ -90,6 +111,21 @@ class Int4Weight:
 
 
 @dataclass
+class CpuInt4Weight:
+    """A projection weight kept as int4 for the CPU W4A16 GEMM (int4_cpu's layout)."""
+
+    packed: PackedInt4
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.out_features, self.packed.in_features))
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes()
+
+
+@dataclass
 class Fp8BlockWeight:
     """An FP8 weight with a scale per ``block`` (rows, columns): 128 x 128 checkpoints, or
     (1, 128) where fused parts do not align to whole blocks."""
@@ -108,6 +144,8 @@ def weight_bytes(w) -> int:
     """Resident bytes of a (kept or dense) projection weight."""
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
+    if hasattr(w, "nbytes"):
+        return w.nbytes()
     return sum(t.numel() * t.element_size() for t in vars(w).values() if isinstance(t, torch.Tensor))
 
 
@@ -174,27 +212,38 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
 
 
-def _int4_from(w: torch.Tensor, rec: ScaleRecord) -> Int4Weight:
+def _int4_from(w: torch.Tensor, rec: ScaleRecord, cpu: bool = False):
     n, k = w.shape
     s = rec.scale.repeat_interleave(rec.group, 1)[:, :k]
     z = rec.zero.repeat_interleave(rec.group, 1)[:, :k].float()
     q = torch.round(w.float() / s + z).clamp(0, 15).to(torch.int32)
+    if cpu:  # the CPU kernel's layout (fp32 zero points: it subtracts them per group)
+        return CpuInt4Weight(pack_int4(q, rec.scale, rec.zero.float(), rec.group), w.dtype)
     # uint8 zero points: a quarter of int32's bytes (the kernel widens them per tile)
     zero = None if bool((rec.zero == 8).all()) else rec.zero.to(torch.uint8).contiguous()
     return Int4Weight(pack_nibbles(q), rec.scale.contiguous(), zero, rec.group, w.dtype)
 
 
-def _requantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
+def cpu_int4_fits(w: torch.Tensor, group: int) -> bool:
+    """Whether the CPU kernel takes this weight: whole groups of a multiple of 8 columns,
+    fp32 or bf16 activations (the model dtype)."""
+    return w.dim() == 2 and group % 8 == 0 and w.shape[1] % group == 0 and \
+        w.dtype in (torch.float32, torch.bfloat16)
+
+
+def _requantize_int4(w: torch.Tensor, group: int, cpu: bool = False):
     """Round-to-nearest int4 with a zero point per ``group`` columns (an RL update)."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
     scale = ((hi - lo) / 15).clamp_min(1e-12)
     zero = torch.round(-lo / scale).clamp(0, 15).to(torch.int32)
-    return _int4_from(w, ScaleRecord("int4", scale, group, zero))
+    return _int4_from(w, ScaleRecord("int4", scale, group, zero), cpu)
 
 
 def _unpack(w) -> torch.Tensor:
+    if isinstance(w, CpuInt4Weight):
+        return dequantized(w.packed, w.dtype)
     if isinstance(w, Fp8Weight):
         return (w.q.float() * w.scale[:, None]).to(w.dtype)
     if isinstance(w, Fp8BlockWeight):
@@ -228,8 +277,12 @@ class KeptQuantized:
     """Collects the reader's records (``keep``), binds them to the model's parameters
     (``bind``) and is the packing scheme (``scheme``) that keeps them quantized."""
 
-    def __init__(self, quant: CheckpointQuantization):
+    def __init__(self, quant: CheckpointQuantization, cpu_kernels=None):
+        """``cpu_kernels``: the CPU kernel library (``cpu_int4_kernels``): int4 layers kept
+        for its GEMM, FP8 ones left dense; None: CUDA's Triton scheme for both."""
         self.quant = quant
+        self.cpu_kernels = cpu_kernels
+        self.dense_here: dict[str, str] = {}  # layer -> why it is dense on this device (by design, not refused)
         self.records: dict[str, ScaleRecord] = {}  # checkpoint layer name -> record
         self.refused: dict[str, str] = {}  # layer -> why it loads dense
         self._bound: dict[int, list[tuple[int, int, ScaleRecord]]] = {}  # storage ptr -> (row, rows, record)
@@ -240,6 +293,9 @@ class KeptQuantized:
     # the reader's hook
     def keep(self, layer: str, scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> None:
         rec = record_for(scheme, parts)
+        if rec is not None and self.cpu_kernels is not None and rec.kind != "int4":
+            self.dense_here[layer] = f"{rec.kind} on CPU"  # no FP8 GEMM worth running here
+            return
         if rec is None:
             why = f"{scheme.kind} {scheme.num_bits}-bit, {scheme.strategy}"
             if scheme.kind == "fp8":
@@ -263,6 +319,10 @@ class KeptQuantized:
             self._bound.setdefault(key, []).append((view.storage_offset() // stride, view.shape[0], rec))
         self.kinds = {r.kind for r in self.records.values()}
         self.records.clear()  # what is bound lives on in _bound until packed
+        if self.dense_here:
+            log.info("%d %s layer(s) load dequantized (CPU: no FP8 dot products; converting per call measured "
+                     "~50x slower than the dense GEMM)", len(self.dense_here), "/".join(sorted(set(
+                         v.split()[0] for v in self.dense_here.values()))))
         if self.refused:
             log.warning("%d quantized layer(s) load dequantized (no kept-quantized kernel for %s)",
                         len(self.refused), ", ".join(sorted(set(self.refused.values()))))
@@ -308,7 +368,8 @@ class KeptQuantized:
         """Drop the records no packing took (MoE experts stay dense): call after packing."""
         self._bound.clear()
 
-    def pack(self, w: torch.Tensor):
+    def pack(self, w: torch.Tensor, inner: PackedLinears = DENSE):
+        """``w`` kept quantized where a record covers it, else packed by ``inner``."""
         key = w.untyped_storage().data_ptr()
         again = self._requant.pop(key, None)
         if again is not None:  # an RL update wrote new dense weights: quantize them afresh
@@ -316,23 +377,65 @@ class KeptQuantized:
                 q, scale = quantize_rows(w)
                 return Fp8Weight(q, scale, w.dtype)
             kind, group = again.split(":")
-            return _requantize_int4(w, int(group))
+            return _requantize_int4(w, int(group), cpu=self.cpu_kernels is not None)
         rec = self._fused(w)
+        if rec is not None and self.cpu_kernels is not None and not cpu_int4_fits(w, rec.group):
+            log.warning("an int4 weight %s with group %d loads dequantized (the CPU kernel needs whole groups of a "
+                        "multiple of 8 columns and fp32/bf16)", tuple(w.shape), rec.group)
+            rec = None
         if rec is None:
-            return w
+            return inner.pack(w)
         self.kept += 1
-        return _fp8_from(w, rec) if rec.kind == "fp8" else _int4_from(w, rec)
+        if rec.kind == "fp8":
+            return _fp8_from(w, rec)
+        return _int4_from(w, rec, cpu=self.cpu_kernels is not None)
 
-    def unpack(self, w):
-        if isinstance(w, torch.Tensor):
-            return w
+    def unpack(self, w, inner: PackedLinears = DENSE):
+        if isinstance(w, (Fp8Weight, Fp8BlockWeight)):
+            kind = "fp8"
+        elif isinstance(w, Int4Weight):
+            kind = f"int4:{w.group}"
+        elif isinstance(w, CpuInt4Weight):
+            kind = f"int4:{w.packed.group}"
+        else:  # a layer kept dense (packed by inner)
+            return inner.unpack(w)
         dense = _unpack(w)
-        self._requant[dense.untyped_storage().data_ptr()] = "fp8" if not isinstance(w, Int4Weight) \
-            else f"int4:{w.group}"
+        self._requant[dense.untyped_storage().data_ptr()] = kind
         return dense
 
-    def scheme(self) -> PackedLinears:
-        what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
-        # Experts are not packed (packs_experts False): MoE experts load dequantized.
-        return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear, self.unpack,
-                             head=DENSE)
+    def scheme(self, inner: Optional[PackedLinears] = None) -> PackedLinears:
+        """The packing scheme.  On CPU (``cpu_kernels``) the layers not kept int4, the LM
+        head and MoE experts go through ``inner`` (the engine's CPU linear scheme; torch's
+        when None); CUDA's Triton scheme keeps them in the model dtype on torch's GEMM."""
+        if self.cpu_kernels is None:
+            what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
+            # Experts are not packed (packs_experts False): MoE experts load dequantized.
+            return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear,
+                                 self.unpack, head=DENSE)
+        return _cpu_scheme(self, inner or DENSE)
+
+
+def _cpu_scheme(kept: KeptQuantized, inner: PackedLinears) -> PackedLinears:
+    """int4 layers on the CPU W4A16 GEMM; every other weight through ``inner``."""
+    gemm = kept.cpu_kernels.int4_linear
+
+    def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if not isinstance(w, CpuInt4Weight):
+            return inner.linear(x, w, bias)
+        p = w.packed
+        shape = x.shape
+        out = gemm(x.reshape(-1, shape[-1]), p.packed, p.scales, p.zeros, p.group, p.out_features, bias)
+        return out.reshape(*shape[:-1], p.out_features)
+
+    experts = None
+    if inner.packs_experts:  # experts stay dense (no int4 fused-MoE here), one inner-packed weight each
+        from worker.engine.models.moe import fused_experts_packed
+
+        def run(x, w13, w2, topk_weights, topk_ids, act):
+            return fused_experts_packed(x, w13, w2, topk_weights, topk_ids, inner.linear, act)
+
+        experts = PackedExperts(lambda stack: [inner.pack(stack[e]) for e in range(stack.shape[0])], run,
+                                lambda ws: torch.stack([inner.unpack(w) for w in ws]))
+    name = f"{kept.quant.method}: int4 layers kept int4 (CPU W4A16 GEMM), other layers {inner.name}"
+    return PackedLinears(name, lambda w: kept.pack(w, inner), linear, lambda w: kept.unpack(w, inner),
+                         packs_experts=inner.packs_experts, accepts=inner.accepts, head=inner, experts=experts)

@@ -1,0 +1,164 @@
+"""int4 checkpoints kept int4 in memory on CPU (quantization/kept.py's CPU scheme over
+kernels/int4_gemm.cpp): AWQ, GPTQ (symmetric, with zero points), compressed-tensors
+W4A16 (the real library writes them) against HF transformers running the dequantized
+weights, through the paged model and the engine; the resident projection bytes; the
+layers not kept int4 on the engine's CPU linear scheme; an RL weight update re-quantized
+and greedy-equal to a reference holding the re-quantized weights; FP8 and act-order
+layers dequantized as before."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support import quantized_factory as qf
+from tests.support.engine_helpers import make_engine, request
+from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
+from worker.engine.loading.loader import load_model
+from worker.engine.models.config import ModelConfig
+from worker.engine.models.cpu_gemm import linear_scheme, resolve_cpu_linear
+from worker.engine.quantization.kept import CpuInt4Weight, KeptQuantized, cpu_int4_kernels, weight_bytes
+
+CPU = torch.device("cpu")
+kernels = cpu_int4_kernels(CPU)
+pytestmark = pytest.mark.skipif(kernels is None, reason="compiled CPU kernels unavailable (or the Triton path forced)")
+
+# fp32 on both sides: the kernel sums x * q per group then scales, HF multiplies by the
+# dequantized fp32 weight; only the rounding order differs (as test_quantized_models).
+ATOL = 2e-4
+GROUP = 32  # the factories' group size
+
+
+def _checkpoint(src, tmp_path, fmt):
+    """(path, HF reference running the dequantized weights)."""
+    if fmt == "awq":
+        path, dense = qf.write_awq(src, tmp_path / "q")
+        return path, qf.reference_with_weights(src, dense)
+    if fmt.startswith("gptq"):
+        path, dense = qf.write_gptq(src, tmp_path / "q", sym=fmt == "gptq")
+        return path, qf.reference_with_weights(src, dense)
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is in the [test] extra")
+    path = qf.write_compressed_tensors(src, tmp_path / "q", fmt[3:])
+    return path, qf.load_dequantized_reference(path)
+
+
+def kept_model(path, dtype=torch.float32):
+    """The paged model as model_setup builds it on CPU: int4 layers kept, the rest on the
+    CPU linear scheme ``auto`` picks for ``dtype``."""
+    kept = KeptQuantized(ModelConfig.from_dir(path).quantization, kernels)
+    model = load_model(path, dtype=dtype, keep=kept.keep)
+    kept.bind(model)
+    model.pack_linears(kept.scheme(linear_scheme(resolve_cpu_linear("auto", CPU, dtype))))
+    kept.finish()
+    return model, kept
+
+
+def _linear_bytes(model):
+    return sum(weight_bytes(getattr(layer, name)) for layer in model.layers for name in layer._LINEAR_WEIGHTS)
+
+
+def _bf16_bytes(model):  # what the same projections hold dequantized to bf16
+    return sum(getattr(layer, name).shape[0] * getattr(layer, name).shape[1] * 2
+               for layer in model.layers for name in layer._LINEAR_WEIGHTS)
+
+
+def _paged_matches(model, ref, n=30, prompt=21):
+    ids = _tokens(n, seed=3)
+    want = hf_logits(ref, ids)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", ids[:prompt])])
+    torch.testing.assert_close(got, want[:prompt], atol=ATOL, rtol=0)
+    for pos in range(prompt, n):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], want[pos], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_asym", "ct_w4a16", "ct_w4a16_asym"])
+def test_int4_kept_matches_dequantized(tiny_model, tmp_path, fmt):
+    src = tiny_model("llama")
+    path, ref = _checkpoint(src, tmp_path, fmt)
+    model, kept = kept_model(path)
+    assert all(isinstance(getattr(layer, name), CpuInt4Weight) for layer in model.layers
+               for name in layer._LINEAR_WEIGHTS)
+    assert kept.kept == 4 * len(model.layers)  # qkv, o, gate_up, down
+    # nibbles, fp32 scales and uint8 zero points per 32 weights: (0.5 + 5 / 32) / 2 = 0.33 of bf16
+    assert _linear_bytes(model) < 0.35 * _bf16_bytes(model)
+    _paged_matches(model, ref)
+
+
+def test_act_order_and_fp8_layers_stay_dense_on_the_cpu_scheme(tiny_model, tmp_path):
+    """Act-order GPTQ has no kept kernel, FP8 (compressed-tensors) is dequantized on CPU by
+    design: every layer then runs on the CPU linear scheme, and matches."""
+    src = tiny_model("llama")
+    path, dense = qf.write_gptq(src, tmp_path / "act", sym=False, act_order=True)
+    model, kept = kept_model(path)
+    assert kept.kept == 0 and set(kept.refused.values()) == {"gptq 4-bit with act-order (g_idx)"}
+    assert not isinstance(model.layers[0].qkv_weight, CpuInt4Weight)
+    _paged_matches(model, qf.reference_with_weights(src, dense))
+    pytest.importorskip("compressed_tensors")
+    path = qf.write_compressed_tensors(src, tmp_path / "fp8", "fp8")
+    model, kept = kept_model(path)
+    assert kept.kept == 0 and not kept.refused and len(kept.dense_here) == 7 * len(model.layers)
+    assert isinstance(model.layers[0].qkv_weight, torch.Tensor)
+    _paged_matches(model, qf.load_dequantized_reference(path))
+
+
+def test_bf16_model_keeps_int4_and_runs_the_rest_on_the_native_gemm(tiny_model, tmp_path):
+    """In bf16 the layers not kept int4 (the LM head here) run on the bf16 scheme the CPU
+    chose (native where it runs), not torch's emulated bf16 linear; logits stay within
+    bf16 rounding of the fp32 reference."""
+    src = tiny_model("llama")
+    path, ref = _checkpoint(src, tmp_path, "awq")
+    model, _ = kept_model(path, torch.bfloat16)
+    chosen = resolve_cpu_linear("auto", CPU, torch.bfloat16)
+    assert model.packing.head_scheme.name == chosen and chosen in model.packing.name
+    assert isinstance(model.layers[0].down_weight, CpuInt4Weight) and model.layers[0].down_weight.dtype == torch.bfloat16
+    ids = _tokens(20, seed=4)
+    want = hf_logits(ref, ids)
+    (got,) = PagedSeqs(model).step([("a", ids)])
+    assert got.dtype == torch.float32 or got.dtype == torch.bfloat16
+    err = (got.float() - want).abs().max()
+    assert err < 0.05 * want.abs().max(), err  # bf16 activations through 2 layers
+
+
+def _requantized(state: dict, group: int = GROUP) -> dict:
+    """What an RL update's re-quantization holds, computed here independently of kept.py:
+    round to nearest per ``group`` input columns with a zero point (0 inside [lo, hi])."""
+    out = {}
+    for name in qf._linears(state):
+        w = state[name + ".weight"].float()
+        g = w.reshape(w.shape[0], -1, group)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        zero = torch.round(-lo / scale).clamp(0, 15)
+        q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+        out[name + ".weight"] = ((q - zero[..., None]) * scale[..., None]).reshape(w.shape)
+    return out
+
+
+def test_engine_keeps_awq_int4_and_requantizes_weight_updates(tiny_model, tmp_path, caplog):
+    src = tiny_model("llama")
+    path, ref = _checkpoint(src, tmp_path, "awq")
+    with caplog.at_level("INFO", logger="worker.engine.loading.model_setup"):
+        engine = make_engine(path)
+    assert "int4 layers kept int4 (CPU W4A16 GEMM)" in caplog.text  # what the worker's log says
+    model = engine.runner.model
+    assert isinstance(model.layers[0].qkv_weight, CpuInt4Weight)
+    assert model.packing.name.startswith("awq: int4 layers kept int4 (CPU W4A16 GEMM), other layers ")
+    prompts = [_tokens(13, seed=8), _tokens(5, seed=9)]
+
+    def run(tag):
+        reqs = [request(f"{tag}{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]
+        out = engine.generate(reqs)
+        return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
+
+    assert run("a") == [qf.greedy(ref, p, 6) for p in prompts]
+    # an RL update sends dense weights: re-quantized to int4 (per group, zero points)
+    other = tiny_model("llama", seed=1)
+    state = load_file(str(other / "model.safetensors"))
+    engine.rl.write_weights(state)
+    engine.rl.end_weight_writes()
+    assert all(isinstance(getattr(layer, name), CpuInt4Weight) for layer in model.layers
+               for name in layer._LINEAR_WEIGHTS)
+    assert run("b") == [qf.greedy(qf.reference_with_weights(other, _requantized(state)), p, 6) for p in prompts]
+    engine.close()
