@@ -1,6 +1,7 @@
-"""Checkpoint-quantized weights kept quantized in memory (the CUDA path, issue 43): FP8
+"""Checkpoint-quantized weights kept quantized in memory (issue 43): on CUDA FP8
 checkpoints on the Triton W8A8 GEMM, int4 ones (AWQ, GPTQ, compressed-tensors W4A16) on
-the Triton W4A16 GEMM (kernels/triton/quant_gemm.py).
+the Triton W4A16 GEMM (kernels/triton/quant_gemm.py); on CPU int4 ones on the C++ W4A16
+GEMM (below).
 
 How the quantized tensors get here.  The reader (reader.dequantize_stream) still hands
 the model dense weights -- each family's name mapping, q/k/v and gate/up fusing and
