@@ -162,3 +162,42 @@ def test_engine_keeps_awq_int4_and_requantizes_weight_updates(tiny_model, tmp_pa
                for name in layer._LINEAR_WEIGHTS)
     assert run("b") == [qf.greedy(qf.reference_with_weights(other, _requantized(state)), p, 6) for p in prompts]
     engine.close()
+
+
+def test_moe_experts_stay_dense_on_the_cpu_scheme(tiny_model, tmp_path):
+    """A GPTQ Mixtral: attention projections kept int4, the experts dequantized (no int4
+    fused-MoE here) -- per expert on the native bf16 GEMM in bf16 where it packs experts --
+    and the model matches HF with the dequantized weights."""
+    src = tiny_model("mixtral")
+    path, dense = qf.write_gptq(src, tmp_path / "moe", sym=True)
+    model, kept = kept_model(path)
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_weight, CpuInt4Weight) and isinstance(layer.o_weight, CpuInt4Weight)
+    assert kept.kept == 2 * len(model.layers)  # qkv and o; the experts are not projections here
+    _paged_matches(model, qf.reference_with_weights(src, dense), n=24, prompt=17)
+    model, _ = kept_model(path, torch.bfloat16)
+    if resolve_cpu_linear("auto", CPU, torch.bfloat16) == "native":
+        moe = model.layers[0].moe
+        assert isinstance(moe.w13, list) and not isinstance(moe.w13[0], CpuInt4Weight)  # one packed weight per expert
+        ids = _tokens(12, seed=2)
+        want = hf_logits(qf.reference_with_weights(src, dense), ids)
+        (got,) = PagedSeqs(model).step([("a", ids)])
+        assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_without_the_kernels_int4_loads_dequantized_and_says_so(tiny_model, tmp_path, monkeypatch, caplog):
+    from worker.engine.loading import model_setup
+
+    src = tiny_model("llama")
+    path, ref = _checkpoint(src, tmp_path, "awq")
+    monkeypatch.setattr(model_setup, "cpu_int4_kernels", lambda device: None)
+    with caplog.at_level("WARNING", logger="worker.engine.loading.model_setup"):
+        engine = make_engine(path)
+    assert "int4 checkpoint: weights dequantized at load" in caplog.text
+    model = engine.runner.model
+    assert not isinstance(model.layers[0].qkv_weight, CpuInt4Weight) and "kept" not in (
+        model.packing.name if model.packing is not None else "")
+    prompt = _tokens(9, seed=1)
+    out = engine.generate([request("r", prompt, max_tokens=5, ignore_eos=True)])
+    assert [t for d in out["r"] for t in d.token_ids] == qf.greedy(ref, prompt, 5)
+    engine.close()

@@ -1,8 +1,8 @@
 """The kept-quantized scheme's bookkeeping (quantization/kept.py), on CPU without the
 kernels: the checkpoint's integers recovered exactly from the dense weights of fused
 parameters (parts aligned to whole FP8 blocks or not, int4 with zero points), dense
-layers left dense, re-quantization after an RL update, and CPU's default (dequantized
-at load).  The GEMMs themselves run in tests/support/triton_interpreted_quant.py."""
+layers left dense, re-quantization after an RL update, and CPU's default for FP8
+(dequantized at load).  The GEMMs themselves run in tests/support/triton_interpreted_quant.py."""
 from __future__ import annotations
 
 import torch
@@ -115,8 +115,8 @@ def test_dense_layers_stay_dense_and_fp8_updates_requantize_per_row():
 
 
 def test_cpu_default_dequantizes_at_load(tiny_model, tmp_path, monkeypatch):
-    """On CPU (no FP8 dot products here) quantized checkpoints load dequantized unless a
-    test forces the CUDA scheme."""
+    """On CPU (no FP8 dot products here) FP8 checkpoints load dequantized unless a test
+    forces the CUDA scheme (int4 ones stay int4: tests/unit/engine/test_cpu_int4_kept.py)."""
     monkeypatch.delenv("TOKSERVE_KEEP_QUANTIZED", raising=False)
     assert not keeps_quantized(torch.device("cpu")) and keeps_quantized(torch.device("cuda"))
     path = qf.write_fp8_block(tiny_model("llama"), tmp_path / "fp8")
