@@ -3,7 +3,8 @@ kernels/int4_gemm.cpp): AWQ, GPTQ (symmetric, with zero points), compressed-tens
 W4A16 (the real library writes them) against HF transformers running the dequantized
 weights, through the paged model and the engine; the resident projection bytes; the
 layers not kept int4 on the engine's CPU linear scheme; an RL weight update re-quantized
-and greedy-equal to a reference holding the re-quantized weights; FP8 and act-order
+and greedy-equal to a reference holding the re-quantized weights; a request's logprobs
+alone equal to inside a batch of 32 (bitwise); FP8 and act-order
 layers dequantized as before."""
 from __future__ import annotations
 
@@ -201,3 +202,27 @@ def test_without_the_kernels_int4_loads_dequantized_and_says_so(tiny_model, tmp_
     out = engine.generate([request("r", prompt, max_tokens=5, ignore_eos=True)])
     assert [t for d in out["r"] for t in d.token_ids] == qf.greedy(ref, prompt, 5)
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_alone_equal_inside_a_batch_of_32_bitwise(tiny_model, tmp_path, dtype):
+    """A request's logprobs on the kept-int4 model do not depend on the batch it runs in:
+    the int4 GEMM sums every element in the same order for any row count."""
+    from common.dtype_policy import cpu_runs_bf16_fast
+    from tests.support.engine_helpers import random_prompts
+
+    if dtype == "bfloat16" and not cpu_runs_bf16_fast():
+        pytest.skip("bf16 serving is emulated on this CPU")
+    path, _ = _checkpoint(tiny_model("llama"), tmp_path, "awq")
+    prompts = random_prompts(32, 5, 60, seed=7)
+    params = dict(max_tokens=8, ignore_eos=True, logprobs=5)
+
+    def run(ps):
+        engine = make_engine(path, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=2048)
+        assert isinstance(engine.runner.model.layers[0].down_weight, CpuInt4Weight)
+        out = engine.generate([request(str(i), p, **params) for i, p in enumerate(ps)])
+        engine.close()
+        d = out["0"][0]
+        return d.token_ids, d.logprobs.logprobs, d.logprobs.top_logprobs
+
+    assert run(prompts[:1]) == run(prompts)
