@@ -28,7 +28,7 @@ packs: a weight that was quantized is re-quantized from its new values (FP8: one
 per row, as online FP8; int4: round-to-nearest per group with a zero point), one that
 was dense (the config's ignore list) stays dense.
 
-On CPU (``cpu_keeps_int4``) int4 layers are kept for the C++ W4A16 GEMM
+On CPU (``cpu_int4_kernels``) int4 layers are kept for the C++ W4A16 GEMM
 (kernels/int4_gemm.cpp, ``CpuInt4Weight``): batch-1 decode streams the weights, and a
 quarter of the bytes measured faster than the dequantized bf16 model (benchmarks/README.md).
 FP8 layers load dequantized there: the CPU has no FP8 dot products and converting per call
@@ -218,7 +218,7 @@ def _int4_from(w: torch.Tensor, rec: ScaleRecord, cpu: bool = False):
     s = rec.scale.repeat_interleave(rec.group, 1)[:, :k]
     z = rec.zero.repeat_interleave(rec.group, 1)[:, :k].float()
     q = torch.round(w.float() / s + z).clamp(0, 15).to(torch.int32)
-    if cpu:  # the CPU kernel's layout (fp32 zero points: it subtracts them per group)
+    if cpu:  # the CPU kernel's layout (int4_cpu.pack_int4: nibble runs, zero points as bytes)
         return CpuInt4Weight(pack_int4(q, rec.scale, rec.zero.float(), rec.group), w.dtype)
     # uint8 zero points: a quarter of int32's bytes (the kernel widens them per tile)
     zero = None if bool((rec.zero == 8).all()) else rec.zero.to(torch.uint8).contiguous()
