@@ -1,7 +1,8 @@
 """LoRA adapters on a quantized base (issue 43): an adapter trained on the dense model
 serves on its AWQ / FP8-block checkpoint, and its greedy ids and logprobs equal peft's
 over the HF model holding the dequantized weights (what the quantized base computes),
-next to base rows of the same batch."""
+next to base rows of the same batch.  On CPU the AWQ base stays int4 in memory (the
+adapter's delta is added to the int4 GEMM's output); FP8 loads dequantized here."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +48,10 @@ def test_adapter_on_a_quantized_base_equals_peft_on_the_dequantized_model(quanti
     prompts = random_prompts(2, 9, 14, seed=8)
     engine = make_engine(path, enable_lora=True, max_loras=1, max_lora_rank=8, lora_modules={"a": str(adapter)})
     try:
+        if fmt == "awq":  # the base the adapter rides on really is the int4 one
+            from worker.engine.quantization.kept import CpuInt4Weight
+            layer = engine.model.layers[0]
+            assert all(isinstance(getattr(layer, n), CpuInt4Weight) for n in layer._LINEAR_WEIGHTS)
         reqs = [request("lora", prompts[0], max_tokens=8, logprobs=0, ignore_eos=True),
                 request("base", prompts[1], max_tokens=8, ignore_eos=True)]
         reqs[0].lora_name = "a"
