@@ -43,17 +43,37 @@ def status(key):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
 
-model_dir, warmup_dir = sys.argv[1], sys.argv[2]
+model_dir, warmup_dir, as_worker = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 config = ModelConfig.from_dir(model_dir)
-load_model(warmup_dir, dtype=torch.bfloat16)  # result dropped: only its code paths matter
+if as_worker:
+    from common.malloc_tuning import keep_freed_memory
+
+    keep_freed_memory()  # as worker/main.py does before loading
+
+
+def load(path, config=None):
+    if not as_worker:
+        return load_model(path, dtype=torch.bfloat16, config=config)
+    # As the worker builds it: a quantized checkpoint's layers kept quantized where they are.
+    from worker.engine.config import EngineConfig
+    from worker.engine.loading.model_setup import build_model
+
+    cfg = EngineConfig(model=str(path), dtype="bfloat16", num_threads=1)
+    return build_model(cfg, config or ModelConfig.from_dir(path), cfg.torch_device)[0]
+
+
+load(warmup_dir)  # result dropped: only its code paths matter
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
 baseline = status("VmRSS")
-model = load_model(model_dir, dtype=torch.bfloat16, config=config)
+model = load(model_dir, config)
 peak = status("VmHWM")
+import gc
+gc.collect()
+final = status("VmRSS")
 shards = [p.stat().st_size for p in safetensors_files(model_dir)]
 weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-print(json.dumps(dict(baseline=baseline, peak=peak, weights=weights, shards=shards)))
+print(json.dumps(dict(baseline=baseline, peak=peak, final=final, weights=weights, shards=shards)))
 """
 
 
@@ -76,20 +96,24 @@ def write_checkpoint(out: Path, *, layers: int, hidden: int, vocab: int, shards:
     return out
 
 
-def measure(model_dir: Path) -> dict:
-    """Load ``model_dir`` in a fresh process; its memory figures in bytes."""
+def measure(model_dir: Path, as_worker: bool = False) -> dict:
+    """Load ``model_dir`` in a fresh process (``as_worker``: as the worker builds the model,
+    quantized layers kept quantized and linears packed); its memory figures in bytes
+    (``final``: resident after the load, ``weights``: the model's parameters)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
         cfg = json.load(f)
     with tempfile.TemporaryDirectory() as tmp:
         # One layer and a small vocabulary: the same code paths, a few hundred KiB of weights.
         warmup = write_checkpoint(Path(tmp) / "warmup", layers=1, hidden=cfg["hidden_size"], vocab=256, shards=1)
-        out = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), str(warmup)], capture_output=True,
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), str(warmup), "1" if as_worker else "0"],
+                             capture_output=True,
                              text=True, env=env, check=False, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"loading {model_dir} failed:\n{out.stderr[-4000:]}")
     fig = json.loads(out.stdout.strip().splitlines()[-1])
     fig["growth"] = fig["peak"] - fig["baseline"]
+    fig["kept"] = fig["final"] - fig["baseline"]
     fig["checkpoint"] = sum(fig["shards"])
     fig["largest_shard"] = max(fig["shards"])
     return fig

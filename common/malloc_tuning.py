@@ -32,12 +32,21 @@ differently sized buffers (holes between live chunks, thread arenas) piled up: a
 ``malloc_trim(0)`` once a minute hands those free pages back; the only cost is that
 the next step faults its activation pages in again once (a few ms on the demo model),
 so a worker's RSS stays within one step's working set of what it uses.
+
+``release_pages`` (CPU model loading): hand a tensor's pages back to the kernel while the
+tensor keeps its address, shape and storage (views of it stay valid; it reads as zeros
+afterwards).  A quantized checkpoint kept int4 on CPU loads each layer dense first and
+packs it as soon as its rows are in (quantization/kept.py); the dense copy is still the
+model's parameter until the model swaps in the packed one, so it cannot be freed, but
+nothing reads it again: releasing its pages keeps the load's peak near the packed model's
+size instead of the dense model's.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import threading
 from typing import Optional
 
@@ -74,6 +83,26 @@ def return_large_allocations(threshold: int = GATEWAY_MMAP_THRESHOLD) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
+_PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4  # Linux's value (sys/mman.h)
+
+
+def release_pages(t) -> int:
+    """``madvise(MADV_DONTNEED)`` on the whole pages inside CPU tensor ``t``'s bytes (its
+    contents become zeros); the bytes released, 0 where the C library has no madvise."""
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    start = t.data_ptr()
+    first = -(-start // _PAGE) * _PAGE  # only pages wholly inside: the allocator's headers stay
+    last = (start + t.numel() * t.element_size()) // _PAGE * _PAGE
+    if last <= first or madvise(first, last - first, MADV_DONTNEED) != 0:
+        return 0
+    return last - first
 
 
 _trim = None

@@ -34,7 +34,7 @@ ATOL = 5e-4  # fp32 on both sides; the interpreted GEMMs sum in another order
 def kept_model(path):
     quant = ModelConfig.from_dir(path).quantization
     kept = KeptQuantized(quant)
-    model = load_model(path, dtype=torch.float32, keep=kept.keep)
+    model = load_model(path, dtype=torch.float32, keep=kept.keep, filled=kept.filled)
     kept.bind(model)
     model.pack_linears(kept.scheme())
     kept.finish()

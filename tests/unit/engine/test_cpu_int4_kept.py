@@ -47,7 +47,7 @@ def kept_model(path, dtype=torch.float32):
     """The paged model as model_setup builds it on CPU: int4 layers kept, the rest on the
     CPU linear scheme ``auto`` picks for ``dtype``."""
     kept = KeptQuantized(ModelConfig.from_dir(path).quantization, kernels)
-    model = load_model(path, dtype=dtype, keep=kept.keep)
+    model = load_model(path, dtype=dtype, keep=kept.keep, filled=kept.filled)
     kept.bind(model)
     model.pack_linears(kept.scheme(linear_scheme(resolve_cpu_linear("auto", CPU, dtype))))
     kept.finish()

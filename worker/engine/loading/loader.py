@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -105,12 +105,28 @@ def _dense_only(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield name, tensor
 
 
-def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None) -> None:
+# Told (model, checkpoint name) once the model has copied that tensor into its parameter.
+FilledHook = Callable[[Any, str], None]
+
+
+def _reporting(weights: Iterator[tuple[str, torch.Tensor]], model, filled: FilledHook
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, calling ``filled`` for each one once the model asks for the next: the
+    models' loader (models/weight_loading.py) copies every tensor before it does."""
+    for name, tensor in weights:
+        yield name, tensor
+        filled(model, name)
+
+
+def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None,
+                 filled: Optional[FilledHook] = None) -> None:
     """Stream the (dequantized) checkpoint through the model's own ``load_weights`` (its
     name mapping and sharding) and check that every weight it needs came; ``keep`` sees
     each quantized layer's parts (quantization/kept.py), ``kv`` the KV-cache scales
-    (quantization/kv_scales.py)."""
-    loaded = model.load_weights(_dense_only(iter_dense_checkpoint(model_dir, model.config.quantization, keep, kv)))
+    (quantization/kv_scales.py), ``filled`` each tensor the model has copied (kept.py packs
+    a layer as soon as it is complete)."""
+    weights = _dense_only(iter_dense_checkpoint(model_dir, model.config.quantization, keep, kv))
+    loaded = model.load_weights(weights if filled is None else _reporting(weights, model, filled))
     missing = sorted(set(model.weight_targets()) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -119,10 +135,11 @@ def load_weights(model, model_dir: str | Path, keep: Optional[KeepHook] = None, 
 
 def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
                device: torch.device | str = "cpu", config: Optional[ModelConfig] = None,
-               keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None):
+               keep: Optional[KeepHook] = None, kv: Optional[KvHook] = None,
+               filled: Optional[FilledHook] = None):
     """Build the registered model for ``model_dir``'s architecture on ``device`` in
-    ``dtype`` (default: the checkpoint's) and fill its weights (``keep``, ``kv``: see
-    load_weights)."""
+    ``dtype`` (default: the checkpoint's) and fill its weights (``keep``, ``kv``,
+    ``filled``: see load_weights)."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = config.family.model_class()
     if config.quantization is not None:
@@ -136,5 +153,5 @@ def load_model(model_dir: str | Path, *, dtype: Optional[torch.dtype] = None,
                      "applied)")
     with torch.device(device):
         model = cls(config, dtype=dtype, device=device)
-    load_weights(model, model_dir, keep, kv)
+    load_weights(model, model_dir, keep, kv, filled)
     return model.eval()

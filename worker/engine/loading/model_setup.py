@@ -35,7 +35,8 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     kv_scales = KvScales() if mc.quantization is not None else None
     model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc,
                        keep=kept.keep if kept is not None else None,
-                       kv=kv_scales.add if kv_scales is not None else None)
+                       kv=kv_scales.add if kv_scales is not None else None,
+                       filled=kept.filled if kept is not None else None)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
     if kv_scales is not None:
         kv_scales.apply(model, fp8_cache=config.kv_dtype is not None)

@@ -401,12 +401,16 @@ class LlamaForCausalLM(nn.Module):
             layer.pack_linears(scheme)
         self.pack_lm_head()
 
+    def projection_weights(self) -> list[torch.Tensor]:
+        """The decoder layers' projection weights ``pack_linears`` hands to the scheme's
+        ``pack`` one by one (dense, before packing; MoE experts are packed as stacks)."""
+        return [getattr(layer, name) for layer in self.layers for name in layer._LINEAR_WEIGHTS]
+
     def packable(self, scheme: PackedLinears) -> bool:
         """Whether ``scheme`` can pack every weight ``pack_linears`` would (checked before
         packing anything: a model is packed whole or not at all)."""
-        weights = [self.lm_head]
+        weights = [self.lm_head] + self.projection_weights()
         for layer in self.layers:
-            weights += [getattr(layer, name) for name in layer._LINEAR_WEIGHTS]
             if layer.moe is not None and scheme.packs_experts:
                 weights += [layer.moe.w13[0], layer.moe.w2[0]]
         return all(scheme.accepts(w) for w in weights)

@@ -40,11 +40,18 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group:
         raise ValueError("int4 values and zero points must be unsigned 0..15")
     nb = -(-n // 8)
     pad = nb * 8 - n
-    # [nb, 8 columns j, k / 8 runs, 8 nibbles i] -> words [nb, k / 8, j]
-    q = torch.nn.functional.pad(q.to(torch.int64), (0, 0, 0, pad)).reshape(nb, 8, k // 8, 8)
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
     shifts = torch.arange(8, dtype=torch.int64) * 4
-    words = (q << shifts).sum(-1).transpose(1, 2)  # nibble i = k0 + i (no carries: disjoint bits)
-    packed = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).reshape(nb, k).contiguous()
+    packed = torch.empty(nb, k, dtype=torch.int32)
+    # A few thousand rows at a time: the int64 temporaries are ~30 bytes per value, which for
+    # a whole 11008 x 4096 layer would be GBs at load.
+    step = max(1, (1 << 17) // max(k, 1))  # blocks of 8 rows per chunk (~1M values)
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        # [blocks, 8 columns j, k / 8 runs, 8 nibbles i] -> words [blocks, k / 8, j]
+        qc = q[b0 * 8:b1 * 8].to(torch.int64).reshape(b1 - b0, 8, k // 8, 8)
+        words = (qc << shifts).sum(-1).transpose(1, 2)  # nibble i = k0 + i (no carries: disjoint bits)
+        packed[b0:b1] = ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).reshape(b1 - b0, k)
 
     def blocked(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = torch.nn.functional.pad(t.to(dtype), (0, 0, 0, pad))

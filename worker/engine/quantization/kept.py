@@ -15,8 +15,9 @@ dtype, at worst 2^-9 relative off, far inside half a quantization step (FP8 e4m3
 are 2^-3 relative; int4 ones are ``s`` with ``|q - z| <= 15``), so dividing by the
 scale and rounding gives back ``q`` bit for bit (tests assert it against the file).
 The resident weights are then the checkpoint's FP8 bytes or int4 nibbles plus scales;
-the dense copy exists only while loading (the load's peak is a dense model's: stated in
-docs/quantization.md).
+the dense copy exists only while loading: on CPU each projection is packed as soon as
+the loader reports its rows copied (``filled``) and its dense pages handed back, on CUDA
+after loading (the load's peak there is a dense model's: docs/quantization.md).
 
 Per-part scales of a fused parameter are laid out per output row, so q/k/v parts with
 different per-tensor scales stay exact (vLLM re-quantizes them to the largest scale
@@ -47,6 +48,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from common.malloc_tuning import release_pages, trim_freed_memory
 from worker.engine.models.cpu_gemm import DENSE, PackedExperts, PackedLinears
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
 from worker.engine.quantization.dequant import _AWQ_REVERSE, unpack_int32
@@ -213,11 +215,22 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
 
 
+def chunk_rows(k: int, elements: int = 1 << 20) -> int:
+    """Rows per chunk when quantizing or packing a ``[rows, k]`` weight: about ``elements``
+    values at a time (a multiple of 8 rows: the CPU layout's column blocks), so the fp32 and
+    int64 temporaries (tens of bytes per value) stay a few tens of MB whatever the layer."""
+    return max(8, elements // max(k, 1) // 8 * 8)
+
+
 def _int4_from(w: torch.Tensor, rec: ScaleRecord, cpu: bool = False):
     n, k = w.shape
-    s = rec.scale.repeat_interleave(rec.group, 1)[:, :k]
-    z = rec.zero.repeat_interleave(rec.group, 1)[:, :k].float()
-    q = torch.round(w.float() / s + z).clamp(0, 15).to(torch.int32)
+    q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    step = chunk_rows(k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        s = rec.scale[r0:r1].repeat_interleave(rec.group, 1)[:, :k]
+        z = rec.zero[r0:r1].repeat_interleave(rec.group, 1)[:, :k].float()
+        q[r0:r1] = torch.round(w[r0:r1].float() / s + z).clamp(0, 15).to(torch.uint8)
     if cpu:  # the CPU kernel's layout (int4_cpu.pack_int4: nibble runs, zero points as bytes)
         return CpuInt4Weight(pack_int4(q, rec.scale, rec.zero.float(), rec.group), w.dtype)
     # uint8 zero points: a quarter of int32's bytes (the kernel widens them per tile)
@@ -290,6 +303,11 @@ class KeptQuantized:
         self._requant: dict[int, str] = {}  # storage ptr of unpacked weights -> their kind (re-quantize on pack)
         self.kept = 0
         self.kinds: set[str] = set()
+        # Packed while loading (CPU, ``filled``): storage identity -> the kept weight ``pack`` returns.
+        self._early: dict[int, object] = {}
+        self._targets: Optional[dict[str, torch.Tensor]] = None
+        self._projections: dict[int, torch.Tensor] = {}  # storage ptr -> projection weight (CPU)
+        self._rows_in: dict[int, int] = {}  # storage ptr -> rows of records filled so far
 
     # the reader's hook
     def keep(self, layer: str, scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> None:
@@ -307,19 +325,62 @@ class KeptQuantized:
         else:
             self.records[layer] = rec
 
+    def _bind_view(self, view: torch.Tensor, rec: ScaleRecord) -> int:
+        key = view.untyped_storage().data_ptr()
+        self._bound.setdefault(key, []).append((view.storage_offset() // view.stride(0), view.shape[0], rec))
+        self.kinds.add(rec.kind)
+        return key
+
+    # the loader's hook
+    def filled(self, model, name: str) -> None:
+        """``name`` has been copied into the model.  On CPU, once every row of a parameter
+        is covered by records, the parameter is packed now and its dense pages handed back
+        (``release_pages``: it stays the model's parameter, with its address and shape,
+        until ``pack`` swaps the packed weight in, and nothing reads it before), so loading
+        a kept-int4 model peaks near its packed size plus the layer in flight, not at the
+        dense model's size.  (On CUDA the dense parameters are allocated whole when the
+        model is built, so packing early would only add to the peak: packed at the end.)"""
+        layer = name[: -len(".weight")] if name.endswith(".weight") else None
+        rec = self.records.get(layer) if layer is not None else None
+        if rec is None:
+            return
+        if self._targets is None:
+            self._targets = model.weight_targets()
+            # only what pack() will be handed: MoE experts' stacks are packed as stacks
+            self._projections = {w.untyped_storage().data_ptr(): w for w in model.projection_weights()
+                                 if w.dim() == 2 and w.device.type == "cpu"}
+        view = self._targets.get(name)
+        whole = self._projections.get(view.untyped_storage().data_ptr()) if view is not None else None
+        if whole is None or view.dim() != 2 or view.stride(0) != whole.stride(0):
+            return  # bound after loading instead
+        del self.records[layer]
+        key = self._bind_view(view, rec)
+        self._rows_in[key] = self._rows_in.get(key, 0) + view.shape[0]
+        if self._rows_in[key] < whole.shape[0]:
+            return
+        del self._rows_in[key]
+        packed = self._kept_form(whole)
+        if packed is not None:
+            self._early[whole.untyped_storage()._cdata] = packed
+            release_pages(whole)
+            # The dequantizing and packing temporaries (several times the layer in fp32 and
+            # int64) are freed but sit in the heap between the kept layers (the CPU worker
+            # never trims on its own, common/malloc_tuning.py): hand them back per layer,
+            # or the load still peaks at several times the packed model.
+            trim_freed_memory()
+
     def bind(self, model) -> None:
-        """Map each record to the rows of the parameter its dense weight was copied into."""
+        """Map each record ``filled`` did not already pack to the rows of the parameter its
+        dense weight was copied into."""
         for name, view in model.weight_targets().items():
             if not name.endswith(".weight") or view.dim() != 2:
                 continue
             rec = self.records.get(name[: -len(".weight")])
             if rec is None:
                 continue
-            stride = view.stride(0)
-            key = view.untyped_storage().data_ptr()
-            self._bound.setdefault(key, []).append((view.storage_offset() // stride, view.shape[0], rec))
-        self.kinds = {r.kind for r in self.records.values()}
+            self._bind_view(view, rec)
         self.records.clear()  # what is bound lives on in _bound until packed
+        self._rows_in.clear()  # parameters only partly covered by records: packed whole below
         if self.dense_here:
             log.info("%d %s layer(s) load dequantized (CPU: no FP8 dot products; converting per call measured "
                      "~50x slower than the dense GEMM)", len(self.dense_here), "/".join(sorted(set(
@@ -368,6 +429,9 @@ class KeptQuantized:
     def finish(self) -> None:
         """Drop the records no packing took (MoE experts stay dense): call after packing."""
         self._bound.clear()
+        self._early.clear()
+        self._targets = None
+        self._projections = {}
 
     def pack(self, w: torch.Tensor, inner: PackedLinears = DENSE):
         """``w`` kept quantized where a record covers it, else packed by ``inner``."""
@@ -379,13 +443,21 @@ class KeptQuantized:
                 return Fp8Weight(q, scale, w.dtype)
             kind, group = again.split(":")
             return _requantize_int4(w, int(group), cpu=self.cpu_kernels is not None)
+        early = self._early.pop(w.untyped_storage()._cdata, None)
+        if early is not None:
+            return early
+        kept = self._kept_form(w)
+        return inner.pack(w) if kept is None else kept
+
+    def _kept_form(self, w: torch.Tensor):
+        """``w`` quantized as its records say, None where it stays dense."""
         rec = self._fused(w)
         if rec is not None and self.cpu_kernels is not None and not cpu_int4_fits(w, rec.group):
             log.warning("an int4 weight %s with group %d loads dequantized (the CPU kernel needs whole groups of a "
                         "multiple of 8 columns and fp32/bf16)", tuple(w.shape), rec.group)
             rec = None
         if rec is None:
-            return inner.pack(w)
+            return None
         self.kept += 1
         if rec.kind == "fp8":
             return _fp8_from(w, rec)
