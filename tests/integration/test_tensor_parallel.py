@@ -226,18 +226,20 @@ def test_idle_followers_outlive_the_step_timeout(tiny_model, monkeypatch):
         engine.close()
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order", "fp8_block", "gptq_moe"])
+@pytest.mark.parametrize("fmt", ["awq", "awq_g64", "gptq_act_order", "fp8_block", "gptq_moe"])
 def test_quantized_checkpoint_over_two_ranks(tiny_model, tmp_path, fmt):
     """Quantized checkpoints (issue 43) over two ranks on CPU: each rank dequantizes the
     layers it reads and takes its shard of the dense weight (column-parallel rows,
     row-parallel columns, experts), so the scales and packed integers never need slicing
     at group or block edges; the greedy tokens equal one rank's and the dequantized HF
-    reference's.  (Kept-quantized weights, CUDA only, load dequantized under TP.)"""
+    reference's.  int4 checkpoints stay int4 on CPU under TP too: each rank cuts the
+    scales and zero points to its rows (q/k/v, gate/up) or whole groups of its columns
+    (o, down) before packing its shard."""
     from tests.support import quantized_factory as qf
 
     src = tiny_model("mixtral" if fmt == "gptq_moe" else "llama")
-    if fmt == "awq":
-        path, dense = qf.write_awq(src, tmp_path / fmt)
+    if fmt.startswith("awq"):
+        path, dense = qf.write_awq(src, tmp_path / fmt, group=64 if fmt == "awq_g64" else 32)
     elif fmt == "fp8_block":
         path, dense = qf.write_fp8_block(src, tmp_path / fmt), None
     else:
@@ -254,7 +256,20 @@ def test_quantized_checkpoint_over_two_ranks(tiny_model, tmp_path, fmt):
 
     one = greedy(make_engine(path))
     assert one == [qf.greedy(ref, p, 8) for p in prompts]
-    assert greedy(make_engine(path, tensor_parallel_size=2)) == one
+    two = make_engine(path, tensor_parallel_size=2)
+    if fmt in ("awq", "gptq_moe"):  # int4 stays int4 on CPU, each rank holding its shard's nibbles and scales
+        from worker.engine.quantization.kept import CpuInt4Weight
+
+        layer = two.model.layers[0]
+        assert all(isinstance(getattr(layer, n), CpuInt4Weight) for n in layer._LINEAR_WEIGHTS)
+        cfg = two.model.config
+        assert tuple(layer.o_weight.shape) == (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim // 2)
+    if fmt == "awq_g64":  # o_proj's 64 columns split 32 + 32 inside a 64-column group: that layer stays dense
+        from worker.engine.quantization.kept import CpuInt4Weight
+
+        layer = two.model.layers[0]
+        assert not isinstance(layer.o_weight, CpuInt4Weight) and isinstance(layer.down_weight, CpuInt4Weight)
+    assert greedy(two) == one
 
 
 def test_unshardable_sizes_are_refused_before_starting(tiny_model):

@@ -307,6 +307,7 @@ class KeptQuantized:
         self._early: dict[int, object] = {}
         self._targets: Optional[dict[str, torch.Tensor]] = None
         self._projections: dict[int, torch.Tensor] = {}  # storage ptr -> projection weight (CPU)
+        self._slices: Optional[dict[str, tuple[int, int, int]]] = None  # tensor parallelism: what this rank holds
         self._rows_in: dict[int, int] = {}  # storage ptr -> rows of records filled so far
 
     # the reader's hook
@@ -324,6 +325,28 @@ class KeptQuantized:
             self.refused[layer] = why
         else:
             self.records[layer] = rec
+
+    def _rank_part(self, model, name: str, rec: ScaleRecord) -> Optional[ScaleRecord]:
+        """``rec`` cut to the part of the layer this tensor-parallel rank holds (the slice the
+        loader narrowed the dense weight to: rows, or columns in whole groups); None when
+        the rank's columns start or end inside a group (the layer then stays dense)."""
+        if self._slices is None:
+            self._slices = model.weight_slices()
+        cut = self._slices.get(name)
+        if cut is None:
+            return rec
+        dim, start, length = cut
+        if dim == 0:
+            scale = rec.row_scales().narrow(0, start, length)
+            zero = rec.zero.narrow(0, start, length) if rec.zero is not None else None
+            return ScaleRecord(rec.kind, scale, rec.group, zero)
+        if rec.group is None:  # one scale per row: every column of the row shares it
+            return rec
+        if start % rec.group or length % rec.group:
+            return None
+        g0, gn = start // rec.group, length // rec.group
+        zero = rec.zero.narrow(1, g0, gn) if rec.zero is not None else None
+        return ScaleRecord(rec.kind, rec.scale.narrow(1, g0, gn), rec.group, zero, rec.block_rows)
 
     def _bind_view(self, view: torch.Tensor, rec: ScaleRecord) -> int:
         key = view.untyped_storage().data_ptr()
@@ -354,6 +377,10 @@ class KeptQuantized:
         if whole is None or view.dim() != 2 or view.stride(0) != whole.stride(0):
             return  # bound after loading instead
         del self.records[layer]
+        rec = self._rank_part(model, name, rec)
+        if rec is None:
+            self.refused[layer] = "a tensor-parallel shard boundary inside a quantization group"
+            return
         key = self._bind_view(view, rec)
         self._rows_in[key] = self._rows_in.get(key, 0) + view.shape[0]
         if self._rows_in[key] < whole.shape[0]:
@@ -378,7 +405,11 @@ class KeptQuantized:
             rec = self.records.get(name[: -len(".weight")])
             if rec is None:
                 continue
-            self._bind_view(view, rec)
+            part = self._rank_part(model, name, rec)
+            if part is None:
+                self.refused[name[: -len(".weight")]] = "a tensor-parallel shard boundary inside a quantization group"
+                continue
+            self._bind_view(view, part)
         self.records.clear()  # what is bound lives on in _bound until packed
         self._rows_in.clear()  # parameters only partly covered by records: packed whole below
         if self.dense_here:
