@@ -17,7 +17,8 @@ from worker.engine.quantization.online_fp8 import Fp8Weight
 
 
 class _Model:
-    """What ``bind`` reads: checkpoint name -> the view of the fused parameter."""
+    """What ``bind`` reads: checkpoint name -> the view of the fused parameter, and the
+    tensor-parallel slices (none: one rank)."""
 
     def __init__(self, param, parts):
         self.param, self.parts = param, parts
@@ -28,6 +29,9 @@ class _Model:
             out[name + ".weight"] = self.param.data[row:row + rows]
             row += rows
         return out
+
+    def weight_slices(self):
+        return {}
 
 
 def _fp8_part(rows, cols, block, gen):
