@@ -204,6 +204,21 @@ def with_fp8_rounded_inputs(hf, group: Optional[int] = None):
     return hf
 
 
+def assert_paged_matches(model, ref, *, atol: float, n: int = 30, prompt: int = 21) -> None:
+    """The paged model teacher-forced over ``n`` tokens (a ``prompt``-token prefill, then
+    one decode step per token) gives the HF reference's logits within ``atol``."""
+    from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
+
+    ids = _tokens(n, seed=3)
+    want = hf_logits(ref, ids)
+    seqs = PagedSeqs(model)
+    (got,) = seqs.step([("a", ids[:prompt])])
+    torch.testing.assert_close(got, want[:prompt], atol=atol, rtol=0)
+    for pos in range(prompt, n):
+        (got,) = seqs.step([("a", [ids[pos]])])
+        torch.testing.assert_close(got[0], want[pos], atol=atol, rtol=0)
+
+
 def greedy(ref, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy ids of an HF model by full forward passes."""
     ids = list(prompt)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.support import quantized_factory as qf
 from tests.support.engine_helpers import make_engine, request
-from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
+from tests.unit.engine.test_model import _tokens
 from worker.engine.loading.loader import load_model
 from worker.engine.models.config import ModelConfig
 from worker.engine.quantization.kept import Fp8BlockWeight, Int4Weight, KeptQuantized, weight_bytes
@@ -42,14 +42,7 @@ def kept_model(path):
 
 
 def _paged_matches(model, ref, n=30, prompt=21):
-    ids = _tokens(n, seed=3)
-    want = hf_logits(ref, ids)
-    seqs = PagedSeqs(model)
-    (got,) = seqs.step([("a", ids[:prompt])])
-    torch.testing.assert_close(got, want[:prompt], atol=ATOL, rtol=0)
-    for pos in range(prompt, n):
-        (got,) = seqs.step([("a", [ids[pos]])])
-        torch.testing.assert_close(got[0], want[pos], atol=ATOL, rtol=0)
+    qf.assert_paged_matches(model, ref, atol=ATOL, n=n, prompt=prompt)
 
 
 def _linear_bytes(model):

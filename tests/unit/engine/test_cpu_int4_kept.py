@@ -64,14 +64,7 @@ def _bf16_bytes(model):  # what the same projections hold dequantized to bf16
 
 
 def _paged_matches(model, ref, n=30, prompt=21):
-    ids = _tokens(n, seed=3)
-    want = hf_logits(ref, ids)
-    seqs = PagedSeqs(model)
-    (got,) = seqs.step([("a", ids[:prompt])])
-    torch.testing.assert_close(got, want[:prompt], atol=ATOL, rtol=0)
-    for pos in range(prompt, n):
-        (got,) = seqs.step([("a", [ids[pos]])])
-        torch.testing.assert_close(got[0], want[pos], atol=ATOL, rtol=0)
+    qf.assert_paged_matches(model, ref, atol=ATOL, n=n, prompt=prompt)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_asym", "ct_w4a16", "ct_w4a16_asym"])

@@ -13,7 +13,7 @@ import torch
 
 from tests.support import quantized_factory as qf
 from tests.support.engine_helpers import make_engine, request
-from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
+from tests.unit.engine.test_model import _tokens
 from worker.engine.loading.loader import load_model
 from worker.engine.models.config import ModelConfig
 from worker.engine.quantization.config import parse_quantization
@@ -22,15 +22,7 @@ ATOL = 2e-4  # fp32 dequantized weights on both sides; only summation order diff
 
 
 def _paged_matches(path, ref, n: int = 40, prompt: int = 33):
-    model = load_model(path, dtype=torch.float32)
-    ids = _tokens(n, seed=3)
-    want = hf_logits(ref, ids)
-    seqs = PagedSeqs(model)
-    (got,) = seqs.step([("a", ids[:prompt])])
-    torch.testing.assert_close(got, want[:prompt], atol=ATOL, rtol=0)
-    for pos in range(prompt, n):
-        (got,) = seqs.step([("a", [ids[pos]])])
-        torch.testing.assert_close(got[0], want[pos], atol=ATOL, rtol=0)
+    qf.assert_paged_matches(load_model(path, dtype=torch.float32), ref, atol=ATOL, n=n, prompt=prompt)
 
 
 def _engine_greedy_matches(path, ref, n_tokens: int = 12):
