@@ -130,21 +130,32 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, silu_and_mul) -> torch.Tensor:
+                  topk_ids: torch.Tensor, silu_and_mul, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for ``x [T, H]``; ``w13 [E, 2I, H]`` is
-    gate | up stacked, ``w2 [E, H, I]``; ``silu_and_mul`` the backend's SwiGLU."""
+    gate | up stacked, ``w2 [E, H, I]``; ``silu_and_mul`` the backend's SwiGLU.  With
+    ``w13_scale`` / ``w2_scale`` the stacks are FP8 (see ``fused_experts_fp8``): each GEMM's
+    input is quantized per row first."""
     t, top_k = topk_ids.shape
     num_pairs = t * top_k
     out = x.new_empty((t, x.shape[1]))
     if t == 0:
         return out
     sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
-    gate_up = x.new_empty((num_pairs, w13.shape[1]))
-    grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, num_padded, num_pairs, top_k)
-    act = silu_and_mul(gate_up)
-    down = x.new_empty((num_pairs, w2.shape[1]))
-    grouped_gemm(act, w2, down, sorted_ids, block_expert, num_padded, num_pairs, 1,
-                 weights=topk_weights.reshape(-1).to(torch.float32).contiguous())
+
+    def gemm(a, w, w_scale, pairs_per_row, **kw):
+        if w_scale is not None:
+            from worker.engine.kernels.triton.quant_gemm import quantize_fp8_rows
+
+            a, a_scale = quantize_fp8_rows(a.contiguous())
+            kw.update(a_scale=a_scale.reshape(-1), w_scale=w_scale)
+        dst = x.new_empty((num_pairs, w.shape[1]))
+        grouped_gemm(a, w, dst, sorted_ids, block_expert, num_padded, num_pairs, pairs_per_row, **kw)
+        return dst
+
+    gate_up = gemm(x, w13, w13_scale, top_k)
+    down = gemm(silu_and_mul(gate_up), w2, w2_scale, 1,
+                weights=topk_weights.reshape(-1).to(torch.float32).contiguous())
     return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
 
 
@@ -153,24 +164,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
                       silu_and_mul) -> torch.Tensor:
     """``fused_experts`` over FP8 experts (``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in
     float8_e4m3fn, scales ``[E, 2I]`` / ``[E, H]``), W8A8 with dynamic per-row input scales."""
-    from worker.engine.kernels.triton.quant_gemm import quantize_fp8_rows
-
-    t, top_k = topk_ids.shape
-    num_pairs = t * top_k
-    out = x.new_empty((t, x.shape[1]))
-    if t == 0:
-        return out
-    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
-    xq, xs = quantize_fp8_rows(x.contiguous())
-    gate_up = x.new_empty((num_pairs, w13.shape[1]))
-    grouped_gemm(xq, w13, gate_up, sorted_ids, block_expert, num_padded, num_pairs, top_k,
-                 a_scale=xs.reshape(-1), w_scale=w13_scale)
-    aq, as_ = quantize_fp8_rows(silu_and_mul(gate_up).contiguous())
-    down = x.new_empty((num_pairs, w2.shape[1]))
-    grouped_gemm(aq, w2, down, sorted_ids, block_expert, num_padded, num_pairs, 1,
-                 weights=topk_weights.reshape(-1).to(torch.float32).contiguous(), a_scale=as_.reshape(-1),
-                 w_scale=w2_scale)
-    return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, silu_and_mul, w13_scale, w2_scale)
 
 
 def compile_specs() -> list:
