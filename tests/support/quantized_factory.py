@@ -204,12 +204,13 @@ def with_fp8_rounded_inputs(hf, group: Optional[int] = None):
     return hf
 
 
-def assert_paged_matches(model, ref, *, atol: float, n: int = 30, prompt: int = 21) -> None:
+def assert_paged_matches(model, ref, *, atol: float, n: int = 30, prompt: int = 21, seed: int = 3):
     """The paged model teacher-forced over ``n`` tokens (a ``prompt``-token prefill, then
-    one decode step per token) gives the HF reference's logits within ``atol``."""
+    one decode step per token) gives the HF reference's logits within ``atol``; returns
+    the tokens and those reference logits."""
     from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
 
-    ids = _tokens(n, seed=3)
+    ids = _tokens(n, seed=seed)
     want = hf_logits(ref, ids)
     seqs = PagedSeqs(model)
     (got,) = seqs.step([("a", ids[:prompt])])
@@ -217,6 +218,7 @@ def assert_paged_matches(model, ref, *, atol: float, n: int = 30, prompt: int = 
     for pos in range(prompt, n):
         (got,) = seqs.step([("a", [ids[pos]])])
         torch.testing.assert_close(got[0], want[pos], atol=atol, rtol=0)
+    return ids, want
 
 
 def greedy(ref, prompt: list[int], n: int) -> list[int]:

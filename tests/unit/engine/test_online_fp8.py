@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import quantized_factory as qf
 from tests.support.engine_helpers import make_engine, request
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import PagedSeqs, _tokens, hf_logits
@@ -82,45 +83,33 @@ def test_paged_model_matches_the_fp8_reference(tiny_model):
     path = tiny_model("llama")
     model = load_model(path, dtype=torch.float32)
     model.pack_linears(emulated_fp8_scheme(None))
-    ids = _tokens(40, seed=4)
-    ref = hf_logits(fp8_reference(path), ids)
+    ids, ref = qf.assert_paged_matches(model, fp8_reference(path), atol=1e-4, n=40, prompt=33, seed=4)
     dense = hf_logits(load_hf_model(path), ids)
-    seqs = PagedSeqs(model)
-    (got,) = seqs.step([("a", ids[:33])])
-    torch.testing.assert_close(got, ref[:33], atol=1e-4, rtol=0)
-    for pos in range(33, 40):
-        (got,) = seqs.step([("a", [ids[pos]])])
-        torch.testing.assert_close(got[0], ref[pos], atol=1e-4, rtol=0)
     assert (ref - dense).abs().max() > 1e-3  # FP8 really moved the logits
 
 
-def _greedy(ref, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def test_engine_online_fp8_greedy_and_weight_updates(tiny_model, tmp_path):
-    path = tiny_model("llama")
+@pytest.mark.parametrize("kind, reference, n, lens", [("llama", fp8_reference, 10, (17, 5)),
+                                                      ("qwen2_moe", fp8_moe_reference, 8, (15, 6))])
+def test_engine_online_fp8_greedy_and_weight_updates(tiny_model, kind, reference, n, lens):
+    """Greedy ids equal the FP8 reference's, and again after an RL weight write of new
+    (dense) weights: served re-quantized (experts included), the head unquantized."""
+    path = tiny_model(kind)
     engine = make_engine(path, quantization="fp8")
-    prompts = [_tokens(17, seed=8), _tokens(5, seed=9)]
+    prompts = [_tokens(lens[0], seed=8), _tokens(lens[1], seed=9)]
 
     def run(tag):
-        reqs = [request(f"{tag}{i}", p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)]
+        reqs = [request(f"{tag}{i}", p, max_tokens=n, ignore_eos=True) for i, p in enumerate(prompts)]
         out = engine.generate(reqs)
         return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
 
-    ref = fp8_reference(path)
-    assert run("a") == [_greedy(ref, p, 10) for p in prompts]
-    # An RL weight write of new (dense) weights: served re-quantized, the head unquantized.
-    other = tiny_model("llama", seed=1)
+    ref = reference(path)
+    assert run("a") == [qf.greedy(ref, p, n) for p in prompts]
+    other = tiny_model(kind, seed=1)
     from safetensors.torch import load_file
-    new = load_file(str(other / "model.safetensors"))
-    engine.rl.write_weights(new)
+    engine.rl.write_weights(load_file(str(other / "model.safetensors")))
     engine.rl.end_weight_writes()
-    assert run("b") == [_greedy(fp8_reference(other), p, 10) for p in prompts]
+    ref = reference(other)
+    assert run("b") == [qf.greedy(ref, p, n) for p in prompts]
     engine.close()
 
 
@@ -133,34 +122,8 @@ def test_moe_paged_model_matches_the_fp8_reference(tiny_model, kind):
     model.pack_linears(emulated_fp8_scheme(None))
     moe = next(layer.moe for layer in model.layers if layer.moe is not None)
     assert isinstance(moe.gate_weight, torch.nn.Parameter)  # the router stays dense
-    ids = _tokens(30, seed=4)
-    ref = hf_logits(fp8_moe_reference(path), ids)
-    seqs = PagedSeqs(model)
-    (got,) = seqs.step([("a", ids[:23])])
-    torch.testing.assert_close(got, ref[:23], atol=1e-4, rtol=0)
-    for pos in range(23, 30):
-        (got,) = seqs.step([("a", [ids[pos]])])
-        torch.testing.assert_close(got[0], ref[pos], atol=1e-4, rtol=0)
+    ids, ref = qf.assert_paged_matches(model, fp8_moe_reference(path), atol=1e-4, n=30, prompt=23, seed=4)
     assert (ref - hf_logits(fp8_reference(path), ids)).abs().max() > 1e-4  # the experts' rounding counts
-
-
-def test_engine_online_fp8_moe_greedy_and_weight_updates(tiny_model):
-    path = tiny_model("qwen2_moe")
-    engine = make_engine(path, quantization="fp8")
-    prompts = [_tokens(15, seed=8), _tokens(6, seed=9)]
-
-    def run(tag):
-        reqs = [request(f"{tag}{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)]
-        out = engine.generate(reqs)
-        return [[t for d in out[f"{tag}{i}"] for t in d.token_ids] for i in range(len(prompts))]
-
-    assert run("a") == [_greedy(fp8_moe_reference(path), p, 8) for p in prompts]
-    other = tiny_model("qwen2_moe", seed=1)
-    from safetensors.torch import load_file
-    engine.rl.write_weights(load_file(str(other / "model.safetensors")))
-    engine.rl.end_weight_writes()
-    assert run("b") == [_greedy(fp8_moe_reference(other), p, 8) for p in prompts]  # experts re-quantized
-    engine.close()
 
 
 def test_moe_experts_over_the_native_bf16_gemm_match_the_torch_emulation(tiny_model):
