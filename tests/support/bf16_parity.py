@@ -58,3 +58,22 @@ def teacher_forced(reference: Callable[[torch.Tensor], torch.Tensor], prompts: l
                 assert gap <= near_tie, f"{label} request {i} token {t}: ours {tok}, reference {best}, gap {gap:.4f}"
             found.worst_lp = max(found.worst_lp, abs(delta.logprobs.logprobs[t] - float(lps[t, tok])))
     return found
+
+
+def bf16_model_and_truths(kind: str, root, n: int = 80, seed: int = 2):
+    """``kind``'s bf16 checkpoint loaded as the engine serves it on CPU (bf16, the backend
+    ``auto`` picks), ``n`` token ids, and the two references over them: transformers'
+    float32 logits (the truth, same weights) and its own bf16 run's."""
+    from tests.support.model_factory import load_hf_model, load_hf_model_bf16, tiny_bf16_model_dir
+    from tests.unit.engine.test_model import _tokens
+    from worker.engine.attention.selector import resolve_attention_backend
+    from worker.engine.loading.loader import load_model
+
+    path = tiny_bf16_model_dir(kind, root)
+    model = load_model(path, dtype=torch.bfloat16)
+    model.use_attention_backend(resolve_attention_backend("auto", "auto", torch.device("cpu"), torch.bfloat16, 4))
+    ids = _tokens(n, seed=seed)
+    with torch.inference_mode():
+        truth = load_hf_model(path)(torch.tensor([ids])).logits[0].float()
+        hf16 = load_hf_model_bf16(path)(torch.tensor([ids])).logits[0].float()
+    return model, ids, truth, hf16

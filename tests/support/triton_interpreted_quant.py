@@ -158,33 +158,17 @@ def test_triton_attention_applies_kv_scales_over_fp8():
     """The checkpoint's KV-cache scales through the Triton backend (cache write and unified
     attention): with them, FP8 attention over K/V beyond e4m3's range tracks the float32
     cache; at scale 1.0 it saturates."""
-    from worker.engine.attention.layer import PagedAttention
-    from worker.engine.attention.metadata import build_attention_metadata
+    from tests.support.fp8_kv_scale_case import BLOCK, kv_scale_case
     from worker.engine.attention.selector import resolve_attention_backend
 
-    torch.manual_seed(0)
-    heads, kvh, d, bs = 4, 2, 16, 4
-    tables = [[3, 7, 1, 9, 2]]
-    steps = [(7, 0), (5, 7), (1, 12)]
-    qkv = [(torch.randn(n, heads, d) * 0.002, torch.randn(n, kvh, d) * 600, torch.randn(n, kvh, d) * 600)
-           for n, _ in steps]
-    ks = max(k.abs().max().item() for _, k, _ in qkv) / 448
-    vs = max(v.abs().max().item() for _, _, v in qkv) / 448
+    def triton(cache_dtype):
+        fp8 = None if cache_dtype == torch.float32 else cache_dtype
+        return resolve_attention_backend("triton", "auto", torch.device("cpu"), torch.float32, BLOCK, fp8)
 
-    def run(cache_dtype, scales):
-        backend = resolve_attention_backend("triton", "auto", torch.device("cpu"), torch.float32, bs,
-                                            None if cache_dtype == torch.float32 else cache_dtype)
-        layer = PagedAttention(heads, kvh, d)
-        layer.set_backend(backend)
-        if scales:
-            layer.set_kv_scales(*scales)
-        cache = torch.zeros(2, 12, bs, kvh, d, dtype=cache_dtype)
-        return torch.cat([layer(q, k, v, cache, build_attention_metadata([n], [ctx], tables, bs, "cpu"))
-                          for (q, k, v), (n, ctx) in zip(qkv, steps)])
-
-    ref = run(torch.float32, None)
-    err_scaled = (run(torch.float8_e4m3fn, (ks, vs)) - ref).abs().max().item()
-    err_unscaled = (run(torch.float8_e4m3fn, None) - ref).abs().max().item()
+    run, ks, vs, _ = kv_scale_case(triton)
+    ref = run(torch.float32, None)[0]
+    err_scaled = (run(torch.float8_e4m3fn, (ks, vs))[0] - ref).abs().max().item()
+    err_unscaled = (run(torch.float8_e4m3fn, None)[0] - ref).abs().max().item()
     assert err_scaled < 0.1 * err_unscaled and err_scaled < 0.07 * ref.abs().max().item(), (err_scaled, err_unscaled)
 
 

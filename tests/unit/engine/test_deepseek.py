@@ -218,16 +218,9 @@ def test_bf16_logits_are_as_close_to_fp32_as_hf_bf16(tiny_model_root, kind):
     max |logit diff| -- is transformers' own bf16 run's, within 30 %.  Not the max: these
     tiny models' top-2 routing flips under bf16 rounding move single rows by up to ~1.4 in
     transformers' bf16 run as in ours, at different rows."""
-    from tests.support.model_factory import load_hf_model_bf16, tiny_bf16_model_dir
-    from worker.engine.attention.selector import resolve_attention_backend
+    from tests.support.bf16_parity import bf16_model_and_truths
 
-    path = tiny_bf16_model_dir(kind, tiny_model_root)
-    model = load_model(path, dtype=torch.bfloat16)
-    model.use_attention_backend(resolve_attention_backend("auto", "auto", torch.device("cpu"), torch.bfloat16, 4))
-    ids = _tokens(80, seed=2)
-    with torch.inference_mode():
-        truth = load_hf_model(path)(torch.tensor([ids])).logits[0].float()
-        hf16 = load_hf_model_bf16(path)(torch.tensor([ids])).logits[0].float()
+    model, ids, truth, hf16 = bf16_model_and_truths(kind, tiny_model_root)
     seqs = PagedSeqs(model)
     (prefill,) = seqs.step([("a", ids[:50])])
     ours = torch.cat([prefill.float()] + [seqs.step([("a", [t])])[0].float() for t in ids[50:]])

@@ -245,27 +245,9 @@ def test_attention_applies_kv_scales_over_fp8_only(backend):
     scales the cache holds k / k_scale and attention equals the float32 attention up to
     FP8 rounding; at scale 1.0 the saturation is far off.  Over a float32 cache the scales
     change nothing."""
-    from worker.engine.attention.layer import PagedAttention
+    from tests.support.fp8_kv_scale_case import kv_scale_case
 
-    torch.manual_seed(0)
-    heads, kvh, d, bs = 4, 2, 16, 4
-    tables = [[3, 7, 1, 9, 2]]
-    steps = [(7, 0), (5, 7), (1, 12)]
-    qkv = [(torch.randn(n, heads, d) * 0.002, torch.randn(n, kvh, d) * 600, torch.randn(n, kvh, d) * 600)
-           for n, _ in steps]
-    ks = max(k.abs().max().item() for _, k, _ in qkv) / 448
-    vs = max(v.abs().max().item() for _, _, v in qkv) / 448
-
-    def run(cache_dtype, scales):
-        layer = PagedAttention(heads, kvh, d)
-        layer.set_backend(_backend(backend))
-        if scales:
-            layer.set_kv_scales(*scales)
-        cache = torch.zeros(2, 12, bs, kvh, d, dtype=cache_dtype)
-        outs = [layer(q, k, v, cache, build_attention_metadata([n], [ctx], tables, bs, "cpu"))
-                for (q, k, v), (n, ctx) in zip(qkv, steps)]
-        return torch.cat(outs), cache
-
+    run, ks, vs, qkv = kv_scale_case(lambda cache_dtype: _backend(backend))
     ref, _ = run(torch.float32, None)
     scaled, cache = run(torch.float8_e4m3fn, (ks, vs))
     unscaled, _ = run(torch.float8_e4m3fn, None)

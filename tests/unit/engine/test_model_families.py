@@ -208,16 +208,9 @@ def test_bf16_logits_are_as_close_to_fp32_as_hf_bf16(tiny_model_root, kind):
     """Our bf16 logits (the CPU backend the engine picks, bf16 checkpoint) deviate from
     the float32 truth (transformers in fp32 on the same weights) no more than
     transformers' own bf16 run does (within 25 %), over a prompt past the windows."""
-    from tests.support.model_factory import load_hf_model_bf16, tiny_bf16_model_dir
-    from worker.engine.attention.selector import resolve_attention_backend
+    from tests.support.bf16_parity import bf16_model_and_truths
 
-    path = tiny_bf16_model_dir(kind, tiny_model_root)
-    model = load_model(path, dtype=torch.bfloat16)
-    model.use_attention_backend(resolve_attention_backend("auto", "auto", torch.device("cpu"), torch.bfloat16, 4))
-    ids = _tokens(80, seed=2)
-    with torch.inference_mode():
-        truth = load_hf_model(path)(torch.tensor([ids])).logits[0].float()
-        hf16 = load_hf_model_bf16(path)(torch.tensor([ids])).logits[0].float()
+    model, ids, truth, hf16 = bf16_model_and_truths(kind, tiny_model_root)
     (ours,) = PagedSeqs(model).step([("a", ids)])
     assert (ours - truth).abs().max() <= 1.25 * (hf16 - truth).abs().max()
 
