@@ -4,6 +4,7 @@ the native bf16 GEMM on the same shapes, one thread, alternating rounds.
     python -m benchmarks.int4_gemm_bench                   # 3 rounds
     python -m benchmarks.int4_gemm_bench --rounds 5 --rows 1 4 32
     python -m benchmarks.int4_gemm_bench --engine 8x1024 --rounds 3   # whole-model decode
+    python -m benchmarks.int4_gemm_bench --engine 8x1024 --act-order   # GPTQ desc_act (g_idx)
 
 Per (shape, rows): the best of 7 repeats of 10 calls each, every round printed, then the
 medians and bf16 time / int4 time (> 1: int4 faster).  The weight bytes each streams per
@@ -15,6 +16,8 @@ on CPU, against the same checkpoint's dequantized weights saved as a bf16 model 
 dequantize-at-load holds: ``(q - z) * s`` rounded to bf16, on the native bf16 GEMM).
 Both engines live side by side and alternate round by round: each round decodes
 ``--tokens`` tokens after a 16-token prompt; tokens/s is over the decode steps only.
+``--act-order``: the GPTQ checkpoint with act-order (``desc_act``, ``g_idx``): kept int4 in
+group order, each projection gathering its input into that order first.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ def best_ms(fn, calls: int = 10, repeats: int = 7) -> float:
     return best
 
 
-def _int4_twins(size: str, group: int) -> tuple[Path, Path]:
+def _int4_twins(size: str, group: int, act_order: bool = False) -> tuple[Path, Path]:
     """(GPTQ int4 checkpoint, its dequantized weights as a bf16 checkpoint) of a preset."""
     from safetensors.torch import load_file, save_file
 
@@ -56,10 +59,11 @@ def _int4_twins(size: str, group: int) -> tuple[Path, Path]:
     from tests.support import quantized_factory as qf
 
     src = build_preset_model(size, dtype="bfloat16")
-    q_dir, d_dir = src.parent / f"{src.name}-gptq{group}", src.parent / f"{src.name}-gptq{group}-dequantized"
+    tag = f"gptq{group}" + ("-act" if act_order else "")
+    q_dir, d_dir = src.parent / f"{src.name}-{tag}", src.parent / f"{src.name}-{tag}-dequantized"
     if not (q_dir / "config.json").is_file() or not (d_dir / "config.json").is_file():
         q_tmp = q_dir.with_name(q_dir.name + ".tmp")
-        _, dense = qf.write_gptq(src, q_tmp, group=group, sym=True)
+        _, dense = qf.write_gptq(src, q_tmp, group=group, sym=True, act_order=act_order)
         state = load_file(str(src / "model.safetensors"))
         state.update({k: v.to(torch.bfloat16) for k, v in dense.items()})
         d_tmp = d_dir.with_name(d_dir.name + ".tmp")
@@ -94,14 +98,15 @@ def _decode_tps(engine, tag: str, tokens: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])  # decode steps after the prefill's token
 
 
-def engine_main(size: str, rounds: int, tokens: int, group: int) -> None:
+def engine_main(size: str, rounds: int, tokens: int, group: int, act_order: bool = False) -> None:
     from worker.engine import Engine, EngineConfig
 
-    q_dir, d_dir = _int4_twins(size, group)
+    q_dir, d_dir = _int4_twins(size, group, act_order)
     kw = dict(max_model_len=512, max_num_seqs=1, max_num_batched_tokens=64, num_threads=1, dtype="bfloat16")
     kept, dense = Engine(EngineConfig(model=str(q_dir), **kw)), Engine(EngineConfig(model=str(d_dir), **kw))
     print(f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, 1 thread, preset {size}, GPTQ int4 group {group}, {tokens} tokens a round")
+          f"{os.cpu_count()} CPUs, 1 thread, preset {size}, GPTQ int4 group {group}{' act-order' if act_order else ''}, "
+          f"{tokens} tokens a round")
     print(f"  kept:  {kept.runner.model.packing.name}\n  dense: {dense.runner.model.packing.name}")
     results = []
     for r in range(rounds):
@@ -128,10 +133,11 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--engine", metavar="SIZE", help="whole-model batch-1 decode on this preset instead")
     ap.add_argument("--tokens", type=int, default=64, help="--engine: tokens decoded per round")
+    ap.add_argument("--act-order", action="store_true", help="--engine: a GPTQ checkpoint with act-order (g_idx)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.engine:
-        engine_main(args.engine, args.rounds, args.tokens, args.group)
+        engine_main(args.engine, args.rounds, args.tokens, args.group, args.act_order)
         return
     k = load_cpu_kernels()
     if k is None or not hasattr(k, "int4_linear"):

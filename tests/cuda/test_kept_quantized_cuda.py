@@ -34,11 +34,16 @@ def test_fp8_blocks_kept_on_gpu_match_the_w8a8_reference(tiny_model, tmp_path):
     engine.close()
 
 
-def test_awq_kept_on_gpu_matches_the_dequantized_model(tiny_model, tmp_path):
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+def test_int4_kept_on_gpu_matches_the_dequantized_model(tiny_model, tmp_path, fmt):
     src = tiny_model("llama")
-    path, dense = qf.write_awq(src, tmp_path / "awq")
+    if fmt == "awq":
+        path, dense = qf.write_awq(src, tmp_path / "awq")
+    else:
+        path, dense = qf.write_gptq(src, tmp_path / "gptq", sym=False, act_order=True)
     engine = make_engine(path, device="cuda", dtype="float32")
-    assert isinstance(engine.runner.model.layers[0].qkv_weight, Int4Weight)
+    w = engine.runner.model.layers[0].qkv_weight
+    assert isinstance(w, Int4Weight) and (w.perm is not None) == (fmt == "gptq_act_order")
     prompts = [_tokens(11, seed=5), _tokens(4, seed=6)]
     ref = qf.reference_with_weights(src, dense)
     assert _served(engine, prompts, 8) == [qf.greedy(ref, p, 8) for p in prompts]

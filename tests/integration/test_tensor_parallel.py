@@ -269,6 +269,13 @@ def test_quantized_checkpoint_over_two_ranks(tiny_model, tmp_path, fmt):
 
         layer = two.model.layers[0]
         assert not isinstance(layer.o_weight, CpuInt4Weight) and isinstance(layer.down_weight, CpuInt4Weight)
+    if fmt == "gptq_act_order":  # column-parallel rows keep their act-order; o/down split the input: dense
+        from worker.engine.quantization.kept import CpuInt4Weight
+
+        layer = two.model.layers[0]
+        assert isinstance(layer.qkv_weight, CpuInt4Weight) and layer.qkv_weight.perm is not None
+        assert isinstance(layer.gate_up_weight, CpuInt4Weight)
+        assert not isinstance(layer.o_weight, CpuInt4Weight) and not isinstance(layer.down_weight, CpuInt4Weight)
     assert greedy(two) == one
 
 

@@ -305,19 +305,32 @@ def write_awq(src: Path, dst: Path, group: int = 32) -> tuple[Path, dict]:
     return dst, dense
 
 
+def _input_key(layer: str) -> str:
+    """Layers reading the same input share a key: q/k/v, gate/up (w1/w3 of experts)."""
+    head, _, last = layer.rpartition(".")
+    return head + "." + {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                         "up_proj": "gate_up", "w1": "w13", "w3": "w13"}.get(last, last)
+
+
 def write_gptq(src: Path, dst: Path, group: int = 32, bits: int = 4, sym: bool = True, act_order: bool = False,
-               checkpoint_format: str = "gptq", seed: int = 0) -> tuple[Path, dict]:
+               checkpoint_format: str = "gptq", seed: int = 0, shared_order: bool = True) -> tuple[Path, dict]:
     """GPTQ checkpoint (AutoGPTQ v1: zeros stored minus one; ``gptq_v2``: as they are);
     act-order permutes which group each input row belongs to (``g_idx``)."""
     _copy_side_files(src, dst)
     state = load_file(str(src / "model.safetensors"))
     out, dense = dict(state), {}
     gen = torch.Generator().manual_seed(seed)
+    orders: dict[str, torch.Tensor] = {}
     for layer in _linears(state):
         w_t = state[layer + ".weight"].float().t().contiguous()  # [in, out]
         del out[layer + ".weight"]
         inp = w_t.shape[0]
-        perm = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
+        # GPTQ orders a layer's columns by its input's Hessian, so layers reading one input
+        # (q/k/v, gate/up) share one order; ``shared_order=False`` gives each its own.
+        key = _input_key(layer) if shared_order else layer
+        if act_order and key not in orders:
+            orders[key] = torch.randperm(inp, generator=gen)
+        perm = orders[key] if act_order else torch.arange(inp)
         # quantize rows in the permuted order (act-order); row perm[k] is in group k // group
         q_p, zero, scale = _int_quantize(w_t[perm], group, sym=sym, bits=bits)
         q = torch.empty_like(q_p)

@@ -129,14 +129,15 @@ def test_int4_kept_matches_dequantized(tiny_model, tmp_path, fmt):
     _paged_matches(model, ref)
 
 
-def test_gptq_act_order_loads_dequantized(tiny_model, tmp_path):
-    """Act-order (g_idx) has no kept-int4 kernel here: those layers load dense, and match."""
+def test_gptq_act_order_kept_int4(tiny_model, tmp_path):
+    """Act-order (g_idx) kept int4: each weight's columns in group order, the GEMM reading
+    the input permuted the same way; matches the dequantized reference."""
     src = tiny_model("llama")
     path, dense = qf.write_gptq(src, tmp_path / "q", sym=False, act_order=True)
     model, kept = kept_model(path)
-    assert kept.kept == 0 and len(kept.refused) == 7 * len(model.layers)
-    assert set(kept.refused.values()) == {"gptq 4-bit with act-order (g_idx)"}
-    assert isinstance(model.layers[0].qkv_weight, torch.Tensor)
+    assert kept.kept == 4 * len(model.layers) and not kept.refused
+    w = model.layers[0].qkv_weight
+    assert isinstance(w, Int4Weight) and w.perm is not None and w.zero is not None
     _paged_matches(model, qf.reference_with_weights(src, dense))
 
 

@@ -4,8 +4,9 @@ W4A16 (the real library writes them) against HF transformers running the dequant
 weights, through the paged model and the engine; the resident projection bytes; the
 layers not kept int4 on the engine's CPU linear scheme; an RL weight update re-quantized
 and greedy-equal to a reference holding the re-quantized weights; a request's logprobs
-alone equal to inside a batch of 32 (bitwise); FP8 and act-order
-layers dequantized as before."""
+alone equal to inside a batch of 32 (bitwise); GPTQ act-order kept int4 with its columns
+in group order (the GEMM reads the input permuted); FP8 layers, and fused act-order parts
+in different orders, dequantized."""
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,7 @@ def _checkpoint(src, tmp_path, fmt):
         path, dense = qf.write_awq(src, tmp_path / "q")
         return path, qf.reference_with_weights(src, dense)
     if fmt.startswith("gptq"):
-        path, dense = qf.write_gptq(src, tmp_path / "q", sym=fmt == "gptq")
+        path, dense = qf.write_gptq(src, tmp_path / "q", sym=fmt == "gptq", act_order=fmt.endswith("act"))
         return path, qf.reference_with_weights(src, dense)
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is in the [test] extra")
     path = qf.write_compressed_tensors(src, tmp_path / "q", fmt[3:])
@@ -67,27 +68,38 @@ def _paged_matches(model, ref, n=30, prompt=21):
     qf.assert_paged_matches(model, ref, atol=ATOL, n=n, prompt=prompt)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_asym", "ct_w4a16", "ct_w4a16_asym"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_asym", "gptq_asym_act", "ct_w4a16", "ct_w4a16_asym"])
 def test_int4_kept_matches_dequantized(tiny_model, tmp_path, fmt):
     src = tiny_model("llama")
     path, ref = _checkpoint(src, tmp_path, fmt)
     model, kept = kept_model(path)
     assert all(isinstance(getattr(layer, name), CpuInt4Weight) for layer in model.layers
                for name in layer._LINEAR_WEIGHTS)
-    assert kept.kept == 4 * len(model.layers)  # qkv, o, gate_up, down
+    assert kept.kept == 4 * len(model.layers) and not kept.refused  # qkv, o, gate_up, down
+    # act-order: each kept weight reads its input in group order (the checkpoint's g_idx sorted)
+    g_idx = load_file(str(path / "model.safetensors")).get("model.layers.0.self_attn.q_proj.g_idx")
+    perm = model.layers[0].qkv_weight.perm
+    assert (perm is None) == (g_idx is None or not fmt.endswith("act"))
+    if perm is not None:
+        assert torch.equal(g_idx.long()[perm.long()], torch.arange(g_idx.numel()) // GROUP)
     # nibbles, fp32 scales and uint8 zero points per 32 weights: (0.5 + 5 / 32) / 2 = 0.33 of bf16
     assert _linear_bytes(model) < 0.35 * _bf16_bytes(model)
     _paged_matches(model, ref)
 
 
-def test_act_order_and_fp8_layers_stay_dense_on_the_cpu_scheme(tiny_model, tmp_path):
-    """Act-order GPTQ has no kept kernel, FP8 (compressed-tensors) is dequantized on CPU by
-    design: every layer then runs on the CPU linear scheme, and matches."""
+def test_act_order_parts_in_different_orders_and_fp8_layers_stay_dense(tiny_model, tmp_path):
+    """q/k/v (gate/up) act-order parts in different column orders cannot share one kept
+    weight: those fused projections load dequantized, o/down stay int4 (each one layer);
+    FP8 (compressed-tensors) is dequantized on CPU by design: every layer then runs on the
+    CPU linear scheme.  Both match."""
     src = tiny_model("llama")
-    path, dense = qf.write_gptq(src, tmp_path / "act", sym=False, act_order=True)
+    path, dense = qf.write_gptq(src, tmp_path / "act", sym=False, act_order=True, shared_order=False)
     model, kept = kept_model(path)
-    assert kept.kept == 0 and set(kept.refused.values()) == {"gptq 4-bit with act-order (g_idx)"}
-    assert not isinstance(model.layers[0].qkv_weight, CpuInt4Weight)
+    assert kept.kept == 2 * len(model.layers) and not kept.refused
+    layer = model.layers[0]
+    assert not isinstance(layer.qkv_weight, CpuInt4Weight) and not isinstance(layer.gate_up_weight, CpuInt4Weight)
+    assert isinstance(layer.o_weight, CpuInt4Weight) and layer.o_weight.perm is not None
+    assert isinstance(layer.down_weight, CpuInt4Weight) and layer.down_weight.perm is not None
     _paged_matches(model, qf.reference_with_weights(src, dense))
     pytest.importorskip("compressed_tensors")
     path = qf.write_compressed_tensors(src, tmp_path / "fp8", "fp8")

@@ -96,6 +96,43 @@ def test_int4_recovered_exactly_and_requantized_after_an_update():
     assert (err <= again.scale.repeat_interleave(group, 1) / 2 + 1e-2).all()  # round to nearest
 
 
+def test_act_order_int4_kept_in_group_order_and_uneven_groups_dense():
+    """compressed-tensors ``weight_g_idx`` (act-order): the kept weight holds its columns in
+    group order and ``perm`` says which; unpacking puts them back, equal to the reader's
+    own dequantization with ``g_idx``.  Groups of uneven size cannot be made contiguous:
+    that layer stays dense, with the reason."""
+    from worker.engine.quantization.dequant import dequant_packed
+
+    gen = torch.Generator().manual_seed(3)
+    n, k, group = 16, 64, 16
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    zero = torch.randint(0, 16, (n, k // group), generator=gen)
+    g_idx = (torch.randperm(k, generator=gen) // group).to(torch.int32)  # column -> group, any order
+    scheme = WeightScheme("packed", 4, "group", group_size=group, symmetric=False)
+    parts = {"weight_packed": pack_nibbles(q), "weight_scale": scale, "weight_shape": torch.tensor([n, k]),
+             "weight_zero_point": zero - 8, "weight_g_idx": g_idx}
+    dense = dequant_packed(parts["weight_packed"], scale, (n, k), scheme, zero - 8, g_idx)
+    param = torch.nn.Parameter(dense.clone(), requires_grad=False)
+    kept = KeptQuantized(CheckpointQuantization("compressed-tensors", None))
+    kept.keep("l.down_proj", scheme, parts)
+    kept.bind(_Model(param, [("l.down_proj", n)]))
+    packed = kept.scheme().pack(param)
+    assert isinstance(packed, Int4Weight) and packed.perm is not None
+    assert torch.equal(g_idx.long()[packed.perm.long()], torch.arange(k) // group)
+    assert torch.equal(_unpack(packed), dense)
+    x = torch.randn(3, k, generator=gen)
+    # the GEMM's input permuted the same way gives x @ W.T (what _linear hands the kernel)
+    assert torch.allclose(x.index_select(1, packed.perm) @ _unpack(
+        Int4Weight(**{**vars(packed), "perm": None})).T, x @ dense.T, atol=1e-5)
+
+    uneven = g_idx.clone()
+    uneven[:2] = 0  # two more columns in group 0: no order makes the groups `group` wide
+    kept = KeptQuantized(CheckpointQuantization("compressed-tensors", None))
+    kept.keep("l.down_proj", scheme, {**parts, "weight_g_idx": uneven})
+    assert kept.refused == {"l.down_proj": "packed 4-bit with act-order groups of uneven size (g_idx)"}
+
+
 def test_dense_layers_stay_dense_and_fp8_updates_requantize_per_row():
     gen = torch.Generator().manual_seed(2)
     quant = CheckpointQuantization("fp8", WeightScheme("fp8", 8, "tensor"), ignore=("o_proj",))

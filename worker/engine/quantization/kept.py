@@ -1,5 +1,5 @@
 """Checkpoint-quantized weights kept quantized in memory (issue 43): on CUDA FP8
-checkpoints on the Triton W8A8 GEMM, int4 ones (AWQ, GPTQ, compressed-tensors W4A16) on
+checkpoints on the Triton W8A8 GEMM, int4 ones (AWQ, GPTQ act-order included, compressed-tensors W4A16) on
 the Triton W4A16 GEMM (kernels/triton/quant_gemm.py); on CPU int4 ones on the C++ W4A16
 GEMM (below).
 
@@ -93,6 +93,11 @@ class ScaleRecord:
     group: Optional[int] = None  # columns per scale (None: one scale per row)
     zero: Optional[torch.Tensor] = None
     block_rows: int = 1  # rows per scale row (FP8 blocks kept compact: scale [rows / block_rows, K / group])
+    # int4 act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): the input
+    # columns in group order (``argsort(g_idx)``).  The weight is kept with its columns in
+    # that order, so every group is contiguous again, and the GEMM reads ``x[..., perm]``:
+    # ``x @ W.T == x[:, perm] @ W[:, perm].T`` (Marlin's act-order does the same).
+    perm: Optional[torch.Tensor] = None
 
     def row_scales(self) -> torch.Tensor:
         return self.scale.repeat_interleave(self.block_rows, 0) if self.block_rows > 1 else self.scale
@@ -107,6 +112,7 @@ class Int4Weight:
     zero: Optional[torch.Tensor]  # [N, K / group] uint8 (0..15), None: 8 (symmetric)
     group: int
     dtype: torch.dtype
+    perm: Optional[torch.Tensor] = None  # act-order: input columns in group order (ScaleRecord.perm)
 
     @property
     def shape(self) -> torch.Size:
@@ -119,13 +125,14 @@ class CpuInt4Weight:
 
     packed: PackedInt4
     dtype: torch.dtype
+    perm: Optional[torch.Tensor] = None  # act-order: input columns in group order (ScaleRecord.perm)
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.packed.out_features, self.packed.in_features))
 
     def nbytes(self) -> int:
-        return self.packed.nbytes()
+        return self.packed.nbytes() + (self.perm.numel() * self.perm.element_size() if self.perm is not None else 0)
 
 
 @dataclass
@@ -155,7 +162,8 @@ def weight_bytes(w) -> int:
 # --- records from the checkpoint's parts ---------------------------------------------------
 def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional[ScaleRecord]:
     """The record of a quantized layer's ``parts`` (reader's names), or None where this
-    path does not keep it (int8, act-order, 8-bit GPTQ: those load dequantized)."""
+    path does not keep it (int8, 8-bit GPTQ, act-order groups of uneven size: those load
+    dequantized)."""
     if scheme.kind == "fp8":
         scale = parts["scale"].float()
         weight = parts["weight"]
@@ -175,14 +183,14 @@ def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional
         zero = unpack_int32(parts["qzeros"], 4, out, dim=1)[:, reorder]
         return ScaleRecord("int4", parts["scales"].float().t().contiguous(), g, zero.t().contiguous())
     if scheme.kind == "gptq" and scheme.num_bits == 4 and scheme.group_size:
-        g_idx = parts.get("g_idx")
-        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // scheme.group_size):
-            return None  # act-order: rows in another order than the groups
+        ok, perm = act_order(parts.get("g_idx"), scheme.group_size)
+        if not ok:
+            return None
         out = parts["scales"].shape[1]
         zero = (unpack_int32(parts["qzeros"], 4, out, dim=1) + scheme.zero_offset) & 0xF
-        return ScaleRecord("int4", parts["scales"].float().t().contiguous(), scheme.group_size, zero.t().contiguous())
-    if scheme.kind == "packed" and scheme.num_bits == 4 and scheme.strategy == "group" and \
-            parts.get("weight_g_idx") is None:
+        return ScaleRecord("int4", parts["scales"].float().t().contiguous(), scheme.group_size, zero.t().contiguous(),
+                           perm=perm)
+    if scheme.kind == "packed" and scheme.num_bits == 4 and scheme.strategy == "group":
         shape = tuple(int(v) for v in parts["weight_shape"].tolist())
         scale = parts["weight_scale"].float()
         zp = parts.get("weight_zero_point")
@@ -192,8 +200,29 @@ def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional
             zero = unpack_int32(zp, 4, shape[0], dim=0)  # packed unsigned: already in q units
         else:
             zero = zp.to(torch.int32) + 8  # signed zero points: q is stored minus 8
-        return ScaleRecord("int4", scale, scheme.group_size or shape[1], zero)
+        group = scheme.group_size or shape[1]
+        ok, perm = act_order(parts.get("weight_g_idx"), group)
+        return ScaleRecord("int4", scale, group, zero, perm=perm) if ok else None
     return None
+
+
+def act_order(g_idx: Optional[torch.Tensor], group: int) -> tuple[bool, Optional[torch.Tensor]]:
+    """(keepable, perm) for an int4 layer's ``g_idx`` (input column -> its group): perm
+    None where the groups are the columns in order (no act-order, or a trivial g_idx);
+    the stable ``argsort(g_idx)`` where sorting the columns makes every group ``group``
+    contiguous columns, as act-order quantization writes it (GPTQ quantizes the columns
+    in its own order and numbers the groups along it); not keepable otherwise (uneven
+    groups: that layer loads dequantized)."""
+    if g_idx is None:
+        return True, None
+    g = g_idx.long().reshape(-1)
+    ordered = torch.arange(g.numel()) // group
+    if torch.equal(g, ordered):
+        return True, None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], ordered):
+        return False, None
+    return True, perm.to(torch.int32)
 
 
 # --- quantizing a dense weight -------------------------------------------------------------
@@ -225,17 +254,19 @@ def chunk_rows(k: int, elements: int = 1 << 20) -> int:
 def _int4_from(w: torch.Tensor, rec: ScaleRecord, cpu: bool = False):
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    perm = rec.perm.to(w.device) if rec.perm is not None else None
     step = chunk_rows(k)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
+        rows = w[r0:r1] if perm is None else w[r0:r1].index_select(1, perm)  # act-order: groups contiguous
         s = rec.scale[r0:r1].repeat_interleave(rec.group, 1)[:, :k]
         z = rec.zero[r0:r1].repeat_interleave(rec.group, 1)[:, :k].float()
-        q[r0:r1] = torch.round(w[r0:r1].float() / s + z).clamp(0, 15).to(torch.uint8)
+        q[r0:r1] = torch.round(rows.float() / s + z).clamp(0, 15).to(torch.uint8)
     if cpu:  # the CPU kernel's layout (int4_cpu.pack_int4: nibble runs, zero points as bytes)
-        return CpuInt4Weight(pack_int4(q, rec.scale, rec.zero.float(), rec.group), w.dtype)
+        return CpuInt4Weight(pack_int4(q, rec.scale, rec.zero.float(), rec.group), w.dtype, perm)
     # uint8 zero points: a quarter of int32's bytes (the kernel widens them per tile)
     zero = None if bool((rec.zero == 8).all()) else rec.zero.to(torch.uint8).contiguous()
-    return Int4Weight(pack_nibbles(q), rec.scale.contiguous(), zero, rec.group, w.dtype)
+    return Int4Weight(pack_nibbles(q), rec.scale.contiguous(), zero, rec.group, w.dtype, perm)
 
 
 def cpu_int4_fits(w: torch.Tensor, group: int) -> bool:
@@ -256,6 +287,12 @@ def _requantize_int4(w: torch.Tensor, group: int, cpu: bool = False):
 
 
 def _unpack(w) -> torch.Tensor:
+    if isinstance(w, (CpuInt4Weight, Int4Weight)) and w.perm is not None:
+        # act-order: the kept columns are in group order; put them back where x reads them
+        kept = _unpack(type(w)(**{**vars(w), "perm": None}))
+        dense = torch.empty_like(kept)
+        dense[:, w.perm.long()] = kept
+        return dense
     if isinstance(w, CpuInt4Weight):
         return dequantized(w.packed, w.dtype)
     if isinstance(w, Fp8Weight):
@@ -277,6 +314,8 @@ def _linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
+    if getattr(w, "perm", None) is not None:  # act-order int4: the columns in the kept weight's order
+        x2 = x2.index_select(1, w.perm)
     if isinstance(w, Fp8Weight):
         out = fp8_linear(x2, w.q, w.scale, bias=bias)
     elif isinstance(w, Fp8BlockWeight):
@@ -321,32 +360,35 @@ class KeptQuantized:
             if scheme.kind == "fp8":
                 why = f"fp8 stored as {parts['weight'].dtype}"
             elif scheme.num_bits == 4 and (parts.get("g_idx") is not None or parts.get("weight_g_idx") is not None):
-                why = f"{scheme.kind} 4-bit with act-order (g_idx)"
+                why = f"{scheme.kind} 4-bit with act-order groups of uneven size (g_idx)"
             self.refused[layer] = why
         else:
             self.records[layer] = rec
 
-    def _rank_part(self, model, name: str, rec: ScaleRecord) -> Optional[ScaleRecord]:
+    def _rank_part(self, model, name: str, rec: ScaleRecord) -> tuple[Optional[ScaleRecord], str]:
         """``rec`` cut to the part of the layer this tensor-parallel rank holds (the slice the
-        loader narrowed the dense weight to: rows, or columns in whole groups); None when
-        the rank's columns start or end inside a group (the layer then stays dense)."""
+        loader narrowed the dense weight to: rows, or columns in whole groups), and why not
+        (the record None: the layer then stays dense) when the rank's columns start or end
+        inside a group, or cut an act-order layer's input (its groups are spread over all of it)."""
         if self._slices is None:
             self._slices = model.weight_slices()
         cut = self._slices.get(name)
         if cut is None:
-            return rec
+            return rec, ""
         dim, start, length = cut
         if dim == 0:
             scale = rec.row_scales().narrow(0, start, length)
             zero = rec.zero.narrow(0, start, length) if rec.zero is not None else None
-            return ScaleRecord(rec.kind, scale, rec.group, zero)
+            return ScaleRecord(rec.kind, scale, rec.group, zero, perm=rec.perm), ""
         if rec.group is None:  # one scale per row: every column of the row shares it
-            return rec
+            return rec, ""
+        if rec.perm is not None:
+            return None, "an act-order layer split along its input by tensor parallelism"
         if start % rec.group or length % rec.group:
-            return None
+            return None, "a tensor-parallel shard boundary inside a quantization group"
         g0, gn = start // rec.group, length // rec.group
         zero = rec.zero.narrow(1, g0, gn) if rec.zero is not None else None
-        return ScaleRecord(rec.kind, rec.scale.narrow(1, g0, gn), rec.group, zero, rec.block_rows)
+        return ScaleRecord(rec.kind, rec.scale.narrow(1, g0, gn), rec.group, zero, rec.block_rows), ""
 
     def _bind_view(self, view: torch.Tensor, rec: ScaleRecord) -> int:
         key = view.untyped_storage().data_ptr()
@@ -377,9 +419,9 @@ class KeptQuantized:
         if whole is None or view.dim() != 2 or view.stride(0) != whole.stride(0):
             return  # bound after loading instead
         del self.records[layer]
-        rec = self._rank_part(model, name, rec)
+        rec, why = self._rank_part(model, name, rec)
         if rec is None:
-            self.refused[layer] = "a tensor-parallel shard boundary inside a quantization group"
+            self.refused[layer] = why
             return
         key = self._bind_view(view, rec)
         self._rows_in[key] = self._rows_in.get(key, 0) + view.shape[0]
@@ -405,9 +447,9 @@ class KeptQuantized:
             rec = self.records.get(name[: -len(".weight")])
             if rec is None:
                 continue
-            part = self._rank_part(model, name, rec)
+            part, why = self._rank_part(model, name, rec)
             if part is None:
-                self.refused[name[: -len(".weight")]] = "a tensor-parallel shard boundary inside a quantization group"
+                self.refused[name[: -len(".weight")]] = why
                 continue
             self._bind_view(view, part)
         self.records.clear()  # what is bound lives on in _bound until packed
@@ -439,6 +481,13 @@ class KeptQuantized:
         kinds, groups = {r.kind for r in recs}, {r.group for r in recs}
         if len(kinds) != 1:
             return None
+        perm = recs[0].perm
+        if any((r.perm is None) != (perm is None) or (perm is not None and not torch.equal(r.perm, perm))
+               for r in recs[1:]):
+            # Fused parts (q/k/v, gate/up) read one input, so act-order quantization gives them one
+            # column order; parts in different orders cannot share one kept weight: dense.
+            log.warning("fused int4 parts with different act-order column orders load dequantized")
+            return None
         if recs[0].kind == "fp8" and len(groups) > 1:  # per-channel beside blocks: rows by groups
             group = next(g for g in groups if g is not None)
             ngroups = -(-w.shape[1] // group)
@@ -455,7 +504,8 @@ class KeptQuantized:
             r = 1
         # records are read on the host; the weight may be on the GPU
         zero = torch.cat([x.zero for x in recs]).to(w.device) if recs[0].zero is not None else None
-        return ScaleRecord(recs[0].kind, torch.cat([x.scale for x in recs]).to(w.device), recs[0].group, zero, r)
+        return ScaleRecord(recs[0].kind, torch.cat([x.scale for x in recs]).to(w.device), recs[0].group, zero, r,
+                           perm.to(w.device) if perm is not None else None)
 
     def finish(self) -> None:
         """Drop the records no packing took (MoE experts stay dense): call after packing."""
@@ -528,7 +578,10 @@ def _cpu_scheme(kept: KeptQuantized, inner: PackedLinears) -> PackedLinears:
             return inner.linear(x, w, bias)
         p = w.packed
         shape = x.shape
-        out = gemm(x.reshape(-1, shape[-1]), p.packed, p.scales, p.zeros, p.group, p.out_features, bias)
+        x2 = x.reshape(-1, shape[-1])
+        if w.perm is not None:  # act-order: the columns in the kept weight's order
+            x2 = x2.index_select(1, w.perm)
+        out = gemm(x2, p.packed, p.scales, p.zeros, p.group, p.out_features, bias)
         return out.reshape(*shape[:-1], p.out_features)
 
     experts = None
