@@ -50,6 +50,19 @@ def test_int4_kept_on_gpu_matches_the_dequantized_model(tiny_model, tmp_path, fm
     engine.close()
 
 
+def test_fp8_moe_checkpoint_keeps_its_experts_fp8_on_gpu(tiny_model, tmp_path):
+    src = tiny_model("mixtral")
+    path = qf.write_fp8_block(src, tmp_path / "fp8", block=(32, 32))
+    engine = make_engine(path, device="cuda", dtype="float32")
+    moe = engine.runner.model.layers[0].moe
+    assert isinstance(moe.w13, Fp8BlockWeight) and moe.w13.q.is_cuda and moe.w13.q.dim() == 3
+    prompts = [_tokens(13, seed=8), _tokens(5, seed=9)]
+    ref = qf.reference_with_weights(src, qf.dequantized_fp8(path))
+    ref = qf.with_fp8_rounded_expert_inputs(qf.with_fp8_rounded_inputs(ref, 32), 32)
+    assert _served(engine, prompts, 8) == [qf.greedy(ref, p, 8) for p in prompts]
+    engine.close()
+
+
 def test_bf16_serving_keeps_fp8_bytes(tiny_model, tmp_path):
     path = qf.write_fp8_block(tiny_model("llama"), tmp_path / "fp8")
     engine = make_engine(path, device="cuda", dtype="bfloat16")

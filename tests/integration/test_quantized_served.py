@@ -58,7 +58,7 @@ def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
     assert got == [_hf_greedy(ref, p, 10) for p in prompts]
     assert f"quantized checkpoint: {described}" in log, log[-3000:]
     if fmt != "mxfp4":  # int4 checkpoints stay int4 in memory on CPU by default (the kernels are built here)
-        assert "projection weight(s) kept quantized in memory (" in log and \
+        assert "weight(s) (projections, expert stacks) kept quantized in memory (" in log and \
             "int4 layers kept int4 (CPU W4A16 GEMM)" in log, log[-3000:]
 
 

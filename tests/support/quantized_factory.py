@@ -204,6 +204,47 @@ def with_fp8_rounded_inputs(hf, group: Optional[int] = None):
     return hf
 
 
+class _RoundedLinear:
+    """Inside an HF experts module (3-D expert stacks, ``nn.functional.linear`` per expert):
+    each call's input rounded per row (and ``group`` columns), as the W8A8 expert GEMMs
+    quantize it."""
+
+    def __init__(self, rounded):
+        self.orig = torch.nn.functional.linear
+        self.rounded = rounded
+
+    def __call__(self, x, w, b=None):
+        return self.orig(self.rounded(x), w, b)
+
+    def enter(self, mod, args):
+        torch.nn.functional.linear = self
+
+    def leave(self, mod, args, out):
+        torch.nn.functional.linear = self.orig
+
+
+def with_fp8_rounded_expert_inputs(hf, group: Optional[int] = None):
+    """``hf`` with every routed expert's GEMM inputs rounded to their FP8 values per token (per
+    token and ``group`` columns beside FP8 blocks), through HF's own per-expert loop: what
+    the fused-MoE W8A8 kernel multiplies.  The router and shared-expert gate stay as they are."""
+    from worker.engine.quantization.online_fp8 import round_rows
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return round_rows(x) if group is None else round_rows(x.reshape(-1, group)).reshape(x.shape)
+
+    patch = _RoundedLinear(rounded)
+    found = 0
+    for name, module in hf.named_modules():
+        if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
+            # HF's own per-expert loop (its default here is torch's grouped_mm, no F.linear)
+            module.config._experts_implementation = "eager"
+            module.register_forward_pre_hook(patch.enter)
+            module.register_forward_hook(patch.leave)
+            found += 1
+    assert found, "no HF experts module with 3-D stacks found"
+    return hf
+
+
 def assert_paged_matches(model, ref, *, atol: float, n: int = 30, prompt: int = 21, seed: int = 3):
     """The paged model teacher-forced over ``n`` tokens (a ``prompt``-token prefill, then
     one decode step per token) gives the HF reference's logits within ``atol``; returns

@@ -195,6 +195,43 @@ def test_fused_experts_fp8_is_the_emulated_w8a8():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["tensor", "block"])
+def test_fp8_checkpoint_experts_kept_fp8(tiny_model, tmp_path, kind):
+    """An FP8 Mixtral checkpoint (every expert's w1/w2/w3 quantized, the router not): the
+    expert stacks stay FP8 on the fused-MoE kernel -- per-tensor scales as one per expert
+    and row, 32 x 32 blocks per block (activations per token and 32-column group) -- and
+    match HF running the dequantized weights with each GEMM's input rounded the same way;
+    an RL update re-quantizes the stacks per row."""
+    from worker.engine.quantization.kept import _unpack_stack
+
+    src = tiny_model("mixtral")
+    if kind == "tensor":
+        path, group = qf.write_fp8_tensor(src, tmp_path / "q"), None
+    else:
+        path, group = qf.write_fp8_block(src, tmp_path / "q", block=(32, 32)), 32
+    model, kept = kept_model(path)
+    moe = model.layers[0].moe
+    cfg = model.config
+    e, inter, h = cfg.moe.num_experts, moe.w2.shape[2], cfg.hidden_size
+    want = Fp8Weight if kind == "tensor" else Fp8BlockWeight
+    assert isinstance(moe.w13, want) and isinstance(moe.w2, want) and moe.w13.q.shape == (e, 2 * inter, h)
+    assert isinstance(moe.gate_weight, torch.nn.Parameter)  # the router stays dense
+    state = load_file(str(path / "model.safetensors"))
+    # the checkpoint's FP8 bytes, bit for bit, expert by expert (w1 rows, then w3's)
+    b = "model.layers.0.block_sparse_moe.experts.3."
+    q13 = torch.cat([state[b + "w1.weight"], state[b + "w3.weight"]])
+    assert torch.equal(moe.w13.q[3].view(torch.uint8), q13.view(torch.uint8))
+    ref = qf.reference_with_weights(src, qf.dequantized_fp8(path))
+    ref = qf.with_fp8_rounded_expert_inputs(qf.with_fp8_rounded_inputs(ref, group), group)
+    _paged_matches(model, ref, n=24, prompt=17)
+    # an RL update: unpack gives the dense stack back (exactly), the pack after it re-quantizes per row
+    scheme = model.packing
+    dense = scheme.experts.unpack(moe.w13)
+    assert torch.equal(dense, _unpack_stack(moe.w13))
+    again = scheme.experts.pack(dense)
+    assert isinstance(again, Fp8Weight) and again.scale.shape == (e, 2 * inter)
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_online_fp8_moe_on_triton_matches_the_fp8_reference(tiny_model, kind):
     from tests.unit.engine.test_online_fp8 import fp8_moe_reference

@@ -31,42 +31,17 @@ def fp8_reference(model_dir):
     return hf
 
 
-class _RoundedLinear:
-    """Inside an HF experts module (3-D expert stacks, ``nn.functional.linear`` per expert):
-    each call's input rounded per row, as the W8A8 expert GEMMs quantize it."""
-
-    def __init__(self):
-        self.orig = torch.nn.functional.linear
-
-    def __call__(self, x, w, b=None):
-        return self.orig(round_rows(x), w, b)
-
-    def enter(self, mod, args):
-        torch.nn.functional.linear = self
-
-    def leave(self, mod, args, out):
-        torch.nn.functional.linear = self.orig
-
-
 def fp8_moe_reference(model_dir):
     """``fp8_reference`` plus the routed experts: every expert's rows rounded to FP8 (one
     scale per expert and output row) and their GEMM inputs rounded per row; the router
     (``gate``) and Qwen2-MoE's ``shared_expert_gate`` stay unquantized, as in vLLM."""
     hf = fp8_reference(model_dir)
-    patch = _RoundedLinear()
-    found = 0
     for name, module in hf.named_modules():
         if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
             with torch.no_grad():
                 for p in (module.gate_up_proj, module.down_proj):
                     p.copy_(round_rows(p.reshape(-1, p.shape[-1])).reshape(p.shape))
-            # HF's own per-expert loop (its default here is torch's grouped_mm, no F.linear)
-            module.config._experts_implementation = "eager"
-            module.register_forward_pre_hook(patch.enter)
-            module.register_forward_hook(patch.leave)
-            found += 1
-    assert found, "no HF experts module with 3-D stacks found"
-    return hf
+    return qf.with_fp8_rounded_expert_inputs(hf)
 
 
 def test_rounding_is_fp8_per_row():

@@ -66,8 +66,8 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
         model.pack_linears(scheme)
     if kept is not None:
         kept.finish()
-        log.info("quantized checkpoint: %s; %d projection weight(s) kept quantized in memory (%s), re-quantized "
-                 "after weight updates", mc.quantization.describe(), kept.kept, scheme.name)
+        log.info("quantized checkpoint: %s; %d weight(s) (projections, expert stacks) kept quantized in memory "
+                 "(%s), re-quantized after weight updates", mc.quantization.describe(), kept.kept, scheme.name)
     elif cpu_linear == "torch" and device.type == "cpu" and config.torch_dtype == torch.bfloat16 and \
             config.cpu_linear != "torch":
         # auto found neither GEMM for bf16 (kernels not built, no oneDNN bf16): torch's

@@ -29,6 +29,11 @@ packs: a weight that was quantized is re-quantized from its new values (FP8: one
 per row, as online FP8; int4: round-to-nearest per group with a zero point), one that
 was dense (the config's ignore list) stays dense.
 
+MoE experts (CUDA): an expert stack ``[E, N, K]`` is one parameter whose rows are every
+expert's parts, so it is bound like a fused projection; where FP8 records cover it, it is
+kept FP8 (``pack_stack``) and run by the fused-MoE kernel's W8A8 mode, per channel or per
+block (kernels/triton/fused_moe.py).  int4 experts stay dense (no int4 fused-MoE kernel).
+
 On CPU (``cpu_int4_kernels``) int4 layers are kept for the C++ W4A16 GEMM
 (kernels/int4_gemm.cpp, ``CpuInt4Weight``): batch-1 decode streams the weights, and a
 quarter of the bytes measured faster than the dequantized bf16 model (benchmarks/README.md).
@@ -53,7 +58,7 @@ from worker.engine.models.cpu_gemm import DENSE, PackedExperts, PackedLinears
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
 from worker.engine.quantization.dequant import _AWQ_REVERSE, unpack_int32
 from worker.engine.quantization.int4_cpu import PackedInt4, dequantized, pack_int4
-from worker.engine.quantization.online_fp8 import FP8, FP8_MAX, Fp8Weight, quantize_rows
+from worker.engine.quantization.online_fp8 import FP8, FP8_MAX, Fp8Weight, quantize_rows, quantize_stack
 
 log = logging.getLogger(__name__)
 
@@ -325,6 +330,50 @@ def _linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
+# --- MoE expert stacks (CUDA: the fused-MoE kernel's FP8 modes) -------------------------------
+def _fp8_stack(stack: torch.Tensor, rec: ScaleRecord):
+    """An expert stack ``[E, N, K]`` whose rows (every expert's parts) one FP8 record covers,
+    kept FP8: one scale per expert and output row (per-tensor and per-channel checkpoints),
+    or per block ``[E, N / r, K / c]``; None where the blocks straddle experts (dense)."""
+    e, n, k = stack.shape
+    flat = _fp8_from(stack.reshape(e * n, k), rec)
+    if isinstance(flat, Fp8Weight):
+        return Fp8Weight(flat.q.reshape(e, n, k), flat.scale.reshape(e, n), flat.dtype)
+    r = flat.block[0]
+    if n % r:
+        return None
+    return Fp8BlockWeight(flat.q.reshape(e, n, k), flat.scale.reshape(e, n // r, -1), flat.block, flat.dtype)
+
+
+def _unpack_stack(w) -> torch.Tensor:
+    if isinstance(w, Fp8Weight):
+        return (w.q.float() * w.scale[..., None]).to(w.dtype)
+    r, c = w.block
+    e, n, k = w.q.shape
+    s = w.scale.repeat_interleave(r, 1)[:, :n].repeat_interleave(c, 2)[:, :, :k]
+    return (w.q.float() * s).to(w.dtype)
+
+
+def _run_experts(x, w13, w2, topk_weights, topk_ids, act):
+    """The routed experts over stacks kept FP8 (each stack per channel or in blocks) or
+    dense (a stack the checkpoint or this path leaves dense): the fused-MoE kernel."""
+    from worker.engine.kernels.triton.fused_moe import fused_experts
+
+    def parts(w):
+        if isinstance(w, Fp8Weight):
+            return w.q, w.scale, None
+        if isinstance(w, Fp8BlockWeight):
+            return w.q, w.scale, w.block
+        return w, None, None
+
+    (q13, s13, b13), (q2, s2, b2) = parts(w13), parts(w2)
+    if s13 is None and s2 is None and not x.is_cuda:  # CPU tensors (tests): no kernel for dense stacks
+        from worker.engine.models.moe import fused_experts_torch
+
+        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, act)
+    return fused_experts(x, q13, q2, topk_weights, topk_ids, act, s13, s2, b13, b2)
+
+
 # --- the scheme ----------------------------------------------------------------------------
 class KeptQuantized:
     """Collects the reader's records (``keep``), binds them to the model's parameters
@@ -508,7 +557,7 @@ class KeptQuantized:
                            perm.to(w.device) if perm is not None else None)
 
     def finish(self) -> None:
-        """Drop the records no packing took (MoE experts stay dense): call after packing."""
+        """Drop the records no packing took (CPU's MoE experts, int4 experts): call after packing."""
         self._bound.clear()
         self._early.clear()
         self._targets = None
@@ -563,10 +612,34 @@ class KeptQuantized:
         when None); CUDA's Triton scheme keeps them in the model dtype on torch's GEMM."""
         if self.cpu_kernels is None:
             what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
-            # Experts are not packed (packs_experts False): MoE experts load dequantized.
+            # Expert stacks go through the fused-MoE kernel: FP8 ones kept FP8, others dense.
             return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear,
-                                 self.unpack, head=DENSE)
+                                 self.unpack, head=DENSE, packs_experts=True,
+                                 experts=PackedExperts(self.pack_stack, _run_experts, self.unpack_stack))
         return _cpu_scheme(self, inner or DENSE)
+
+    def pack_stack(self, stack: torch.Tensor):
+        """An expert stack ``[E, N, K]`` kept FP8 where the checkpoint's FP8 records cover
+        every expert's rows (per tensor, per channel or in blocks), else left dense (int4
+        experts: no int4 fused-MoE kernel yet)."""
+        if self._requant.pop(stack.untyped_storage().data_ptr(), None) == "fp8":
+            return quantize_stack(stack)  # an RL update: one scale per expert and row, as online FP8
+        rec = self._fused(stack.reshape(-1, stack.shape[-1]))
+        kept = _fp8_stack(stack, rec) if rec is not None and rec.kind == "fp8" else None
+        if rec is not None and kept is None:
+            log.info("an expert stack %s stays dense (%s)", tuple(stack.shape),
+                     "int4 experts: no int4 fused-MoE kernel" if rec.kind == "int4" else "FP8 blocks across experts")
+        if kept is None:
+            return stack
+        self.kept += 1
+        return kept
+
+    def unpack_stack(self, w) -> torch.Tensor:
+        if not isinstance(w, (Fp8Weight, Fp8BlockWeight)):
+            return w
+        dense = _unpack_stack(w)
+        self._requant[dense.untyped_storage().data_ptr()] = "fp8"
+        return dense
 
 
 def _cpu_scheme(kept: KeptQuantized, inner: PackedLinears) -> PackedLinears:

@@ -12,11 +12,14 @@ the output, gathers its input rows by index and multiplies by that expert's weig
     down    = grouped(act[pair], w2[e]) * weight[pair] [pairs, H]
     out     = down.view(T, top_k, H).sum(1)
 
-FP8 experts (online ``--quantization fp8``, ``fused_experts_fp8``): W8A8 as vLLM's
-fused_moe with ``use_fp8_w8a8`` and per-channel weight scales -- each GEMM's input rows
-quantized per row, dynamically (the tokens for the first, the pairs for the second), the
-weights FP8 ``[E, N, K]`` with one scale per expert and output row, FP8 x FP8 dots with
-fp32 accumulation, both scales applied after the K loop.
+FP8 experts (online ``--quantization fp8``, FP8 checkpoints' experts kept FP8;
+``fused_experts_fp8``): W8A8 as vLLM's fused_moe with ``use_fp8_w8a8`` -- each GEMM's input
+rows quantized dynamically (the tokens for the first, the pairs for the second), FP8 x FP8
+dots with fp32 accumulation.  Per-channel weight scales (``[E, N]``, one per expert and
+output row): the input gets one scale per row, both applied after the K loop.  Block
+scales (``block=(r, c)``, ``[E, N / r, K / c]``, DeepSeek-V3's and Qwen3-FP8's 128 x 128):
+the input gets one scale per row and ``c`` columns, and each K tile (inside one column
+group) is scaled as it is accumulated, as vLLM's ``block_shape`` path.
 """
 from __future__ import annotations
 
@@ -35,10 +38,11 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                          N, K, num_pairs, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                         a_scale_ptr, b_scale_ptr, stride_bse,
+                         a_scale_ptr, b_scale_ptr, stride_bse, stride_asm, stride_bsn,
                          A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         FP8: tl.constexpr):
+                         FP8: tl.constexpr, BLOCKWISE: tl.constexpr, GROUP_K: tl.constexpr,
+                         GROUP_N: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n
@@ -61,12 +65,20 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, b)
+            part = tl.dot(a, b)
+        if BLOCKWISE:  # this K tile lies in one input column group and one weight block column
+            g = k0 // GROUP_K
+            sa = tl.load(a_scale_ptr + a_row * stride_asm + g, mask=row_ok, other=0.0)
+            sb = tl.load(b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N).to(tl.int64) * stride_bsn + g,
+                         mask=n_ok, other=0.0)
+            acc += part * sa[:, None] * sb[None, :]
+        else:
+            acc += part
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if FP8:  # a row's scale (per token or pair) times the expert's output-row scale
+    if FP8 and not BLOCKWISE:  # a row's scale (per token or pair) times the expert's output-row scale
         sa = tl.load(a_scale_ptr + a_row, mask=row_ok, other=0.0)
         sb = tl.load(b_scale_ptr + expert * stride_bse + offs_n, mask=n_ok, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
@@ -112,30 +124,39 @@ def _tiles(n: int, k: int) -> tuple[int, int, int]:
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int,
                  weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-                 w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 w_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """``out[pair] = a[pair // a_row_div] @ w[expert(pair)].T`` (times ``weights[pair]``);
-    FP8 ``a`` / ``w`` with ``a_scale [rows]`` and ``w_scale [E, N]`` (fp32)."""
+    FP8 ``a`` / ``w`` with ``a_scale [rows]`` and ``w_scale [E, N]`` (fp32), or with
+    ``block=(r, c)``: ``a_scale [rows, K / c]`` and ``w_scale [E, N / r, K / c]``."""
     _, n, k = w.shape
     block_m, block_n, block_k = _tiles(n, k)
+    if block is not None:
+        block_k = min(block_k, block[1])
+        if block[1] % block_k:
+            raise ValueError(f"expert weight blocks of {block[1]} columns are not a multiple of the K tile {block_k}")
     grid = (sorted_ids.numel() // block_m * triton.cdiv(n, block_n),)
     fp8 = a_scale is not None
     _grouped_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, sorted_ids, block_expert, num_padded, n, k, num_pairs,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         a_scale if fp8 else out, w_scale if fp8 else out, w_scale.stride(0) if fp8 else 0,
+        a_scale.stride(0) if block is not None else 0, w_scale.stride(1) if block is not None else 0,
         A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None,
         IEEE=a.dtype == torch.float32 or _INTERPRETING,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, BLOCKWISE=block is not None,
+        GROUP_K=block[1] if block is not None else 1, GROUP_N=block[0] if block is not None else 1)
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, silu_and_mul, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, w13_block: tuple[int, int] | None = None,
+                  w2_block: tuple[int, int] | None = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for ``x [T, H]``; ``w13 [E, 2I, H]`` is
     gate | up stacked, ``w2 [E, H, I]``; ``silu_and_mul`` the backend's SwiGLU.  With
-    ``w13_scale`` / ``w2_scale`` the stacks are FP8 (see ``fused_experts_fp8``): each GEMM's
-    input is quantized per row first."""
+    ``w13_scale`` / ``w2_scale`` a stack is FP8 (see ``fused_experts_fp8``; each stack on its
+    own, per channel or in ``w*_block`` blocks): that GEMM's input is quantized per row (and
+    block column group) first."""
     t, top_k = topk_ids.shape
     num_pairs = t * top_k
     out = x.new_empty((t, x.shape[1]))
@@ -143,28 +164,29 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return out
     sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
 
-    def gemm(a, w, w_scale, pairs_per_row, **kw):
+    def gemm(a, w, w_scale, block, pairs_per_row, **kw):
         if w_scale is not None:
             from worker.engine.kernels.triton.quant_gemm import quantize_fp8_rows
 
-            a, a_scale = quantize_fp8_rows(a.contiguous())
-            kw.update(a_scale=a_scale.reshape(-1), w_scale=w_scale)
+            a, a_scale = quantize_fp8_rows(a.contiguous(), block[1] if block is not None else None)
+            kw.update(a_scale=a_scale if block is not None else a_scale.reshape(-1), w_scale=w_scale, block=block)
         dst = x.new_empty((num_pairs, w.shape[1]))
         grouped_gemm(a, w, dst, sorted_ids, block_expert, num_padded, num_pairs, pairs_per_row, **kw)
         return dst
 
-    gate_up = gemm(x, w13, w13_scale, top_k)
-    down = gemm(silu_and_mul(gate_up), w2, w2_scale, 1,
+    gate_up = gemm(x, w13, w13_scale, w13_block, top_k)
+    down = gemm(silu_and_mul(gate_up), w2, w2_scale, w2_block, 1,
                 weights=topk_weights.reshape(-1).to(torch.float32).contiguous())
     return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
 
 
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      silu_and_mul) -> torch.Tensor:
+                      silu_and_mul, block: tuple[int, int] | None = None) -> torch.Tensor:
     """``fused_experts`` over FP8 experts (``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in
-    float8_e4m3fn, scales ``[E, 2I]`` / ``[E, H]``), W8A8 with dynamic per-row input scales."""
-    return fused_experts(x, w13, w2, topk_weights, topk_ids, silu_and_mul, w13_scale, w2_scale)
+    float8_e4m3fn), W8A8 with dynamic input scales: scales ``[E, 2I]`` / ``[E, H]`` (per
+    channel), or with ``block=(r, c)`` ``[E, 2I / r, H / c]`` / ``[E, H / r, I / c]``."""
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, silu_and_mul, w13_scale, w2_scale, block, block)
 
 
 def compile_specs() -> list:
@@ -176,16 +198,21 @@ def compile_specs() -> list:
                        "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
                        "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i64", "stride_ak": "i64",
                        "stride_be": "i64", "stride_bn": "i64", "stride_bk": "i64", "stride_cm": "i64",
-                       "stride_cn": "i64", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "stride_bse": "i64"},
+                       "stride_cn": "i64", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "stride_bse": "i64",
+                       "stride_asm": "i64", "stride_bsn": "i64"},
                       dict(A_ROW_DIV=1 if mul else 2, MUL_WEIGHT=mul, IEEE=ieee, BLOCK_M=16, BLOCK_N=64,
-                           BLOCK_K=64, FP8=False)))
-    for dtype, mul in (("bf16", False), ("bf16", True), ("fp16", True)):
-        specs.append((f"fused_moe_gemm[fp8->{dtype}{',weighted' if mul else ''}]", _grouped_gemm_kernel,
+                           BLOCK_K=64, FP8=False, BLOCKWISE=False, GROUP_K=1, GROUP_N=1)))
+    for dtype, mul, blockwise in (("bf16", False, False), ("bf16", True, False), ("fp16", True, False),
+                                  ("bf16", False, True), ("bf16", True, True)):
+        specs.append((f"fused_moe_gemm[fp8->{dtype}{',weighted' if mul else ''}{',128x128 blocks' if blockwise else ''}]",
+                      _grouped_gemm_kernel,
                       {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": f"*{dtype}", "weights_ptr": "*fp32",
                        "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
                        "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i64", "stride_ak": "i64",
                        "stride_be": "i64", "stride_bn": "i64", "stride_bk": "i64", "stride_cm": "i64",
-                       "stride_cn": "i64", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "stride_bse": "i64"},
+                       "stride_cn": "i64", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "stride_bse": "i64",
+                       "stride_asm": "i64", "stride_bsn": "i64"},
                       dict(A_ROW_DIV=1 if mul else 2, MUL_WEIGHT=mul, IEEE=False, BLOCK_M=16, BLOCK_N=64,
-                           BLOCK_K=64, FP8=True)))
+                           BLOCK_K=64, FP8=True, BLOCKWISE=blockwise, GROUP_K=128 if blockwise else 1,
+                           GROUP_N=128 if blockwise else 1)))
     return specs
