@@ -232,6 +232,44 @@ def test_fp8_checkpoint_experts_kept_fp8(tiny_model, tmp_path, kind):
     assert isinstance(again, Fp8Weight) and again.scale.shape == (e, 2 * inter)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_block_moe", "gptq_act_order"])
+def test_kept_quantized_over_two_ranks(tiny_model, tmp_path, fmt):
+    """Tensor parallelism (CUDA's kept schemes, each rank a process, gloo between them):
+    each rank cuts the records to its shard -- FP8 blocks to one scale per row and
+    32-column group of its rows, whole column groups of o/down and each expert's w2 -- and
+    keeps its shard quantized; greedy tokens equal one rank's and the reference's."""
+    from tests.support.engine_helpers import random_prompts
+
+    if fmt == "fp8_block_moe":
+        src = tiny_model("mixtral")
+        path = qf.write_fp8_block(src, tmp_path / "q", block=(32, 32))
+        ref = qf.reference_with_weights(src, qf.dequantized_fp8(path))
+        ref = qf.with_fp8_rounded_expert_inputs(qf.with_fp8_rounded_inputs(ref, 32), 32)
+    else:
+        src = tiny_model("llama")
+        path, dense = qf.write_gptq(src, tmp_path / "q", sym=False, act_order=True)
+        ref = qf.reference_with_weights(src, dense)
+    prompts = random_prompts(2, 5, 20, seed=21)
+
+    def greedy(engine):
+        try:
+            res = engine.generate([request(str(i), p, max_tokens=5, ignore_eos=True) for i, p in enumerate(prompts)])
+        finally:
+            engine.close()
+        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+
+    two = make_engine(path, tensor_parallel_size=2)
+    layer = two.model.layers[0]
+    if fmt == "fp8_block_moe":
+        assert isinstance(layer.qkv_weight, Fp8BlockWeight) and isinstance(layer.moe.w13, Fp8BlockWeight)
+        assert layer.moe.w13.q.shape[1] == 2 * two.model.config.intermediate_size // 2  # this rank's half
+    else:  # act-order: q/k/v and gate/up (column-parallel) kept with their order, o/down dense
+        assert isinstance(layer.qkv_weight, Int4Weight) and layer.qkv_weight.perm is not None
+        assert isinstance(layer.o_weight, torch.Tensor)
+    got = greedy(two)
+    assert got == [qf.greedy(ref, p, 5) for p in prompts]
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_online_fp8_moe_on_triton_matches_the_fp8_reference(tiny_model, kind):
     from tests.unit.engine.test_online_fp8 import fp8_moe_reference

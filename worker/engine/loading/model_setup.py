@@ -84,7 +84,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
 
 def _kept_quantized(config: EngineConfig, mc: ModelConfig, device: torch.device):
     """The scheme keeping a quantized checkpoint's weights quantized (quantization/kept.py)
-    where it applies: one rank (or CPU int4 under tensor parallelism), a method it has kernels for
+    where it applies (one rank or tensor parallel), a method it has kernels for
     (MXFP4 experts load dequantized): on CUDA FP8 and int4 (Triton); on CPU int4 checkpoints
     (the C++ W4A16 GEMM: faster than the dequantized bf16 model at batch-1 decode, and a
     quarter of its weight bytes; benchmarks/README.md), FP8 ones dequantized."""
@@ -97,10 +97,5 @@ def _kept_quantized(config: EngineConfig, mc: ModelConfig, device: torch.device)
             log.warning("int4 checkpoint: weights dequantized at load (the native CPU kernels are not built: run "
                         "`tokserve build-kernels` to keep them int4)")
         return None
-    if config.tensor_parallel_size > 1 and cpu_kernels is None:
-        # Each rank cuts the records to its shard (KeptQuantized._rank_part), tested on the
-        # CPU int4 path; the CUDA schemes under TP have not run on a GPU: dense there.
-        log.warning("quantized checkpoint under tensor parallelism on %s: weights dequantized at load (kept-"
-                    "quantized weights are sharded on the CPU int4 path only)", device.type)
-        return None
+    # Under tensor parallelism each rank cuts the records to its shard (KeptQuantized._rank_part).
     return KeptQuantized(q, cpu_kernels)
