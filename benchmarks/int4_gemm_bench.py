@@ -5,6 +5,7 @@ the native bf16 GEMM on the same shapes, one thread, alternating rounds.
     python -m benchmarks.int4_gemm_bench --rounds 5 --rows 1 4 32
     python -m benchmarks.int4_gemm_bench --engine 8x1024 --rounds 3   # whole-model decode
     python -m benchmarks.int4_gemm_bench --engine 8x1024 --act-order   # GPTQ desc_act (g_idx)
+    python -m benchmarks.int4_gemm_bench --engine moe --rounds 3       # a Qwen3-MoE, experts int4 too
 
 Per (shape, rows): the best of 7 repeats of 10 calls each, every round printed, then the
 medians and bf16 time / int4 time (> 1: int4 faster).  The weight bytes each streams per
@@ -16,6 +17,8 @@ on CPU, against the same checkpoint's dequantized weights saved as a bf16 model 
 dequantize-at-load holds: ``(q - z) * s`` rounded to bf16, on the native bf16 GEMM).
 Both engines live side by side and alternate round by round: each round decodes
 ``--tokens`` tokens after a 16-token prompt; tokens/s is over the decode steps only.
+``--engine moe``: a Qwen3-MoE (8 layers, hidden 512, 16 experts of 512, top-2) instead of a
+dense preset: attention projections and every expert kept int4, the router dense.
 ``--act-order``: the GPTQ checkpoint with act-order (``desc_act``, ``g_idx``): kept int4 in
 group order, each projection gathering its input into that order first.
 """
@@ -58,7 +61,7 @@ def _int4_twins(size: str, group: int, act_order: bool = False) -> tuple[Path, P
     from benchmarks.model_presets import build_preset_model
     from tests.support import quantized_factory as qf
 
-    src = build_preset_model(size, dtype="bfloat16")
+    src = _moe_model() if size == "moe" else build_preset_model(size, dtype="bfloat16")
     tag = f"gptq{group}" + ("-act" if act_order else "")
     q_dir, d_dir = src.parent / f"{src.name}-{tag}", src.parent / f"{src.name}-{tag}-dequantized"
     if not (q_dir / "config.json").is_file() or not (d_dir / "config.json").is_file():
@@ -74,12 +77,50 @@ def _int4_twins(size: str, group: int, act_order: bool = False) -> tuple[Path, P
     return q_dir, d_dir
 
 
+def _moe_model() -> Path:
+    """A random bf16 Qwen3-MoE checkpoint (cached beside the presets)."""
+    import transformers
+
+    from benchmarks.model_presets import build_preset_model
+
+    out = build_preset_model("8x512", dtype="bfloat16").parent / "bench-qwen3moe-8x512-e16-bfloat16"
+    if (out / "config.json").is_file():
+        return out
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, use_sliding_window=False)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    gen = torch.Generator().manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # seeded noise on every weight (norms near one)
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen) if name.endswith("norm.weight")
+                    else 0.02 * torch.randn(p.shape, generator=gen))
+    tmp = out.with_name(out.name + ".tmp")
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = build_preset_model("8x512", dtype="bfloat16") / name
+        if src.exists():
+            (tmp / name).write_bytes(src.read_bytes())
+    os.replace(tmp, out)
+    return out
+
+
 def _weight_bytes(model) -> tuple[int, int]:
-    """(projection weight bytes, every resident weight's bytes: projections, the packed
-    LM head, embeddings, norms)."""
+    """(projection and expert weight bytes, every resident weight's bytes: those, the packed
+    LM head, embeddings, norms, routers)."""
     from worker.engine.quantization.kept import weight_bytes
 
     proj = sum(weight_bytes(getattr(layer, name)) for layer in model.layers for name in layer._LINEAR_WEIGHTS)
+    for layer in model.layers:  # MoE expert stacks: one packed weight per expert once packed
+        moe = getattr(layer, "moe", None)
+        if moe is not None:
+            for stack in (moe.w13, moe.w2):
+                if not isinstance(stack, torch.nn.Parameter):  # a Parameter is counted with the rest
+                    proj += sum(weight_bytes(w) for w in stack) if isinstance(stack, list) else weight_bytes(stack)
     rest = sum(p.numel() * p.element_size() for p in model.parameters())
     head = model._lm_head_packed
     return proj, proj + rest + (weight_bytes(head) if head is not None else 0)

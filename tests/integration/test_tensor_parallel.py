@@ -264,6 +264,10 @@ def test_quantized_checkpoint_over_two_ranks(tiny_model, tmp_path, fmt):
         assert all(isinstance(getattr(layer, n), CpuInt4Weight) for n in layer._LINEAR_WEIGHTS)
         cfg = two.model.config
         assert tuple(layer.o_weight.shape) == (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim // 2)
+        if fmt == "gptq_moe":  # every expert int4 too, each rank its half of the intermediate rows / columns
+            w13, w2 = layer.moe.w13[0], layer.moe.w2[0]
+            assert isinstance(w13, CpuInt4Weight) and tuple(w13.shape) == (cfg.intermediate_size, cfg.hidden_size)
+            assert isinstance(w2, CpuInt4Weight) and tuple(w2.shape) == (cfg.hidden_size, cfg.intermediate_size // 2)
     if fmt == "awq_g64":  # o_proj's 64 columns split 32 + 32 inside a 64-column group: that layer stays dense
         from worker.engine.quantization.kept import CpuInt4Weight
 

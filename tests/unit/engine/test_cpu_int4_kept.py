@@ -170,25 +170,40 @@ def test_engine_keeps_awq_int4_and_requantizes_weight_updates(tiny_model, tmp_pa
     engine.close()
 
 
-def test_moe_experts_stay_dense_on_the_cpu_scheme(tiny_model, tmp_path):
-    """A GPTQ Mixtral: attention projections kept int4, the experts dequantized (no int4
-    fused-MoE here) -- per expert on the native bf16 GEMM in bf16 where it packs experts --
-    and the model matches HF with the dequantized weights."""
+@pytest.mark.parametrize("act_order", [False, True])
+def test_moe_experts_kept_int4_per_expert(tiny_model, tmp_path, act_order):
+    """A GPTQ Mixtral: the attention projections and every expert kept int4 (one W4A16
+    weight per expert, its own scales, zero points and -- act-order -- column order, run per
+    expert group), the router dense; matches HF with the dequantized weights in fp32, and
+    within bf16 rounding in bf16 (the rest on the native GEMM).  An RL update's unpack gives
+    the dense stack back and the next pack re-quantizes it per expert."""
     src = tiny_model("mixtral")
-    path, dense = qf.write_gptq(src, tmp_path / "moe", sym=True)
+    path, dense = qf.write_gptq(src, tmp_path / "moe", sym=not act_order, act_order=act_order)
     model, kept = kept_model(path)
     layer = model.layers[0]
     assert isinstance(layer.qkv_weight, CpuInt4Weight) and isinstance(layer.o_weight, CpuInt4Weight)
-    assert kept.kept == 2 * len(model.layers)  # qkv and o; the experts are not projections here
-    _paged_matches(model, qf.reference_with_weights(src, dense), n=24, prompt=17)
+    moe = layer.moe
+    assert len(moe.w13) == model.config.moe.num_experts and all(isinstance(w, CpuInt4Weight) for w in moe.w13 + moe.w2)
+    assert isinstance(moe.gate_weight, torch.nn.Parameter)  # the router stays dense
+    assert kept.kept == 4 * len(model.layers) and not kept.refused  # qkv, o and the two expert stacks
+    if act_order:  # each expert in its own column order
+        assert moe.w13[0].perm is not None and not torch.equal(moe.w13[0].perm, moe.w13[1].perm)
+    ref = qf.reference_with_weights(src, dense)
+    _paged_matches(model, ref, n=24, prompt=17)
+    stack = model.packing.experts.unpack(moe.w2)
+    want = torch.stack([dense[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"]
+                        for e in range(stack.shape[0])])
+    assert (stack - want).abs().max() < 1e-6  # the checkpoint's values, exactly as dequantized
+    again = model.packing.experts.pack(stack)
+    assert all(isinstance(w, CpuInt4Weight) and w.perm is None for w in again)  # re-quantized per group
+    if act_order:
+        return  # bf16: this checkpoint's last position is a routing near-tie (the dequantized bf16 model flips too)
     model, _ = kept_model(path, torch.bfloat16)
-    if resolve_cpu_linear("auto", CPU, torch.bfloat16) == "native":
-        moe = model.layers[0].moe
-        assert isinstance(moe.w13, list) and not isinstance(moe.w13[0], CpuInt4Weight)  # one packed weight per expert
-        ids = _tokens(12, seed=2)
-        want = hf_logits(qf.reference_with_weights(src, dense), ids)
-        (got,) = PagedSeqs(model).step([("a", ids)])
-        assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
+    assert all(isinstance(w, CpuInt4Weight) for w in model.layers[0].moe.w13)
+    ids = _tokens(12, seed=2)
+    want = hf_logits(ref, ids)
+    (got,) = PagedSeqs(model).step([("a", ids)])
+    assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
 
 
 def test_without_the_kernels_int4_loads_dequantized_and_says_so(tiny_model, tmp_path, monkeypatch, caplog):

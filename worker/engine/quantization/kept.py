@@ -29,17 +29,19 @@ packs: a weight that was quantized is re-quantized from its new values (FP8: one
 per row, as online FP8; int4: round-to-nearest per group with a zero point), one that
 was dense (the config's ignore list) stays dense.
 
-MoE experts (CUDA): an expert stack ``[E, N, K]`` is one parameter whose rows are every
-expert's parts, so it is bound like a fused projection; where FP8 records cover it, it is
+MoE experts: an expert stack ``[E, N, K]`` is one parameter whose rows are every expert's
+parts, so it is bound like a fused projection.  CUDA: where FP8 records cover it, it is
 kept FP8 (``pack_stack``) and run by the fused-MoE kernel's W8A8 mode, per channel or per
-block (kernels/triton/fused_moe.py).  int4 experts stay dense (no int4 fused-MoE kernel).
+block (kernels/triton/fused_moe.py); int4 experts stay dense (no int4 fused-MoE kernel).
+CPU: int4 experts are kept one W4A16 weight per expert (``pack_int4_stack``: each expert's
+own record, act-order included), run per expert group like the dense experts.
 
 On CPU (``cpu_int4_kernels``) int4 layers are kept for the C++ W4A16 GEMM
 (kernels/int4_gemm.cpp, ``CpuInt4Weight``): batch-1 decode streams the weights, and a
 quarter of the bytes measured faster than the dequantized bf16 model (benchmarks/README.md).
 FP8 layers load dequantized there: the CPU has no FP8 dot products and converting per call
 measured ~50x slower than the dense GEMM.  Every layer not kept (FP8, ignored, refused,
-the LM head, MoE experts) runs on the CPU linear scheme the engine chose (``inner``: the
+the LM head, FP8 or dense MoE experts) runs on the CPU linear scheme the engine chose (``inner``: the
 native bf16 GEMM where it runs), not on torch's bf16 linear.  ``TOKSERVE_KEEP_QUANTIZED=1``
 instead runs CUDA's Triton scheme on CPU tensors (under TRITON_INTERPRET=1, for tests).
 """
@@ -518,7 +520,31 @@ class KeptQuantized:
         if not parts:
             return None
         parts.sort(key=lambda p: p[0])
-        base = w.storage_offset() // w.stride(0)
+        return self._merged(w, parts, w.storage_offset() // w.stride(0))
+
+    def _per_expert(self, stack: torch.Tensor) -> Optional[list[ScaleRecord]]:
+        """One record per expert of a stack ``[E, N, K]`` (each expert's parts merged on
+        their own: GPTQ quantizes every expert from the tokens routed to it, so act-order
+        gives each its own column order), None unless every expert is covered."""
+        parts = self._bound.pop(stack.untyped_storage().data_ptr(), None)
+        if not parts:
+            return None
+        parts.sort(key=lambda p: p[0])
+        e, n, _ = stack.shape
+        base = stack.storage_offset() // stack.stride(1)
+        recs = []
+        for x in range(e):
+            lo = base + x * n
+            mine = [p for p in parts if lo <= p[0] < lo + n]
+            rec = self._merged(stack[x], mine, lo) if mine else None
+            if rec is None:
+                return None
+            recs.append(rec)
+        return recs
+
+    def _merged(self, w: torch.Tensor, parts: list, base: int) -> Optional[ScaleRecord]:
+        """The parts' records (sorted by row, from row ``base``) merged into one covering
+        ``w``'s rows, None when they leave rows uncovered or disagree on their layout."""
         row = base
         for start, rows, _ in parts:
             if start != row:
@@ -608,7 +634,7 @@ class KeptQuantized:
 
     def scheme(self, inner: Optional[PackedLinears] = None) -> PackedLinears:
         """The packing scheme.  On CPU (``cpu_kernels``) the layers not kept int4, the LM
-        head and MoE experts go through ``inner`` (the engine's CPU linear scheme; torch's
+        head and experts not kept int4 go through ``inner`` (the engine's CPU linear scheme; torch's
         when None); CUDA's Triton scheme keeps them in the model dtype on torch's GEMM."""
         if self.cpu_kernels is None:
             what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
@@ -641,6 +667,25 @@ class KeptQuantized:
         self._requant[dense.untyped_storage().data_ptr()] = "fp8"
         return dense
 
+    def pack_int4_stack(self, stack: torch.Tensor) -> Optional[list]:
+        """CPU: an expert stack ``[E, N, K]`` as one int4 weight per expert where int4
+        records cover every expert (each with its own scales, zero points and act-order),
+        else None (the stack stays dense)."""
+        again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
+        if again is not None:  # an RL update: round to nearest per group, expert by expert
+            group = int(again.split(":")[1])
+            return [_requantize_int4(stack[e], group, cpu=True) for e in range(stack.shape[0])]
+        recs = self._per_expert(stack)
+        if recs is None or any(r.kind != "int4" or not cpu_int4_fits(stack[0], r.group) for r in recs):
+            return None
+        self.kept += 1
+        return [_int4_from(stack[e], r, cpu=True) for e, r in enumerate(recs)]
+
+    def unpack_int4_stack(self, ws: list) -> torch.Tensor:
+        dense = torch.stack([_unpack(w) for w in ws])
+        self._requant[dense.untyped_storage().data_ptr()] = f"int4:{ws[0].packed.group}"
+        return dense
+
 
 def _cpu_scheme(kept: KeptQuantized, inner: PackedLinears) -> PackedLinears:
     """int4 layers on the CPU W4A16 GEMM; every other weight through ``inner``."""
@@ -657,15 +702,39 @@ def _cpu_scheme(kept: KeptQuantized, inner: PackedLinears) -> PackedLinears:
         out = gemm(x2, p.packed, p.scales, p.zeros, p.group, p.out_features, bias)
         return out.reshape(*shape[:-1], p.out_features)
 
-    experts = None
-    if inner.packs_experts:  # experts stay dense (no int4 fused-MoE here), one inner-packed weight each
-        from worker.engine.models.moe import fused_experts_packed
+    from worker.engine.models.moe import fused_experts_packed, fused_experts_torch
 
-        def run(x, w13, w2, topk_weights, topk_ids, act):
-            return fused_experts_packed(x, w13, w2, topk_weights, topk_ids, inner.linear, act)
+    dense_linear = inner.linear if inner.packs_experts else F.linear
 
-        experts = PackedExperts(lambda stack: [inner.pack(stack[e]) for e in range(stack.shape[0])], run,
-                                lambda ws: torch.stack([inner.unpack(w) for w in ws]))
+    def expert_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return linear(x, w, bias) if isinstance(w, CpuInt4Weight) else dense_linear(x, w, bias)
+
+    def pack_stack(stack: torch.Tensor):
+        """One weight per expert: int4 where the checkpoint's int4 records cover every
+        expert (the W4A16 GEMM per expert group, as the projections), else the inner
+        scheme's packed weight (or the dense stack where it packs no experts)."""
+        int4 = kept.pack_int4_stack(stack)
+        if int4 is not None:
+            return int4
+        if inner.packs_experts:
+            return [inner.pack(stack[e]) for e in range(stack.shape[0])]
+        return stack
+
+    def run(x, w13, w2, topk_weights, topk_ids, act):
+        if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):  # dense stacks, no packing
+            return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, act)
+        w13 = list(w13.unbind(0)) if isinstance(w13, torch.Tensor) else w13
+        w2 = list(w2.unbind(0)) if isinstance(w2, torch.Tensor) else w2
+        return fused_experts_packed(x, w13, w2, topk_weights, topk_ids, expert_linear, act)
+
+    def unpack_stack(ws):
+        if isinstance(ws, torch.Tensor):
+            return ws
+        if isinstance(ws[0], CpuInt4Weight):
+            return kept.unpack_int4_stack(ws)
+        return torch.stack([inner.unpack(w) for w in ws])
+
+    experts = PackedExperts(pack_stack, run, unpack_stack)
     name = f"{kept.quant.method}: int4 layers kept int4 (CPU W4A16 GEMM), other layers {inner.name}"
     return PackedLinears(name, lambda w: kept.pack(w, inner), linear, lambda w: kept.unpack(w, inner),
-                         packs_experts=inner.packs_experts, accepts=inner.accepts, head=inner, experts=experts)
+                         packs_experts=True, accepts=inner.accepts, head=inner, experts=experts)
