@@ -63,6 +63,20 @@ def test_fp8_moe_checkpoint_keeps_its_experts_fp8_on_gpu(tiny_model, tmp_path):
     engine.close()
 
 
+def test_int4_moe_checkpoint_keeps_its_experts_int4_on_gpu(tiny_model, tmp_path):
+    from worker.engine.quantization.kept import Int4Experts
+
+    src = tiny_model("mixtral")
+    path, dense = qf.write_gptq(src, tmp_path / "gptq", sym=False, act_order=True)
+    engine = make_engine(path, device="cuda", dtype="float32")
+    moe = engine.runner.model.layers[0].moe
+    assert isinstance(moe.w13, Int4Experts) and moe.w13.stack.qweight.is_cuda and moe.w13.stack.perm is not None
+    prompts = [_tokens(13, seed=8), _tokens(5, seed=9)]
+    ref = qf.reference_with_weights(src, dense)
+    assert _served(engine, prompts, 8) == [qf.greedy(ref, p, 8) for p in prompts]
+    engine.close()
+
+
 def test_bf16_serving_keeps_fp8_bytes(tiny_model, tmp_path):
     path = qf.write_fp8_block(tiny_model("llama"), tmp_path / "fp8")
     engine = make_engine(path, device="cuda", dtype="bfloat16")

@@ -232,6 +232,30 @@ def test_fp8_checkpoint_experts_kept_fp8(tiny_model, tmp_path, kind):
     assert isinstance(again, Fp8Weight) and again.scale.shape == (e, 2 * inter)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_checkpoint_experts_kept_int4(tiny_model, tmp_path, act_order):
+    """A GPTQ Mixtral: every expert kept int4 in one stack on the fused-MoE kernel's W4A16
+    mode (act-order: each expert its own column order, its input read through it), the
+    router dense; matches HF running the dequantized weights; an RL update's unpack gives
+    the dense stack back and the next pack re-quantizes it per expert and group."""
+    from worker.engine.kernels.triton.fused_moe import Int4Stack
+    from worker.engine.quantization.kept import Int4Experts
+
+    src = tiny_model("mixtral")
+    path, dense = qf.write_gptq(src, tmp_path / "q", sym=not act_order, act_order=act_order)
+    model, kept = kept_model(path)
+    moe = model.layers[0].moe
+    assert isinstance(moe.w13, Int4Experts) and isinstance(moe.w13.stack, Int4Stack)
+    assert (moe.w13.stack.perm is not None) == act_order and (moe.w13.stack.zero is not None) == act_order
+    assert kept.kept == 4 * len(model.layers) and not kept.refused
+    _paged_matches(model, qf.reference_with_weights(src, dense), n=24, prompt=17)
+    stack = model.packing.experts.unpack(moe.w2)
+    want = torch.stack([dense[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"] for e in range(stack.shape[0])])
+    assert (stack - want).abs().max() < 1e-6
+    again = model.packing.experts.pack(stack)
+    assert isinstance(again, Int4Experts) and again.stack.perm is None
+
+
 @pytest.mark.parametrize("fmt", ["fp8_block_moe", "gptq_act_order"])
 def test_kept_quantized_over_two_ranks(tiny_model, tmp_path, fmt):
     """Tensor parallelism (CUDA's kept schemes, each rank a process, gloo between them):

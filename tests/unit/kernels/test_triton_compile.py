@@ -24,7 +24,7 @@ def test_every_kernel_has_compile_specs():
     names = {name.split("[")[0] for name, *_ in SPECS}
     assert names == {"unified_attention", "decode_split", "decode_combine", "reshape_and_cache", "rms_norm", "rotary",
                      "silu_and_mul", "fused_moe_gemm", "lora_sgmv", "varlen_attention", "apply_bitmask",
-                     "quant_fp8_rows", "fp8_gemm", "int4_gemm", "mla_decode"}
+                     "quant_fp8_rows", "fp8_gemm", "int4_gemm", "mla_decode", "fused_moe_int4"}
     assert {name.split(",")[0] for name, *_ in SPECS if name.startswith("unified")} == {
         "unified_attention[bf16", "unified_attention[fp16", "unified_attention[fp32"}
 

@@ -31,8 +31,9 @@ was dense (the config's ignore list) stays dense.
 
 MoE experts: an expert stack ``[E, N, K]`` is one parameter whose rows are every expert's
 parts, so it is bound like a fused projection.  CUDA: where FP8 records cover it, it is
-kept FP8 (``pack_stack``) and run by the fused-MoE kernel's W8A8 mode, per channel or per
-block (kernels/triton/fused_moe.py); int4 experts stay dense (no int4 fused-MoE kernel).
+kept FP8 or int4 (``pack_stack``: each expert from its own record) and run by the
+fused-MoE kernel's W8A8 mode (per channel or per block) or its W4A16 mode (act-order
+experts reading their input through their own permutation; kernels/triton/fused_moe.py).
 CPU: int4 experts are kept one W4A16 weight per expert (``pack_int4_stack``: each expert's
 own record, act-order included), run per expert group like the dense experts.
 
@@ -332,22 +333,56 @@ def _linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
-# --- MoE expert stacks (CUDA: the fused-MoE kernel's FP8 modes) -------------------------------
-def _fp8_stack(stack: torch.Tensor, rec: ScaleRecord):
-    """An expert stack ``[E, N, K]`` whose rows (every expert's parts) one FP8 record covers,
-    kept FP8: one scale per expert and output row (per-tensor and per-channel checkpoints),
-    or per block ``[E, N / r, K / c]``; None where the blocks straddle experts (dense)."""
-    e, n, k = stack.shape
-    flat = _fp8_from(stack.reshape(e * n, k), rec)
-    if isinstance(flat, Fp8Weight):
-        return Fp8Weight(flat.q.reshape(e, n, k), flat.scale.reshape(e, n), flat.dtype)
-    r = flat.block[0]
-    if n % r:
+# --- MoE expert stacks (CUDA: the fused-MoE kernel's FP8 and int4 modes) ----------------------
+@dataclass
+class Int4Experts:
+    """An expert stack kept int4 on CUDA (the fused-MoE kernel's ``Int4Stack``)."""
+
+    stack: object  # kernels.triton.fused_moe.Int4Stack
+    dtype: torch.dtype
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self.stack).values() if isinstance(t, torch.Tensor))
+
+
+def _stacked(per_expert: list):
+    """One expert weight per expert (all of one kind and layout) as a kept stack, None where
+    their layouts differ (the stack then stays dense)."""
+    first = per_expert[0]
+    if any(type(w) is not type(first) for w in per_expert):
         return None
-    return Fp8BlockWeight(flat.q.reshape(e, n, k), flat.scale.reshape(e, n // r, -1), flat.block, flat.dtype)
+    if isinstance(first, Fp8Weight):
+        return Fp8Weight(torch.stack([w.q for w in per_expert]), torch.stack([w.scale for w in per_expert]),
+                         first.dtype)
+    if isinstance(first, Fp8BlockWeight):
+        if any(w.block != first.block or w.scale.shape != first.scale.shape for w in per_expert):
+            return None
+        return Fp8BlockWeight(torch.stack([w.q for w in per_expert]), torch.stack([w.scale for w in per_expert]),
+                              first.block, first.dtype)
+    from worker.engine.kernels.triton.fused_moe import Int4Stack
+
+    if any(w.group != first.group for w in per_expert):
+        return None
+    zeros = None
+    if any(w.zero is not None for w in per_expert):  # symmetric experts beside asymmetric ones: zero 8
+        zeros = torch.stack([w.zero if w.zero is not None else torch.full_like(w.scale, 8, dtype=torch.uint8)
+                             for w in per_expert])
+    perm = None
+    if any(w.perm is not None for w in per_expert):  # experts in place beside act-order ones: identity
+        k = first.shape[1]
+        perm = torch.stack([w.perm if w.perm is not None else torch.arange(k, dtype=torch.int32, device=w.scale.device)
+                            for w in per_expert])
+    stack = Int4Stack(torch.stack([w.qweight for w in per_expert]), torch.stack([w.scale for w in per_expert]),
+                      zeros, first.group, perm)
+    return Int4Experts(stack, first.dtype)
 
 
 def _unpack_stack(w) -> torch.Tensor:
+    if isinstance(w, Int4Experts):
+        st = w.stack
+        return torch.stack([_unpack(Int4Weight(st.qweight[e], st.scale[e], st.zero[e] if st.zero is not None else None,
+                                               st.group, w.dtype, st.perm[e] if st.perm is not None else None))
+                            for e in range(st.qweight.shape[0])])
     if isinstance(w, Fp8Weight):
         return (w.q.float() * w.scale[..., None]).to(w.dtype)
     r, c = w.block
@@ -357,23 +392,22 @@ def _unpack_stack(w) -> torch.Tensor:
 
 
 def _run_experts(x, w13, w2, topk_weights, topk_ids, act):
-    """The routed experts over stacks kept FP8 (each stack per channel or in blocks) or
-    dense (a stack the checkpoint or this path leaves dense): the fused-MoE kernel."""
-    from worker.engine.kernels.triton.fused_moe import fused_experts
+    """The routed experts over stacks kept FP8 (per channel or in blocks), int4, or dense
+    (a stack the checkpoint or this path leaves dense), each on its own: the fused-MoE kernel."""
+    from worker.engine.kernels.triton.fused_moe import Fp8Stack, fused_experts
 
-    def parts(w):
+    def operand(w):
         if isinstance(w, Fp8Weight):
-            return w.q, w.scale, None
+            return Fp8Stack(w.q, w.scale)
         if isinstance(w, Fp8BlockWeight):
-            return w.q, w.scale, w.block
-        return w, None, None
+            return Fp8Stack(w.q, w.scale, w.block)
+        return w.stack if isinstance(w, Int4Experts) else w
 
-    (q13, s13, b13), (q2, s2, b2) = parts(w13), parts(w2)
-    if s13 is None and s2 is None and not x.is_cuda:  # CPU tensors (tests): no kernel for dense stacks
-        from worker.engine.models.moe import fused_experts_torch
+    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and not x.is_cuda:
+        from worker.engine.models.moe import fused_experts_torch  # CPU tensors (tests): no kernel for dense stacks
 
         return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, act)
-    return fused_experts(x, q13, q2, topk_weights, topk_ids, act, s13, s2, b13, b2)
+    return fused_experts(x, operand(w13), operand(w2), topk_weights, topk_ids, act)
 
 
 # --- the scheme ----------------------------------------------------------------------------
@@ -638,33 +672,40 @@ class KeptQuantized:
         when None); CUDA's Triton scheme keeps them in the model dtype on torch's GEMM."""
         if self.cpu_kernels is None:
             what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
-            # Expert stacks go through the fused-MoE kernel: FP8 ones kept FP8, others dense.
+            # Expert stacks go through the fused-MoE kernel: kept FP8 or int4 where the records cover them.
             return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear,
                                  self.unpack, head=DENSE, packs_experts=True,
                                  experts=PackedExperts(self.pack_stack, _run_experts, self.unpack_stack))
         return _cpu_scheme(self, inner or DENSE)
 
     def pack_stack(self, stack: torch.Tensor):
-        """An expert stack ``[E, N, K]`` kept FP8 where the checkpoint's FP8 records cover
-        every expert's rows (per tensor, per channel or in blocks), else left dense (int4
-        experts: no int4 fused-MoE kernel yet)."""
-        if self._requant.pop(stack.untyped_storage().data_ptr(), None) == "fp8":
+        """CUDA: an expert stack ``[E, N, K]`` kept quantized where the checkpoint's records
+        cover every expert (each expert's own: FP8 per tensor, channel or block; int4 with
+        its scales, zero points and act-order), else left dense."""
+        again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
+        if again == "fp8":
             return quantize_stack(stack)  # an RL update: one scale per expert and row, as online FP8
-        rec = self._fused(stack.reshape(-1, stack.shape[-1]))
-        kept = _fp8_stack(stack, rec) if rec is not None and rec.kind == "fp8" else None
-        if rec is not None and kept is None:
-            log.info("an expert stack %s stays dense (%s)", tuple(stack.shape),
-                     "int4 experts: no int4 fused-MoE kernel" if rec.kind == "int4" else "FP8 blocks across experts")
+        if again is not None:  # int4: round to nearest per group, expert by expert
+            group = int(again.split(":")[1])
+            return _stacked([_requantize_int4(stack[e], group) for e in range(stack.shape[0])])
+        recs = self._per_expert(stack)
+        if recs is None or len({r.kind for r in recs}) != 1:
+            return stack
+        per_expert = [_fp8_from(stack[e], r) if r.kind == "fp8" else _int4_from(stack[e], r)
+                      for e, r in enumerate(recs)]
+        kept = _stacked(per_expert)
         if kept is None:
+            log.info("an expert stack %s stays dense (its experts' quantization layouts differ)", tuple(stack.shape))
             return stack
         self.kept += 1
         return kept
 
     def unpack_stack(self, w) -> torch.Tensor:
-        if not isinstance(w, (Fp8Weight, Fp8BlockWeight)):
+        if isinstance(w, torch.Tensor):
             return w
         dense = _unpack_stack(w)
-        self._requant[dense.untyped_storage().data_ptr()] = "fp8"
+        self._requant[dense.untyped_storage().data_ptr()] = \
+            f"int4:{w.stack.group}" if isinstance(w, Int4Experts) else "fp8"
         return dense
 
     def pack_int4_stack(self, stack: torch.Tensor) -> Optional[list]:

@@ -20,10 +20,18 @@ output row): the input gets one scale per row, both applied after the K loop.  B
 scales (``block=(r, c)``, ``[E, N / r, K / c]``, DeepSeek-V3's and Qwen3-FP8's 128 x 128):
 the input gets one scale per row and ``c`` columns, and each K tile (inside one column
 group) is scaled as it is accumulated, as vLLM's ``block_shape`` path.
+
+int4 experts (AWQ / GPTQ / compressed-tensors checkpoints, ``Int4Stack``): W4A16 as vLLM's
+``use_int4_w4a16`` -- each expert's weight nibbles ``[E, N, K / 8]`` (int32 words, nibble
+``k % 8`` of word ``k // 8``) unpacked per K tile with its group scales and zero points,
+the activations unquantized; act-order experts read their input columns through the
+expert's permutation (each expert its own, as GPTQ quantizes each from its own tokens).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import triton
@@ -89,6 +97,93 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _grouped_int4_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+                         block_expert_ptr, num_padded_ptr, N, K, num_pairs, stride_am, stride_qe, stride_qn,
+                         stride_se, stride_sn, stride_ze, stride_zn, stride_pe, stride_cm,
+                         GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
+                         A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_grouped_gemm_kernel``'s routing over int4 expert weights (W4A16)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        if HAS_PERM:  # act-order: the expert's weight columns are in group order; read x likewise
+            cols = tl.load(perm_ptr + expert * stride_pe + ks, mask=k_ok, other=0).to(tl.int64)
+        else:
+            cols = ks.to(tl.int64)
+        a = tl.load(a_ptr + a_row[:, None] * stride_am + cols[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        # [K, N] tile: word k // 8 of the expert's row n, nibble k % 8
+        words = tl.load(qw_ptr + expert * stride_qe + offs_n[None, :].to(tl.int64) * stride_qn + (ks // 8)[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0)
+        q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+        g = ks // GROUP
+        sc = tl.load(s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + g[:, None],
+                     mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + expert * stride_ze + offs_n[None, :].to(tl.int64) * stride_zn + g[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
+        else:
+            z = 8.0
+        w = (q - z) * sc
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+    if MUL_WEIGHT:
+        wt = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@dataclass
+class Fp8Stack:
+    """FP8 experts ``q [E, N, K]`` with ``scale [E, N]`` (per channel) or, with ``block``,
+    ``[E, N / block[0], K / block[1]]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class Int4Stack:
+    """int4 experts: ``qweight [E, N, K / 8]`` int32, ``scale [E, N, K / group]`` fp32,
+    ``zero`` the same shape uint8 (None: 8, symmetric), ``perm [E, K]`` int32 (act-order:
+    the columns each expert's weight holds, in order; None: in place)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: Optional[torch.Tensor]
+    group: int
+    perm: Optional[torch.Tensor] = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, words = self.qweight.shape
+        return e, n, words * 8
+
+
+ExpertWeights = Union[torch.Tensor, Fp8Stack, Int4Stack]
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """(sorted pair ids padded per expert to ``block_m``, expert of each block, number
     of padded slots in use), the grid sized for the worst case ``pairs + E * (block_m - 1)``.
@@ -148,35 +243,59 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids
     return out
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, silu_and_mul, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, w13_block: tuple[int, int] | None = None,
-                  w2_block: tuple[int, int] | None = None) -> torch.Tensor:
+def grouped_gemm_int4(a: torch.Tensor, w: Int4Stack, out: torch.Tensor, sorted_ids: torch.Tensor,
+                      block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_div: int,
+                      weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``grouped_gemm`` over int4 experts (W4A16: ``a`` in the model dtype)."""
+    _, n, k = w.shape
+    if k % w.group or a.shape[1] != k:
+        raise ValueError(f"int4 experts [.., {n}, {k}] with group {w.group} do not fit inputs [.., {a.shape[1]}]")
+    block_m, block_n, block_k = _tiles(n, k)
+    grid = (sorted_ids.numel() // block_m * triton.cdiv(n, block_n),)
+    zero = w.zero if w.zero is not None else w.scale
+    perm = w.perm if w.perm is not None else sorted_ids
+    _grouped_int4_kernel[grid](
+        a, w.qweight, w.scale, zero, perm, out, weights if weights is not None else out, sorted_ids, block_expert,
+        num_padded, n, k, num_pairs, a.stride(0), w.qweight.stride(0), w.qweight.stride(1), w.scale.stride(0),
+        w.scale.stride(1), zero.stride(0), zero.stride(1), perm.stride(0) if w.perm is not None else 0, out.stride(0),
+        GROUP=w.group, HAS_ZERO=w.zero is not None, HAS_PERM=w.perm is not None, A_ROW_DIV=a_row_div,
+        MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32 or _INTERPRETING,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, silu_and_mul) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` for ``x [T, H]``; ``w13 [E, 2I, H]`` is
-    gate | up stacked, ``w2 [E, H, I]``; ``silu_and_mul`` the backend's SwiGLU.  With
-    ``w13_scale`` / ``w2_scale`` a stack is FP8 (see ``fused_experts_fp8``; each stack on its
-    own, per channel or in ``w*_block`` blocks): that GEMM's input is quantized per row (and
-    block column group) first."""
+    gate | up stacked, ``w2 [E, H, I]``; ``silu_and_mul`` the backend's SwiGLU.  Each stack
+    dense (a tensor in the model dtype), FP8 (``Fp8Stack``: that GEMM's input quantized per
+    row, and block column group, first) or int4 (``Int4Stack``), each on its own."""
     t, top_k = topk_ids.shape
     num_pairs = t * top_k
     out = x.new_empty((t, x.shape[1]))
     if t == 0:
         return out
-    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
+    num_experts = w13.shape[0] if isinstance(w13, (torch.Tensor, Int4Stack)) else w13.q.shape[0]
+    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, num_experts, _tiles(1, 1)[0])
 
-    def gemm(a, w, w_scale, block, pairs_per_row, **kw):
-        if w_scale is not None:
+    def gemm(a, w, pairs_per_row, **kw):
+        rows = (w if isinstance(w, (torch.Tensor, Int4Stack)) else w.q).shape[1]
+        dst = x.new_empty((num_pairs, rows))
+        if isinstance(w, Int4Stack):
+            return grouped_gemm_int4(a.contiguous(), w, dst, sorted_ids, block_expert, num_padded, num_pairs,
+                                     pairs_per_row, **kw)
+        if isinstance(w, Fp8Stack):
             from worker.engine.kernels.triton.quant_gemm import quantize_fp8_rows
 
-            a, a_scale = quantize_fp8_rows(a.contiguous(), block[1] if block is not None else None)
-            kw.update(a_scale=a_scale if block is not None else a_scale.reshape(-1), w_scale=w_scale, block=block)
-        dst = x.new_empty((num_pairs, w.shape[1]))
+            a, a_scale = quantize_fp8_rows(a.contiguous(), w.block[1] if w.block is not None else None)
+            kw.update(a_scale=a_scale if w.block is not None else a_scale.reshape(-1), w_scale=w.scale,
+                      block=w.block)
+            w = w.q
         grouped_gemm(a, w, dst, sorted_ids, block_expert, num_padded, num_pairs, pairs_per_row, **kw)
         return dst
 
-    gate_up = gemm(x, w13, w13_scale, w13_block, top_k)
-    down = gemm(silu_and_mul(gate_up), w2, w2_scale, w2_block, 1,
-                weights=topk_weights.reshape(-1).to(torch.float32).contiguous())
+    gate_up = gemm(x, w13, top_k)
+    down = gemm(silu_and_mul(gate_up), w2, 1, weights=topk_weights.reshape(-1).to(torch.float32).contiguous())
     return torch.sum(down.view(t, top_k, -1), dim=1, out=out)
 
 
@@ -186,7 +305,8 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     """``fused_experts`` over FP8 experts (``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in
     float8_e4m3fn), W8A8 with dynamic input scales: scales ``[E, 2I]`` / ``[E, H]`` (per
     channel), or with ``block=(r, c)`` ``[E, 2I / r, H / c]`` / ``[E, H / r, I / c]``."""
-    return fused_experts(x, w13, w2, topk_weights, topk_ids, silu_and_mul, w13_scale, w2_scale, block, block)
+    return fused_experts(x, Fp8Stack(w13, w13_scale, block), Fp8Stack(w2, w2_scale, block), topk_weights, topk_ids,
+                         silu_and_mul)
 
 
 def compile_specs() -> list:
@@ -215,4 +335,16 @@ def compile_specs() -> list:
                       dict(A_ROW_DIV=1 if mul else 2, MUL_WEIGHT=mul, IEEE=False, BLOCK_M=16, BLOCK_N=64,
                            BLOCK_K=64, FP8=True, BLOCKWISE=blockwise, GROUP_K=128 if blockwise else 1,
                            GROUP_N=128 if blockwise else 1)))
+    for dtype, mul, zero, perm in (("bf16", False, "u8", False), ("bf16", True, "u8", False),
+                                   ("bf16", False, None, True), ("fp16", True, "u8", True)):
+        specs.append((f"fused_moe_int4[{dtype}{',weighted' if mul else ''},{zero or 'sym'}{',act-order' if perm else ''}]",
+                      _grouped_int4_kernel,
+                      {"a_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": f"*{zero}" if zero else "*fp32",
+                       "perm_ptr": "*i32", "c_ptr": f"*{dtype}", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                       "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "N": "i32", "K": "i32",
+                       "num_pairs": "i32", "stride_am": "i64", "stride_qe": "i64", "stride_qn": "i64",
+                       "stride_se": "i64", "stride_sn": "i64", "stride_ze": "i64", "stride_zn": "i64",
+                       "stride_pe": "i64", "stride_cm": "i64"},
+                      dict(GROUP=128, HAS_ZERO=zero is not None, HAS_PERM=perm, A_ROW_DIV=1 if mul else 2,
+                           MUL_WEIGHT=mul, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)))
     return specs
