@@ -140,24 +140,76 @@ def write_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (32, 32)) -> 
     return dst
 
 
-def write_fp8_tensor(src: Path, dst: Path, kv_scales: Optional[dict[int, tuple[float, float]]] = None) -> Path:
+def calibrated_input_scales(src: Path, prompts: int = 4, length: int = 24) -> dict[str, torch.Tensor]:
+    """{linear layer: its input's absmax / 448} over a few random prompts through the dense
+    HF model: what a static FP8 calibration (llm-compressor, ModelOpt) stores as ``input_scale``."""
+    from tests.support.model_factory import load_hf_model
+
+    hf = load_hf_model(src)
+    amax: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and isinstance(module, torch.nn.Linear):
+            def hook(mod, args, name=name):
+                amax[name] = torch.maximum(amax.get(name, torch.tensor(0.0)), args[0].detach().abs().max().float())
+            hooks.append(module.register_forward_pre_hook(hook))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _ in range(prompts):
+            hf(torch.randint(3, hf.config.vocab_size, (1, length), generator=gen))
+    for h in hooks:
+        h.remove()
+    return {name: a / torch.finfo(torch.float8_e4m3fn).max for name, a in amax.items()}
+
+
+def static_input_scales(path: Path) -> dict[str, torch.Tensor]:
+    """{module: the static input scale its fused projection runs with}: the largest of the
+    layers reading one input (q/k/v, gate/up), as vLLM merges them."""
+    state = load_file(str(path / "model.safetensors"))
+    own = {k[: -len(".input_scale")]: v.float() for k, v in state.items() if k.endswith(".input_scale")}
+    fused: dict[str, torch.Tensor] = {}
+    for layer, s in own.items():
+        key = _input_key(layer)
+        fused[key] = torch.maximum(fused.get(key, s), s)
+    return {layer: fused[_input_key(layer)] for layer in own}
+
+
+def with_static_fp8_inputs(hf, scales: dict[str, torch.Tensor]):
+    """``hf`` with each projection's input quantized with its static FP8 scale (saturated),
+    what the W8A8 GEMM multiplies under ``activation_scheme: static``."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    for name, module in hf.named_modules():
+        if name in scales:
+            s = scales[name]
+            module.register_forward_pre_hook(lambda mod, args, s=s: (
+                ((args[0].float() / s).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * s).to(
+                    args[0].dtype),))
+    return hf
+
+
+def write_fp8_tensor(src: Path, dst: Path, kv_scales: Optional[dict[int, tuple[float, float]]] = None,
+                     static: bool = False) -> Path:
     """``quant_method: fp8`` per tensor (vLLM / llm-compressor's FP8 with one
     ``weight_scale`` per linear: q/k/v with different scales), optionally with KV-cache
-    scales ``{layer: (k_scale, v_scale)}`` as ``model.layers.{i}.self_attn.{k,v}_scale``."""
+    scales ``{layer: (k_scale, v_scale)}`` as ``model.layers.{i}.self_attn.{k,v}_scale``;
+    ``static``: ``activation_scheme: static`` with each layer's calibrated ``input_scale``."""
     _copy_side_files(src, dst)
     state = load_file(str(src / "model.safetensors"))
     out = dict(state)
+    inputs = calibrated_input_scales(src) if static else {}
     for layer in _linears(state):
         w = state[layer + ".weight"].float()
         scale = w.abs().max() / torch.finfo(torch.float8_e4m3fn).max
         out[layer + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
         out[layer + ".weight_scale"] = scale.reshape(())
+        if static:
+            out[layer + ".input_scale"] = inputs[layer].reshape(())
     for i, (k, v) in (kv_scales or {}).items():
         out[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
         out[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
     if kv_scales:
         cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
                                                          "dynamic": False, "symmetric": True}

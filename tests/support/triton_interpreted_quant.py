@@ -232,6 +232,28 @@ def test_fp8_checkpoint_experts_kept_fp8(tiny_model, tmp_path, kind):
     assert isinstance(again, Fp8Weight) and again.scale.shape == (e, 2 * inter)
 
 
+def test_fp8_static_activation_scales(tiny_model, tmp_path):
+    """``activation_scheme: static``: each layer's calibrated ``input_scale`` is read (the
+    reader waits for it), fused q/k/v and gate/up run with their parts' largest (vLLM's
+    rule), and the W8A8 GEMM quantizes its input with it instead of per token: matches HF
+    with the same static rounding, and not the dynamic one.  An RL update re-quantizes the
+    weights and keeps the static scale."""
+    src = tiny_model("llama")
+    path = qf.write_fp8_tensor(src, tmp_path / "q", static=True)
+    model, kept = kept_model(path)
+    w = model.layers[0].qkv_weight
+    scales = qf.static_input_scales(path)
+    assert isinstance(w, Fp8Weight) and w.input_scale is not None
+    assert torch.equal(w.input_scale, scales["model.layers.0.self_attn.q_proj"])
+    ref = qf.reference_with_weights(src, qf.dequantized_fp8(path))
+    ids, logits = qf.assert_paged_matches(model, qf.with_static_fp8_inputs(ref, scales), atol=ATOL, n=24, prompt=17)
+    dynamic = qf.with_fp8_rounded_inputs(qf.reference_with_weights(src, qf.dequantized_fp8(path)))
+    from tests.unit.engine.test_model import hf_logits
+    assert (hf_logits(dynamic, ids) - logits).abs().max() > 10 * ATOL  # the static scales are what ran
+    again = model.packing.pack(model.packing.unpack(w))
+    assert isinstance(again, Fp8Weight) and torch.equal(again.input_scale, w.input_scale)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_int4_checkpoint_experts_kept_int4(tiny_model, tmp_path, act_order):
     """A GPTQ Mixtral: every expert kept int4 in one stack on the fused-MoE kernel's W4A16

@@ -107,6 +107,28 @@ def test_missing_part_is_named(tiny_model, quant_root, tmp_path):
         load_model(path)
 
 
+def test_static_fp8_activation_scales_are_read_and_required(tiny_model, tmp_path):
+    """``activation_scheme: static`` makes each FP8 layer's ``input_scale`` one of its parts
+    (CUDA's W8A8 GEMM uses it: tests/support/triton_interpreted_quant.py); on CPU the layer
+    is dequantized and matches; a static checkpoint without one is refused by name, as
+    vLLM requires it; compressed-tensors' static per-tensor float inputs are read as static."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model("llama")
+    path = qf.write_fp8_tensor(src, tmp_path / "static", static=True)
+    _paged_matches(path, qf.reference_with_weights(src, qf.dequantized_fp8(path)), n=24, prompt=17)
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.0.self_attn.k_proj.input_scale"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"quantized layer model\.layers\.0\.self_attn\.k_proj lacks input_scale"):
+        load_model(path)
+    ct = parse_quantization({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}})
+    assert ct.scheme_for("model.layers.0.mlp.down_proj").static_input and ct.activations == "float8 static"
+    assert not parse_quantization({"quant_method": "fp8"}).default.static_input
+
+
 @pytest.mark.parametrize("quant,method", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
     ({"quant_method": "gguf"}, "gguf"),

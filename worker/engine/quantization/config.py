@@ -37,6 +37,10 @@ class WeightScheme:
     block: Optional[tuple[int, int]] = None
     symmetric: bool = True
     zero_offset: int = 0  # gptq v1 stores zero - 1
+    # FP8 with static activation scales (``activation_scheme: static``; compressed-tensors
+    # ``input_activations.dynamic: false``): each layer carries an ``input_scale`` the
+    # W8A8 GEMM quantizes its input with (quantization/kept.py), instead of per token.
+    static_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ def parse_quantization(quant: Any) -> Optional[CheckpointQuantization]:
                 raise _refuse(method, f" with weight_block_size={block!r}")
             scheme = WeightScheme("fp8", 8, "block", block=(int(block[0]), int(block[1])))
         else:
-            scheme = WeightScheme("fp8", 8, "tensor")
+            scheme = WeightScheme("fp8", 8, "tensor", static_input=quant.get("activation_scheme") == "static")
         act = f"fp8 {quant.get('activation_scheme', 'dynamic')}"
         ignore = tuple(quant.get("ignored_layers") or quant.get("modules_to_not_convert") or ())
         return CheckpointQuantization(method, scheme, ignore=ignore, activations=act, raw=quant)
@@ -182,11 +186,14 @@ def _compressed_tensors(quant: dict) -> CheckpointQuantization:
         block = weights.get("block_structure")
         if isinstance(block, str):  # older configs: "128x128"
             block = [int(x) for x in block.lower().split("x")]
+        ia = group.get("input_activations") or {}
+        # static per-tensor FP8 inputs (W8A8 with calibrated scales): the layers' input_scale is read
+        static = kind == "fp8" and bool(ia.get("num_bits")) and ia.get("type") == "float" and \
+            not ia.get("dynamic") and (ia.get("strategy") or "tensor") == "tensor"
         scheme = WeightScheme(kind, bits, strategy, group_size=weights.get("group_size"),
                               block=tuple(int(b) for b in block) if block else None,
-                              symmetric=bool(weights.get("symmetric", True)))
-        if (group.get("input_activations") or {}).get("num_bits"):
-            ia = group["input_activations"]
+                              symmetric=bool(weights.get("symmetric", True)), static_input=static)
+        if ia.get("num_bits"):
             activations = f"{ia.get('type', 'int')}{ia['num_bits']} {'dynamic' if ia.get('dynamic') else 'static'}"
         for target in group.get("targets") or ():
             targets.append((target, scheme))

@@ -106,6 +106,9 @@ class ScaleRecord:
     # that order, so every group is contiguous again, and the GEMM reads ``x[..., perm]``:
     # ``x @ W.T == x[:, perm] @ W[:, perm].T`` (Marlin's act-order does the same).
     perm: Optional[torch.Tensor] = None
+    # FP8 with static activations: the checkpoint's calibrated input scale (a 0-dim fp32
+    # tensor); fused parts share the largest of theirs, as vLLM does.
+    input_scale: Optional[torch.Tensor] = None
 
     def row_scales(self) -> torch.Tensor:
         return self.scale.repeat_interleave(self.block_rows, 0) if self.block_rows > 1 else self.scale
@@ -178,12 +181,13 @@ def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional
         if weight.dtype != FP8:
             return None  # e5m2 / fnuz values do not all fit e4m3 at the same scale: dequantized
         rows, cols = weight.shape
+        static = parts["input_scale"].float().max() if scheme.static_input else None
         if scale.numel() == 1:
-            return ScaleRecord("fp8", scale.reshape(1).expand(rows).clone())
+            return ScaleRecord("fp8", scale.reshape(1).expand(rows).clone(), input_scale=static)
         if scheme.strategy == "block" or (scale.dim() == 2 and scale.shape[1] > 1):
             r, c = scheme.block or (128, 128)
             return ScaleRecord("fp8", scale.contiguous(), group=c, block_rows=r)
-        return ScaleRecord("fp8", scale.reshape(rows))
+        return ScaleRecord("fp8", scale.reshape(rows), input_scale=static)
     if scheme.kind == "awq" and scheme.num_bits == 4:
         g = scheme.group_size or 128
         out = parts["scales"].shape[1]
@@ -237,7 +241,7 @@ def act_order(g_idx: Optional[torch.Tensor], group: int) -> tuple[bool, Optional
 def _fp8_from(w: torch.Tensor, rec: ScaleRecord):
     if rec.group is None:
         q = (w.float() / rec.scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return Fp8Weight(q, rec.scale.contiguous(), w.dtype)
+        return Fp8Weight(q, rec.scale.contiguous(), w.dtype, rec.input_scale)
     s = rec.row_scales()[:w.shape[0]].repeat_interleave(rec.group, 1)[:, :w.shape[1]]
     q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8BlockWeight(q, rec.scale.contiguous(), (rec.block_rows, rec.group), w.dtype)
@@ -325,7 +329,7 @@ def _linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if getattr(w, "perm", None) is not None:  # act-order int4: the columns in the kept weight's order
         x2 = x2.index_select(1, w.perm)
     if isinstance(w, Fp8Weight):
-        out = fp8_linear(x2, w.q, w.scale, bias=bias)
+        out = fp8_linear(x2, w.q, w.scale, bias=bias, input_scale=w.input_scale)
     elif isinstance(w, Fp8BlockWeight):
         out = fp8_linear(x2, w.q, w.scale, block=w.block, bias=bias)
     else:
@@ -425,6 +429,7 @@ class KeptQuantized:
         self.refused: dict[str, str] = {}  # layer -> why it loads dense
         self._bound: dict[int, list[tuple[int, int, ScaleRecord]]] = {}  # storage ptr -> (row, rows, record)
         self._requant: dict[int, str] = {}  # storage ptr of unpacked weights -> their kind (re-quantize on pack)
+        self._static_inputs: dict[int, torch.Tensor] = {}  # storage ptr of unpacked weights -> static input scale
         self.kept = 0
         self.kinds: set[str] = set()
         # Packed while loading (CPU, ``filled``): storage identity -> the kept weight ``pack`` returns.
@@ -464,7 +469,7 @@ class KeptQuantized:
         if dim == 0:
             scale = rec.row_scales().narrow(0, start, length)
             zero = rec.zero.narrow(0, start, length) if rec.zero is not None else None
-            return ScaleRecord(rec.kind, scale, rec.group, zero, perm=rec.perm), ""
+            return ScaleRecord(rec.kind, scale, rec.group, zero, perm=rec.perm, input_scale=rec.input_scale), ""
         if rec.group is None:  # one scale per row: every column of the row shares it
             return rec, ""
         if rec.perm is not None:
@@ -613,8 +618,12 @@ class KeptQuantized:
             r = 1
         # records are read on the host; the weight may be on the GPU
         zero = torch.cat([x.zero for x in recs]).to(w.device) if recs[0].zero is not None else None
+        # static activations: one input scale for the fused input, the parts' largest (vLLM's
+        # choice: no part's calibrated range is clipped); dynamic unless every part has one
+        inputs = [p[2].input_scale for p in parts]
+        static = torch.stack(inputs).max().to(w.device) if all(s is not None for s in inputs) else None
         return ScaleRecord(recs[0].kind, torch.cat([x.scale for x in recs]).to(w.device), recs[0].group, zero, r,
-                           perm.to(w.device) if perm is not None else None)
+                           perm.to(w.device) if perm is not None else None, static)
 
     def finish(self) -> None:
         """Drop the records no packing took (CPU's MoE experts, int4 experts): call after packing."""
@@ -629,8 +638,10 @@ class KeptQuantized:
         again = self._requant.pop(key, None)
         if again is not None:  # an RL update wrote new dense weights: quantize them afresh
             if again == "fp8":
+                # the weights are the trainer's, the input's calibrated range the checkpoint's:
+                # a static input scale stays (the update sends none), as in vLLM
                 q, scale = quantize_rows(w)
-                return Fp8Weight(q, scale, w.dtype)
+                return Fp8Weight(q, scale, w.dtype, self._static_inputs.pop(key, None))
             kind, group = again.split(":")
             return _requantize_int4(w, int(group), cpu=self.cpu_kernels is not None)
         early = self._early.pop(w.untyped_storage()._cdata, None)
@@ -664,6 +675,8 @@ class KeptQuantized:
             return inner.unpack(w)
         dense = _unpack(w)
         self._requant[dense.untyped_storage().data_ptr()] = kind
+        if getattr(w, "input_scale", None) is not None:
+            self._static_inputs[dense.untyped_storage().data_ptr()] = w.input_scale
         return dense
 
     def scheme(self, inner: Optional[PackedLinears] = None) -> PackedLinears:

@@ -57,6 +57,8 @@ class Fp8Weight:
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype  # the model dtype it came from (unpack returns to it)
+    # A checkpoint's static activation scale (one for the whole input; None: per token, dynamically)
+    input_scale: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:

@@ -13,8 +13,10 @@ parameter layout) as ``X_blocks`` + ``X_scales`` over ``[E, out, in]``: the pair
 ``(X, dense)`` in the dense checkpoint's layout, which the family loads as it loads a
 bf16 checkpoint.
 
-Activation scales (``input_scale`` ...) are dropped: the layers quantize activations
-dynamically or not at all (stated in docs/quantization.md).  KV-cache scales
+Activation scales (``input_scale`` ...) are dropped -- the layers quantize activations
+dynamically or not at all (stated in docs/quantization.md) -- except an FP8 layer's
+``input_scale`` where the config says its activations are static: then it is one of the
+layer's parts (required), handed to ``keep`` with the others.  KV-cache scales
 (``k_scale``, ``v_scale``, ...) go to the ``kv`` hook when one is given
 (quantization/kv_scales.py: used over an FP8 KV cache), else are dropped too.
 """
@@ -49,7 +51,7 @@ def _split(name: str) -> tuple[str, str]:
 
 def _required(scheme: WeightScheme) -> tuple[str, ...]:
     if scheme.kind == "fp8":
-        return ("weight", "scale")
+        return ("weight", "scale") + (("input_scale",) if scheme.static_input else ())
     if scheme.kind == "int":
         return ("weight", "weight_scale") + (() if scheme.symmetric else ("weight_zero_point",))
     if scheme.kind == "packed":
@@ -91,6 +93,11 @@ class _Layer:
             raise ValueError(f"quantized layer {name} ({s.kind}): its tensors do not fit the checkpoint's "
                              f"quantization_config ({', '.join(f'{k} {tuple(v.shape)}' for k, v in p.items())}): "
                              f"{e}") from None
+
+
+def _static_input(quant: CheckpointQuantization, layer: str) -> bool:
+    scheme = quant.scheme_for(layer)
+    return scheme is not None and scheme.static_input
 
 
 def _is_quantized_weight(tensor: torch.Tensor) -> bool:
@@ -139,10 +146,10 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], quant: Option
             if target is not None:
                 kv(name, *target, tensor)
                 continue
-        if part in _DROPPED:
+        if part in _DROPPED and not (part == "input_scale" and _static_input(quant, layer)):
             dropped += 1
             continue
-        quantized_part = part in _PARTS or (part == "weight" and _is_quantized_weight(tensor))
+        quantized_part = part in _PARTS or part == "input_scale" or (part == "weight" and _is_quantized_weight(tensor))
         if not quantized_part:
             yield name, tensor
             continue

@@ -109,17 +109,25 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, out_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               block: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               block: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None,
+               input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16/fp32) times an FP8 weight ``[N, K]`` -> ``[M, N]`` in x's dtype.
 
     ``weight_scale``: one value (per tensor), ``[N]`` / ``[N, 1]`` (per channel), or
     ``[N / block[0], K / block[1]]`` with ``block`` (weight blocks; activations then get
-    one scale per row and ``block[1]`` columns).  Dequantized weight = weight * scale."""
+    one scale per row and ``block[1]`` columns).  Dequantized weight = weight * scale.
+    ``input_scale`` (a 0-dim fp32 tensor, not with blocks): the checkpoint's static
+    activation scale, x quantized with it (saturated) instead of per row, dynamically."""
     m, k = x.shape
     n = weight.shape[0]
     blockwise = block is not None
     group_k = block[1] if blockwise else 0
-    xq, xs = quantize_fp8_rows(x, group_k or None)
+    if input_scale is not None and not blockwise:
+        # static: one scale for every row (stride 0), as vLLM's static per-tensor input quant
+        xq = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        xs = input_scale.float().reshape(1, 1).expand(m, 1)
+    else:
+        xq, xs = quantize_fp8_rows(x, group_k or None)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if not m:
         return out
