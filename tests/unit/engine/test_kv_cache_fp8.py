@@ -126,6 +126,37 @@ def test_engine_fp8_cache_holds_four_times_fp32_tokens_and_serves(tiny_model):
     assert same >= 0.5 * 48, (outs[0], outs[1])
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_rl_weight_update_over_an_fp8_cache_equals_a_fresh_engine(tiny_model, quantization):
+    """An RL weight update into an engine serving an FP8 KV cache (and online FP8 weights):
+    the same prompts afterwards -- their prefixes cached under the old weights -- give
+    exactly what a fresh engine started on the new weights gives (logprobs included), so no
+    KV computed with the old weights survives the update."""
+    from safetensors.torch import load_file
+
+    path, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    kw = dict(kv_cache_dtype="fp8", enable_prefix_caching=True, quantization=quantization)
+    prompts = random_prompts(3, 12, 30, seed=5)
+
+    def run(engine, tag):
+        out = engine.generate([request(f"{tag}{i}", p, max_tokens=8, ignore_eos=True, logprobs=0)
+                               for i, p in enumerate(prompts)])
+        return [([t for d in out[f"{tag}{i}"] for t in d.token_ids],
+                 [lp for d in out[f"{tag}{i}"] if d.logprobs for lp in d.logprobs.logprobs])
+                for i in range(len(prompts))]
+
+    engine = make_engine(path, **kw)
+    before = run(engine, "a")
+    engine.rl.write_weights(load_file(str(other / "model.safetensors")))
+    engine.rl.end_weight_writes()
+    after = run(engine, "b")
+    engine.close()
+    fresh = make_engine(other, **kw)
+    want = run(fresh, "c")
+    fresh.close()
+    assert after == want and after != before
+
+
 # --- the native kernels over the FP8 cache against torch SDPA over it ---------------------
 def _schedule_logprobs(path, dtype, fp8, backend):
     """Log-probs of every row of a schedule with each kind of step (two prompts, decode-only
