@@ -86,3 +86,29 @@ def test_bf16_serving_keeps_fp8_bytes(tiny_model, tmp_path):
     assert kept < 0.56 * dense
     assert len(_served(engine, [_tokens(9, seed=1)], 6)[0]) == 6
     engine.close()
+
+
+def test_fp8_checkpoint_loads_without_the_dense_model_on_the_gpu(tmp_path):
+    """The GPU's peak while building a kept-FP8 model stays near the FP8 model, not the
+    dense one: projections are staged in host memory and quantized onto the GPU one by one
+    (models/layers.staged_projections, KeptQuantized.filled)."""
+    from benchmarks.model_presets import build_preset_model
+    from worker.engine.config import EngineConfig
+    from worker.engine.loading.model_setup import build_model
+    from worker.engine.models.config import ModelConfig
+
+    src = build_preset_model("8x512", dtype="bfloat16")
+    fp8 = qf.write_fp8_block(src, tmp_path / "fp8", block=(128, 128))
+
+    def peak(path):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        config = EngineConfig(model=str(path), dtype="bfloat16", device="cuda")
+        model, _, _ = build_model(config, ModelConfig.from_dir(path), torch.device("cuda"))
+        used = torch.cuda.max_memory_allocated() - base
+        del model
+        return used
+
+    dense, kept = peak(src), peak(fp8)
+    assert kept < 0.75 * dense, (kept, dense)

@@ -165,3 +165,35 @@ def test_cpu_default_dequantizes_at_load(tiny_model, tmp_path, monkeypatch):
     layer = engine.runner.model.layers[0]
     assert isinstance(layer.qkv_weight, torch.Tensor) and layer.qkv_weight.dtype == torch.float32
     engine.close()
+
+
+def test_a_gpu_bound_model_stages_its_projections_in_host_memory(tiny_model, tmp_path):
+    """For a GPU (here the meta device stands in for it: a device whose tensors hold no
+    data) the projections and expert stacks are built in host memory, and each is
+    quantized onto the device as soon as the loader has filled it -- so the device never
+    holds a dense projection -- while every other weight is built on the device; after
+    packing nothing is left in host memory (model_setup checks the same)."""
+    from worker.engine.loading.loader import load_model
+    from worker.engine.loading.model_setup import _check_placed
+    from worker.engine.models.config import ModelConfig
+    from worker.engine.models.layers import staged_projections
+
+    path = qf.write_fp8_block(tiny_model("mixtral"), tmp_path / "fp8", block=(32, 32))
+    target = torch.device("meta")
+    kept = KeptQuantized(ModelConfig.from_dir(path).quantization, device=target)
+    with staged_projections("cpu"):
+        model = load_model(path, dtype=torch.float32, device=target, keep=kept.keep, filled=kept.filled)
+    staged = model.projection_weights() + model.expert_stacks()
+    assert staged and all(w.device.type == "cpu" for w in staged)
+    ids = {id(w) for w in staged}
+    assert all(p.device == target for p in model.parameters() if id(p) not in ids)  # norms, embeddings, routers
+    # every projection and stack was quantized onto the device while loading, none waits for the end
+    assert len(kept._early) == len(staged) and not kept.records
+    assert all(w.q.device == target for w in kept._early.values())
+    kept.bind(model)
+    model.pack_linears(kept.scheme())
+    kept.finish()
+    _check_placed(model, target)
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_weight, Fp8BlockWeight) and layer.qkv_weight.q.device == target
+    assert isinstance(layer.moe.w13, Fp8BlockWeight) and layer.moe.w13.q.device == target

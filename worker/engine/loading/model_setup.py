@@ -4,6 +4,7 @@ The engine and the tensor-parallel followers share it, so every rank runs the sa
 kernels."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model, safetensors_files
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.cpu_gemm import linear_scheme, onednn_supported, resolve_cpu_linear
+from worker.engine.models.layers import staged_projections
 from worker.engine.quantization.config import ONLINE_SUPPORTED
 from worker.engine.quantization.kept import INT4_METHODS, KeptQuantized, cpu_int4_kernels, keeps_quantized
 from worker.engine.quantization.kv_scales import KvScales
@@ -33,10 +35,14 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
     started = time.monotonic()
     kept = _kept_quantized(config, mc, device)
     kv_scales = KvScales() if mc.quantization is not None else None
-    model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc,
-                       keep=kept.keep if kept is not None else None,
-                       kv=kv_scales.add if kv_scales is not None else None,
-                       filled=kept.filled if kept is not None else None)
+    # A GPU keeping a checkpoint quantized never holds its dense projections: they are
+    # staged in host memory and each is quantized onto the GPU once loaded (kept.filled).
+    staging = staged_projections("cpu") if kept is not None and device.type != "cpu" else contextlib.nullcontext()
+    with staging:
+        model = load_model(config.model, dtype=config.torch_dtype, device=device, config=mc,
+                           keep=kept.keep if kept is not None else None,
+                           kv=kv_scales.add if kv_scales is not None else None,
+                           filled=kept.filled if kept is not None else None)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
     if kv_scales is not None:
         kv_scales.apply(model, fp8_cache=config.kv_dtype is not None)
@@ -66,6 +72,7 @@ def build_model(config: EngineConfig, mc: ModelConfig, device: torch.device) -> 
         model.pack_linears(scheme)
     if kept is not None:
         kept.finish()
+        _check_placed(model, device)
         log.info("quantized checkpoint: %s; %d weight(s) (projections, expert stacks) kept quantized in memory "
                  "(%s), re-quantized after weight updates", mc.quantization.describe(), kept.kept, scheme.name)
     elif cpu_linear == "torch" and device.type == "cpu" and config.torch_dtype == torch.bfloat16 and \
@@ -98,4 +105,11 @@ def _kept_quantized(config: EngineConfig, mc: ModelConfig, device: torch.device)
                         "`tokserve build-kernels` to keep them int4)")
         return None
     # Under tensor parallelism each rank cuts the records to its shard (KeptQuantized._rank_part).
-    return KeptQuantized(q, cpu_kernels)
+    return KeptQuantized(q, cpu_kernels, device)
+
+
+def _check_placed(model, device: torch.device) -> None:
+    """Every parameter where the model runs once packed (staged projections included)."""
+    stray = [name for name, p in model.named_parameters() if p.device.type != device.type]
+    if stray:
+        raise RuntimeError(f"{len(stray)} weight(s) left off {device} after packing: {', '.join(stray[:4])}")

@@ -32,7 +32,7 @@ import torch
 
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.kv_layout import KVCacheLayout
-from worker.engine.models.layers import RMSNorm, empty_param
+from worker.engine.models.layers import RMSNorm, empty_param, projection_param
 from worker.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from worker.engine.models.mla import LatentAttention, deinterleave
 
@@ -49,13 +49,13 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         a_rows = m.kv_lora_rank + m.qk_rope_head_dim
         if m.q_lora_rank:
             # q_a_proj | kv_a_proj_with_mqa fused: both read the normed hidden state.
-            self.qkv_a_weight = empty_param(m.q_lora_rank + a_rows, h, dtype=dtype, device=device)
+            self.qkv_a_weight = projection_param(m.q_lora_rank + a_rows, h, dtype=dtype, device=device)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, c.rms_norm_eps, dtype, device)
-            self.q_b_weight = empty_param(heads * m.qk_head_dim, m.q_lora_rank, dtype=dtype, device=device)
+            self.q_b_weight = projection_param(heads * m.qk_head_dim, m.q_lora_rank, dtype=dtype, device=device)
             self._ATTENTION_WEIGHTS = ("qkv_a_weight", "q_b_weight", "o_weight")
         else:
-            self.q_weight = empty_param(heads * m.qk_head_dim, h, dtype=dtype, device=device)
-            self.kv_a_weight = empty_param(a_rows, h, dtype=dtype, device=device)
+            self.q_weight = projection_param(heads * m.qk_head_dim, h, dtype=dtype, device=device)
+            self.kv_a_weight = projection_param(a_rows, h, dtype=dtype, device=device)
             self.q_a_layernorm = None
             self._ATTENTION_WEIGHTS = ("q_weight", "kv_a_weight", "o_weight")
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, c.rms_norm_eps, dtype, device)
@@ -63,7 +63,7 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         # W_UK / W_UV (views of [heads, nope + v, rank]).
         self.kv_b_weight = empty_param(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, dtype=dtype,
                                        device=device)
-        self.o_weight = empty_param(h, heads * m.v_head_dim, dtype=dtype, device=device)
+        self.o_weight = projection_param(h, heads * m.v_head_dim, dtype=dtype, device=device)
         self.o_bias = None
         self.use_rope, self.rotary_dim, self.rope_key = True, c.rotary_dim, "global"
         self.latent_attn = LatentAttention(m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim, m.softmax_scale)

@@ -1,7 +1,9 @@
 """Small building blocks of the Llama-family decoder."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,30 @@ from torch import nn
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """Uninitialised frozen weight: the loader fills it, so no time is spent on init."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# Where projection weights and expert stacks are allocated while a model is built, when
+# not on its device: a quantized checkpoint kept quantized on a GPU stages their dense
+# values in host memory, and each is quantized onto the GPU once loaded
+# (quantization/kept.py), so the GPU never holds the dense model.
+_STAGING: contextvars.ContextVar[Optional[torch.device]] = contextvars.ContextVar("projection_staging", default=None)
+
+
+@contextlib.contextmanager
+def staged_projections(device: torch.device | str) -> Iterator[None]:
+    """Models built inside allocate their projection weights (``projection_param``) on
+    ``device`` instead of their own."""
+    token = _STAGING.set(torch.device(device))
+    try:
+        yield
+    finally:
+        _STAGING.reset(token)
+
+
+def projection_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """A projection weight (``[out, in]``) or expert stack (``[E, out, in]``): the packing
+    schemes' inputs, allocated on the staging device where one is set (``staged_projections``)."""
+    return empty_param(*shape, dtype=dtype, device=_STAGING.get() or device)
 
 
 class RMSNorm(nn.Module):

@@ -23,7 +23,7 @@ from worker.engine.attention.backends.base import AttentionBackend
 from worker.engine.attention.layer import PagedAttention
 from worker.engine.models.cpu_gemm import ONEDNN, LinearFn, PackedLinears
 from worker.engine.models.kv_layout import KVCacheLayout, kv_cache_layout, mha_layout
-from worker.engine.models.layers import RMSNorm, empty_param, silu_and_mul
+from worker.engine.models.layers import RMSNorm, empty_param, projection_param, silu_and_mul
 from worker.engine.models.moe import SparseMoeBlock
 from worker.engine.parallel.sharding import head_shard, split, vocab_shard
 from worker.engine.parallel.state import get_tp
@@ -83,9 +83,9 @@ class LlamaDecoderLayer(nn.Module):
         self.routing_store: Optional[torch.Tensor] = None  # [slots, moe layers, top_k], see set_routing_store
         self._LINEAR_WEIGHTS = self._ATTENTION_WEIGHTS if sparse else self._ATTENTION_WEIGHTS + self._MLP_WEIGHTS
         if not sparse:
-            self.gate_up_weight = empty_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
+            self.gate_up_weight = projection_param(2 * inter, c.hidden_size, dtype=dtype, device=device)
             self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device) if c.mlp_bias else None
-            self.down_weight = empty_param(c.hidden_size, inter, dtype=dtype, device=device)
+            self.down_weight = projection_param(c.hidden_size, inter, dtype=dtype, device=device)
             self.down_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.mlp_bias else None
         self.linear: LinearFn = F.linear
         self.packing: Optional[PackedLinears] = None  # how the projections are packed (cpu_gemm), if they are
@@ -98,9 +98,9 @@ class LlamaDecoderLayer(nn.Module):
         attention, DeepSeek's latent one, override this, ``_attention`` and the
         attention part of ``weight_targets``)."""
         q_size, kv_size = self.q_size, self.kv_size
-        self.qkv_weight = empty_param(q_size + 2 * kv_size, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_weight = projection_param(q_size + 2 * kv_size, c.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = empty_param(q_size + 2 * kv_size, dtype=dtype, device=device) if c.qkv_bias else None
-        self.o_weight = empty_param(c.hidden_size, q_size, dtype=dtype, device=device)
+        self.o_weight = projection_param(c.hidden_size, q_size, dtype=dtype, device=device)
         self.o_bias = empty_param(c.hidden_size, dtype=dtype, device=device) if c.o_bias else None
         # Qwen3: q_norm/k_norm weights broadcast per head into one [heads + kv_heads, D]
         # table so q and k are normalised by a single op.
@@ -405,6 +405,12 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers' projection weights ``pack_linears`` hands to the scheme's
         ``pack`` one by one (dense, before packing; MoE experts are packed as stacks)."""
         return [getattr(layer, name) for layer in self.layers for name in layer._LINEAR_WEIGHTS]
+
+    def expert_stacks(self) -> list[torch.Tensor]:
+        """The MoE expert stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) a scheme that packs
+        experts is handed whole (dense, before packing; experts with biases are never packed)."""
+        return [stack for layer in self.layers if layer.moe is not None and layer.moe.w13_bias is None
+                for stack in (layer.moe.w13, layer.moe.w2) if isinstance(stack, torch.Tensor)]
 
     def packable(self, scheme: PackedLinears) -> bool:
         """Whether ``scheme`` can pack every weight ``pack_linears`` would (checked before

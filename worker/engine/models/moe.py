@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.models.config import ModelConfig, MoEConfig
-from worker.engine.models.layers import empty_param, silu_and_mul
+from worker.engine.models.layers import empty_param, projection_param, silu_and_mul
 from worker.engine.parallel.sharding import expert_shards
 from worker.engine.parallel.state import get_tp
 
@@ -187,8 +187,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.top_k
         self.gate_weight = empty_param(e, h, dtype=dtype, device=device)
         self.gate_bias = empty_param(e, dtype=dtype, device=device) if moe.router_bias else None
-        self.w13 = empty_param(e, 2 * i, h, dtype=dtype, device=device)
-        self.w2 = empty_param(e, h, i, dtype=dtype, device=device)
+        # experts with biases (GPT-OSS) are never packed: allocated where they run
+        stack = empty_param if moe.expert_bias else projection_param
+        self.w13 = stack(e, 2 * i, h, dtype=dtype, device=device)
+        self.w2 = stack(e, h, i, dtype=dtype, device=device)
         # GPT-OSS: a bias per expert on both projections.
         self.w13_bias = empty_param(e, 2 * i, dtype=dtype, device=device) if moe.expert_bias else None
         self.w2_bias = empty_param(e, h, dtype=dtype, device=device) if moe.expert_bias else None

@@ -15,9 +15,10 @@ dtype, at worst 2^-9 relative off, far inside half a quantization step (FP8 e4m3
 are 2^-3 relative; int4 ones are ``s`` with ``|q - z| <= 15``), so dividing by the
 scale and rounding gives back ``q`` bit for bit (tests assert it against the file).
 The resident weights are then the checkpoint's FP8 bytes or int4 nibbles plus scales;
-the dense copy exists only while loading: on CPU each projection is packed as soon as
-the loader reports its rows copied (``filled``) and its dense pages handed back, on CUDA
-after loading (the load's peak there is a dense model's: docs/quantization.md).
+the dense copy exists only while loading: each projection (and expert stack) is packed as
+soon as the loader reports its rows copied (``filled``) and its dense pages handed back --
+on CPU in place, for a GPU from host memory, where the projections are staged while loading
+(models/layers.staged_projections), onto the GPU.
 
 Per-part scales of a fused parameter are laid out per output row, so q/k/v parts with
 different per-tensor scales stay exact (vLLM re-quantizes them to the largest scale
@@ -112,6 +113,13 @@ class ScaleRecord:
 
     def row_scales(self) -> torch.Tensor:
         return self.scale.repeat_interleave(self.block_rows, 0) if self.block_rows > 1 else self.scale
+
+    def to(self, device: torch.device) -> "ScaleRecord":
+        def move(t):
+            return t.to(device) if t is not None else None
+
+        return ScaleRecord(self.kind, self.scale.to(device), self.group, move(self.zero), self.block_rows,
+                           move(self.perm), move(self.input_scale))
 
 
 @dataclass
@@ -419,11 +427,15 @@ class KeptQuantized:
     """Collects the reader's records (``keep``), binds them to the model's parameters
     (``bind``) and is the packing scheme (``scheme``) that keeps them quantized."""
 
-    def __init__(self, quant: CheckpointQuantization, cpu_kernels=None):
+    def __init__(self, quant: CheckpointQuantization, cpu_kernels=None, device: Optional[torch.device] = None):
         """``cpu_kernels``: the CPU kernel library (``cpu_int4_kernels``): int4 layers kept
-        for its GEMM, FP8 ones left dense; None: CUDA's Triton scheme for both."""
+        for its GEMM, FP8 ones left dense; None: CUDA's Triton scheme for both.  ``device``:
+        where the model runs, when its projections are staged elsewhere while loading
+        (models/layers.staged_projections: in host memory, for a GPU): every packed weight,
+        kept or dense, is put there."""
         self.quant = quant
         self.cpu_kernels = cpu_kernels
+        self.device = device
         self.dense_here: dict[str, str] = {}  # layer -> why it is dense on this device (by design, not refused)
         self.records: dict[str, ScaleRecord] = {}  # checkpoint layer name -> record
         self.refused: dict[str, str] = {}  # layer -> why it loads dense
@@ -488,25 +500,27 @@ class KeptQuantized:
 
     # the loader's hook
     def filled(self, model, name: str) -> None:
-        """``name`` has been copied into the model.  On CPU, once every row of a parameter
-        is covered by records, the parameter is packed now and its dense pages handed back
-        (``release_pages``: it stays the model's parameter, with its address and shape,
-        until ``pack`` swaps the packed weight in, and nothing reads it before), so loading
-        a kept-int4 model peaks near its packed size plus the layer in flight, not at the
-        dense model's size.  (On CUDA the dense parameters are allocated whole when the
-        model is built, so packing early would only add to the peak: packed at the end.)"""
+        """``name`` has been copied into the model.  Once every row of a projection (or of
+        an expert stack) in host memory is covered by records, it is packed now and its
+        dense pages handed back (``release_pages``: it stays the model's parameter, with its
+        address and shape, until ``pack`` swaps the packed weight in, and nothing reads it
+        before), so loading a kept-quantized model peaks near its packed size plus the layer
+        in flight, not at the dense model's size.  On CPU that is the model itself; for a
+        GPU the projections are staged in host memory while loading (``device``) and each is
+        quantized onto the GPU here, so the GPU never holds the dense model either."""
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         rec = self.records.get(layer) if layer is not None else None
         if rec is None:
             return
         if self._targets is None:
             self._targets = model.weight_targets()
-            # only what pack() will be handed: MoE experts' stacks are packed as stacks
-            self._projections = {w.untyped_storage().data_ptr(): w for w in model.projection_weights()
-                                 if w.dim() == 2 and w.device.type == "cpu"}
+            # only what pack() (projections) and the experts' pack (whole stacks) will be handed
+            self._projections = {w.untyped_storage().data_ptr(): w for w in
+                                 model.projection_weights() + model.expert_stacks()
+                                 if w.device.type == "cpu"}
         view = self._targets.get(name)
         whole = self._projections.get(view.untyped_storage().data_ptr()) if view is not None else None
-        if whole is None or view.dim() != 2 or view.stride(0) != whole.stride(0):
+        if whole is None or view.dim() != 2 or view.stride(0) != whole.stride(-2):
             return  # bound after loading instead
         del self.records[layer]
         rec, why = self._rank_part(model, name, rec)
@@ -515,10 +529,10 @@ class KeptQuantized:
             return
         key = self._bind_view(view, rec)
         self._rows_in[key] = self._rows_in.get(key, 0) + view.shape[0]
-        if self._rows_in[key] < whole.shape[0]:
+        if self._rows_in[key] < whole.numel() // whole.shape[-1]:
             return
         del self._rows_in[key]
-        packed = self._kept_form(whole)
+        packed = self._kept_form(whole) if whole.dim() == 2 else self._kept_stack(whole)
         if packed is not None:
             self._early[whole.untyped_storage()._cdata] = packed
             release_pages(whole)
@@ -648,7 +662,7 @@ class KeptQuantized:
         if early is not None:
             return early
         kept = self._kept_form(w)
-        return inner.pack(w) if kept is None else kept
+        return inner.pack(self._on_device(w)) if kept is None else kept
 
     def _kept_form(self, w: torch.Tensor):
         """``w`` quantized as its records say, None where it stays dense."""
@@ -660,9 +674,20 @@ class KeptQuantized:
         if rec is None:
             return None
         self.kept += 1
+        w = self._on_device(w)  # staged in host memory: quantized where it runs
+        rec = rec.to(w.device)
         if rec.kind == "fp8":
             return _fp8_from(w, rec)
         return _int4_from(w, rec, cpu=self.cpu_kernels is not None)
+
+    def _on_device(self, w: torch.Tensor) -> torch.Tensor:
+        return w if self.device is None or w.device == self.device else w.to(self.device)
+
+    def _kept_stack(self, stack: torch.Tensor):
+        """An expert stack packed as the scheme's experts will be (``filled``), None where
+        it stays dense for now (then packed with the rest after loading)."""
+        kept = self.pack_int4_stack(stack) if self.cpu_kernels is not None else self.pack_stack(stack)
+        return None if kept is None or kept is stack or isinstance(kept, torch.Tensor) else kept
 
     def unpack(self, w, inner: PackedLinears = DENSE):
         if isinstance(w, (Fp8Weight, Fp8BlockWeight)):
@@ -695,6 +720,9 @@ class KeptQuantized:
         """CUDA: an expert stack ``[E, N, K]`` kept quantized where the checkpoint's records
         cover every expert (each expert's own: FP8 per tensor, channel or block; int4 with
         its scales, zero points and act-order), else left dense."""
+        early = self._early.pop(stack.untyped_storage()._cdata, None)
+        if early is not None:
+            return early
         again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
         if again == "fp8":
             return quantize_stack(stack)  # an RL update: one scale per expert and row, as online FP8
@@ -703,13 +731,15 @@ class KeptQuantized:
             return _stacked([_requantize_int4(stack[e], group) for e in range(stack.shape[0])])
         recs = self._per_expert(stack)
         if recs is None or len({r.kind for r in recs}) != 1:
-            return stack
-        per_expert = [_fp8_from(stack[e], r) if r.kind == "fp8" else _int4_from(stack[e], r)
+            return self._on_device(stack)
+        # expert by expert, each moved where it runs first (staged stacks sit in host memory)
+        per_expert = [_fp8_from(self._on_device(stack[e]), r.to(self.device or stack.device)) if r.kind == "fp8"
+                      else _int4_from(self._on_device(stack[e]), r.to(self.device or stack.device))
                       for e, r in enumerate(recs)]
         kept = _stacked(per_expert)
         if kept is None:
             log.info("an expert stack %s stays dense (its experts' quantization layouts differ)", tuple(stack.shape))
-            return stack
+            return self._on_device(stack)
         self.kept += 1
         return kept
 
@@ -725,6 +755,9 @@ class KeptQuantized:
         """CPU: an expert stack ``[E, N, K]`` as one int4 weight per expert where int4
         records cover every expert (each with its own scales, zero points and act-order),
         else None (the stack stays dense)."""
+        early = self._early.pop(stack.untyped_storage()._cdata, None)
+        if early is not None:
+            return early
         again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
         if again is not None:  # an RL update: round to nearest per group, expert by expert
             group = int(again.split(":")[1])
