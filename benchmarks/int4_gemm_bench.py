@@ -17,8 +17,8 @@ on CPU, against the same checkpoint's dequantized weights saved as a bf16 model 
 dequantize-at-load holds: ``(q - z) * s`` rounded to bf16, on the native bf16 GEMM).
 Both engines live side by side and alternate round by round: each round decodes
 ``--tokens`` tokens after a 16-token prompt; tokens/s is over the decode steps only.
-``--engine moe``: a Qwen3-MoE (8 layers, hidden 512, 16 experts of 512, top-2) instead of a
-dense preset: attention projections and every expert kept int4, the router dense.
+``--engine moe``: cpu_linear_bench's Qwen3-MoE (6 layers, hidden 512, 8 experts of 768, top-2)
+instead of a dense preset: attention projections and every expert kept int4, the router dense.
 ``--act-order``: the GPTQ checkpoint with act-order (``desc_act``, ``g_idx``): kept int4 in
 group order, each projection gathering its input into that order first.
 """
@@ -78,34 +78,15 @@ def _int4_twins(size: str, group: int, act_order: bool = False) -> tuple[Path, P
 
 
 def _moe_model() -> Path:
-    """A random bf16 Qwen3-MoE checkpoint (cached beside the presets)."""
-    import transformers
-
+    """cpu_linear_bench's random Qwen3-MoE checkpoint (cached beside the presets)."""
+    from benchmarks.cpu_linear_bench import build_moe
     from benchmarks.model_presets import build_preset_model
 
-    out = build_preset_model("8x512", dtype="bfloat16").parent / "bench-qwen3moe-8x512-e16-bfloat16"
-    if (out / "config.json").is_file():
-        return out
-    transformers.utils.logging.set_verbosity_error()
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, use_sliding_window=False)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    gen = torch.Generator().manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # seeded noise on every weight (norms near one)
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen) if name.endswith("norm.weight")
-                    else 0.02 * torch.randn(p.shape, generator=gen))
-    tmp = out.with_name(out.name + ".tmp")
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = build_preset_model("8x512", dtype="bfloat16") / name
-        if src.exists():
-            (tmp / name).write_bytes(src.read_bytes())
-    os.replace(tmp, out)
+    out = build_preset_model("8x512", dtype="bfloat16").parent / "bench-qwen3moe-6x512-e8"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        build_moe(tmp)
+        os.replace(tmp, out)
     return out
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.engine_helpers import make_engine, random_prompts, request
+from tests.support.engine_helpers import greedy_ids, make_engine, random_prompts, request
 from tests.support.tp_model_check import run_steps
 from worker.engine.config import EngineConfig
 from worker.engine.loading.loader import load_model
@@ -95,8 +95,7 @@ def test_engine_with_two_ranks_matches_one(tiny_model, async_scheduling):
     prompts = random_prompts(5, 4, 40, seed=9)
 
     def greedy(engine):
-        res = engine.generate([request(str(i), p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)])
-        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+        return greedy_ids(engine, prompts, 10)
 
     one = greedy(make_engine(path))
     engine = make_engine(path, tensor_parallel_size=2, async_scheduling=async_scheduling)
@@ -187,8 +186,7 @@ def test_gemma3_image_text_checkpoint_shards_as_its_language_model(tiny_model):
     prompts = random_prompts(3, 5, 30, seed=23)
 
     def greedy(engine):
-        res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
-        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+        return greedy_ids(engine, prompts, 8)
 
     one = make_engine(path)
     try:
@@ -248,11 +246,7 @@ def test_quantized_checkpoint_over_two_ranks(tiny_model, tmp_path, fmt):
     prompts = random_prompts(3, 5, 30, seed=21)
 
     def greedy(engine):
-        try:
-            res = engine.generate([request(str(i), p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
-        finally:
-            engine.close()
-        return [res[str(i)][0].token_ids for i in range(len(prompts))]
+        return greedy_ids(engine, prompts, 8, close=True)
 
     one = greedy(make_engine(path))
     assert one == [qf.greedy(ref, p, 8) for p in prompts]

@@ -27,6 +27,18 @@ def request(rid: str, prompt: list[int], **params) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=list(prompt), params=SamplingParams(**params), **extra)
 
 
+def greedy_ids(engine: Engine, prompts: list[list[int]], max_tokens: int, close: bool = False) -> list[list[int]]:
+    """Each prompt's greedy output ids (``ignore_eos``) through ``engine.generate``; the
+    engine closed afterwards when ``close``, even when it fails."""
+    try:
+        res = engine.generate([request(str(i), p, max_tokens=max_tokens, ignore_eos=True)
+                               for i, p in enumerate(prompts)])
+    finally:
+        if close:
+            engine.close()
+    return [list(res[str(i)][0].token_ids) for i in range(len(prompts))]
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

@@ -284,7 +284,7 @@ def test_kept_quantized_over_two_ranks(tiny_model, tmp_path, fmt):
     each rank cuts the records to its shard -- FP8 blocks to one scale per row and
     32-column group of its rows, whole column groups of o/down and each expert's w2 -- and
     keeps its shard quantized; greedy tokens equal one rank's and the reference's."""
-    from tests.support.engine_helpers import random_prompts
+    from tests.support.engine_helpers import greedy_ids, random_prompts
 
     if fmt == "fp8_block_moe":
         src = tiny_model("mixtral")
@@ -296,14 +296,6 @@ def test_kept_quantized_over_two_ranks(tiny_model, tmp_path, fmt):
         path, dense = qf.write_gptq(src, tmp_path / "q", sym=False, act_order=True)
         ref = qf.reference_with_weights(src, dense)
     prompts = random_prompts(2, 5, 20, seed=21)
-
-    def greedy(engine):
-        try:
-            res = engine.generate([request(str(i), p, max_tokens=5, ignore_eos=True) for i, p in enumerate(prompts)])
-        finally:
-            engine.close()
-        return [res[str(i)][0].token_ids for i in range(len(prompts))]
-
     two = make_engine(path, tensor_parallel_size=2)
     layer = two.model.layers[0]
     if fmt == "fp8_block_moe":
@@ -312,8 +304,7 @@ def test_kept_quantized_over_two_ranks(tiny_model, tmp_path, fmt):
     else:  # act-order: q/k/v and gate/up (column-parallel) kept with their order, o/down dense
         assert isinstance(layer.qkv_weight, Int4Weight) and layer.qkv_weight.perm is not None
         assert isinstance(layer.o_weight, torch.Tensor)
-    got = greedy(two)
-    assert got == [qf.greedy(ref, p, 5) for p in prompts]
+    assert greedy_ids(two, prompts, 5, close=True) == [qf.greedy(ref, p, 5) for p in prompts]
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])

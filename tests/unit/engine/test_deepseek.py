@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from tests.support.engine_helpers import assert_routed_experts_equal_hf, make_engine, random_prompts, request
+from tests.support.engine_helpers import assert_routed_experts_equal_hf, greedy_ids, make_engine, random_prompts, request
 from tests.support.model_factory import load_hf_model
 from tests.unit.engine.test_model import ATOL, PagedSeqs, _tokens, hf_logits
 from worker.engine.loading.loader import load_model
@@ -255,8 +255,7 @@ def test_async_scheduling_equals_the_synchronous_step(tiny_model):
     prompts = [shared + p for p in random_prompts(4, 5, 30, seed=9)]
 
     def run(engine):
-        res = engine.generate([request(str(i), p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)])
-        return [list(res[str(i)][0].token_ids) for i in range(len(prompts))]
+        return greedy_ids(engine, prompts, 10)
 
     kw = dict(max_num_batched_tokens=16, num_kv_blocks=14, block_size=8, max_model_len=96)
     sync = run(make_engine(path, async_scheduling=False, **kw))

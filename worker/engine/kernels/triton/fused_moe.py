@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.engine.kernels.triton.quant_gemm import dequant_int4_tile
+
 
 # Triton's interpreter multiplies bf16 dot operands wrongly (numpy has no bf16): under
 # it the dots run on fp32 copies, as in attention.py; compiled kernels keep bf16 dots.
@@ -132,16 +134,9 @@ def _grouped_int4_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, weights_p
         # [K, N] tile: word k // 8 of the expert's row n, nibble k % 8
         words = tl.load(qw_ptr + expert * stride_qe + offs_n[None, :].to(tl.int64) * stride_qn + (ks // 8)[:, None],
                         mask=k_ok[:, None] & n_ok[None, :], other=0)
-        q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-        g = ks // GROUP
-        sc = tl.load(s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + g[:, None],
-                     mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + expert * stride_ze + offs_n[None, :].to(tl.int64) * stride_zn + g[:, None],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
-        else:
-            z = 8.0
-        w = (q - z) * sc
+        w = dequant_int4_tile(words, ks, s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn,
+                              z_ptr + expert * stride_ze + offs_n[None, :].to(tl.int64) * stride_zn,
+                              k_ok[:, None] & n_ok[None, :], GROUP, HAS_ZERO)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:

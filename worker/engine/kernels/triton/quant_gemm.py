@@ -148,6 +148,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @triton.jit
+def dequant_int4_tile(words, ks, s_ptrs, z_ptrs, mask, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """A ``[K, N]`` tile of int4 weights in fp32: nibble ``k % 8`` of each word, minus its
+    group's zero point (8 when symmetric), times its group's scale.  ``s_ptrs`` / ``z_ptrs``
+    point at each column's first group (``[1, N]``); the group of row k is ``k // GROUP``."""
+    q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    g = (ks // GROUP)[:, None]
+    s = tl.load(s_ptrs + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptrs + g, mask=mask, other=0).to(tl.float32)
+    else:
+        z = 8.0
+    return (q - z) * s
+
+
+@triton.jit
 def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
                       stride_xm, stride_qn, stride_sn, stride_zn, stride_om,
                       GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
@@ -168,16 +183,9 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
         # [K, N] tile: word k // 8 of row n, nibble k % 8
         words = tl.load(qw_ptr + offs_n[None, :].to(tl.int64) * stride_qn + (ks // 8)[:, None],
                         mask=k_ok[:, None] & n_ok[None, :], other=0)
-        q = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-        g = ks // GROUP
-        s = tl.load(s_ptr + offs_n[None, :].to(tl.int64) * stride_sn + g[:, None],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + offs_n[None, :].to(tl.int64) * stride_zn + g[:, None],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
-        else:
-            z = 8.0
-        w = (q - z) * s
+        w = dequant_int4_tile(words, ks, s_ptr + offs_n[None, :].to(tl.int64) * stride_sn,
+                              z_ptr + offs_n[None, :].to(tl.int64) * stride_zn, k_ok[:, None] & n_ok[None, :],
+                              GROUP, HAS_ZERO)
         if IEEE:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
