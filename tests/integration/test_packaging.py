@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.engine.kernels import _HEADERS, _SOURCES, kernel_module_name, load_cpu_kernels
+from worker.engine.kernels import HEADERS, SOURCES, kernel_module_name, load_cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "worker" / "engine" / "kernels"
@@ -37,7 +37,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_ships_kernel_sources_and_headers(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in _SOURCES + _HEADERS:
+    for f in SOURCES + HEADERS:
         assert f"worker/engine/kernels/{f}" in names, f
     assert "worker/engine/kernels/triton/attention.py" in names
     meta = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
@@ -104,8 +104,8 @@ def test_another_environment_gets_its_own_kernel_build(tmp_path, monkeypatch):
 def test_module_name_is_keyed_by_content_not_location(tmp_path):
     copy = tmp_path / "kernels"
     copy.mkdir()
-    for f in _SOURCES + _HEADERS:
+    for f in SOURCES + HEADERS:
         (copy / f).write_bytes((KERNELS / f).read_bytes())
     assert kernel_module_name(copy) == kernel_module_name(KERNELS)
-    (copy / _HEADERS[0]).write_bytes((KERNELS / _HEADERS[0]).read_bytes() + b"\n// edited\n")
+    (copy / HEADERS[0]).write_bytes((KERNELS / HEADERS[0]).read_bytes() + b"\n// edited\n")
     assert kernel_module_name(copy) != kernel_module_name(KERNELS)  # an edited header is a new build

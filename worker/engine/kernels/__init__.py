@@ -42,9 +42,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "bf16_gemm.cpp", "int4_gemm.cpp")
-_HEADERS = ("paged_cache.h", "vec_math.h", "fp8_storage.h")
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
+SOURCES = ("cpu_kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "bf16_gemm.cpp", "int4_gemm.cpp")
+HEADERS = ("paged_cache.h", "vec_math.h", "fp8_storage.h")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
 # torch's build lock is a bare file: a build killed mid-way (SIGKILL, Ctrl-C at the
 # wrong moment) leaves it behind and every later load would wait on it forever.  A
 # build takes 45 s to 3 minutes here, so a lock this old has no live owner.
@@ -70,7 +70,7 @@ def _source_tag(here: Path) -> str:
     """Hash of every kernel file: torch's own rebuild check hashes the sources but
     not the headers they include, so an edited header could load a stale build."""
     h = hashlib.sha1()
-    for f in _SOURCES + _HEADERS:
+    for f in SOURCES + HEADERS:
         h.update((here / f).read_bytes())
     return h.hexdigest()[:8]
 
@@ -84,7 +84,7 @@ def _toolchain_tag() -> str:
 
     parts = (torch.__version__, str(getattr(torch.version, "git_version", "")),
              os.path.dirname(os.path.abspath(torch.__file__)),
-             str(sysconfig.get_path("include", scheme="posix_prefix")), os.environ.get("CXX", "c++"), *_CFLAGS)
+             str(sysconfig.get_path("include", scheme="posix_prefix")), os.environ.get("CXX", "c++"), *CFLAGS)
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:8]
 
 
@@ -97,7 +97,7 @@ def stage_sources(here: Path, dest: Path) -> Path:
     """Copy the kernel files into ``dest`` (once per content: the module name already
     hashes it), atomically per file so concurrent loaders never see a partial one."""
     dest.mkdir(parents=True, exist_ok=True)
-    for f in _SOURCES + _HEADERS:
+    for f in SOURCES + HEADERS:
         data = (here / f).read_bytes()
         target = dest / f
         if target.is_file() and target.read_bytes() == data:
@@ -157,7 +157,7 @@ def _compile_and_load(here: Path, name: str) -> Any:
         log.warning("compiling the native CPU kernels into %s (%s)", build_dir, BUILD_HINT)
     src = stage_sources(here, build_dir / "src")
     started = time.monotonic()
-    module = load(name=name, sources=[str(src / s) for s in _SOURCES], extra_cflags=list(_CFLAGS), verbose=False)
+    module = load(name=name, sources=[str(src / s) for s in SOURCES], extra_cflags=list(CFLAGS), verbose=False)
     if time.monotonic() - started > 5:
         log.info("native CPU kernels ready (%.0f s)", time.monotonic() - started)
     write_stamp(Path(module.__file__))
