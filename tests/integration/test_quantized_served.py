@@ -1,5 +1,6 @@
 """Quantized checkpoints served by the real stack (broker, a `tokserve worker`, the
-gateway over HTTP): an AutoAWQ, a compressed-tensors int4 and a GPT-OSS MXFP4 checkpoint stream the
+gateway over HTTP): an AutoAWQ, a compressed-tensors int4, an FP8 (128x128-style blocks), an
+act-order GPTQ Mixtral (its experts int4 too) and a GPT-OSS MXFP4 checkpoint stream the
 greedy tokens HF transformers computes with their dequantized weights, and the worker
 says what it loaded and how it runs it (int4 kept int4 in memory on CPU)."""
 from __future__ import annotations
@@ -24,10 +25,18 @@ def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors", "fp8", "gptq_moe", "mxfp4"])
 def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
-    src = tiny_model("gpt_oss" if fmt == "mxfp4" else "llama")
-    if fmt == "mxfp4":  # GPT-OSS's released expert layout, dequantized on load
+    src = tiny_model({"mxfp4": "gpt_oss", "gptq_moe": "mixtral"}.get(fmt, "llama"))
+    if fmt == "fp8":  # dequantized at load on CPU (no FP8 dot products)
+        path = qf.write_fp8_block(src, tmp_path / "fp8")
+        ref = qf.load_dequantized_reference(path)
+        described = "fp8 (fp8 8-bit, block 32x32)"
+    elif fmt == "gptq_moe":
+        path, dense = qf.write_gptq(src, tmp_path / "gptq", sym=False, act_order=True)
+        ref = qf.reference_with_weights(src, dense)
+        described = "gptq (gptq 4-bit, group 32)"
+    elif fmt == "mxfp4":  # GPT-OSS's released expert layout, dequantized on load
         path, dense = qf.write_mxfp4(src, tmp_path / "mxfp4")
         ref = qf.reference_with_weights(src, dense)
         described = "mxfp4 (mxfp4 4-bit, group 32)"
@@ -57,7 +66,7 @@ def test_quantized_checkpoint_served_over_http(tiny_model, tmp_path, fmt):
         log = procs.tails()
     assert got == [_hf_greedy(ref, p, 10) for p in prompts]
     assert f"quantized checkpoint: {described}" in log, log[-3000:]
-    if fmt != "mxfp4":  # int4 checkpoints stay int4 in memory on CPU by default (the kernels are built here)
+    if fmt not in ("mxfp4", "fp8"):  # int4 checkpoints stay int4 in memory on CPU by default (kernels built here)
         assert "weight(s) (projections, expert stacks) kept quantized in memory (" in log and \
             "int4 layers kept int4 (CPU W4A16 GEMM)" in log, log[-3000:]
 
