@@ -202,7 +202,7 @@ def test_fp8_checkpoint_experts_kept_fp8(tiny_model, tmp_path, kind):
     and row, 32 x 32 blocks per block (activations per token and 32-column group) -- and
     match HF running the dequantized weights with each GEMM's input rounded the same way;
     an RL update re-quantizes the stacks per row."""
-    from worker.engine.quantization.kept import _unpack_stack
+    from worker.engine.quantization.kept_experts import unpack_experts
 
     src = tiny_model("mixtral")
     if kind == "tensor":
@@ -227,7 +227,7 @@ def test_fp8_checkpoint_experts_kept_fp8(tiny_model, tmp_path, kind):
     # an RL update: unpack gives the dense stack back (exactly), the pack after it re-quantizes per row
     scheme = model.packing
     dense = scheme.experts.unpack(moe.w13)
-    assert torch.equal(dense, _unpack_stack(moe.w13))
+    assert torch.equal(dense, unpack_experts(moe.w13))
     again = scheme.experts.pack(dense)
     assert isinstance(again, Fp8Weight) and again.scale.shape == (e, 2 * inter)
 

@@ -10,8 +10,8 @@ import torch
 from tests.support import quantized_factory as qf
 from tests.support.engine_helpers import make_engine
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
-from worker.engine.quantization.kept import (Fp8BlockWeight, Int4Weight, KeptQuantized, _unpack, keeps_quantized,
-                                             pack_nibbles)
+from worker.engine.quantization.kept import Fp8BlockWeight, Int4Weight, KeptQuantized, keeps_quantized
+from worker.engine.quantization.kept_forms import pack_nibbles, unpack_kept
 from worker.engine.quantization.dequant import dequant_float, unpack_int32
 from worker.engine.quantization.online_fp8 import Fp8Weight
 
@@ -65,7 +65,7 @@ def test_fp8_blocks_fused_exactly_aligned_or_not():
         # the checkpoint's FP8 bytes, bit for bit, though the dense copy was bf16
         want = torch.cat([q for q, _ in parts.values()])
         assert torch.equal(packed.q.view(torch.uint8), want.view(torch.uint8))
-        assert torch.equal(_unpack(packed), param)
+        assert torch.equal(unpack_kept(packed), param)
 
 
 def test_int4_recovered_exactly_and_requantized_after_an_update():
@@ -92,7 +92,7 @@ def test_int4_recovered_exactly_and_requantized_after_an_update():
     fresh.copy_(new)
     again = packs.pack(fresh)
     assert isinstance(again, Int4Weight)
-    err = (_unpack(again).float() - new.float()).abs()
+    err = (unpack_kept(again).float() - new.float()).abs()
     assert (err <= again.scale.repeat_interleave(group, 1) / 2 + 1e-2).all()  # round to nearest
 
 
@@ -120,10 +120,10 @@ def test_act_order_int4_kept_in_group_order_and_uneven_groups_dense():
     packed = kept.scheme().pack(param)
     assert isinstance(packed, Int4Weight) and packed.perm is not None
     assert torch.equal(g_idx.long()[packed.perm.long()], torch.arange(k) // group)
-    assert torch.equal(_unpack(packed), dense)
+    assert torch.equal(unpack_kept(packed), dense)
     x = torch.randn(3, k, generator=gen)
     # the GEMM's input permuted the same way gives x @ W.T (what _linear hands the kernel)
-    assert torch.allclose(x.index_select(1, packed.perm) @ _unpack(
+    assert torch.allclose(x.index_select(1, packed.perm) @ unpack_kept(
         Int4Weight(**{**vars(packed), "perm": None})).T, x @ dense.T, atol=1e-5)
 
     uneven = g_idx.clone()
@@ -188,8 +188,8 @@ def test_a_gpu_bound_model_stages_its_projections_in_host_memory(tiny_model, tmp
     ids = {id(w) for w in staged}
     assert all(p.device == target for p in model.parameters() if id(p) not in ids)  # norms, embeddings, routers
     # every projection and stack was quantized onto the device while loading, none waits for the end
-    assert len(kept._early) == len(staged) and not kept.records
-    assert all(w.q.device == target for w in kept._early.values())
+    assert len(kept.packed_while_loading) == len(staged) and not kept.records
+    assert all(w.q.device == target for w in kept.packed_while_loading)
     kept.bind(model)
     model.pack_linears(kept.scheme())
     kept.finish()

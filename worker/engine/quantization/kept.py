@@ -1,7 +1,9 @@
 """Checkpoint-quantized weights kept quantized in memory (issue 43): on CUDA FP8
-checkpoints on the Triton W8A8 GEMM, int4 ones (AWQ, GPTQ act-order included, compressed-tensors W4A16) on
-the Triton W4A16 GEMM (kernels/triton/quant_gemm.py); on CPU int4 ones on the C++ W4A16
-GEMM (below).
+checkpoints on the Triton W8A8 GEMM, int4 ones (AWQ, GPTQ act-order included,
+compressed-tensors W4A16) on the Triton W4A16 GEMM (kernels/triton/quant_gemm.py); on CPU
+int4 ones on the C++ W4A16 GEMM (below).  This module is the packing scheme and its
+bookkeeping; the kept weights' forms (records, quantizing, unpacking, the CUDA linear) are
+kept_forms.py, the MoE expert stacks kept_experts.py.
 
 How the quantized tensors get here.  The reader (reader.dequantize_stream) still hands
 the model dense weights -- each family's name mapping, q/k/v and gate/up fusing and
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -60,9 +61,14 @@ import torch.nn.functional as F
 from common.malloc_tuning import release_pages, trim_freed_memory
 from worker.engine.models.cpu_gemm import DENSE, PackedExperts, PackedLinears
 from worker.engine.quantization.config import CheckpointQuantization, WeightScheme
-from worker.engine.quantization.dequant import _AWQ_REVERSE, unpack_int32
-from worker.engine.quantization.int4_cpu import PackedInt4, dequantized, pack_int4
-from worker.engine.quantization.online_fp8 import FP8, FP8_MAX, Fp8Weight, quantize_rows, quantize_stack
+from worker.engine.quantization.kept_experts import Int4Experts, run_experts, stack_experts, unpack_experts
+from worker.engine.quantization.kept_forms import (CpuInt4Weight, Fp8BlockWeight, Int4Weight, ScaleRecord,
+                                                   cpu_int4_fits, fp8_from, int4_from, kept_linear, record_for,
+                                                   requantize_int4, unpack_kept, weight_bytes)
+from worker.engine.quantization.online_fp8 import Fp8Weight, quantize_rows, quantize_stack
+
+__all__ = ["INT4_METHODS", "FORCE_ENV", "keeps_quantized", "cpu_int4_kernels", "KeptQuantized", "CpuInt4Weight",
+           "Fp8BlockWeight", "Int4Weight", "Int4Experts", "weight_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -89,337 +95,6 @@ def cpu_int4_kernels(device: torch.device):
 
     kernels = load_cpu_kernels()
     return kernels if kernels is not None and hasattr(kernels, "int4_linear") else None
-
-
-@dataclass
-class ScaleRecord:
-    """What recovers a quantized layer's integers from its dense weight, per output row:
-    FP8: ``scale [rows]`` or ``[rows, K / group]``; int4: ``scale`` and ``zero``
-    (q units, 0..15) ``[rows, K / group]``."""
-
-    kind: str  # "fp8" | "int4"
-    scale: torch.Tensor
-    group: Optional[int] = None  # columns per scale (None: one scale per row)
-    zero: Optional[torch.Tensor] = None
-    block_rows: int = 1  # rows per scale row (FP8 blocks kept compact: scale [rows / block_rows, K / group])
-    # int4 act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): the input
-    # columns in group order (``argsort(g_idx)``).  The weight is kept with its columns in
-    # that order, so every group is contiguous again, and the GEMM reads ``x[..., perm]``:
-    # ``x @ W.T == x[:, perm] @ W[:, perm].T`` (Marlin's act-order does the same).
-    perm: Optional[torch.Tensor] = None
-    # FP8 with static activations: the checkpoint's calibrated input scale (a 0-dim fp32
-    # tensor); fused parts share the largest of theirs, as vLLM does.
-    input_scale: Optional[torch.Tensor] = None
-
-    def row_scales(self) -> torch.Tensor:
-        return self.scale.repeat_interleave(self.block_rows, 0) if self.block_rows > 1 else self.scale
-
-    def to(self, device: torch.device) -> "ScaleRecord":
-        def move(t):
-            return t.to(device) if t is not None else None
-
-        return ScaleRecord(self.kind, self.scale.to(device), self.group, move(self.zero), self.block_rows,
-                           move(self.perm), move(self.input_scale))
-
-
-@dataclass
-class Int4Weight:
-    """A projection weight kept as int4 (the layout int4_linear reads)."""
-
-    qweight: torch.Tensor  # [N, K / 8] int32, nibble k % 8 of word k // 8
-    scale: torch.Tensor  # [N, K / group] fp32
-    zero: Optional[torch.Tensor]  # [N, K / group] uint8 (0..15), None: 8 (symmetric)
-    group: int
-    dtype: torch.dtype
-    perm: Optional[torch.Tensor] = None  # act-order: input columns in group order (ScaleRecord.perm)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.qweight.shape[0], self.qweight.shape[1] * 8))
-
-
-@dataclass
-class CpuInt4Weight:
-    """A projection weight kept as int4 for the CPU W4A16 GEMM (int4_cpu's layout)."""
-
-    packed: PackedInt4
-    dtype: torch.dtype
-    perm: Optional[torch.Tensor] = None  # act-order: input columns in group order (ScaleRecord.perm)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.packed.out_features, self.packed.in_features))
-
-    def nbytes(self) -> int:
-        return self.packed.nbytes() + (self.perm.numel() * self.perm.element_size() if self.perm is not None else 0)
-
-
-@dataclass
-class Fp8BlockWeight:
-    """An FP8 weight with a scale per ``block`` (rows, columns): 128 x 128 checkpoints, or
-    (1, 128) where fused parts do not align to whole blocks."""
-
-    q: torch.Tensor
-    scale: torch.Tensor  # [N / block[0], K / block[1]] fp32
-    block: tuple[int, int]
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-
-def weight_bytes(w) -> int:
-    """Resident bytes of a (kept or dense) projection weight."""
-    if isinstance(w, torch.Tensor):
-        return w.numel() * w.element_size()
-    if hasattr(w, "nbytes"):
-        return w.nbytes()
-    return sum(t.numel() * t.element_size() for t in vars(w).values() if isinstance(t, torch.Tensor))
-
-
-# --- records from the checkpoint's parts ---------------------------------------------------
-def record_for(scheme: WeightScheme, parts: dict[str, torch.Tensor]) -> Optional[ScaleRecord]:
-    """The record of a quantized layer's ``parts`` (reader's names), or None where this
-    path does not keep it (int8, 8-bit GPTQ, act-order groups of uneven size: those load
-    dequantized)."""
-    if scheme.kind == "fp8":
-        scale = parts["scale"].float()
-        weight = parts["weight"]
-        if weight.dtype != FP8:
-            return None  # e5m2 / fnuz values do not all fit e4m3 at the same scale: dequantized
-        rows, cols = weight.shape
-        static = parts["input_scale"].float().max() if scheme.static_input else None
-        if scale.numel() == 1:
-            return ScaleRecord("fp8", scale.reshape(1).expand(rows).clone(), input_scale=static)
-        if scheme.strategy == "block" or (scale.dim() == 2 and scale.shape[1] > 1):
-            r, c = scheme.block or (128, 128)
-            return ScaleRecord("fp8", scale.contiguous(), group=c, block_rows=r)
-        return ScaleRecord("fp8", scale.reshape(rows), input_scale=static)
-    if scheme.kind == "awq" and scheme.num_bits == 4:
-        g = scheme.group_size or 128
-        out = parts["scales"].shape[1]
-        reorder = torch.tensor([8 * (c // 8) + _AWQ_REVERSE[c % 8] for c in range(out)])
-        zero = unpack_int32(parts["qzeros"], 4, out, dim=1)[:, reorder]
-        return ScaleRecord("int4", parts["scales"].float().t().contiguous(), g, zero.t().contiguous())
-    if scheme.kind == "gptq" and scheme.num_bits == 4 and scheme.group_size:
-        ok, perm = act_order(parts.get("g_idx"), scheme.group_size)
-        if not ok:
-            return None
-        out = parts["scales"].shape[1]
-        zero = (unpack_int32(parts["qzeros"], 4, out, dim=1) + scheme.zero_offset) & 0xF
-        return ScaleRecord("int4", parts["scales"].float().t().contiguous(), scheme.group_size, zero.t().contiguous(),
-                           perm=perm)
-    if scheme.kind == "packed" and scheme.num_bits == 4 and scheme.strategy == "group":
-        shape = tuple(int(v) for v in parts["weight_shape"].tolist())
-        scale = parts["weight_scale"].float()
-        zp = parts.get("weight_zero_point")
-        if zp is None or scheme.symmetric:
-            zero = torch.full(scale.shape, 8, dtype=torch.int32)
-        elif zp.dtype == torch.int32 and zp.shape[0] != shape[0]:
-            zero = unpack_int32(zp, 4, shape[0], dim=0)  # packed unsigned: already in q units
-        else:
-            zero = zp.to(torch.int32) + 8  # signed zero points: q is stored minus 8
-        group = scheme.group_size or shape[1]
-        ok, perm = act_order(parts.get("weight_g_idx"), group)
-        return ScaleRecord("int4", scale, group, zero, perm=perm) if ok else None
-    return None
-
-
-def act_order(g_idx: Optional[torch.Tensor], group: int) -> tuple[bool, Optional[torch.Tensor]]:
-    """(keepable, perm) for an int4 layer's ``g_idx`` (input column -> its group): perm
-    None where the groups are the columns in order (no act-order, or a trivial g_idx);
-    the stable ``argsort(g_idx)`` where sorting the columns makes every group ``group``
-    contiguous columns, as act-order quantization writes it (GPTQ quantizes the columns
-    in its own order and numbers the groups along it); not keepable otherwise (uneven
-    groups: that layer loads dequantized)."""
-    if g_idx is None:
-        return True, None
-    g = g_idx.long().reshape(-1)
-    ordered = torch.arange(g.numel()) // group
-    if torch.equal(g, ordered):
-        return True, None
-    perm = torch.argsort(g, stable=True)
-    if not torch.equal(g[perm], ordered):
-        return False, None
-    return True, perm.to(torch.int32)
-
-
-# --- quantizing a dense weight -------------------------------------------------------------
-def _fp8_from(w: torch.Tensor, rec: ScaleRecord):
-    if rec.group is None:
-        q = (w.float() / rec.scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return Fp8Weight(q, rec.scale.contiguous(), w.dtype, rec.input_scale)
-    s = rec.row_scales()[:w.shape[0]].repeat_interleave(rec.group, 1)[:, :w.shape[1]]
-    q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8BlockWeight(q, rec.scale.contiguous(), (rec.block_rows, rec.group), w.dtype)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, K]`` values 0..15 -> ``[N, K / 8]`` int32, value k at bits 4 * (k % 8)."""
-    n, k = q.shape
-    words = torch.zeros(n, k // 8, dtype=torch.int64, device=q.device)
-    for i in range(8):
-        words |= q[:, i::8].to(torch.int64) << (4 * i)
-    return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
-
-
-def chunk_rows(k: int, elements: int = 1 << 20) -> int:
-    """Rows per chunk when quantizing or packing a ``[rows, k]`` weight: about ``elements``
-    values at a time (a multiple of 8 rows: the CPU layout's column blocks), so the fp32 and
-    int64 temporaries (tens of bytes per value) stay a few tens of MB whatever the layer."""
-    return max(8, elements // max(k, 1) // 8 * 8)
-
-
-def _int4_from(w: torch.Tensor, rec: ScaleRecord, cpu: bool = False):
-    n, k = w.shape
-    q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
-    perm = rec.perm.to(w.device) if rec.perm is not None else None
-    step = chunk_rows(k)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        rows = w[r0:r1] if perm is None else w[r0:r1].index_select(1, perm)  # act-order: groups contiguous
-        s = rec.scale[r0:r1].repeat_interleave(rec.group, 1)[:, :k]
-        z = rec.zero[r0:r1].repeat_interleave(rec.group, 1)[:, :k].float()
-        q[r0:r1] = torch.round(rows.float() / s + z).clamp(0, 15).to(torch.uint8)
-    if cpu:  # the CPU kernel's layout (int4_cpu.pack_int4: nibble runs, zero points as bytes)
-        return CpuInt4Weight(pack_int4(q, rec.scale, rec.zero.float(), rec.group), w.dtype, perm)
-    # uint8 zero points: a quarter of int32's bytes (the kernel widens them per tile)
-    zero = None if bool((rec.zero == 8).all()) else rec.zero.to(torch.uint8).contiguous()
-    return Int4Weight(pack_nibbles(q), rec.scale.contiguous(), zero, rec.group, w.dtype, perm)
-
-
-def cpu_int4_fits(w: torch.Tensor, group: int) -> bool:
-    """Whether the CPU kernel takes this weight: whole groups of a multiple of 8 columns,
-    fp32 or bf16 activations (the model dtype)."""
-    return w.dim() == 2 and group % 8 == 0 and w.shape[1] % group == 0 and \
-        w.dtype in (torch.float32, torch.bfloat16)
-
-
-def _requantize_int4(w: torch.Tensor, group: int, cpu: bool = False):
-    """Round-to-nearest int4 with a zero point per ``group`` columns (an RL update)."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
-    zero = torch.round(-lo / scale).clamp(0, 15).to(torch.int32)
-    return _int4_from(w, ScaleRecord("int4", scale, group, zero), cpu)
-
-
-def _unpack(w) -> torch.Tensor:
-    if isinstance(w, (CpuInt4Weight, Int4Weight)) and w.perm is not None:
-        # act-order: the kept columns are in group order; put them back where x reads them
-        kept = _unpack(type(w)(**{**vars(w), "perm": None}))
-        dense = torch.empty_like(kept)
-        dense[:, w.perm.long()] = kept
-        return dense
-    if isinstance(w, CpuInt4Weight):
-        return dequantized(w.packed, w.dtype)
-    if isinstance(w, Fp8Weight):
-        return (w.q.float() * w.scale[:, None]).to(w.dtype)
-    if isinstance(w, Fp8BlockWeight):
-        r, c = w.block
-        s = w.scale.repeat_interleave(r, 0)[:w.q.shape[0]].repeat_interleave(c, 1)[:, :w.q.shape[1]]
-        return (w.q.float() * s).to(w.dtype)
-    n, k = w.shape
-    q = unpack_int32(w.qweight, 4, k, dim=1).float()
-    z = w.zero.float() if w.zero is not None else torch.full_like(w.scale, 8.0)
-    return ((q - z.repeat_interleave(w.group, 1)) * w.scale.repeat_interleave(w.group, 1)).to(w.dtype)
-
-
-def _linear(x: torch.Tensor, w, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if isinstance(w, torch.Tensor):  # a layer the checkpoint keeps dense
-        return F.linear(x, w, bias)
-    from worker.engine.kernels.triton.quant_gemm import fp8_linear, int4_linear
-
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    if getattr(w, "perm", None) is not None:  # act-order int4: the columns in the kept weight's order
-        x2 = x2.index_select(1, w.perm)
-    if isinstance(w, Fp8Weight):
-        out = fp8_linear(x2, w.q, w.scale, bias=bias, input_scale=w.input_scale)
-    elif isinstance(w, Fp8BlockWeight):
-        out = fp8_linear(x2, w.q, w.scale, block=w.block, bias=bias)
-    else:
-        out = int4_linear(x2, w.qweight, w.scale, w.zero, w.group, bias=bias)
-    return out.reshape(*shape[:-1], out.shape[-1])
-
-
-# --- MoE expert stacks (CUDA: the fused-MoE kernel's FP8 and int4 modes) ----------------------
-@dataclass
-class Int4Experts:
-    """An expert stack kept int4 on CUDA (the fused-MoE kernel's ``Int4Stack``)."""
-
-    stack: object  # kernels.triton.fused_moe.Int4Stack
-    dtype: torch.dtype
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self.stack).values() if isinstance(t, torch.Tensor))
-
-
-def _stacked(per_expert: list):
-    """One expert weight per expert (all of one kind and layout) as a kept stack, None where
-    their layouts differ (the stack then stays dense)."""
-    first = per_expert[0]
-    if any(type(w) is not type(first) for w in per_expert):
-        return None
-    if isinstance(first, Fp8Weight):
-        return Fp8Weight(torch.stack([w.q for w in per_expert]), torch.stack([w.scale for w in per_expert]),
-                         first.dtype)
-    if isinstance(first, Fp8BlockWeight):
-        if any(w.block != first.block or w.scale.shape != first.scale.shape for w in per_expert):
-            return None
-        return Fp8BlockWeight(torch.stack([w.q for w in per_expert]), torch.stack([w.scale for w in per_expert]),
-                              first.block, first.dtype)
-    from worker.engine.kernels.triton.fused_moe import Int4Stack
-
-    if any(w.group != first.group for w in per_expert):
-        return None
-    zeros = None
-    if any(w.zero is not None for w in per_expert):  # symmetric experts beside asymmetric ones: zero 8
-        zeros = torch.stack([w.zero if w.zero is not None else torch.full_like(w.scale, 8, dtype=torch.uint8)
-                             for w in per_expert])
-    perm = None
-    if any(w.perm is not None for w in per_expert):  # experts in place beside act-order ones: identity
-        k = first.shape[1]
-        perm = torch.stack([w.perm if w.perm is not None else torch.arange(k, dtype=torch.int32, device=w.scale.device)
-                            for w in per_expert])
-    stack = Int4Stack(torch.stack([w.qweight for w in per_expert]), torch.stack([w.scale for w in per_expert]),
-                      zeros, first.group, perm)
-    return Int4Experts(stack, first.dtype)
-
-
-def _unpack_stack(w) -> torch.Tensor:
-    if isinstance(w, Int4Experts):
-        st = w.stack
-        return torch.stack([_unpack(Int4Weight(st.qweight[e], st.scale[e], st.zero[e] if st.zero is not None else None,
-                                               st.group, w.dtype, st.perm[e] if st.perm is not None else None))
-                            for e in range(st.qweight.shape[0])])
-    if isinstance(w, Fp8Weight):
-        return (w.q.float() * w.scale[..., None]).to(w.dtype)
-    r, c = w.block
-    e, n, k = w.q.shape
-    s = w.scale.repeat_interleave(r, 1)[:, :n].repeat_interleave(c, 2)[:, :, :k]
-    return (w.q.float() * s).to(w.dtype)
-
-
-def _run_experts(x, w13, w2, topk_weights, topk_ids, act):
-    """The routed experts over stacks kept FP8 (per channel or in blocks), int4, or dense
-    (a stack the checkpoint or this path leaves dense), each on its own: the fused-MoE kernel."""
-    from worker.engine.kernels.triton.fused_moe import Fp8Stack, fused_experts
-
-    def operand(w):
-        if isinstance(w, Fp8Weight):
-            return Fp8Stack(w.q, w.scale)
-        if isinstance(w, Fp8BlockWeight):
-            return Fp8Stack(w.q, w.scale, w.block)
-        return w.stack if isinstance(w, Int4Experts) else w
-
-    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and not x.is_cuda:
-        from worker.engine.models.moe import fused_experts_torch  # CPU tensors (tests): no kernel for dense stacks
-
-        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, act)
-    return fused_experts(x, operand(w13), operand(w2), topk_weights, topk_ids, act)
 
 
 # --- the scheme ----------------------------------------------------------------------------
@@ -542,6 +217,12 @@ class KeptQuantized:
             # or the load still peaks at several times the packed model.
             trim_freed_memory()
 
+    @property
+    def packed_while_loading(self) -> list:
+        """The weights ``filled`` has packed so far, not yet handed to ``pack`` (each
+        projection and expert stack, as soon as the loader filled it)."""
+        return list(self._early.values())
+
     def bind(self, model) -> None:
         """Map each record ``filled`` did not already pack to the rows of the parameter its
         dense weight was copied into."""
@@ -657,7 +338,7 @@ class KeptQuantized:
                 q, scale = quantize_rows(w)
                 return Fp8Weight(q, scale, w.dtype, self._static_inputs.pop(key, None))
             kind, group = again.split(":")
-            return _requantize_int4(w, int(group), cpu=self.cpu_kernels is not None)
+            return requantize_int4(w, int(group), cpu=self.cpu_kernels is not None)
         early = self._early.pop(w.untyped_storage()._cdata, None)
         if early is not None:
             return early
@@ -677,8 +358,8 @@ class KeptQuantized:
         w = self._on_device(w)  # staged in host memory: quantized where it runs
         rec = rec.to(w.device)
         if rec.kind == "fp8":
-            return _fp8_from(w, rec)
-        return _int4_from(w, rec, cpu=self.cpu_kernels is not None)
+            return fp8_from(w, rec)
+        return int4_from(w, rec, cpu=self.cpu_kernels is not None)
 
     def _on_device(self, w: torch.Tensor) -> torch.Tensor:
         return w if self.device is None or w.device == self.device else w.to(self.device)
@@ -698,7 +379,7 @@ class KeptQuantized:
             kind = f"int4:{w.packed.group}"
         else:  # a layer kept dense (packed by inner)
             return inner.unpack(w)
-        dense = _unpack(w)
+        dense = unpack_kept(w)
         self._requant[dense.untyped_storage().data_ptr()] = kind
         if getattr(w, "input_scale", None) is not None:
             self._static_inputs[dense.untyped_storage().data_ptr()] = w.input_scale
@@ -711,9 +392,9 @@ class KeptQuantized:
         if self.cpu_kernels is None:
             what = " and ".join(sorted({"fp8": "FP8 W8A8", "int4": "int4 W4A16"}[k] for k in self.kinds)) or "none"
             # Expert stacks go through the fused-MoE kernel: kept FP8 or int4 where the records cover them.
-            return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, _linear,
+            return PackedLinears(f"{self.quant.method} kept quantized (Triton {what})", self.pack, kept_linear,
                                  self.unpack, head=DENSE, packs_experts=True,
-                                 experts=PackedExperts(self.pack_stack, _run_experts, self.unpack_stack))
+                                 experts=PackedExperts(self.pack_stack, run_experts, self.unpack_stack))
         return _cpu_scheme(self, inner or DENSE)
 
     def pack_stack(self, stack: torch.Tensor):
@@ -728,15 +409,15 @@ class KeptQuantized:
             return quantize_stack(stack)  # an RL update: one scale per expert and row, as online FP8
         if again is not None:  # int4: round to nearest per group, expert by expert
             group = int(again.split(":")[1])
-            return _stacked([_requantize_int4(stack[e], group) for e in range(stack.shape[0])])
+            return stack_experts([requantize_int4(stack[e], group) for e in range(stack.shape[0])])
         recs = self._per_expert(stack)
         if recs is None or len({r.kind for r in recs}) != 1:
             return self._on_device(stack)
         # expert by expert, each moved where it runs first (staged stacks sit in host memory)
-        per_expert = [_fp8_from(self._on_device(stack[e]), r.to(self.device or stack.device)) if r.kind == "fp8"
-                      else _int4_from(self._on_device(stack[e]), r.to(self.device or stack.device))
+        per_expert = [fp8_from(self._on_device(stack[e]), r.to(self.device or stack.device)) if r.kind == "fp8"
+                      else int4_from(self._on_device(stack[e]), r.to(self.device or stack.device))
                       for e, r in enumerate(recs)]
-        kept = _stacked(per_expert)
+        kept = stack_experts(per_expert)
         if kept is None:
             log.info("an expert stack %s stays dense (its experts' quantization layouts differ)", tuple(stack.shape))
             return self._on_device(stack)
@@ -746,7 +427,7 @@ class KeptQuantized:
     def unpack_stack(self, w) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
             return w
-        dense = _unpack_stack(w)
+        dense = unpack_experts(w)
         self._requant[dense.untyped_storage().data_ptr()] = \
             f"int4:{w.stack.group}" if isinstance(w, Int4Experts) else "fp8"
         return dense
@@ -761,15 +442,15 @@ class KeptQuantized:
         again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
         if again is not None:  # an RL update: round to nearest per group, expert by expert
             group = int(again.split(":")[1])
-            return [_requantize_int4(stack[e], group, cpu=True) for e in range(stack.shape[0])]
+            return [requantize_int4(stack[e], group, cpu=True) for e in range(stack.shape[0])]
         recs = self._per_expert(stack)
         if recs is None or any(r.kind != "int4" or not cpu_int4_fits(stack[0], r.group) for r in recs):
             return None
         self.kept += 1
-        return [_int4_from(stack[e], r, cpu=True) for e, r in enumerate(recs)]
+        return [int4_from(stack[e], r, cpu=True) for e, r in enumerate(recs)]
 
     def unpack_int4_stack(self, ws: list) -> torch.Tensor:
-        dense = torch.stack([_unpack(w) for w in ws])
+        dense = torch.stack([unpack_kept(w) for w in ws])
         self._requant[dense.untyped_storage().data_ptr()] = f"int4:{ws[0].packed.group}"
         return dense
 
