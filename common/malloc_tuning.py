@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import threading
@@ -58,14 +59,28 @@ MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for the threshold on 64-bit
 TRIM_THRESHOLD = (1 << 31) - 1
 
 
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str, argtypes: tuple, restype):
+    """The C library's ``name`` with its signature set, None where it has none (musl,
+    macOS); looked up once: ``find_library`` runs ``ldconfig``, about 2 ms a call."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+def _mallopt():
+    return _libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc malloc as above; False (and nothing changed) where the C library
     has no mallopt or refuses (musl, macOS)."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     log.debug("malloc tuning %s", "applied" if ok else "refused")
     return ok
@@ -77,12 +92,8 @@ GATEWAY_MMAP_THRESHOLD = 256 << 10
 def return_large_allocations(threshold: int = GATEWAY_MMAP_THRESHOLD) -> bool:
     """Allocations of ``threshold`` bytes or more get their own mapping, unmapped on free
     (and glibc stops moving the threshold).  False where mallopt is missing or refuses."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    mallopt = _mallopt()
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
 _PAGE = mmap.PAGESIZE
@@ -92,11 +103,9 @@ MADV_DONTNEED = 4  # Linux's value (sys/mman.h)
 def release_pages(t) -> int:
     """``madvise(MADV_DONTNEED)`` on the whole pages inside CPU tensor ``t``'s bytes (its
     contents become zeros); the bytes released, 0 where the C library has no madvise."""
-    try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").madvise
-    except (OSError, AttributeError):
+    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
+    if madvise is None:
         return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     start = t.data_ptr()
     first = -(-start // _PAGE) * _PAGE  # only pages wholly inside: the allocator's headers stay
     last = (start + t.numel() * t.element_size()) // _PAGE * _PAGE
@@ -105,20 +114,11 @@ def release_pages(t) -> int:
     return last - first
 
 
-_trim = None
 _trim_lock = threading.Lock()
 
 
 def _malloc_trim():
-    global _trim
-    if _trim is None:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):  # not glibc: nothing to trim with
-            fn = False
-        _trim = fn
-    return _trim
+    return _libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)  # None: not glibc, nothing to trim with
 
 
 def can_trim() -> bool:
