@@ -29,6 +29,13 @@ class PackedInt4:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
 
 
+def chunk_rows(k: int, elements: int = 1 << 20) -> int:
+    """Rows per chunk when quantizing or packing a ``[rows, k]`` weight: about ``elements``
+    values at a time (a multiple of 8 rows: the CPU layout's column blocks), so the fp32 and
+    int64 temporaries (tens of bytes per value) stay a few tens of MB whatever the layer."""
+    return max(8, elements // max(k, 1) // 8 * 8)
+
+
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> PackedInt4:
     n, k = q.shape
     if k % group or scales.shape != (n, k // group) or zeros.shape != scales.shape:
@@ -45,7 +52,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group:
     packed = torch.empty(nb, k, dtype=torch.int32)
     # A few thousand rows at a time: the int64 temporaries are ~30 bytes per value, which for
     # a whole 11008 x 4096 layer would be GBs at load.
-    step = max(1, (1 << 17) // max(k, 1))  # blocks of 8 rows per chunk (~1M values)
+    step = chunk_rows(k) // 8  # blocks of 8 rows per chunk
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
         # [blocks, 8 columns j, k / 8 runs, 8 nibbles i] -> words [blocks, k / 8, j]

@@ -57,17 +57,13 @@ def stack_experts(per_expert: list):
 
 
 def unpack_experts(w) -> torch.Tensor:
+    """The dense stack ``[E, N, K]`` a kept one holds."""
     if isinstance(w, Int4Experts):
         st = w.stack
         return torch.stack([unpack_kept(Int4Weight(st.qweight[e], st.scale[e], st.zero[e] if st.zero is not None else None,
-                                               st.group, w.dtype, st.perm[e] if st.perm is not None else None))
+                                                   st.group, w.dtype, st.perm[e] if st.perm is not None else None))
                             for e in range(st.qweight.shape[0])])
-    if isinstance(w, Fp8Weight):
-        return (w.q.float() * w.scale[..., None]).to(w.dtype)
-    r, c = w.block
-    e, n, k = w.q.shape
-    s = w.scale.repeat_interleave(r, 1)[:, :n].repeat_interleave(c, 2)[:, :, :k]
-    return (w.q.float() * s).to(w.dtype)
+    return unpack_kept(w)  # FP8 stacks unpack as FP8 weights do
 
 
 def run_experts(x, w13, w2, topk_weights, topk_ids, act):

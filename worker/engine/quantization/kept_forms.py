@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from worker.engine.quantization.config import WeightScheme
 from worker.engine.quantization.dequant import _AWQ_REVERSE, unpack_int32
-from worker.engine.quantization.int4_cpu import PackedInt4, dequantized, pack_int4
+from worker.engine.quantization.int4_cpu import PackedInt4, chunk_rows, dequantized, pack_int4
 from worker.engine.quantization.online_fp8 import FP8, FP8_MAX, Fp8Weight
 
 
@@ -190,13 +190,6 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
 
 
-def chunk_rows(k: int, elements: int = 1 << 20) -> int:
-    """Rows per chunk when quantizing or packing a ``[rows, k]`` weight: about ``elements``
-    values at a time (a multiple of 8 rows: the CPU layout's column blocks), so the fp32 and
-    int64 temporaries (tens of bytes per value) stay a few tens of MB whatever the layer."""
-    return max(8, elements // max(k, 1) // 8 * 8)
-
-
 def int4_from(w: torch.Tensor, rec: ScaleRecord, cpu: bool = False):
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
@@ -233,6 +226,7 @@ def requantize_int4(w: torch.Tensor, group: int, cpu: bool = False):
 
 
 def unpack_kept(w) -> torch.Tensor:
+    """The dense weight a kept one holds (FP8 ones also as expert stacks ``[E, N, K]``)."""
     if isinstance(w, (CpuInt4Weight, Int4Weight)) and w.perm is not None:
         # act-order: the kept columns are in group order; put them back where x reads them
         kept = unpack_kept(type(w)(**{**vars(w), "perm": None}))
@@ -241,11 +235,12 @@ def unpack_kept(w) -> torch.Tensor:
         return dense
     if isinstance(w, CpuInt4Weight):
         return dequantized(w.packed, w.dtype)
-    if isinstance(w, Fp8Weight):
-        return (w.q.float() * w.scale[:, None]).to(w.dtype)
+    if isinstance(w, Fp8Weight):  # one scale per (expert and) row
+        return (w.q.float() * w.scale[..., None]).to(w.dtype)
     if isinstance(w, Fp8BlockWeight):
         r, c = w.block
-        s = w.scale.repeat_interleave(r, 0)[:w.q.shape[0]].repeat_interleave(c, 1)[:, :w.q.shape[1]]
+        n, k = w.q.shape[-2:]
+        s = w.scale.repeat_interleave(r, -2)[..., :n, :].repeat_interleave(c, -1)[..., :k]
         return (w.q.float() * s).to(w.dtype)
     n, k = w.shape
     q = unpack_int32(w.qweight, 4, k, dim=1).float()
