@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -98,6 +99,17 @@ def cpu_int4_kernels(device: torch.device):
 
 
 # --- the scheme ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Requantize:
+    """How a weight an RL update unpacked is quantized again when packed: FP8 one scale per
+    row (keeping a static input scale: the update sends none, the calibrated input range
+    is the checkpoint's, as in vLLM), or int4 round-to-nearest per ``group`` columns."""
+
+    kind: str  # "fp8" | "int4"
+    group: Optional[int] = None
+    input_scale: Optional[torch.Tensor] = None
+
+
 class KeptQuantized:
     """Collects the reader's records (``keep``), binds them to the model's parameters
     (``bind``) and is the packing scheme (``scheme``) that keeps them quantized."""
@@ -115,8 +127,7 @@ class KeptQuantized:
         self.records: dict[str, ScaleRecord] = {}  # checkpoint layer name -> record
         self.refused: dict[str, str] = {}  # layer -> why it loads dense
         self._bound: dict[int, list[tuple[int, int, ScaleRecord]]] = {}  # storage ptr -> (row, rows, record)
-        self._requant: dict[int, str] = {}  # storage ptr of unpacked weights -> their kind (re-quantize on pack)
-        self._static_inputs: dict[int, torch.Tensor] = {}  # storage ptr of unpacked weights -> static input scale
+        self._requant: dict[int, _Requantize] = {}  # storage ptr of weights an update unpacked -> how to pack them
         self.kept = 0
         self.kinds: set[str] = set()
         # Packed while loading (CPU, ``filled``): storage identity -> the kept weight ``pack`` returns.
@@ -329,16 +340,12 @@ class KeptQuantized:
 
     def pack(self, w: torch.Tensor, inner: PackedLinears = DENSE):
         """``w`` kept quantized where a record covers it, else packed by ``inner``."""
-        key = w.untyped_storage().data_ptr()
-        again = self._requant.pop(key, None)
+        again = self._requant.pop(w.untyped_storage().data_ptr(), None)
         if again is not None:  # an RL update wrote new dense weights: quantize them afresh
-            if again == "fp8":
-                # the weights are the trainer's, the input's calibrated range the checkpoint's:
-                # a static input scale stays (the update sends none), as in vLLM
+            if again.kind == "fp8":
                 q, scale = quantize_rows(w)
-                return Fp8Weight(q, scale, w.dtype, self._static_inputs.pop(key, None))
-            kind, group = again.split(":")
-            return requantize_int4(w, int(group), cpu=self.cpu_kernels is not None)
+                return Fp8Weight(q, scale, w.dtype, again.input_scale)
+            return requantize_int4(w, again.group, cpu=self.cpu_kernels is not None)
         early = self._early.pop(w.untyped_storage()._cdata, None)
         if early is not None:
             return early
@@ -355,11 +362,19 @@ class KeptQuantized:
         if rec is None:
             return None
         self.kept += 1
-        w = self._on_device(w)  # staged in host memory: quantized where it runs
+        return self._quantize(w, rec)
+
+    def _quantize(self, w: torch.Tensor, rec: ScaleRecord):
+        """``w`` quantized as ``rec`` says, where the model runs (a weight staged in host
+        memory moves there first)."""
+        w = self._on_device(w)
         rec = rec.to(w.device)
-        if rec.kind == "fp8":
-            return fp8_from(w, rec)
-        return int4_from(w, rec, cpu=self.cpu_kernels is not None)
+        return fp8_from(w, rec) if rec.kind == "fp8" else int4_from(w, rec, cpu=self.cpu_kernels is not None)
+
+    def _unpacked(self, dense: torch.Tensor, again: _Requantize) -> torch.Tensor:
+        """``dense`` (a weight an update unpacked) remembered for re-quantization on pack."""
+        self._requant[dense.untyped_storage().data_ptr()] = again
+        return dense
 
     def _on_device(self, w: torch.Tensor) -> torch.Tensor:
         return w if self.device is None or w.device == self.device else w.to(self.device)
@@ -372,18 +387,14 @@ class KeptQuantized:
 
     def unpack(self, w, inner: PackedLinears = DENSE):
         if isinstance(w, (Fp8Weight, Fp8BlockWeight)):
-            kind = "fp8"
+            again = _Requantize("fp8", input_scale=getattr(w, "input_scale", None))
         elif isinstance(w, Int4Weight):
-            kind = f"int4:{w.group}"
+            again = _Requantize("int4", w.group)
         elif isinstance(w, CpuInt4Weight):
-            kind = f"int4:{w.packed.group}"
+            again = _Requantize("int4", w.packed.group)
         else:  # a layer kept dense (packed by inner)
             return inner.unpack(w)
-        dense = unpack_kept(w)
-        self._requant[dense.untyped_storage().data_ptr()] = kind
-        if getattr(w, "input_scale", None) is not None:
-            self._static_inputs[dense.untyped_storage().data_ptr()] = w.input_scale
-        return dense
+        return self._unpacked(unpack_kept(w), again)
 
     def scheme(self, inner: Optional[PackedLinears] = None) -> PackedLinears:
         """The packing scheme.  On CPU (``cpu_kernels``) the layers not kept int4, the LM
@@ -405,19 +416,15 @@ class KeptQuantized:
         if early is not None:
             return early
         again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
-        if again == "fp8":
+        if again is not None and again.kind == "fp8":
             return quantize_stack(stack)  # an RL update: one scale per expert and row, as online FP8
         if again is not None:  # int4: round to nearest per group, expert by expert
-            group = int(again.split(":")[1])
-            return stack_experts([requantize_int4(stack[e], group) for e in range(stack.shape[0])])
+            return stack_experts([requantize_int4(stack[e], again.group) for e in range(stack.shape[0])])
         recs = self._per_expert(stack)
         if recs is None or len({r.kind for r in recs}) != 1:
             return self._on_device(stack)
         # expert by expert, each moved where it runs first (staged stacks sit in host memory)
-        per_expert = [fp8_from(self._on_device(stack[e]), r.to(self.device or stack.device)) if r.kind == "fp8"
-                      else int4_from(self._on_device(stack[e]), r.to(self.device or stack.device))
-                      for e, r in enumerate(recs)]
-        kept = stack_experts(per_expert)
+        kept = stack_experts([self._quantize(stack[e], r) for e, r in enumerate(recs)])
         if kept is None:
             log.info("an expert stack %s stays dense (its experts' quantization layouts differ)", tuple(stack.shape))
             return self._on_device(stack)
@@ -427,10 +434,8 @@ class KeptQuantized:
     def unpack_stack(self, w) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
             return w
-        dense = unpack_experts(w)
-        self._requant[dense.untyped_storage().data_ptr()] = \
-            f"int4:{w.stack.group}" if isinstance(w, Int4Experts) else "fp8"
-        return dense
+        return self._unpacked(unpack_experts(w), _Requantize("int4", w.stack.group) if isinstance(w, Int4Experts)
+                              else _Requantize("fp8"))
 
     def pack_int4_stack(self, stack: torch.Tensor) -> Optional[list]:
         """CPU: an expert stack ``[E, N, K]`` as one int4 weight per expert where int4
@@ -441,18 +446,15 @@ class KeptQuantized:
             return early
         again = self._requant.pop(stack.untyped_storage().data_ptr(), None)
         if again is not None:  # an RL update: round to nearest per group, expert by expert
-            group = int(again.split(":")[1])
-            return [requantize_int4(stack[e], group, cpu=True) for e in range(stack.shape[0])]
+            return [requantize_int4(stack[e], again.group, cpu=True) for e in range(stack.shape[0])]
         recs = self._per_expert(stack)
         if recs is None or any(r.kind != "int4" or not cpu_int4_fits(stack[0], r.group) for r in recs):
             return None
         self.kept += 1
-        return [int4_from(stack[e], r, cpu=True) for e, r in enumerate(recs)]
+        return [self._quantize(stack[e], r) for e, r in enumerate(recs)]
 
     def unpack_int4_stack(self, ws: list) -> torch.Tensor:
-        dense = torch.stack([unpack_kept(w) for w in ws])
-        self._requant[dense.untyped_storage().data_ptr()] = f"int4:{ws[0].packed.group}"
-        return dense
+        return self._unpacked(torch.stack([unpack_kept(w) for w in ws]), _Requantize("int4", ws[0].packed.group))
 
 
 def _cpu_scheme(kept: KeptQuantized, inner: PackedLinears) -> PackedLinears:
