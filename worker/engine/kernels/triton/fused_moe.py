@@ -46,6 +46,28 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _pair_rows(sorted_ids_ptr, block_expert_ptr, pid_m, num_pairs, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's ``BLOCK_M`` slice of one expert's (token, k) pairs: the pairs (padding
+    slots hold ``num_pairs``), which are real, the expert, and each pair's input row (the
+    first GEMM reads the token's row, the second the pair's)."""
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return pair, row_ok, expert, (pair // A_ROW_DIV).to(tl.int64)
+
+
+@triton.jit
+def _store_pairs(c_ptr, acc, pair, row_ok, offs_n, n_ok, weights_ptr, stride_cm, stride_cn,
+                 MUL_WEIGHT: tl.constexpr):
+    """The pairs' output rows, times their routing weights for the second GEMM."""
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                          N, K, num_pairs, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          a_scale_ptr, b_scale_ptr, stride_bse, stride_asm, stride_bsn,
@@ -59,11 +81,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block
     pid_n = pid % num_pid_n
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # grid is sized for the worst case
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # padding slots hold num_pairs
-    row_ok = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    a_row = (pair // A_ROW_DIV).to(tl.int64)  # first GEMM reads the token's row, the second the pair's
+    pair, row_ok, expert, a_row = _pair_rows(sorted_ids_ptr, block_expert_ptr, pid_m, num_pairs, A_ROW_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -92,11 +110,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block
         sa = tl.load(a_scale_ptr + a_row, mask=row_ok, other=0.0)
         sb = tl.load(b_scale_ptr + expert * stride_bse + offs_n, mask=n_ok, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _store_pairs(c_ptr, acc, pair, row_ok, offs_n, n_ok, weights_ptr, stride_cm, stride_cn, MUL_WEIGHT)
 
 
 @triton.jit
@@ -113,11 +127,7 @@ def _grouped_int4_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, weights_p
     pid_n = pid % num_pid_n
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    pair, row_ok, expert, a_row = _pair_rows(sorted_ids_ptr, block_expert_ptr, pid_m, num_pairs, A_ROW_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -141,11 +151,7 @@ def _grouped_int4_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, weights_p
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(a, w.to(a.dtype))
-    if MUL_WEIGHT:
-        wt = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * wt[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _store_pairs(c_ptr, acc, pair, row_ok, offs_n, n_ok, weights_ptr, stride_cm, 1, MUL_WEIGHT)
 
 
 @dataclass
@@ -156,6 +162,10 @@ class Fp8Stack:
     q: torch.Tensor
     scale: torch.Tensor
     block: Optional[tuple[int, int]] = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 @dataclass
@@ -270,12 +280,10 @@ def fused_experts(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_w
     out = x.new_empty((t, x.shape[1]))
     if t == 0:
         return out
-    num_experts = w13.shape[0] if isinstance(w13, (torch.Tensor, Int4Stack)) else w13.q.shape[0]
-    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, num_experts, _tiles(1, 1)[0])
+    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, w13.shape[0], _tiles(1, 1)[0])
 
     def gemm(a, w, pairs_per_row, **kw):
-        rows = (w if isinstance(w, (torch.Tensor, Int4Stack)) else w.q).shape[1]
-        dst = x.new_empty((num_pairs, rows))
+        dst = x.new_empty((num_pairs, w.shape[1]))
         if isinstance(w, Int4Stack):
             return grouped_gemm_int4(a.contiguous(), w, dst, sorted_ids, block_expert, num_padded, num_pairs,
                                      pairs_per_row, **kw)
