@@ -277,15 +277,13 @@ class KeptQuantized:
         parts.sort(key=lambda p: p[0])
         e, n, _ = stack.shape
         base = stack.storage_offset() // stack.stride(1)
-        recs = []
-        for x in range(e):
-            lo = base + x * n
-            mine = [p for p in parts if lo <= p[0] < lo + n]
-            rec = self._merged(stack[x], mine, lo) if mine else None
-            if rec is None:
-                return None
-            recs.append(rec)
-        return recs
+        mine: list[list] = [[] for _ in range(e)]  # one pass: a stack can hold hundreds of experts
+        for part in parts:
+            x = (part[0] - base) // n
+            if 0 <= x < e:
+                mine[x].append(part)
+        recs = [self._merged(stack[x], mine[x], base + x * n) if mine[x] else None for x in range(e)]
+        return None if any(r is None for r in recs) else recs
 
     def _merged(self, w: torch.Tensor, parts: list, base: int) -> Optional[ScaleRecord]:
         """The parts' records (sorted by row, from row ``base``) merged into one covering
